@@ -1,0 +1,527 @@
+"""Tests for vlm_pack.packing: exactness against plain reference packers, budgets, no sample lost,
+resumable streaming, DP balancing, and error messages."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vlm_pack.packing import (
+    PackResult,
+    StreamPacker,
+    Unpacked,
+    balance_bins,
+    bin_costs,
+    pack,
+    partition_imbalance,
+)
+
+settings.register_profile(
+    "packing", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+FAST = settings.get_profile("packing")
+
+
+# ----------------------------------------------------------------------------- plain references
+# O(n * bins) Python, written from the definitions in the module docstring.
+
+
+def ref_pack(lengths, capacity, strategy, vision=None, vcap=None, max_n=None):
+    n = len(lengths)
+    vis = vision if vision is not None else [0] * n
+    vcap = vcap if vcap is not None else math.inf
+    max_n = max_n if max_n is not None else math.inf
+    if strategy in ("bfd", "ffd"):
+        order = sorted(range(n), key=lambda i: (-lengths[i], -vis[i], i))
+    else:
+        order = list(range(n))
+    free, vfree, bins, mtime = [], [], [], []
+    for t, i in enumerate(order):
+        L, v = lengths[i], vis[i]
+
+        def fits(b, L=L, v=v):
+            return free[b] >= L and vfree[b] >= v and len(bins[b]) < max_n
+
+        if strategy == "nf":
+            cands = [len(bins) - 1] if bins and fits(len(bins) - 1) else []
+        else:
+            cands = [b for b in range(len(bins)) if fits(b)]
+        if not cands:
+            free.append(capacity)
+            vfree.append(vcap)
+            bins.append([])
+            mtime.append(-1)
+            b = len(bins) - 1
+        elif strategy == "bfd":
+            b = min(cands, key=lambda b: (free[b], -mtime[b]))
+        else:
+            b = cands[0]
+        free[b] -= L
+        vfree[b] -= v
+        bins[b].append(i)
+        mtime[b] = t
+    return bins
+
+
+def ref_stream(samples, capacity, buffer_size, min_fill_ratio, max_n=None, vcap=None):
+    """Reference streaming packer: lists scanned linearly, same rules as StreamPacker."""
+    thr = math.ceil(round(min_fill_ratio * capacity, 9))
+    max_n = max_n or math.inf
+    vcap = vcap if vcap is not None else math.inf
+    open_bins = []  # dicts: keys, lengths, total, vtotal, mtime
+    out = []
+    for clock, (key, L, v) in enumerate(samples, start=1):
+        cands = [b for b in open_bins if capacity - b["total"] >= L and b["vtotal"] + v <= vcap]
+        if cands:
+            b = min(cands, key=lambda b: (capacity - b["total"], -b["mtime"]))
+            open_bins.remove(b)
+        else:
+            if thr <= L or max_n == 1 or capacity == L:
+                out.append([key])
+                continue
+            if len(open_bins) >= buffer_size:
+                full = min(open_bins, key=lambda b: (capacity - b["total"], -b["mtime"]))
+                open_bins.remove(full)
+                out.append(full["keys"])
+            b = {"keys": [], "total": 0, "vtotal": 0}
+        b["keys"].append(key)
+        b["total"] += L
+        b["vtotal"] += v
+        b["mtime"] = clock
+        if b["total"] >= thr or b["total"] == capacity or len(b["keys"]) >= max_n:
+            out.append(b["keys"])
+        else:
+            open_bins.append(b)
+    open_bins.sort(key=lambda b: (capacity - b["total"], -b["mtime"]))
+    out.extend(b["keys"] for b in open_bins)
+    return out
+
+
+def check_invariants(res: PackResult, n, capacity, vision=None, vcap=None, max_n=None):
+    """Every sample in exactly one bin or unpacked; no budget exceeded; arrays consistent."""
+    packed = res.order.tolist()
+    unpacked = [u.index for u in res.unpacked]
+    assert sorted(packed + unpacked) == list(range(n))
+    assert res.bin_offsets[0] == 0 and res.bin_offsets[-1] == len(packed)
+    assert (np.diff(res.bin_offsets) > 0).all()
+    for b, idx in enumerate(res.bins):
+        assert res.lengths[idx].sum() == res.bin_lengths[b] <= capacity
+        if vision is not None:
+            assert np.asarray(vision)[idx].sum() == res.bin_vision[b] <= vcap
+        if max_n is not None:
+            assert len(idx) <= max_n
+        assert res.bin(b).tolist() == idx
+    assert res.num_bins >= res.lower_bound
+    if res.num_bins:
+        assert res.efficiency == pytest.approx(res.bin_lengths.sum() / (res.num_bins * capacity))
+
+
+lengths_st = st.lists(st.integers(1, 64), min_size=0, max_size=60)
+
+
+# ----------------------------------------------------------------------------- offline pack
+
+
+def test_docstring_example():
+    res = pack([900, 700, 500, 400, 300, 120, 60], 1024)
+    assert res.order.tolist() == [0, 6, 1, 4, 2, 3, 5]
+    assert res.bin_offsets.tolist() == [0, 2, 4, 7]
+    assert res.bin_lengths.tolist() == [960, 1000, 1020]
+    assert res.lower_bound == 3 and res.efficiency == pytest.approx(2980 / 3072)
+    assert res.sample_bin.tolist() == [0, 1, 2, 2, 1, 2, 0]
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "ffd", "ff", "nf"])
+@FAST
+@given(lengths=lengths_st, capacity=st.integers(1, 96), data=st.data())
+def test_matches_reference_unconstrained(strategy, lengths, capacity, data):
+    lengths = [min(x, capacity) for x in lengths]
+    res = pack(lengths, capacity, strategy=strategy)
+    assert res.bins == ref_pack(lengths, capacity, strategy)
+    check_invariants(res, len(lengths), capacity)
+
+
+@FAST
+@given(
+    n=st.integers(0, 3000),
+    capacity=st.sampled_from([7, 64, 100, 1000, 4096]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_bfd_histogram_matches_reference_many_duplicates(n, capacity, seed):
+    # many equal lengths and equal free spaces: exercises whole-bucket moves and the tie-break
+    rng = np.random.default_rng(seed)
+    hi = int(rng.integers(1, capacity + 1))
+    lengths = rng.integers(1, hi + 1, n).tolist()
+    res = pack(lengths, capacity)
+    if n <= 400:
+        assert res.bins == ref_pack(lengths, capacity, "bfd")
+    check_invariants(res, n, capacity)
+
+
+def test_bfd_large_matches_reference_bin_count_and_bins():
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(300), 0.9, 1500).astype(np.int64), 1, 2048)
+    res = pack(lengths, 2048)
+    assert res.bins == ref_pack(lengths.tolist(), 2048, "bfd")
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "ffd", "ff", "nf"])
+@FAST
+@given(
+    items=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 6)), max_size=40),
+    capacity=st.integers(40, 90),
+    vcap=st.integers(6, 12),
+    max_n=st.one_of(st.none(), st.integers(1, 5)),
+)
+def test_matches_reference_with_vision_and_max_samples(strategy, items, capacity, vcap, max_n):
+    lengths = [a for a, _ in items]
+    vision = [b for _, b in items]
+    res = pack(
+        lengths, capacity, strategy=strategy, vision=vision, vision_capacity=vcap, max_samples_per_bin=max_n
+    )
+    assert res.bins == ref_pack(lengths, capacity, strategy, vision, vcap, max_n)
+    check_invariants(res, len(lengths), capacity, vision, vcap, max_n)
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "ffd", "ff", "nf"])
+@FAST
+@given(lengths=lengths_st, max_n=st.integers(1, 4))
+def test_max_samples_only(strategy, lengths, max_n):
+    res = pack(lengths, 64, strategy=strategy, max_samples_per_bin=max_n)
+    assert res.bins == ref_pack(lengths, 64, strategy, max_n=max_n)
+    check_invariants(res, len(lengths), 64, max_n=max_n)
+
+
+@FAST
+@given(
+    lengths=st.lists(st.integers(1, 200), max_size=50),
+    vision=st.data(),
+    policy=st.sampled_from(["truncate", "skip"]),
+)
+def test_oversized_policies_lose_nothing(lengths, vision, policy):
+    v = vision.draw(st.lists(st.integers(0, 30), min_size=len(lengths), max_size=len(lengths)))
+    res = pack(lengths, 100, vision=v, vision_capacity=20, oversized=policy)
+    check_invariants(res, len(lengths), 100, v, 20)
+    skipped = {u.index: u.reason for u in res.unpacked}
+    for i, (L, c) in enumerate(zip(lengths, v)):
+        if c > 20:
+            assert i in skipped and "vision cost" in skipped[i]
+        elif L > 100:
+            if policy == "skip":
+                assert i in skipped and f"length {L} > capacity 100" in skipped[i]
+            else:
+                assert res.truncated[i] == L and res.lengths[i] == 100 and i not in skipped
+        else:
+            assert i not in skipped and i not in res.truncated and res.lengths[i] == L
+
+
+def test_seed_shuffles_bins_deterministically():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 500, 2000)
+    base = pack(lengths, 512)
+    a = pack(lengths, 512, seed=7)
+    b = pack(lengths, 512, seed=7)
+    c = pack(lengths, 512, seed=8)
+    assert a.bins == b.bins and a.order.tolist() == b.order.tolist()
+    assert a.bins != base.bins and a.bins != c.bins
+    assert sorted(map(tuple, a.bins)) == sorted(map(tuple, base.bins))
+    # deterministic across calls and input containers
+    assert pack(lengths.tolist(), 512).bins == base.bins
+    assert pack(lengths.astype(np.int32), 512).bins == base.bins
+    torch = pytest.importorskip("torch")
+    assert pack(torch.as_tensor(lengths), 512).bins == base.bins
+
+
+def test_large_capacity_path_and_many_bins():
+    # capacity >= 2**16 (no uint16 sort) and more than 2**16 bins (two-pass id sort)
+    rng = np.random.default_rng(3)
+    big = rng.integers(1, 200_000, 500)
+    res = pack(big, 200_000)
+    assert res.bins == ref_pack(big.tolist(), 200_000, "bfd")
+    many = rng.integers(60, 101, 140_000)
+    res = pack(many, 100)
+    assert res.num_bins > 1 << 16
+    check_invariants(res, many.size, 100)
+    # two items of 60..100 never share a bin of 100
+    assert res.num_bins == many.size
+
+
+def test_empty_and_single():
+    res = pack([], 10)
+    assert res.num_bins == 0 and res.bins == [] and res.efficiency == 0.0 and res.lower_bound == 0
+    res = pack([10], 10)
+    assert res.bins == [[0]] and res.efficiency == 1.0
+    res = pack([11], 10, oversized="skip")
+    assert res.num_bins == 0 and res.unpacked == [Unpacked(0, "length 11 > capacity 10")]
+
+
+def test_lazy_bins_and_repr():
+    res = pack(np.full(100_000, 3), 10)
+    assert res._bins is None  # nothing materialised by pack()
+    assert res.num_bins == 33_334 and res.bin(0).tolist() == [0, 1, 2] and res.bin(-1).tolist() == [99_999]
+    assert "num_bins=33334" in repr(res)
+    with pytest.raises(IndexError):
+        res.bin(33_334)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("lengths", "exc", "pattern"),
+    [
+        ([3, 0, 2], ValueError, r"lengths\[1\] = 0 is zero.*sample 1"),
+        ([3, -4], ValueError, r"lengths\[1\] = -4 is negative"),
+        ([3.0, 2.5], ValueError, r"lengths\[1\] = 2.5 is not an integer"),
+        ([3.0, float("nan")], ValueError, r"lengths\[1\] = nan"),
+        ([3.0, 4.0], TypeError, r"float dtype.*np.asarray"),
+        ([3, "7"], TypeError, r"lengths\[0\].*not an integer"),
+        ([3, None], TypeError, r"lengths\[1\] = None"),
+        (np.array([True, True]), TypeError, r"lengths\[0\] = True"),
+        ([[1, 2], [3, 4]], ValueError, r"1-D"),
+    ],
+)
+def test_bad_lengths_name_the_sample(lengths, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        pack(lengths, 10)
+
+
+def test_oversized_raise_names_sample_and_fix():
+    with pytest.raises(
+        ValueError, match=r"sample 2 has expanded length 12 > capacity 10.*at least 12.*'truncate'.*'skip'"
+    ):
+        pack([3, 4, 12, 13], 10)
+    with pytest.raises(
+        ValueError, match=r"sample 1 has vision cost 9 > vision_capacity 8.*cannot be truncated"
+    ):
+        pack([3, 4], 10, vision=[1, 9], vision_capacity=8)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="strategy"):
+        pack([1], 10, strategy="best")
+    with pytest.raises(ValueError, match="oversized"):
+        pack([1], 10, oversized="clip")
+    with pytest.raises(ValueError, match="capacity"):
+        pack([1], 0)
+    with pytest.raises(ValueError, match="vision_capacity is None"):
+        pack([1], 10, vision=[1])
+    with pytest.raises(ValueError, match="vision is None"):
+        pack([1], 10, vision_capacity=3)
+    with pytest.raises(ValueError, match="2 entries but lengths has 1"):
+        pack([1], 10, vision=[1, 2], vision_capacity=3)
+    with pytest.raises(ValueError, match=r"vision\[0\] = -1 is negative"):
+        pack([1], 10, vision=[-1], vision_capacity=3)
+    with pytest.raises(ValueError, match="max_samples_per_bin"):
+        pack([1], 10, max_samples_per_bin=0)
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+def run_stream(samples, capacity, buffer_size, ratio, **kw):
+    sp = StreamPacker(capacity, buffer_size, ratio, **kw)
+    bins = []
+    for key, L, v in samples:
+        bins += [b.keys for b in sp.add(key, L, v)]
+    bins += [b.keys for b in sp.flush()]
+    return sp, bins
+
+
+stream_st = st.lists(st.tuples(st.integers(1, 64), st.integers(0, 4)), max_size=120)
+
+
+@FAST
+@given(
+    items=stream_st,
+    buffer_size=st.integers(1, 6),
+    ratio=st.sampled_from([0.5, 0.7, 0.9, 1.0]),
+    max_n=st.one_of(st.none(), st.integers(1, 4)),
+    use_vision=st.booleans(),
+)
+def test_stream_matches_reference_and_loses_nothing(items, buffer_size, ratio, max_n, use_vision):
+    vcap = 6 if use_vision else None
+    samples = [(i, L, v if use_vision else 0) for i, (L, v) in enumerate(items)]
+    sp, bins = run_stream(samples, 64, buffer_size, ratio, max_samples_per_bin=max_n, vision_capacity=vcap)
+    assert bins == ref_stream(samples, 64, buffer_size, ratio, max_n, vcap)
+    assert sorted(k for b in bins for k in b) == list(range(len(samples)))
+    assert sp.stats.samples_emitted == len(samples) == sp.stats.samples_seen
+    lens = {k: L for k, L, _ in samples}
+    for b in bins:
+        assert sum(lens[k] for k in b) <= 64
+        if max_n:
+            assert len(b) <= max_n
+
+
+@FAST
+@given(
+    items=stream_st,
+    cut=st.integers(0, 120),
+    buffer_size=st.integers(1, 5),
+    ratio=st.sampled_from([0.6, 0.8, 1.0]),
+    drop_last=st.booleans(),
+    use_vision=st.booleans(),
+)
+def test_stream_resume_from_any_state_is_exact(items, cut, buffer_size, ratio, drop_last, use_vision):
+    vcap = 5 if use_vision else None
+    samples = [(f"s{i}", L, v if use_vision else 0) for i, (L, v) in enumerate(items)]
+    samples += [("long", 200, 0)]  # exercises oversized="truncate" and its report across resume
+    kw = dict(drop_last=drop_last, vision_capacity=vcap, oversized="truncate")
+    sp_full, full = run_stream(samples, 70, buffer_size, ratio, **kw)
+    cut = min(cut, len(samples))
+    sp = StreamPacker(70, buffer_size, ratio, **kw)
+    before = []
+    for key, L, v in samples[:cut]:
+        before += [b.keys for b in sp.add(key, L, v)]
+    state = json.loads(json.dumps(sp.state_dict()))
+    sp2 = StreamPacker(70, buffer_size, ratio, **kw)
+    sp2.load_state_dict(state)
+    after = []
+    for key, L, v in samples[cut:]:
+        after += [b.keys for b in sp2.add(key, L, v)]
+    after += [b.keys for b in sp2.flush()]
+    assert before + after == full
+    assert sp2.state_dict() == sp_full.state_dict()
+    assert sp2.stats.truncated == [("long", 200)]
+    st_ = sp2.stats
+    assert st_.samples_seen == st_.samples_emitted + st_.samples_dropped == len(samples)
+    if drop_last:
+        assert all(b.total < math.ceil(ratio * 70) for b in sp2.dropped)
+
+
+def test_stream_example_and_stats():
+    sp = StreamPacker(1024)  # emit at >= 717 tokens
+    assert sp.add("a", 700) == []
+    assert sp.add("b", 500) == []
+    out = sp.add("c", 300)
+    assert [(b.keys, b.total) for b in out] == [(["a", "c"], 1000)]
+    assert [b.keys for b in sp.add("d", 900)] == [["d"]]
+    assert sp.num_open == 1
+    rest = sp.flush()
+    assert [b.keys for b in rest] == [["b"]]
+    s = sp.stats
+    assert (s.samples_seen, s.samples_emitted, s.bins_emitted, s.tokens_emitted) == (4, 4, 3, 2400)
+    assert s.fill_ratio == pytest.approx(2400 / (3 * 1024))
+
+
+def test_stream_buffer_full_emits_fullest_and_memory_is_bounded():
+    sp = StreamPacker(100, buffer_size=3, min_fill_ratio=1.0)
+    out = []
+    for i, L in enumerate([60, 55, 50, 58]):  # no two fit together
+        out += sp.add(i, L)
+        assert sp.num_open <= 3
+    assert [b.keys for b in out] == [[0]]  # 60 was the fullest when the 4th bin was needed
+    rng = np.random.default_rng(0)
+    sp = StreamPacker(4096, buffer_size=16)
+    for i, L in enumerate(rng.integers(1, 4097, 5000).tolist()):
+        sp.add(i, L)
+        assert sp.num_open <= 16
+
+
+def test_stream_drop_last_reports_dropped():
+    sp = StreamPacker(100, min_fill_ratio=0.8, drop_last=True)
+    sp.add_many(["a", "b", "c"], [90, 30, 20])
+    out = sp.flush()
+    assert out == [] and [b.keys for b in sp.dropped] == [["b", "c"]]
+    assert (sp.stats.bins_dropped, sp.stats.samples_dropped, sp.stats.tokens_dropped) == (1, 2, 50)
+    assert sp.stats.samples_emitted + sp.stats.samples_dropped == sp.stats.samples_seen == 3
+
+
+def test_stream_add_many_equals_add():
+    rng = np.random.default_rng(5)
+    L = rng.integers(1, 300, 3000)
+    a = StreamPacker(512, 8)
+    got = a.add_many(range(L.size), L) + a.flush()
+    b = StreamPacker(512, 8)
+    want = [x for i, n in enumerate(L.tolist()) for x in b.add(i, n)] + b.flush()
+    assert [x.keys for x in got] == [x.keys for x in want]
+    assert a.state_dict() == b.state_dict()
+    vis = rng.integers(0, 3, L.size)
+    c = StreamPacker(512, 8, vision_capacity=4)
+    got = c.add_many(range(L.size), L, vis) + c.flush()
+    assert all(x.vision_total <= 4 for x in got)
+    assert sorted(k for x in got for k in x.keys) == list(range(L.size))
+
+
+def test_stream_errors_name_the_key():
+    sp = StreamPacker(100)
+    with pytest.raises(ValueError, match=r"sample 'img7'.*length 0 is zero"):
+        sp.add("img7", 0)
+    with pytest.raises(TypeError, match=r"sample 'x'.*2.5"):
+        sp.add("x", 2.5)
+    with pytest.raises(ValueError, match=r"sample 'y' has expanded length 101 > capacity 100.*'truncate'"):
+        sp.add("y", 101)
+    with pytest.raises(ValueError, match="no vision_capacity"):
+        sp.add("z", 5, vision=3)
+    with pytest.raises(ValueError, match=r"sample 'z' has vision cost 9 > vision_capacity 8"):
+        StreamPacker(100, vision_capacity=8).add("z", 5, vision=9)
+    sk = StreamPacker(100, oversized="skip", vision_capacity=8)
+    sk.add("y", 101)
+    sk.add("z", 5, vision=9)
+    assert [u.index for u in sk.stats.skipped] == ["y", "z"]
+    with pytest.raises(ValueError, match="different configuration"):
+        StreamPacker(200).load_state_dict(sp.state_dict())
+    with pytest.raises(ValueError, match="min_fill_ratio"):
+        StreamPacker(100, min_fill_ratio=0.0)
+
+
+# ----------------------------------------------------------------------------- balancing
+
+
+def test_bin_costs_formula():
+    c = bin_costs([[3, 4], [5]], hidden_size=1)
+    assert c.tolist() == [9 + 16 + 6 * 7, 25 + 6 * 5]
+    assert bin_costs([7, 5], cost="tokens").tolist() == [7, 5]
+    v = bin_costs([[1], [1]], cost="tokens", vision=[[2, 3], []], vision_weight=2.0)
+    assert v.tolist() == [1 + 2 * 5, 1]
+    va = bin_costs([[1], [1]], hidden_size=10, vision=[[2, 3], 4], vision_hidden_size=5)
+    w = 5 / 10
+    assert va.tolist() == pytest.approx([1 + 60 + w * (4 + 9 + 30 * 5), 1 + 60 + w * (16 + 30 * 4)])
+    res = pack([900, 700, 500, 400, 300, 120, 60], 1024)
+    assert bin_costs(res, cost="tokens").tolist() == [960, 1000, 1020]
+    assert bin_costs([[2, 2]], cost=lambda x: float(x.prod())).tolist() == [4.0]
+
+
+def test_balance_attention_differs_from_tokens():
+    # same tokens per bin, very different attention work: one 8192 sequence vs 8 x 1024
+    bins = [[8192], [1024] * 8, [8192], [1024] * 8]
+    parts = balance_bins(bins, 2)
+    assert sorted(map(sorted, parts)) == [[0, 1], [2, 3]] or sorted(map(sorted, parts)) == [[0, 3], [1, 2]]
+    costs = bin_costs(bins)
+    assert partition_imbalance(costs, parts) == pytest.approx(1.0)
+
+
+@FAST
+@given(
+    costs=st.lists(st.lists(st.integers(1, 4000), min_size=1, max_size=4), min_size=0, max_size=40),
+    k=st.integers(1, 6),
+    equal=st.booleans(),
+)
+def test_balance_partitions_all_bins(costs, k, equal):
+    if equal:
+        costs = costs[: len(costs) - len(costs) % k]
+    parts = balance_bins(costs, k, equal_count=equal)
+    assert len(parts) == k
+    assert sorted(i for p in parts for i in p) == list(range(len(costs)))
+    c = bin_costs(costs)
+    loads = [c[p].sum() for p in parts]
+    if costs:
+        # largest differencing keeps the spread within the largest single bin cost
+        assert max(loads) - min(loads) <= c.max() + 1e-6
+    if equal:
+        assert len({len(p) for p in parts}) <= 1
+    assert balance_bins(costs, k, equal_count=equal) == parts  # deterministic
+
+
+def test_balance_errors():
+    with pytest.raises(ValueError, match="divisible"):
+        balance_bins([1, 2, 3], 2, equal_count=True)
+    with pytest.raises(ValueError, match="world_size"):
+        balance_bins([1, 2], 0)
+    with pytest.raises(ValueError, match="vision has 1 bins but bins has 2"):
+        balance_bins([1, 2], 2, vision=[3])

@@ -1,0 +1,1387 @@
+"""Packing engine: group samples into fixed-capacity bins (packs) without losing any.
+
+A *bin* is one row of a packed batch: the samples in it are laid end to end and
+separated by ``cu_seqlens``, so nothing attends across a sample boundary. Every
+sample is fitted on its **expanded length**, the number of positions it really
+occupies in the language model: text tokens plus the vision tokens its images
+expand into (``vision.py`` forecasts those from the image header, e.g. Qwen2-VL's
+``(h/14 * w/14) / 4`` per image). Fitting on text alone would overflow every bin
+that holds an image.
+
+Samples are placed longest first, each into the open bin with the least free
+space that still holds it (best-fit decreasing)::
+
+    pack([900, 700, 500, 400, 300, 120, 60], capacity=1024)
+
+              0                                      1024
+    bin 0    |s0 900...........................|s6 60|...|    960 used
+    bin 1    |s1 700....................|s4 300.......|..|   1000 used
+    bin 2    |s2 500..........|s3 400........|s5 120..|.|   1020 used
+
+    PackResult (flat arrays, no per-sample Python objects):
+    order       = [0, 6, 1, 4, 2, 3, 5]     sample indices, bin by bin
+    bin_offsets = [0, 2, 4, 7]              bin i = order[bin_offsets[i]:bin_offsets[i+1]]
+    bin_lengths = [960, 1000, 1020]         tokens used per bin
+    efficiency  = 2980 / (3 * 1024) = 0.970, lower_bound = ceil(2980 / 1024) = 3
+
+Three entry points:
+
+- :func:`pack` packs a whole dataset offline (``"bfd"`` best-fit decreasing,
+  ``"ffd"`` first-fit decreasing, ``"ff"`` first-fit in data order, ``"nf"``
+  next-fit), with an optional second per-bin budget (``vision``: ViT patches
+  before merge, or images per bin) and a cap on samples per bin.
+- :class:`StreamPacker` packs an iterable stream with a bounded buffer of open
+  bins, and its ``state_dict`` resumes mid-epoch to the exact same bins.
+- :func:`balance_bins` deals bins to data-parallel ranks (Karmarkar-Karp) so each
+  rank's attention + MLP + vision-tower work is balanced, not just its tokens.
+
+Tie-breaking is part of the contract, so the bins are reproducible anywhere:
+samples are visited longest first (then larger vision cost, then lower index);
+best fit picks the bin with the least free token space among those the sample
+fits, and among equal free space the bin modified most recently; first fit
+picks the lowest-numbered bin it fits. Bins are numbered in the order they were
+opened (``seed`` optionally shuffles that order afterwards). Nothing is lost:
+every sample is in exactly one bin or in ``PackResult.unpacked`` with a reason.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import math
+import numbers
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "STRATEGIES",
+    "PackResult",
+    "PackedBin",
+    "StreamPacker",
+    "StreamStats",
+    "Unpacked",
+    "balance_bins",
+    "bin_costs",
+    "pack",
+    "partition_imbalance",
+]
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("bfd", "ffd", "ff", "nf")
+_OVERSIZED = ("raise", "truncate", "skip")
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _first_non_integer(values: Any) -> int:
+    """Index of the first element that is not a Python/numpy integer (bools count as non-integers)."""
+    for i, v in enumerate(values):
+        if isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Integral):
+            return i
+    return -1
+
+
+def _as_int_array(values: Any, name: str, *, allow_zero: bool) -> np.ndarray:
+    """``values`` as a 1-D int64 array, or a ValueError/TypeError naming the offending index."""
+    if isinstance(values, np.ndarray):
+        arr = values
+    else:
+        try:
+            arr = np.asarray(values)
+        except (ValueError, TypeError) as e:  # ragged nested lists
+            raise TypeError(f"{name} must be a 1-D sequence of integers: {e}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D (one entry per sample), got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    kind = arr.dtype.kind
+    if kind == "f":
+        bad = ~np.isfinite(arr) | (arr != np.floor(arr))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"{name}[{i}] = {arr[i].item()!r} is not an integer; {name} must be whole token counts "
+                f"(check that sample {i} was measured, not averaged)"
+            )
+        raise TypeError(
+            f"{name} has float dtype {arr.dtype} ({name}[0] = {arr[0].item()!r}); token counts must be integers: pass "
+            f"integers, e.g. np.asarray({name}, dtype=np.int64)"
+        )
+    if kind not in "iu":
+        i = _first_non_integer(arr.tolist() if kind == "O" else arr)
+        i = max(i, 0)
+        v = arr[i]
+        v = v.item() if isinstance(v, np.generic) else v
+        raise TypeError(f"{name}[{i}] = {v!r} ({type(v).__name__}) is not an integer; {name} must hold ints")
+    if kind == "u" and arr.dtype.itemsize == 8 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        i = int(np.argmax(arr > np.iinfo(np.int64).max))
+        raise ValueError(f"{name}[{i}] = {arr[i]} does not fit in int64")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size:
+        bad = arr < 0 if allow_zero else arr <= 0
+        if bad.any():
+            i = int(np.argmax(bad))
+            what = "negative" if arr[i] < 0 else "zero"
+            need = "non-negative" if allow_zero else "positive (at least one token)"
+            raise ValueError(
+                f"{name}[{i}] = {int(arr[i])} is {what}; {name} must be {need}. "
+                f"Drop or fix sample {i} before packing."
+            )
+    return arr
+
+
+def _as_positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+def _check_oversized(oversized: str) -> None:
+    if oversized not in _OVERSIZED:
+        raise ValueError(f"oversized must be one of {_OVERSIZED}, got {oversized!r}")
+
+
+def _oversize_message(who: str, length: int, capacity: int) -> str:
+    return (
+        f"{who} has expanded length {length} > capacity {capacity}. Raise capacity to at least "
+        f"{length}, or pass oversized='truncate' (clip it to {capacity} tokens) or oversized='skip' "
+        f"(leave it out; it is reported with its reason)"
+    )
+
+
+def _vision_oversize_message(who: str, cost: int, vision_capacity: int) -> str:
+    return (
+        f"{who} has vision cost {cost} > vision_capacity {vision_capacity}. Raise vision_capacity "
+        f"to at least {cost}, downscale its images (fewer vision tokens), or pass oversized='skip' "
+        f"(a vision budget cannot be truncated: 'truncate' skips such samples too)"
+    )
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class Unpacked:
+    """A sample left out of every bin, and why (``index`` is the sample index, or its key when streaming)."""
+
+    index: Any
+    reason: str
+
+
+class PackResult:
+    """Bins as flat arrays; per-bin Python lists are built only when :attr:`bins` is read.
+
+    Attributes:
+        order: int64 ``[num_packed]``: sample indices, bin by bin; inside a bin in placement order
+            (longest first for the decreasing strategies, data order for ``ff``/``nf``).
+        bin_offsets: int64 ``[num_bins + 1]``: bin ``i`` is ``order[bin_offsets[i]:bin_offsets[i+1]]``.
+        bin_lengths: int64 ``[num_bins]``: tokens used per bin (sum of ``lengths`` of its samples).
+        bin_vision: int64 ``[num_bins]`` vision cost per bin, or None when packing had no vision budget.
+        lengths: int64 ``[num_samples]``: the lengths packing used (truncated ones clipped to capacity).
+        unpacked: samples in no bin, with the reason (``Unpacked(index, reason)``).
+        truncated: sample index -> original length, for samples clipped to ``capacity``.
+    """
+
+    __slots__ = (
+        "_bins",
+        "_sample_bin",
+        "bin_lengths",
+        "bin_offsets",
+        "bin_vision",
+        "capacity",
+        "lengths",
+        "max_samples_per_bin",
+        "order",
+        "strategy",
+        "truncated",
+        "unpacked",
+        "vision",
+        "vision_capacity",
+    )
+
+    def __init__(
+        self,
+        *,
+        order: np.ndarray,
+        bin_offsets: np.ndarray,
+        lengths: np.ndarray,
+        capacity: int,
+        strategy: str,
+        vision: np.ndarray | None = None,
+        vision_capacity: int | None = None,
+        max_samples_per_bin: int | None = None,
+        unpacked: list[Unpacked] | None = None,
+        truncated: dict[int, int] | None = None,
+    ) -> None:
+        self.order = order
+        self.bin_offsets = bin_offsets
+        self.lengths = lengths
+        self.capacity = capacity
+        self.strategy = strategy
+        self.vision = vision
+        self.vision_capacity = vision_capacity
+        self.max_samples_per_bin = max_samples_per_bin
+        self.unpacked = unpacked if unpacked is not None else []
+        self.truncated = truncated if truncated is not None else {}
+        self.bin_lengths = _segment_sums(lengths[order], bin_offsets)
+        self.bin_vision = None if vision is None else _segment_sums(vision[order], bin_offsets)
+        self._bins: list[list[int]] | None = None
+        self._sample_bin: np.ndarray | None = None
+
+    @property
+    def num_bins(self) -> int:
+        return int(self.bin_offsets.size - 1)
+
+    def __len__(self) -> int:
+        return self.num_bins
+
+    @property
+    def num_samples(self) -> int:
+        """Samples given to :func:`pack` (packed + unpacked)."""
+        return int(self.lengths.size)
+
+    @property
+    def bin_sizes(self) -> np.ndarray:
+        """int64 ``[num_bins]``: samples per bin."""
+        return np.diff(self.bin_offsets)
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.bin_lengths.sum())
+
+    @property
+    def efficiency(self) -> float:
+        """Packed tokens / (num_bins * capacity); 0.0 when there are no bins."""
+        return self.total_tokens / (self.num_bins * self.capacity) if self.num_bins else 0.0
+
+    @property
+    def lower_bound(self) -> int:
+        """No packing of the packed samples can use fewer bins than this.
+
+        ``ceil(sum(lengths) / capacity)``, and likewise for the vision budget and ``max_samples_per_bin``
+        when given (the largest of these).
+        """
+        lb = -(-self.total_tokens // self.capacity)
+        if self.bin_vision is not None and self.vision_capacity:
+            lb = max(lb, -(-int(self.bin_vision.sum()) // self.vision_capacity))
+        if self.max_samples_per_bin:
+            lb = max(lb, -(-int(self.order.size) // self.max_samples_per_bin))
+        return int(lb)
+
+    def bin(self, i: int) -> np.ndarray:
+        """Sample indices of bin ``i`` (an int64 view into :attr:`order`)."""
+        i = operator.index(i)
+        if not -self.num_bins <= i < self.num_bins:
+            raise IndexError(f"bin {i} out of range for {self.num_bins} bins")
+        i %= self.num_bins
+        return self.order[self.bin_offsets[i] : self.bin_offsets[i + 1]]
+
+    @property
+    def bins(self) -> list[list[int]]:
+        """Bins as lists of sample indices (built on first access, then cached)."""
+        if self._bins is None:
+            flat = self.order.tolist()
+            offs = self.bin_offsets.tolist()
+            self._bins = [flat[a:b] for a, b in itertools.pairwise(offs)]
+        return self._bins
+
+    @property
+    def sample_bin(self) -> np.ndarray:
+        """int64 ``[num_samples]``: the bin of each sample, -1 for unpacked samples."""
+        if self._sample_bin is None:
+            sb = np.full(self.num_samples, -1, dtype=np.int64)
+            sb[self.order] = np.repeat(np.arange(self.num_bins, dtype=np.int64), self.bin_sizes)
+            self._sample_bin = sb
+        return self._sample_bin
+
+    def __repr__(self) -> str:
+        return (
+            f"PackResult(strategy={self.strategy!r}, num_bins={self.num_bins}, lower_bound={self.lower_bound}, "
+            f"capacity={self.capacity}, efficiency={self.efficiency:.4f}, packed={self.order.size}, "
+            f"unpacked={len(self.unpacked)}, truncated={len(self.truncated)})"
+        )
+
+
+def _segment_sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Sum of ``values[offsets[i]:offsets[i+1]]`` per segment; segments are non-empty. Shapes [N], [B+1] -> [B]."""
+    if offsets.size <= 1:
+        return np.zeros(0, dtype=np.int64)
+    return np.add.reduceat(values, offsets[:-1]).astype(np.int64, copy=False)
+
+
+# ----------------------------------------------------------------------------- sorting helpers
+
+
+def _stable_argsort_desc(lens: np.ndarray, capacity: int) -> np.ndarray:
+    """Indices sorting ``lens`` (values in 1..capacity) longest first, ties by index: an O(n) radix sort."""
+    key = capacity - lens
+    if capacity < 1 << 16:
+        key = key.astype(np.uint16)
+    return np.argsort(key, kind="stable")
+
+
+def _stable_argsort_ids(ids: np.ndarray, max_id: int) -> np.ndarray:
+    """Stable argsort of non-negative ids < ``max_id`` via two 16-bit radix passes (numpy radix-sorts uint16)."""
+    if max_id <= 1 << 16:
+        return np.argsort(ids.astype(np.uint16), kind="stable")
+    if max_id <= 1 << 32:
+        p = np.argsort((ids & 0xFFFF).astype(np.uint16), kind="stable")
+        p2 = np.argsort((ids[p] >> 16).astype(np.uint16), kind="stable")
+        return p[p2]
+    return np.argsort(ids, kind="stable")
+
+
+# ----------------------------------------------------------------------------- strategies
+#
+# Each core takes lengths (1..capacity, already validated) in *processing order* and returns
+# ``item_bin``: the bin (numbered in opening order) of each processed item, and the bin count.
+
+
+def _bfd_histogram(counts: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Exact best-fit decreasing on a length histogram, in O(n + C) numpy plus one Python step per bucket move.
+
+    ``counts[L]`` = number of items of length L; items are processed longest first. Bins live in
+    buckets keyed by free space ``r``; a bucket is a stack (top = most recently modified bin, the
+    tie-break). For a length L the best bin is the top of the smallest bucket r >= L, and after taking
+    one item it sits at r - L, which is again the best bin while r - L >= L: so it takes
+    ``q = r // L`` items in a row and every bin of bucket r does the same, in stack order, ending at
+    ``r % L``. A whole bucket is therefore placed in one step, and new bins take ``capacity // L``
+    items each. Returns ``item_bin`` [n] for the items in processing order, and the bin count.
+    """
+    distinct = np.flatnonzero(counts)[::-1]
+    if distinct.size == 0:
+        return np.zeros(0, dtype=np.int64), 0
+    lmin = int(distinct[-1])
+    buckets: dict[int, list[int]] = {}
+    keys: list[int] = []  # sorted free-space values of non-empty buckets
+    rec_bins: list[int] = []  # run-length record of placements: bin, how many items in a row
+    rec_reps: list[int] = []
+    nb = 0
+    bisect_left = bisect.bisect_left
+    for length, k in zip(distinct.tolist(), counts[distinct].tolist()):
+        i = bisect_left(keys, length)
+        j = i
+        nkeys = len(keys)
+        added: list[int] = []
+        while k and j < nkeys:
+            r = keys[j]
+            stack = buckets[r]
+            q = r // length
+            c = len(stack)
+            if k >= q * c:  # the whole bucket fills up with this length
+                taken = stack[::-1]
+                rec_bins += taken
+                rec_reps += [q] * c
+                k -= q * c
+                del buckets[r]
+                j += 1
+                d = r - q * length
+                if d >= lmin:
+                    dst = buckets.get(d)
+                    if dst is None:
+                        buckets[d] = taken
+                        added.append(d)
+                    else:
+                        dst += taken
+            else:  # part of the bucket: nfull bins take q items, one more takes the rest
+                nfull, rest = divmod(k, q)
+                k = 0
+                if nfull:
+                    taken = stack[: -nfull - 1 : -1]
+                    del stack[-nfull:]
+                    rec_bins += taken
+                    rec_reps += [q] * nfull
+                    d = r - q * length
+                    if d >= lmin:
+                        dst = buckets.get(d)
+                        if dst is None:
+                            buckets[d] = taken
+                            added.append(d)
+                        else:
+                            dst += taken
+                if rest:
+                    b = stack.pop()
+                    rec_bins.append(b)
+                    rec_reps.append(rest)
+                    d = r - rest * length  # >= length: all buckets in [length, r) are now empty
+                    buckets[d] = [b]
+                    added.append(d)
+                if not stack:
+                    del buckets[r]
+                    j += 1
+        del keys[i:j]
+        if k:  # open new bins; each takes capacity // length items
+            q = capacity // length
+            nfull, rest = divmod(k, q)
+            if nfull:
+                ids = list(range(nb, nb + nfull))
+                nb += nfull
+                rec_bins += ids
+                rec_reps += [q] * nfull
+                d = capacity - q * length
+                if d >= lmin:
+                    dst = buckets.get(d)
+                    if dst is None:
+                        buckets[d] = ids
+                        added.append(d)
+                    else:
+                        dst += ids
+            if rest:
+                rec_bins.append(nb)
+                rec_reps.append(rest)
+                d = capacity - rest * length
+                buckets[d] = [nb]
+                added.append(d)
+                nb += 1
+        for d in added:
+            bisect.insort(keys, d)
+    item_bin = np.repeat(np.array(rec_bins, dtype=np.int64), np.array(rec_reps, dtype=np.int64))
+    return item_bin, nb
+
+
+def _bfd_constrained(
+    lens: list[int], vis: list[int] | None, capacity: int, vcap: int, max_n: int, lmin: int
+) -> tuple[list[int], int]:
+    """Best fit with a vision budget and/or a samples-per-bin cap, one item at a time (O(log C) + scan).
+
+    Same rule as :func:`_bfd_histogram` among the bins that satisfy every budget: least free token
+    space, then most recently modified. Bins that can take nothing more are dropped from the index.
+    """
+    buckets: dict[int, list[int]] = {}
+    keys: list[int] = []
+    free: list[int] = []
+    vfree: list[int] = []
+    count: list[int] = []
+    item_bin = [0] * len(lens)
+    bisect_left = bisect.bisect_left
+    insort = bisect.insort
+    for t, length in enumerate(lens):
+        v = vis[t] if vis is not None else 0
+        b = -1
+        i = bisect_left(keys, length)
+        nkeys = len(keys)
+        while i < nkeys:
+            r = keys[i]
+            stack = buckets[r]
+            for pos in range(len(stack) - 1, -1, -1):
+                cand = stack[pos]
+                if vfree[cand] >= v and count[cand] < max_n:
+                    b = cand
+                    del stack[pos]
+                    if not stack:
+                        del buckets[r]
+                        del keys[i]
+                    break
+            if b >= 0:
+                break
+            i += 1
+        if b < 0:
+            b = len(free)
+            free.append(capacity)
+            vfree.append(vcap)
+            count.append(0)
+        d = free[b] - length
+        free[b] = d
+        vfree[b] -= v
+        count[b] += 1
+        item_bin[t] = b
+        if d >= lmin and count[b] < max_n:
+            stack = buckets.get(d)
+            if stack is None:
+                buckets[d] = [b]
+                insort(keys, d)
+            else:
+                stack.append(b)
+    return item_bin, len(free)
+
+
+class _MaxTree:
+    """Array segment tree of per-bin free space (max), to find the lowest-numbered bin with room >= L."""
+
+    __slots__ = ("size", "tree")
+
+    def __init__(self) -> None:
+        self.size = 1024
+        self.tree = [-1] * (2 * self.size)
+
+    def grow(self) -> None:
+        old = self.tree[self.size :]
+        self.size *= 2
+        tree = [-1] * (2 * self.size)
+        tree[self.size : self.size + len(old)] = old
+        for j in range(self.size - 1, 0, -1):
+            a, b = tree[2 * j], tree[2 * j + 1]
+            tree[j] = a if a > b else b
+        self.tree = tree
+
+    def set(self, b: int, value: int) -> None:
+        tree = self.tree
+        j = b + self.size
+        tree[j] = value
+        j >>= 1
+        while j:
+            a, c = tree[2 * j], tree[2 * j + 1]
+            m = a if a > c else c
+            if tree[j] == m:
+                break
+            tree[j] = m
+            j >>= 1
+
+
+def _first_fit(
+    lens: list[int], vis: list[int] | None, capacity: int, vcap: int, max_n: int, lmin: int
+) -> tuple[list[int], int]:
+    """Exact first fit: each item into the lowest-numbered bin where it satisfies every budget."""
+    mt = _MaxTree()
+    vfree: list[int] = []
+    count: list[int] = []
+    free: list[int] = []
+    item_bin = [0] * len(lens)
+    constrained = vis is not None or max_n < len(lens) + 1
+    for t, length in enumerate(lens):
+        v = vis[t] if vis is not None else 0
+        tree = mt.tree
+        size = mt.size
+        b = -1
+        if tree[1] >= length:
+            i = 1
+            while True:
+                while i < size:  # descend to the leftmost leaf >= length under i
+                    i = 2 * i if tree[2 * i] >= length else 2 * i + 1
+                cand = i - size
+                if not constrained or (vfree[cand] >= v and count[cand] < max_n):
+                    b = cand
+                    break
+                while True:  # next subtree to the right holding a leaf >= length
+                    while i & 1:
+                        i >>= 1
+                    if i == 0:
+                        break
+                    i += 1
+                    if tree[i] >= length:
+                        break
+                if i == 0:
+                    break
+        if b < 0:
+            b = len(free)
+            if b == mt.size:
+                mt.grow()
+            free.append(capacity)
+            vfree.append(vcap)
+            count.append(0)
+        d = free[b] - length
+        free[b] = d
+        vfree[b] -= v
+        count[b] += 1
+        item_bin[t] = b
+        mt.set(b, d if (d >= lmin and count[b] < max_n) else -1)
+    return item_bin, len(free)
+
+
+def _next_fit(
+    lens: list[int], vis: list[int] | None, capacity: int, vcap: int, max_n: int
+) -> tuple[list[int], int]:
+    """Next fit: keep one open bin; open a new one when the item does not fit it."""
+    item_bin = [0] * len(lens)
+    b = -1
+    used = capacity + 1
+    vused = 0
+    n_in = 0
+    if vis is None:
+        for t, length in enumerate(lens):
+            if used + length > capacity or n_in >= max_n:
+                b += 1
+                used = 0
+                n_in = 0
+            used += length
+            n_in += 1
+            item_bin[t] = b
+    else:
+        for t, length in enumerate(lens):
+            v = vis[t]
+            if used + length > capacity or vused + v > vcap or n_in >= max_n:
+                b += 1
+                used = vused = n_in = 0
+            used += length
+            vused += v
+            n_in += 1
+            item_bin[t] = b
+    return item_bin, b + 1
+
+
+# ----------------------------------------------------------------------------- pack
+
+
+def pack(
+    lengths: Sequence[int] | np.ndarray,
+    capacity: int,
+    *,
+    strategy: str = "bfd",
+    vision: Sequence[int] | np.ndarray | None = None,
+    vision_capacity: int | None = None,
+    max_samples_per_bin: int | None = None,
+    oversized: str = "raise",
+    seed: int | None = None,
+) -> PackResult:
+    """Pack samples into bins of ``capacity`` tokens.
+
+    Args:
+        lengths: ``[N]`` positive ints: each sample's *expanded* length (text tokens + the vision
+            tokens its images expand into). Lists, numpy arrays and CPU tensors are accepted.
+        capacity: tokens per bin (the packed sequence length).
+        strategy: ``"bfd"`` best-fit decreasing (default: fastest and tightest), ``"ffd"``
+            first-fit decreasing, ``"ff"`` first-fit in data order (bins keep the data order more
+            closely), ``"nf"`` next-fit (consecutive samples, the loosest).
+        vision: optional ``[N]`` non-negative ints: a second per-sample cost with its own per-bin
+            budget ``vision_capacity`` (ViT patches before merge, which bound the vision tower's
+            activation memory; or images per sample to cap images per bin).
+        vision_capacity: per-bin budget for ``vision`` (required when ``vision`` is given).
+        max_samples_per_bin: optional cap on samples per bin.
+        oversized: what to do with a sample longer than ``capacity``: ``"raise"`` (default),
+            ``"truncate"`` (clip its length to ``capacity``; listed in ``result.truncated``; the
+            caller must then cut the sample itself) or ``"skip"`` (listed in ``result.unpacked``).
+            A sample whose vision cost alone exceeds ``vision_capacity`` cannot be truncated: it
+            raises under ``"raise"`` and is skipped (and reported) under ``"truncate"``/``"skip"``.
+        seed: if given, shuffle the order of the bins (not their contents) with this seed. The
+            decreasing strategies open bins longest-sample first, so iterating them in creation
+            order would feed a length curriculum to training; ``None`` keeps creation order.
+
+    Returns:
+        A :class:`PackResult`. Deterministic: the same input and seed give the same bins.
+
+    Raises:
+        ValueError / TypeError: naming the sample index, for non-integer, zero, negative or
+            (under ``oversized="raise"``) oversized samples, and for bad arguments.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    _check_oversized(oversized)
+    capacity = _as_positive_int(capacity, "capacity")
+    lens = _as_int_array(lengths, "lengths", allow_zero=False)
+    n = lens.size
+    vis: np.ndarray | None = None
+    vcap = 0
+    if vision is not None:
+        if vision_capacity is None:
+            raise ValueError("vision is given but vision_capacity is None: pass the per-bin vision budget")
+        vcap = _as_positive_int(vision_capacity, "vision_capacity")
+        vis = _as_int_array(vision, "vision", allow_zero=True)
+        if vis.size != n:
+            raise ValueError(f"vision has {vis.size} entries but lengths has {n}: give one per sample")
+    elif vision_capacity is not None:
+        raise ValueError("vision_capacity is given but vision is None: pass the per-sample vision costs")
+    max_n = n + 1
+    if max_samples_per_bin is not None:
+        max_n = _as_positive_int(max_samples_per_bin, "max_samples_per_bin")
+
+    unpacked: list[Unpacked] = []
+    truncated: dict[int, int] = {}
+    skip = np.zeros(n, dtype=bool)
+    over = lens > capacity
+    vover = vis > vcap if vis is not None else np.zeros(n, dtype=bool)
+    if over.any() or vover.any():
+        i_len = int(np.argmax(over)) if over.any() else n
+        i_vis = int(np.argmax(vover)) if vover.any() else n
+        if oversized == "raise":
+            if i_len <= i_vis:
+                raise ValueError(_oversize_message(f"sample {i_len}", int(lens[i_len]), capacity))
+            raise ValueError(_vision_oversize_message(f"sample {i_vis}", int(vis[i_vis]), vcap))
+        # a vision budget cannot be truncated: such samples are skipped under both policies
+        drop = vover | over if oversized == "skip" else vover
+        for i in np.flatnonzero(drop).tolist():
+            why = []
+            if over[i]:
+                why.append(f"length {int(lens[i])} > capacity {capacity}")
+            if vover[i]:
+                why.append(f"vision cost {int(vis[i])} > vision_capacity {vcap} (cannot be truncated)")
+            unpacked.append(Unpacked(i, "; ".join(why)))
+        skip = drop
+        if oversized == "truncate":
+            idx = np.flatnonzero(over & ~vover)
+            truncated = dict(zip(idx.tolist(), lens[idx].tolist()))
+            lens = np.where(over & ~vover, capacity, lens)
+    keep = np.flatnonzero(~skip) if skip.any() else None
+    sub = lens if keep is None else lens[keep]
+    subv = None if vis is None else (vis if keep is None else vis[keep])
+    m = sub.size
+
+    if m == 0:
+        order = np.zeros(0, dtype=np.int64)
+        offsets = np.zeros(1, dtype=np.int64)
+    else:
+        constrained = subv is not None or max_n <= m
+        if strategy in ("bfd", "ffd"):
+            if subv is None:
+                perm = _stable_argsort_desc(sub, capacity)
+            else:
+                perm = np.lexsort((-subv, -sub))  # lexsort is stable: ties keep index order
+        else:
+            perm = None
+        if strategy == "bfd" and not constrained:
+            counts = np.bincount(sub, minlength=capacity + 1)
+            item_bin, nb = _bfd_histogram(counts, capacity)
+        else:
+            plens = (sub if perm is None else sub[perm]).tolist()
+            pvis = None if subv is None else (subv if perm is None else subv[perm]).tolist()
+            lmin = int(sub.min())
+            if strategy == "bfd":
+                ib, nb = _bfd_constrained(plens, pvis, capacity, vcap, max_n, lmin)
+            elif strategy in ("ffd", "ff"):
+                ib, nb = _first_fit(plens, pvis, capacity, vcap, max_n, lmin)
+            else:
+                ib, nb = _next_fit(plens, pvis, capacity, vcap, max_n)
+            item_bin = np.asarray(ib, dtype=np.int64)
+        # bin-major order; inside a bin, processing order (the sort is stable)
+        within = _stable_argsort_ids(item_bin, nb)
+        order = within if perm is None else perm[within]
+        if keep is not None:
+            order = keep[order]
+        offsets = np.zeros(nb + 1, dtype=np.int64)
+        np.cumsum(np.bincount(item_bin, minlength=nb), out=offsets[1:])
+
+    if seed is not None and offsets.size > 2:
+        order, offsets = _shuffle_bins(order, offsets, seed)
+
+    return PackResult(
+        order=order,
+        bin_offsets=offsets,
+        lengths=lens,
+        capacity=capacity,
+        strategy=strategy,
+        vision=vis,
+        vision_capacity=vcap if vis is not None else None,
+        max_samples_per_bin=max_samples_per_bin,
+        unpacked=unpacked,
+        truncated=truncated,
+    )
+
+
+def _shuffle_bins(order: np.ndarray, offsets: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Permute whole bins with ``np.random.default_rng(seed)`` (PCG64: the same on every platform)."""
+    nb = offsets.size - 1
+    p = np.random.default_rng(seed).permutation(nb)
+    sizes = np.diff(offsets)[p]
+    new_offsets = np.zeros(nb + 1, dtype=np.int64)
+    np.cumsum(sizes, out=new_offsets[1:])
+    src = np.repeat(offsets[:-1][p] - new_offsets[:-1], sizes) + np.arange(order.size)
+    return order[src], new_offsets
+
+
+# ----------------------------------------------------------------------------- streaming
+
+_MT_BITS = 40  # low bits of an index key hold (~mtime) so equal free space sorts most-recent first
+_MT_MASK = (1 << _MT_BITS) - 1
+
+
+@dataclass(slots=True)
+class PackedBin:
+    """One emitted bin: the samples' keys and lengths in placement order, and the token total."""
+
+    keys: list[Any]
+    lengths: list[int]
+    total: int
+    visions: list[int] | None = None
+    vision_total: int = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class StreamStats:
+    """Counters of a :class:`StreamPacker` (all samples are accounted for).
+
+    ``samples_seen == samples_emitted + samples_open + samples_dropped + len(skipped)``.
+    """
+
+    samples_seen: int = 0
+    samples_emitted: int = 0
+    bins_emitted: int = 0
+    tokens_emitted: int = 0
+    samples_dropped: int = 0
+    bins_dropped: int = 0
+    tokens_dropped: int = 0
+    capacity: int = 0
+    skipped: list[Unpacked] = field(default_factory=list)
+    truncated: list[tuple[Any, int]] = field(default_factory=list)  # (key, original length)
+
+    @property
+    def fill_ratio(self) -> float:
+        """Mean fill of the emitted bins: tokens_emitted / (bins_emitted * capacity)."""
+        return self.tokens_emitted / (self.bins_emitted * self.capacity) if self.bins_emitted else 0.0
+
+
+class _OpenBin:
+    __slots__ = ("keys", "lengths", "mtime", "total", "visions", "vtotal")
+
+    def __init__(self, keys: list, lengths: list, visions: list | None, total: int, vtotal: int, mtime: int):
+        self.keys = keys
+        self.lengths = lengths
+        self.visions = visions
+        self.total = total
+        self.vtotal = vtotal
+        self.mtime = mtime
+
+
+class StreamPacker:
+    """Online best-fit packer for iterable datasets, with a bounded buffer and exact resume.
+
+    Samples arrive one at a time (``add``) or in batches (``add_many``). Each goes into the open bin
+    with the least free space that holds it (ties: the most recently modified bin), or opens a new
+    bin. A bin is emitted as soon as it holds ``min_fill_ratio * capacity`` tokens or can take
+    nothing more (full, or ``max_samples_per_bin`` reached). When a sample fits no open bin and
+    ``buffer_size`` bins are already open, the fullest open bin is emitted first. ``flush()`` emits
+    the rest at the end of an epoch (with ``drop_last``, the underfilled ones are dropped and
+    reported in ``dropped`` / ``stats``)::
+
+        stream: s0=700 s1=500 s2=300 s3=900 ...      capacity 1024, min_fill 0.7 -> emit at >= 717
+        add(s0) open: [700]                           -> []           (700 < 717)
+        add(s1) open: [700] [500]                     -> []           (500 fits no bin with 700)
+        add(s2) open: [700+300=1000] [500]            -> [bin 1000]   best fit: the 700 bin (324 free)
+        add(s3) open: [500] [900]                     -> [bin 900]    900 >= 717 is emitted at once
+
+    Memory is bounded by ``buffer_size`` open bins; a sample costs O(log buffer_size) plus a
+    list insertion in the sorted index of open bins. The whole state is plain Python data:
+    ``state_dict()`` / ``load_state_dict()`` resume mid-epoch and emit exactly the bins an
+    uninterrupted run would (JSON-serialisable as long as the sample keys are).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        buffer_size: int = 256,
+        min_fill_ratio: float = 0.7,
+        drop_last: bool = False,
+        *,
+        vision_capacity: int | None = None,
+        max_samples_per_bin: int | None = None,
+        oversized: str = "raise",
+    ) -> None:
+        self.capacity = _as_positive_int(capacity, "capacity")
+        self.buffer_size = _as_positive_int(buffer_size, "buffer_size")
+        if isinstance(min_fill_ratio, bool) or not isinstance(min_fill_ratio, numbers.Real):
+            raise TypeError(f"min_fill_ratio must be a float in (0, 1], got {min_fill_ratio!r}")
+        if not 0.0 < float(min_fill_ratio) <= 1.0:
+            raise ValueError(f"min_fill_ratio must be in (0, 1], got {min_fill_ratio}")
+        self.min_fill_ratio = float(min_fill_ratio)
+        # integer threshold; round() first so 0.7 * 10 = 7.000000000000001 does not become 8
+        self._threshold = max(1, math.ceil(round(self.min_fill_ratio * self.capacity, 9)))
+        self.drop_last = bool(drop_last)
+        self.vision_capacity = (
+            None if vision_capacity is None else _as_positive_int(vision_capacity, "vision_capacity")
+        )
+        self.max_samples_per_bin = (
+            None
+            if max_samples_per_bin is None
+            else _as_positive_int(max_samples_per_bin, "max_samples_per_bin")
+        )
+        _check_oversized(oversized)
+        self.oversized = oversized
+        self._max_n = self.max_samples_per_bin or (1 << 62)
+        self._vcap = self.vision_capacity if self.vision_capacity is not None else 1 << 62
+        self.dropped: list[PackedBin] = []
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self._index: list[int] = []  # sorted: free << 40 | (~mtime & mask)
+        self._open: list[_OpenBin] = []  # parallel to _index
+        self._clock = 0
+        self.dropped = []
+        self.stats = StreamStats(capacity=self.capacity)
+
+    # -- introspection
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    def open_bins(self) -> list[PackedBin]:
+        """Snapshot of the open (not yet emitted) bins, fullest first."""
+        return [self._as_packed(b) for b in self._open]
+
+    def _as_packed(self, b: _OpenBin) -> PackedBin:
+        return PackedBin(
+            list(b.keys),
+            list(b.lengths),
+            b.total,
+            None if b.visions is None else list(b.visions),
+            b.vtotal,
+        )
+
+    # -- core
+    def _validate(self, key: Any, length: Any, vision: Any) -> tuple[int, int] | None:
+        """(length, vision) to place, or None if the sample is skipped (and reported)."""
+        if type(length) is not int:
+            if isinstance(length, bool | np.bool_) or not isinstance(length, numbers.Integral):
+                raise TypeError(f"sample {key!r}: length {length!r} ({type(length).__name__}) is not an int")
+            length = int(length)
+        if length <= 0:
+            raise ValueError(
+                f"sample {key!r}: length {length} is {'zero' if length == 0 else 'negative'}; lengths "
+                "must be positive expanded token counts. Filter such samples out before packing."
+            )
+        if type(vision) is not int:
+            if isinstance(vision, bool | np.bool_) or not isinstance(vision, numbers.Integral):
+                raise TypeError(f"sample {key!r}: vision {vision!r} ({type(vision).__name__}) is not an int")
+            vision = int(vision)
+        if vision < 0:
+            raise ValueError(f"sample {key!r}: vision cost {vision} is negative")
+        if vision and self.vision_capacity is None:
+            raise ValueError(
+                f"sample {key!r}: vision cost {vision} given but the packer has no vision_capacity; "
+                "pass StreamPacker(..., vision_capacity=...) or vision=0"
+            )
+        if vision > self._vcap:
+            if self.oversized == "raise":
+                raise ValueError(_vision_oversize_message(f"sample {key!r}", vision, self._vcap))
+            self.stats.skipped.append(
+                Unpacked(key, f"vision cost {vision} > vision_capacity {self._vcap} (cannot be truncated)")
+            )
+            return None
+        if length > self.capacity:
+            if self.oversized == "raise":
+                raise ValueError(_oversize_message(f"sample {key!r}", length, self.capacity))
+            if self.oversized == "skip":
+                self.stats.skipped.append(Unpacked(key, f"length {length} > capacity {self.capacity}"))
+                return None
+            self.stats.truncated.append((key, length))
+            length = self.capacity
+        return length, vision
+
+    def _emit(self, b: _OpenBin, out: list[PackedBin]) -> None:
+        st = self.stats
+        st.bins_emitted += 1
+        st.samples_emitted += len(b.keys)
+        st.tokens_emitted += b.total
+        out.append(PackedBin(b.keys, b.lengths, b.total, b.visions, b.vtotal))
+
+    def _place(self, key: Any, length: int, vision: int, out: list[PackedBin]) -> None:
+        index = self._index
+        opened = self._open
+        self._clock += 1
+        clock = self._clock
+        pos = bisect.bisect_left(index, length << _MT_BITS)
+        n_open = len(index)
+        if self.vision_capacity is not None and vision:
+            vcap = self._vcap
+            while pos < n_open and opened[pos].vtotal + vision > vcap:
+                pos += 1
+        if pos < n_open:
+            b = opened[pos]
+            del index[pos]
+            del opened[pos]
+            b.keys.append(key)
+            b.lengths.append(length)
+            if b.visions is not None:
+                b.visions.append(vision)
+            b.total += length
+            b.vtotal += vision
+        else:
+            if length >= self._threshold or self._max_n == 1 or length == self.capacity:
+                # a bin that would be emitted at once: do not evict an open bin for it
+                self._emit(
+                    _OpenBin(
+                        [key],
+                        [length],
+                        None if self.vision_capacity is None else [vision],
+                        length,
+                        vision,
+                        clock,
+                    ),
+                    out,
+                )
+                return
+            if n_open >= self.buffer_size:  # buffer full: emit the fullest bin to make room
+                del index[0]
+                self._emit(opened.pop(0), out)
+            b = _OpenBin(
+                [key], [length], None if self.vision_capacity is None else [vision], length, vision, clock
+            )
+        free = self.capacity - b.total
+        if b.total >= self._threshold or free == 0 or len(b.keys) >= self._max_n:
+            self._emit(b, out)
+            return
+        b.mtime = clock
+        k = (free << _MT_BITS) | (_MT_MASK - clock)
+        pos = bisect.bisect_left(index, k)
+        index.insert(pos, k)
+        opened.insert(pos, b)
+
+    def add(self, key: Any, length: int, vision: int = 0) -> list[PackedBin]:
+        """Add one sample (``length`` = expanded tokens); return the bins this emitted (often none)."""
+        self.stats.samples_seen += 1
+        lv = self._validate(key, length, vision)
+        out: list[PackedBin] = []
+        if lv is not None:
+            self._place(key, lv[0], lv[1], out)
+        return out
+
+    def add_many(
+        self, keys: Iterable[Any], lengths: Iterable[int], visions: Iterable[int] | None = None
+    ) -> list[PackedBin]:
+        """Add samples in order (same bins as calling :meth:`add` on each); return all emitted bins."""
+        out: list[PackedBin] = []
+        if isinstance(lengths, np.ndarray):
+            lengths = lengths.tolist()
+        stats = self.stats
+        validate = self._validate
+        place = self._place
+        capacity = self.capacity
+        if visions is None:
+            if self.oversized == "raise":
+                # fast path: plain ints in range go straight to placement; anything else is validated
+                for key, length in zip(keys, lengths, strict=True):
+                    stats.samples_seen += 1
+                    if type(length) is int and 0 < length <= capacity:
+                        place(key, length, 0, out)
+                    else:
+                        lv = validate(key, length, 0)
+                        if lv is not None:
+                            place(key, lv[0], lv[1], out)
+                return out
+            visions = [0] * len(lengths) if isinstance(lengths, list) else None
+        if isinstance(visions, np.ndarray):
+            visions = visions.tolist()
+        if visions is None:
+            lengths = list(lengths)
+            visions = [0] * len(lengths)
+        for key, length, v in zip(keys, lengths, visions, strict=True):
+            stats.samples_seen += 1
+            lv = validate(key, length, v)
+            if lv is not None:
+                place(key, lv[0], lv[1], out)
+        return out
+
+    def flush(self) -> list[PackedBin]:
+        """Emit every open bin (fullest first), e.g. at the end of an epoch.
+
+        With ``drop_last=True``, bins holding fewer than ``min_fill_ratio * capacity`` tokens are not
+        returned: they go to :attr:`dropped` and ``stats.samples_dropped`` / ``bins_dropped``, so
+        the samples are accounted for (train on them next epoch or log them).
+        """
+        out: list[PackedBin] = []
+        opened = self._open
+        self._open = []
+        self._index = []
+        st = self.stats
+        for b in opened:
+            if self.drop_last and b.total < self._threshold:
+                st.bins_dropped += 1
+                st.samples_dropped += len(b.keys)
+                st.tokens_dropped += b.total
+                self.dropped.append(PackedBin(b.keys, b.lengths, b.total, b.visions, b.vtotal))
+            else:
+                self._emit(b, out)
+        return out
+
+    # -- state
+    def state_dict(self) -> dict[str, Any]:
+        """The full state as plain Python (lists/dicts/ints/strs, plus the user's sample keys)."""
+        st = self.stats
+        return {
+            "version": 1,
+            "config": {
+                "capacity": self.capacity,
+                "buffer_size": self.buffer_size,
+                "min_fill_ratio": self.min_fill_ratio,
+                "drop_last": self.drop_last,
+                "vision_capacity": self.vision_capacity,
+                "max_samples_per_bin": self.max_samples_per_bin,
+                "oversized": self.oversized,
+            },
+            "clock": self._clock,
+            "open": [
+                {
+                    "keys": list(b.keys),
+                    "lengths": list(b.lengths),
+                    "visions": None if b.visions is None else list(b.visions),
+                    "mtime": b.mtime,
+                }
+                for b in self._open
+            ],
+            "stats": {
+                "samples_seen": st.samples_seen,
+                "samples_emitted": st.samples_emitted,
+                "bins_emitted": st.bins_emitted,
+                "tokens_emitted": st.tokens_emitted,
+                "samples_dropped": st.samples_dropped,
+                "bins_dropped": st.bins_dropped,
+                "tokens_dropped": st.tokens_dropped,
+                "skipped": [[u.index, u.reason] for u in st.skipped],
+                "truncated": [[k, n] for k, n in st.truncated],
+            },
+            "dropped": [
+                {
+                    "keys": list(b.keys),
+                    "lengths": list(b.lengths),
+                    "visions": None if b.visions is None else list(b.visions),
+                }
+                for b in self.dropped
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (also after a JSON round trip). The configuration must match."""
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported StreamPacker state version {state.get('version')!r}")
+        mine = self.state_dict()["config"]
+        theirs = state["config"]
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        if diff:
+            raise ValueError(
+                "StreamPacker state was saved with a different configuration (saved, current): "
+                f"{diff}; build the packer with the saved configuration to resume exactly"
+            )
+        self._reset_state()
+        self._clock = int(state["clock"])
+        entries = []
+        for ob in state["open"]:
+            lengths = [int(x) for x in ob["lengths"]]
+            visions = None if ob["visions"] is None else [int(x) for x in ob["visions"]]
+            b = _OpenBin(
+                list(ob["keys"]), lengths, visions, sum(lengths), sum(visions or ()), int(ob["mtime"])
+            )
+            entries.append((((self.capacity - b.total) << _MT_BITS) | (_MT_MASK - b.mtime), b))
+        entries.sort(key=lambda e: e[0])
+        self._index = [k for k, _ in entries]
+        self._open = [b for _, b in entries]
+        s = state["stats"]
+        st = self.stats
+        for name in (
+            "samples_seen",
+            "samples_emitted",
+            "bins_emitted",
+            "tokens_emitted",
+            "samples_dropped",
+            "bins_dropped",
+            "tokens_dropped",
+        ):
+            setattr(st, name, int(s[name]))
+        st.skipped = [Unpacked(k, r) for k, r in s["skipped"]]
+        st.truncated = [(k, int(n)) for k, n in s["truncated"]]
+        self.dropped = [
+            PackedBin(
+                list(d["keys"]),
+                [int(x) for x in d["lengths"]],
+                sum(int(x) for x in d["lengths"]),
+                None if d["visions"] is None else [int(x) for x in d["visions"]],
+                sum(int(x) for x in d["visions"] or ()),
+            )
+            for d in state["dropped"]
+        ]
+
+
+# ----------------------------------------------------------------------------- DP balancing
+
+
+def _flatten_per_bin(values: Any, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per-bin ints or per-bin sequences of ints -> (flat int64 values, offsets [B+1])."""
+    if isinstance(values, PackResult):
+        return values.lengths[values.order], values.bin_offsets
+    items = list(values)
+    if all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in items):
+        flat = _as_int_array(items, name, allow_zero=True)
+        return flat, np.arange(flat.size + 1, dtype=np.int64)
+    sizes = []
+    chunks = []
+    for b, x in enumerate(items):
+        if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+            x = [x]
+        try:
+            arr = _as_int_array(x, f"{name}[{b}]", allow_zero=True)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"bin {b}: {e}") from None
+        chunks.append(arr)
+        sizes.append(arr.size)
+    offsets = np.zeros(len(items) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    flat = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+    return flat, offsets
+
+
+def _per_bin_sum(flat: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Sum per bin, allowing empty bins. Shapes [N], [B+1] -> [B] float64."""
+    c = np.zeros(flat.size + 1, dtype=np.float64)
+    np.cumsum(flat, out=c[1:])
+    return c[offsets[1:]] - c[offsets[:-1]]
+
+
+def bin_costs(
+    bins: PackResult | Sequence[int] | Sequence[Sequence[int]],
+    *,
+    cost: str | Callable[[np.ndarray], float] = "attention",
+    vision: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    hidden_size: int = 4096,
+    vision_hidden_size: int = 1280,
+    vision_weight: float | None = None,
+) -> np.ndarray:
+    """Compute cost per bin, float64 ``[num_bins]``.
+
+    A transformer layer costs about ``12 h^2 s + 2 h s^2`` FLOPs on a sequence of ``s`` tokens
+    (projections + MLP, then attention), i.e. proportional to ``s^2 + 6 h s``; in a packed bin the
+    attention term is per *sample* (varlen attention never crosses a boundary)::
+
+        cost(bin) = sum_i (len_i^2 + 6*hidden_size*len_i)                            # language model
+                  + vision_weight * sum_img (p^2 + 6*vision_hidden_size*p)         # vision tower
+
+    Args:
+        bins: a :class:`PackResult`, per-bin sample lengths (list of lists), or per-bin totals
+            (ints: then each bin counts as a single sequence, which overstates attention).
+        cost: ``"attention"`` (the formula above), ``"tokens"`` (just lengths and patches), or a
+            callable mapping one bin's int64 sample lengths to its cost.
+        vision: per bin, the ViT patch counts *before merge* of its images (a list per bin), or one
+            int per bin (its patches as one image). The ViT attends within each image.
+        hidden_size / vision_hidden_size: model widths for the linear terms (defaults: a 7B LLM,
+            Qwen2-VL's ViT).
+        vision_weight: ViT work per unit of the formula relative to the LLM's; default
+            ``vision_hidden_size / hidden_size`` (equal depth). Scale by ViT depth / LLM depth.
+    """
+    flat, offsets = _flatten_per_bin(bins, "bins")
+    nb = offsets.size - 1
+    if callable(cost):
+        out = np.array([float(cost(flat[a:b])) for a, b in itertools.pairwise(offsets)], dtype=np.float64)
+        vmode = "attention"
+    elif cost == "attention":
+        f = flat.astype(np.float64)
+        out = _per_bin_sum(f * f + 6.0 * hidden_size * f, offsets)
+        vmode = "attention"
+    elif cost == "tokens":
+        out = _per_bin_sum(flat.astype(np.float64), offsets)
+        vmode = "tokens"
+    else:
+        raise ValueError(f"cost must be 'attention', 'tokens' or a callable, got {cost!r}")
+    if vision is not None:
+        vflat, voff = _flatten_per_bin(vision, "vision")
+        if voff.size - 1 != nb:
+            raise ValueError(f"vision has {voff.size - 1} bins but bins has {nb}: give one entry per bin")
+        w = vision_hidden_size / hidden_size if vision_weight is None else float(vision_weight)
+        p = vflat.astype(np.float64)
+        vc = p * p + 6.0 * vision_hidden_size * p if vmode == "attention" else p
+        out = out + w * _per_bin_sum(vc, voff)
+    return out
+
+
+def partition_imbalance(costs: Sequence[float] | np.ndarray, partition: Sequence[Sequence[int]]) -> float:
+    """max rank load / mean rank load (1.0 = perfectly balanced)."""
+    c = np.asarray(costs, dtype=np.float64)
+    loads = np.array([c[np.asarray(p, dtype=np.int64)].sum() if len(p) else 0.0 for p in partition])
+    mean = loads.mean() if loads.size else 0.0
+    return float(loads.max() / mean) if mean > 0 else 1.0
+
+
+def _karmarkar_karp(costs: list[float], k: int, equal_count: bool) -> list[list[int]]:
+    """k-way largest differencing (Karmarkar-Karp), deterministic.
+
+    Each state is k partial sets sorted by load; the two states with the largest spread are merged
+    by pairing the heaviest set of one with the lightest of the other, until one state remains.
+    With ``equal_count`` the initial states are k consecutive items of the sorted costs, one per
+    set, so every rank ends with the same number of bins.
+    """
+    import heapq
+
+    n = len(costs)
+    order = sorted(range(n), key=lambda i: (costs[i], i))
+    heap: list[tuple[float, int, list[tuple[float, int, Any]]]] = []
+    # a set is (load, first_item, items) with items a nested tuple tree (cheap merges)
+    seq = 0
+
+    def push(sets: list[tuple[float, int, Any]]) -> None:
+        nonlocal seq
+        sets.sort(key=lambda s: (-s[0], s[1]))
+        heapq.heappush(heap, (-(sets[0][0] - sets[-1][0]), seq, sets))
+        seq += 1
+
+    if equal_count:
+        for off in range(0, n, k):
+            push([(costs[i], i, i) for i in order[off : off + k]])
+    else:
+        for i in order:
+            push([(costs[i], i, i)] + [(0.0, n + j, None) for j in range(k - 1)])
+    while len(heap) > 1:
+        a = heapq.heappop(heap)[2]
+        b = heapq.heappop(heap)[2]
+        merged = [(sa[0] + sb[0], min(sa[1], sb[1]), (sa[2], sb[2])) for sa, sb in zip(a, reversed(b))]
+        push(merged)
+    out: list[list[int]] = []
+    for _load, _first, tree in heap[0][2] if heap else []:
+        items: list[int] = []
+        stack = [tree]
+        while stack:
+            t = stack.pop()
+            if t is None:
+                continue
+            if isinstance(t, tuple):
+                stack.extend(t)
+            else:
+                items.append(t)
+        out.append(sorted(items))
+    while len(out) < k:
+        out.append([])
+    return out
+
+
+def balance_bins(
+    bins: PackResult | Sequence[int] | Sequence[Sequence[int]],
+    world_size: int,
+    *,
+    cost: str | Callable[[np.ndarray], float] = "attention",
+    vision: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    equal_count: bool = False,
+    hidden_size: int = 4096,
+    vision_hidden_size: int = 1280,
+    vision_weight: float | None = None,
+) -> list[list[int]]:
+    """Deal bins to ``world_size`` data-parallel ranks so that their compute is balanced.
+
+    Costs come from :func:`bin_costs` (attention as ``sum len^2`` per sample, linear layers, and
+    the vision tower's per-image work), then bins are split with Karmarkar-Karp largest
+    differencing (as veRL's ``seqlen_balancing`` does for text)::
+
+        bins (cost)   a(9) b(7) c(6) d(5) e(4) f(3)          world_size = 2
+        rank 0        a(9) + e(4) + f(3)    = 17
+        rank 1        b(7) + c(6) + d(5)    = 18            max / mean = 1.03
+
+    Args:
+        bins, cost, vision, hidden_size, vision_hidden_size, vision_weight: see :func:`bin_costs`.
+        world_size: number of ranks.
+        equal_count: give every rank the same number of bins (requires ``num_bins % world_size ==
+            0``). Use it when each bin is one micro-batch: ranks with different numbers of
+            micro-batches would desynchronise gradient accumulation collectives.
+
+    Returns:
+        ``world_size`` lists of bin indices (each sorted ascending). The achieved imbalance
+        (max rank cost / mean) is logged at DEBUG; compute it with :func:`partition_imbalance`.
+    """
+    world_size = _as_positive_int(world_size, "world_size")
+    costs = bin_costs(
+        bins,
+        cost=cost,
+        vision=vision,
+        hidden_size=hidden_size,
+        vision_hidden_size=vision_hidden_size,
+        vision_weight=vision_weight,
+    )
+    nb = costs.size
+    if equal_count and nb % world_size:
+        raise ValueError(
+            f"equal_count=True needs num_bins divisible by world_size, got {nb} bins for {world_size} "
+            f"ranks: drop or add {nb % world_size} / {world_size - nb % world_size} bins first"
+        )
+    parts = _karmarkar_karp(costs.tolist(), world_size, equal_count)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "balance_bins: %d bins on %d ranks, imbalance (max/mean) %.4f",
+            nb,
+            world_size,
+            partition_imbalance(costs, parts),
+        )
+    return parts
