@@ -107,6 +107,8 @@ def _as_pixels(family: str, name: str, value: Any) -> int:
 
 
 def _check_size(family: str, width: Any, height: Any) -> tuple[int, int]:
+    if type(width) is int and type(height) is int and width > 0 and height > 0:  # the common case, fast
+        return width, height
     return _as_pixels(family, "width", width), _as_pixels(family, "height", height)
 
 
@@ -294,11 +296,13 @@ class _QwenStyleSpec(VisionSpec):
         return 1, h // self.patch_size, w // self.patch_size
 
     def num_patches(self, width: int, height: int) -> int:
-        _, gh, gw = self.grid(width, height)
-        return gh * gw
+        w, h = self.resized_size(width, height)
+        return (h // self.patch_size) * (w // self.patch_size)
 
     def num_tokens(self, width: int, height: int) -> int:
-        return self.num_patches(width, height) // (self.merge_size * self.merge_size)
+        w, h = self.resized_size(width, height)
+        # Both sides are multiples of patch * merge: the merge divides each side exactly.
+        return (h // self.factor) * (w // self.factor)
 
     def tiles(self, width: int, height: int) -> int:
         _check_size(self.family, width, height)
@@ -1272,6 +1276,13 @@ def vision_spec_from_processor(obj: Any) -> VisionSpec:
     strategy = _get(processor, "vision_feature_select_strategy")
     if ip_name in ("LlavaImageProcessor", "CLIPImageProcessor", "LlavaNextImageProcessor"):
         crop = _get(ip, "crop_size") if _get(ip, "do_center_crop", False) else _get(ip, "size")
+        if ip_name != "LlavaNextImageProcessor" and _get(crop, "height") is None:
+            # Without the center crop, a shortest_edge resize keeps the aspect ratio: a per-image count
+            # the released LLaVA processors never produce.
+            raise ValueError(
+                f"{type(ip).__name__} with do_center_crop=False and size={crop!r}: the LLaVA token count then "
+                "depends on the aspect ratio, which vlm_pack does not model; enable do_center_crop."
+            )
         crop_h, crop_w = _hw(crop, "the crop size")
         kwargs = dict(crop_height=crop_h, crop_width=crop_w)
         if processor is not None:
@@ -1399,8 +1410,9 @@ def _u16be(b: bytes, o: int = 0) -> int:
 
 def _exif_orientation(data: bytes) -> int | None:
     """The Orientation tag (0x0112) of IFD0 of a TIFF-structured EXIF block, or None if absent."""
-    if data[:6] == b"Exif\x00\x00":
-        data = data[6:]
+    for _ in range(2):  # Pillow strips up to two "Exif\0\0" prefixes (PNG eXIf chunks often carry one)
+        if data[:6] == b"Exif\x00\x00":
+            data = data[6:]
     if len(data) < 8:
         return None
     if data[:2] == b"II":
@@ -1495,6 +1507,7 @@ def _jpeg(r: _Reader, want_exif: bool) -> tuple[int, int, int]:
 
 
 _PNG_SIG = b"\x89PNG\r\n\x1a\n"
+_PNG_CHUNK = struct.Struct(">I4s")
 
 
 def _png(r: _Reader, want_exif: bool) -> tuple[int, int, int]:
@@ -1510,11 +1523,18 @@ def _png(r: _Reader, want_exif: bool) -> tuple[int, int, int]:
     exif = raw_profile = xmp_str = xmp = None
     pos = 8
     seen_idat = animated = False
+    mem = r.buf if r.complete else None  # in memory: unpack chunk headers in place (hot loop over IDATs)
+    end = len(r.buf)
     while True:
-        chunk = r.get(pos, 8)
-        if len(chunk) < 8:
-            break  # a truncated tail loses only metadata, as with Pillow's tolerant chunk reader
-        length, cid = struct.unpack(">I4s", chunk)
+        if mem is not None:
+            if pos + 8 > end:
+                break
+            length, cid = _PNG_CHUNK.unpack_from(mem, pos)
+        else:
+            chunk = r.get(pos, 8)
+            if len(chunk) < 8:
+                break  # a truncated tail loses only metadata, as with Pillow's tolerant chunk reader
+            length, cid = _PNG_CHUNK.unpack(chunk)
         if cid == b"IEND" or (animated and seen_idat and cid == b"fcTL"):
             break
         if cid == b"acTL":
@@ -1634,9 +1654,16 @@ def _webp(r: _Reader, want_exif: bool) -> tuple[int, int, int]:
 def _pillow(r: _Reader, want_exif: bool) -> tuple[int, int, int]:
     from PIL import Image, UnidentifiedImageError
 
-    fp: Any = r.fp if r.fp is not None else io.BytesIO(bytes(r.buf))
-    if r.fp is not None:
-        fp.seek(r.base)
+    fp: Any
+    if r.fp is not None and r.base == 0:
+        fp = r.fp  # Pillow's plugins seek to absolute offsets: only a stream starting at 0 works as is
+        fp.seek(0)
+    elif r.complete:
+        fp = io.BytesIO(bytes(r.buf))
+    else:
+        assert r.fp is not None
+        r.fp.seek(r.base + len(r.buf))
+        fp = io.BytesIO(bytes(r.buf) + r.fp.read())
     try:
         with Image.open(fp) as im:
             width, height = im.size
