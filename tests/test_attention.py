@@ -1,0 +1,437 @@
+"""varlen_attention backends against a per-sample float64 reference, and the HF integration on tiny
+real models (LLaMA, Qwen2-VL with real image tokens) against per-sample and sdpa forwards."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlm_pack.attention import (
+    BACKENDS,
+    HF_ATTN_IMPLEMENTATION,
+    available_backends,
+    backend_unavailable_reason,
+    cu_seqlens_from_position_ids,
+    document_block_mask,
+    register_hf_attention,
+    resolve_backend,
+    select_backend,
+    use_varlen_attention,
+    varlen_attention,
+)
+
+# CPU flex runs uncompiled here on purpose (correctness); torch warns that this is the slow path.
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+CPU_BACKENDS = available_backends("cpu")
+CPU_GRAD_BACKENDS = available_backends("cpu", requires_grad=True)
+
+
+def reference_attention(q, k, v, cu_seqlens, causal, scale=None):
+    """Plain softmax attention in float64, one sample at a time (the definition varlen must match)."""
+    q, k, v = q.double(), k.double(), v.double()
+    groups = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    outs = []
+    bounds = cu_seqlens.tolist()
+    for a, b in itertools.pairwise(bounds):
+        qs = q[a:b].transpose(0, 1)
+        ks = k[a:b].repeat_interleave(groups, 1).transpose(0, 1)
+        vs = v[a:b].repeat_interleave(groups, 1).transpose(0, 1)
+        scores = qs @ ks.transpose(-1, -2) * scale
+        if causal:
+            future = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        outs.append((scores.softmax(-1) @ vs).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def cu_from_lengths(lengths):
+    return torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32)
+
+
+def random_lengths(seed, total):
+    """Random split of ``total`` tokens with length-1 samples forced in."""
+    rng = np.random.default_rng(seed)
+    lengths, left = [1], total - 1
+    while left > 0:
+        n = int(min(left, rng.choice([1, 1, rng.integers(2, 40), rng.integers(40, 300)])))
+        lengths.append(n)
+        left -= n
+    rng.shuffle(lengths)
+    return lengths
+
+
+LENGTH_CASES = {
+    "random-a": random_lengths(0, 517),
+    "random-b": random_lengths(1, 300),
+    "single-sample-fills-row": [260],
+    "all-length-1": [1] * 7,
+    "empty-sample-inside": [3, 0, 129, 1],
+}
+
+
+def qkv(total, heads, kv_heads, dim=16, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(total, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", list(LENGTH_CASES))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_backends_match_per_sample_reference(backend, case, causal, kv_heads):
+    lengths = LENGTH_CASES[case]
+    cu = cu_from_lengths(lengths)
+    q, k, v = qkv(sum(lengths), 4, kv_heads)
+    with torch.no_grad():
+        out = varlen_attention(q, k, v, cu, max(lengths), causal=causal, backend=backend)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, cu, causal), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_gqa_two_groups_int64_cu_and_custom_scale(backend):
+    lengths = LENGTH_CASES["random-a"]
+    cu = cu_from_lengths(lengths).long()  # int64 is accepted and converted
+    q, k, v = qkv(sum(lengths), 6, 3, dim=8, seed=3)
+    with torch.no_grad():
+        out = varlen_attention(q, k, v, cu, None, causal=True, softmax_scale=0.3, backend=backend)
+    torch.testing.assert_close(
+        out.double(), reference_attention(q, k, v, cu, True, 0.3), atol=2e-6, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("backend", CPU_GRAD_BACKENDS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradients_match_reference(backend, causal):
+    lengths = [*random_lengths(5, 200), 1]
+    cu = cu_from_lengths(lengths)
+    q, k, v = qkv(sum(lengths), 4, 2, seed=7, requires_grad=True)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    out = varlen_attention(q, k, v, cu, max(lengths), causal=causal, backend=backend)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(q64, k64, v64, cu, causal)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad_out.double())
+    for name, got, want in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4, msg=f"d{name} differs")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_backends_match_reference_in_bf16(causal):
+    device = torch.device("cuda")
+    lengths = [1, *random_lengths(2, 3000), 1]
+    cu = cu_from_lengths(lengths).to(device)
+    q, k, v = (t.to(device, torch.bfloat16).requires_grad_() for t in qkv(sum(lengths), 8, 2, dim=64))
+    grad_out = torch.randn(q.shape, device=device, dtype=torch.bfloat16)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(q64, k64, v64, cu, causal)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad_out.double())
+    backends = available_backends(device, torch.bfloat16, 64, requires_grad=True)
+    if torch.cuda.get_device_capability(device) >= (8, 0):
+        assert "torch_varlen" in backends and select_backend(q) in ("flash_attn", "torch_varlen")
+    for backend in backends:
+        out = varlen_attention(q, k, v, cu, max(lengths), causal=causal, backend=backend)
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=backend)
+        for name, got, want in zip("qkv", torch.autograd.grad(out, (q, k, v), grad_out), ref_grads):
+            torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=5e-2, msg=f"{backend} d{name}")
+
+
+@pytest.mark.parametrize("lengths", [[1, 130, 5, 0, 300, 1, 77], [128, 128, 44], [600], [3] * 50])
+@pytest.mark.parametrize("causal", [True, False])
+def test_document_block_mask_equals_create_block_mask(lengths, causal):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    cu = cu_from_lengths(lengths)
+    total = sum(lengths)
+    doc = torch.searchsorted(cu[1:].long(), torch.arange(total), right=True)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = doc[q_idx] == doc[kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
+
+    want = create_block_mask(mask_mod, None, None, total, total, device="cpu")
+    got = document_block_mask(cu, total, causal)
+    assert torch.equal(got.to_dense(), want.to_dense())
+    assert got.kv_num_blocks.flatten().tolist() == want.kv_num_blocks.flatten().tolist()
+    assert got.full_kv_num_blocks.flatten().tolist() == want.full_kv_num_blocks.flatten().tolist()
+    assert got.sparsity() == want.sparsity()
+
+
+def test_backend_availability_and_selection_on_cpu():
+    assert CPU_BACKENDS == ["flex", "sdpa_per_sample", "sdpa_masked"]
+    assert CPU_GRAD_BACKENDS == ["sdpa_per_sample", "sdpa_masked"]
+    q, k, v = qkv(10, 2, 2)
+    # CPU auto: per-sample SDPA (flex has no CPU backward and is slower uncompiled).
+    assert select_backend(q) == "sdpa_per_sample"
+    assert resolve_backend("auto", q.requires_grad_(), k, v) == "sdpa_per_sample"
+    assert "CUDA" in backend_unavailable_reason("torch_varlen", "cpu")
+    assert backend_unavailable_reason("sdpa_masked", "cpu") is None
+    with pytest.raises(ValueError, match="no backward on CPU"):
+        varlen_attention(q, k, v, cu_from_lengths([4, 6]), backend="flex")
+    with pytest.raises(ValueError, match="cannot run here"):
+        varlen_attention(q, k, v, cu_from_lengths([4, 6]), backend="torch_varlen")
+    with pytest.raises(ValueError, match="unknown backend 'flash'"):
+        varlen_attention(q, k, v, cu_from_lengths([4, 6]), backend="flash")
+    assert set(BACKENDS) >= set(CPU_BACKENDS)
+
+
+@pytest.mark.parametrize(
+    ("cu", "error", "match"),
+    [
+        (torch.tensor([1, 4, 10], dtype=torch.int32), ValueError, r"must start at 0.*prepend a 0"),
+        (torch.tensor([0, 6, 4, 10], dtype=torch.int32), ValueError, r"non-decreasing.*cu_seqlens\[2\] = 4"),
+        (torch.tensor([0, 4, 9], dtype=torch.int32), ValueError, r"cu_seqlens\[-1\] = 9 .* = 10"),
+        (torch.tensor([0.0, 4.0, 10.0]), TypeError, r"integer tensor.*to\(torch.int32\)"),
+        (torch.tensor([[0, 4, 10]], dtype=torch.int32), ValueError, r"1-D"),
+        ([0, 4, 10], TypeError, r"torch.Tensor"),
+    ],
+)
+def test_bad_cu_seqlens_raise_with_fix(cu, error, match):
+    q, k, v = qkv(10, 2, 2)
+    with pytest.raises(error, match=match):
+        varlen_attention(q, k, v, cu, None)
+
+
+def test_bad_shapes_and_max_seqlen_raise():
+    q, k, v = qkv(10, 4, 3)
+    with pytest.raises(ValueError, match="divide the number of query heads"):
+        varlen_attention(q, k, v, cu_from_lengths([10]))
+    q, k, v = qkv(10, 4, 2)
+    with pytest.raises(ValueError, match="max_seqlen = 5 is smaller than the longest sample"):
+        varlen_attention(q, k, v, cu_from_lengths([4, 6]), 5)
+    with pytest.raises(ValueError, match=r"\(total_tokens, heads, head_dim\)"):
+        varlen_attention(q[None], k[None], v[None], cu_from_lengths([10]))
+
+
+def test_cu_seqlens_from_position_ids_matches_transformers_rule():
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    pos = torch.tensor([[0, 1, 2, 0, 0, 1, 5, 6, 0, 1]])
+    cu, max_len = cu_seqlens_from_position_ids(pos)
+    assert cu.tolist() == [0, 3, 4, 6, 8, 10] and max_len == 3
+    groups = find_packed_sequence_indices(pos)[0]
+    assert torch.equal(torch.bincount(groups), (cu[1:] - cu[:-1]).long())
+    # Qwen2-VL (4, 1, T) layout: row 0 is the text positions; every row of a batch starts a sample.
+    cu4, _ = cu_seqlens_from_position_ids(pos.expand(4, 1, -1))
+    assert torch.equal(cu4, cu)
+    cu2, _ = cu_seqlens_from_position_ids(torch.arange(4).repeat(2, 1))
+    assert cu2.tolist() == [0, 4, 8]
+
+
+# ------------------------------------------------------------------------------------------------------
+# Hugging Face integration on tiny real models
+# ------------------------------------------------------------------------------------------------------
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def token_logprobs(logits, ids):
+    return logits.float().log_softmax(-1)[..., :-1, :].gather(-1, ids[..., 1:, None])[..., 0]
+
+
+def packed_row_logprobs(lengths, logits, ids):
+    """Per-sample next-token log-probs inside a packed row (never across a boundary)."""
+    lp = token_logprobs(logits[0], ids[0])
+    cu = np.cumsum([0, *lengths])
+    return torch.cat([lp[a : b - 1] for a, b in itertools.pairwise(cu)])
+
+
+def test_llama_packed_varlen_matches_per_sample_and_sdpa_packing():
+    model = tiny_llama()
+    lengths = [7, 1, 33, 2, 20]
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, 128, (n,), generator=g) for n in lengths]
+    ids = torch.cat(samples)[None]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = cu_from_lengths(lengths)
+    with torch.no_grad():
+        alone = torch.cat([token_logprobs(model(input_ids=s[None]).logits[0], s) for s in samples])
+        sdpa_packed = packed_row_logprobs(
+            lengths, model(input_ids=ids, position_ids=pos, use_cache=False).logits, ids
+        )
+        use_varlen_attention(model)
+        assert model.config._attn_implementation == HF_ATTN_IMPLEMENTATION
+        from_pos = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        from_cu = model(
+            input_ids=ids,
+            position_ids=pos,
+            use_cache=False,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=max(lengths),
+            max_length_k=max(lengths),
+        ).logits
+    for logits in (from_pos, from_cu):
+        got = packed_row_logprobs(lengths, logits, ids)
+        torch.testing.assert_close(got, alone, atol=2e-5, rtol=0)
+        torch.testing.assert_close(got, sdpa_packed, atol=2e-5, rtol=0)
+    # Without the position reset the samples would see each other: the check above can fail.
+    with torch.no_grad():
+        leaky = packed_row_logprobs(lengths, model(input_ids=ids, use_cache=False).logits, ids)
+    assert (leaky - alone).abs().max() > 1e-2
+
+
+def test_llama_packed_training_step_gradients_match_sdpa():
+    lengths = [30, 1, 17, 12]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[0, np.cumsum(lengths)[:-1]] = -100  # no loss across boundaries (shift is inside the model)
+    grads = {}
+    for impl in ("sdpa", HF_ATTN_IMPLEMENTATION):
+        model = tiny_llama().train()
+        if impl != "sdpa":
+            use_varlen_attention(model, backend="sdpa_per_sample")
+        loss = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
+        loss.backward()
+        grads[impl] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(grads["sdpa"][0], grads[HF_ATTN_IMPLEMENTATION][0], atol=1e-5, rtol=0)
+    for name, g_sdpa in grads["sdpa"][1].items():
+        torch.testing.assert_close(
+            grads[HF_ATTN_IMPLEMENTATION][1][name], g_sdpa, atol=2e-5, rtol=1e-4, msg=name
+        )
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_llama_padded_batch_and_generate_match_sdpa(side):
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 128, (3, 12), generator=g)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    for row, n_pad in enumerate((0, 5, 11)):
+        if n_pad:
+            (mask[row, :n_pad] if side == "left" else mask[row, 12 - n_pad :]).zero_()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        want_gen = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        use_varlen_attention(model)
+        got = model(input_ids=ids, attention_mask=mask).logits
+        got_gen = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=0)
+    if side == "left":  # greedy continuation of left-padded prompts, through the KV cache
+        assert torch.equal(got_gen, want_gen)
+
+
+def test_llama_unpadded_batch_without_position_ids_matches_sdpa():
+    # transformers then makes (1, T) position ids shared by all rows: each row is one sequence.
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (3, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+        got = use_varlen_attention(model)(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_forced_backend_runs_through_the_registered_function():
+    model = tiny_llama()
+    use_varlen_attention(model, backend="flash_attn")  # not installable on CPU: the forward must say so
+    ids = torch.randint(0, 128, (1, 9))
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])
+    with pytest.raises(ValueError, match="backend='flash_attn' cannot run here"):
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+    with pytest.raises(ValueError, match="unknown backend"):
+        use_varlen_attention(model, backend="flash")
+    assert register_hf_attention() == HF_ATTN_IMPLEMENTATION
+
+
+def qwen2_vl_samples(tokenizer, image_processor, seed=0):
+    """Three samples of text + real images (Pillow -> Qwen2-VL image processor): 2, 0 and 1 images."""
+    rng = np.random.default_rng(seed)
+    pad, start, end = tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    merge = 4  # spatial_merge_size ** 2
+    samples = []
+    for n_text, sizes in ((9, [(56, 84), (112, 56)]), (23, []), (1, [(84, 84)])):
+        ids = rng.integers(20, len(tokenizer), n_text).tolist()
+        pixel_values, grids = [], []
+        for h, w in sizes:
+            img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+            out = image_processor(images=[img], return_tensors="pt")
+            pixel_values.append(out["pixel_values"])
+            grids.append(out["image_grid_thw"])
+            n_vis = int(out["image_grid_thw"].prod()) // merge
+            ids += [start] + [pad] * n_vis + [end] + rng.integers(20, len(tokenizer), 3).tolist()
+        samples.append(
+            dict(
+                input_ids=torch.tensor([ids]),
+                pixel_values=torch.cat(pixel_values) if sizes else None,
+                image_grid_thw=torch.cat(grids) if sizes else None,
+            )
+        )
+    return samples
+
+
+def test_qwen2_vl_packed_images_varlen_matches_per_sample_and_sdpa():
+    from vlm_pack.offline import build_tokenizer, image_processor, tiny_model
+
+    tok = build_tokenizer("qwen2_vl")
+    model = tiny_model("qwen2_vl", tok, initializer_range=0.2, vision_layers=2)
+    samples = qwen2_vl_samples(tok, image_processor("qwen2_vl"))
+    image_id = model.config.image_token_id
+    lengths = [s["input_ids"].shape[1] for s in samples]
+    positions = []
+    with torch.no_grad():
+        alone = []
+        for s in samples:
+            mm = (s["input_ids"] == image_id).int()
+            inputs = {k: v for k, v in s.items() if v is not None}
+            alone.append(token_logprobs(model(**inputs, mm_token_type_ids=mm).logits[0], s["input_ids"][0]))
+            rope = model.model.get_rope_index(
+                s["input_ids"], mm_token_type_ids=mm, image_grid_thw=s["image_grid_thw"]
+            )[0]
+            positions.append(torch.cat([torch.arange(rope.shape[-1]).view(1, 1, -1), rope]))
+    alone = torch.cat(alone)
+    packed = dict(
+        input_ids=torch.cat([s["input_ids"] for s in samples], 1),
+        pixel_values=torch.cat([s["pixel_values"] for s in samples if s["pixel_values"] is not None]),
+        image_grid_thw=torch.cat([s["image_grid_thw"] for s in samples if s["image_grid_thw"] is not None]),
+        position_ids=torch.cat(positions, -1),  # (4, 1, T): text arange + per-sample mRoPE rows
+        use_cache=False,
+    )
+    assert packed["position_ids"].shape == (4, 1, sum(lengths))
+    cu = cu_from_lengths(lengths)
+    with torch.no_grad():
+        sdpa = packed_row_logprobs(lengths, model(**packed).logits, packed["input_ids"])
+        use_varlen_attention(model)
+        assert model.config.vision_config._attn_implementation == HF_ATTN_IMPLEMENTATION
+        from_pos = packed_row_logprobs(lengths, model(**packed).logits, packed["input_ids"])
+        # The flash kwargs also reach the vision tower through **kwargs: it must ignore them.
+        from_cu = packed_row_logprobs(
+            lengths,
+            model(
+                **packed,
+                cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu,
+                max_length_q=max(lengths),
+                max_length_k=max(lengths),
+            ).logits,
+            packed["input_ids"],
+        )
+    for got in (from_pos, from_cu):
+        torch.testing.assert_close(got, alone, atol=3e-5, rtol=0)
+        torch.testing.assert_close(got, sdpa, atol=3e-5, rtol=0)
