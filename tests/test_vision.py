@@ -656,8 +656,10 @@ def test_batch_equals_loop():
     assert spec.num_tokens_batch(w, h).tolist() == [spec.num_tokens(a, b) for a, b in ok]
     assert spec.num_patches_batch(w.tolist(), h.tolist()).tolist() == [spec.num_patches(a, b) for a, b in ok]
     assert spec.num_tokens_batch([], []).shape == (0,)
-    with pytest.raises(ValueError, match="aspect ratio"):
-        spec.num_tokens_batch([1, 500], [1, 2])
+    with pytest.raises(ValueError, match=r"image 1 \(500x2\).*aspect ratio"):
+        spec.num_tokens_batch([1, 500, 3], [1, 2, 3])
+    with pytest.raises(ValueError, match=r"image 2 \(0x5\).*positive"):
+        spec.num_tokens_batch([1, 5, 0], [1, 5, 5])
     ov = LlavaOnevisionSpec()
     assert ov.num_tokens_batch(w[:50], h[:50]).tolist() == [ov.num_tokens(a, b) for a, b in ok[:50]]
 

@@ -170,8 +170,15 @@ class VisionSpec(abc.ABC):
         if not (np.issubdtype(w.dtype, np.integer) and np.issubdtype(h.dtype, np.integer)):
             raise TypeError(f"widths and heights must be integer arrays, got {w.dtype} and {h.dtype}.")
         pairs, inverse = np.unique(np.stack([w, h], axis=1), axis=0, return_inverse=True)
-        out = np.fromiter((fn(int(a), int(b)) for a, b in pairs), dtype=np.int64, count=len(pairs))
-        return out[inverse.reshape(-1)]
+        inverse = inverse.reshape(-1)
+        out = np.empty(len(pairs), dtype=np.int64)
+        for k, (a, b) in enumerate(pairs.tolist()):
+            try:
+                out[k] = fn(a, b)
+            except (ValueError, TypeError) as e:
+                first = int(np.flatnonzero(inverse == k)[0])
+                raise type(e)(f"image {first} ({a}x{b}): {e}") from None
+        return out[inverse]
 
     def to_dict(self) -> dict[str, Any]:
         """The spec's parameters (family included), e.g. for logging next to a packing plan."""
@@ -1160,7 +1167,7 @@ def vision_spec(family: str, **overrides: Any) -> VisionSpec:
     >>> vision_spec("qwen2_vl").num_tokens(1920, 1080)
     2691
     >>> vision_spec("qwen2_vl", max_pixels=200704).num_tokens(1920, 1080)  # capped at 256 tokens
-    248
+    252
     """
     key = _normalize_family(family)
     if key not in _FAMILY_FACTORIES:
