@@ -94,3 +94,39 @@ def test_bad_inputs_raise_clear_errors():
         chat_format("unknown_family")
     with pytest.raises(ValueError, match="needs image_processor"):
         process_sample([_img(32, 32)], "x", tokenizer=tok)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava", "llava_next"])
+def test_forecast_from_header_equals_processed_length(family):
+    """The packer's forecast (text + header sizes) is the length the sample really has after preprocessing."""
+    import io
+    import random
+
+    from vlm_pack.processing import forecast_length
+    from vlm_pack.vision import image_size, vision_spec_from_processor
+
+    tok = build_tokenizer(family)
+    ip = (
+        image_processor(family, size={"shortest_edge": 3136, "longest_edge": 401408})
+        if family.startswith("qwen")
+        else image_processor(family)
+    )
+    spec = vision_spec_from_processor(ip)
+    rng = random.Random(family)
+    for n_images in (0, 1, 3):
+        blobs = []
+        for _ in range(n_images):
+            buf = io.BytesIO()
+            _img(rng.randint(20, 1500), rng.randint(20, 1500)).save(
+                buf, format=rng.choice(["JPEG", "PNG", "WEBP"])
+            )
+            blobs.append(buf.getvalue())
+        conv = [
+            {"role": "user", "content": "<image>" * n_images + "Describe."},
+            {"role": "assistant", "content": "x"},
+        ]
+        sizes = [image_size(b) for b in blobs]
+        length, counts = forecast_length(conv, sizes, tokenizer=tok, spec=spec, family=family)
+        s = process_sample(blobs, conv, tokenizer=tok, image_processor=ip, family=family)
+        assert length == len(s["input_ids"])
+        assert counts == s["tokens_per_image"].tolist()

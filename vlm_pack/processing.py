@@ -249,7 +249,7 @@ def forecast_length(
         template=template,
         key=key,
     )
-    counts = [int(spec.num_tokens(w, h)) for (w, h) in image_sizes]
+    counts = [int(n) for n in spec.sample_tokens(list(image_sizes))] if image_sizes else []
     return len(ids) - len(counts) + sum(counts), counts
 
 
