@@ -97,3 +97,311 @@ def test_write_shards_from_folder(tmp_path):
         },
         {"role": "assistant", "content": [{"type": "text", "text": "No."}]},
     ]
+
+
+# -- streaming pipeline --------------------------------------------------------------------------------
+
+import json  # noqa: E402
+import logging  # noqa: E402
+import random  # noqa: E402
+
+import torch  # noqa: E402
+
+from vlm_pack.data.pipeline import BadSampleWarning, PackedDataLoader, PackedWebDataset  # noqa: E402
+from vlm_pack.offline import build_tokenizer, image_processor  # noqa: E402
+
+CAPACITY = 256
+BAD_REASONS = {
+    "corrupt_image": "bad_header",
+    "decode_error": "bad_pixels",
+    "missing_text": "bad_notext",
+    "placeholder_mismatch": "bad_placeholders",
+    "bad_text": "bad_json",
+    "too_long": "bad_long",
+    "image_rejected": "bad_aspect",
+}
+
+
+def _exif_rotated_jpeg(size: tuple[int, int]) -> bytes:
+    image = Image.effect_noise(size, 60).convert("RGB")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90: decoded as height x width
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", exif=exif)
+    return buf.getvalue()
+
+
+def _good_records(n: int, prefix: str, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        n_images = rng.choice([0, 1, 1, 1, 2])
+        images = [
+            _encoded((rng.randint(20, 260), rng.randint(20, 260)), rng.choice(["JPEG", "PNG", "WEBP"]), i + j)
+            for j in range(n_images)
+        ]
+        words = " ".join(
+            rng.choice(["red", "dog", "sky", "the", "car", "two"]) for _ in range(rng.randint(3, 40))
+        )
+        if i % 2:
+            record = {"caption": words}
+        else:
+            marks = [{"type": "image"}] * n_images
+            record = {
+                "conversation": [
+                    {"role": "system", "content": "be brief"},
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "look:"}, *marks, {"type": "text", "text": "?"}],
+                    },
+                    {"role": "assistant", "content": words},
+                ]
+            }
+        records.append({"key": f"{prefix}{i:03d}", "images": images, **record})
+    if n > 5:
+        records[3]["images"] = [_exif_rotated_jpeg((150, 60))]  # decoded as 60 x 150: the forecast must know
+        records[5]["images"] = [_encoded((12, 12), "PNG")]  # below min_pixels: upscaled
+    return records
+
+
+def _bad_records() -> list[dict]:
+    jpg = _encoded((120, 90), "JPEG")
+    conv = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "compare"}],
+        },
+        {"role": "assistant", "content": "same"},
+    ]
+    return [
+        {"key": "bad_header", "images": (b"\xff\xd8\xff\xe0" + b"\x00" * 7, "jpg"), "caption": "x"},
+        {"key": "bad_pixels", "images": (jpg[: len(jpg) // 2], "jpg"), "caption": "header fine, pixels cut"},
+        {"key": "bad_notext", "images": jpg},
+        {"key": "bad_placeholders", "images": jpg, "conversation": conv},
+        {"key": "bad_json", "images": jpg, "meta": {"note": "no text"}},
+        {"key": "bad_long", "caption": "dog " * 2000},
+        {"key": "bad_aspect", "images": _encoded((402, 2), "PNG"), "caption": "a line"},
+    ]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    good = _good_records(30, "s", seed=0)
+    records = list(good)
+    for j, bad in enumerate(_bad_records()):
+        records.insert(4 * j + 2, bad)
+    urls = write_shards(records, root / "main", maxcount=5)
+    # An unreadable shard, and a shard truncated inside its 4th sample's second member.
+    (root / "garbage.tar").write_bytes(b"this is not a tar file" * 50)
+    cut = write_shards(_good_records(4, "cut", seed=1), root / "cut")[0]
+    with tarfile.open(cut) as tar:
+        member = tar.getmember("cut003.txt")
+    Path(cut).write_bytes(Path(cut).read_bytes()[: member.offset_data + 1])
+    urls = [*urls[:2], str(root / "garbage.tar"), *urls[2:], cut]
+    good_keys = sorted([r["key"] for r in good] + ["cut000", "cut001", "cut002"])
+    return {"urls": urls, "good": good_keys, "n_read": len(good_keys) + len(BAD_REASONS)}
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return build_tokenizer("qwen2_vl"), image_processor("qwen2_vl")
+
+
+def _pipeline(corpus, qwen, **overrides) -> PackedWebDataset:
+    tok, ip = qwen
+    kwargs = dict(
+        tokenizer=tok,
+        image_processor=ip,
+        capacity=CAPACITY,
+        shuffle_seed=3,
+        shuffle_buffer=4,
+        buffer_size=4,
+        min_fill_ratio=0.9,  # keeps bins open longer: checkpoints catch samples in the packer
+    )
+    kwargs.update(overrides)
+    return PackedWebDataset(corpus["urls"], **kwargs)
+
+
+def _summary(batch) -> tuple:
+    """What identifies a pack: its stream, its samples in packed order and its tokens."""
+    return (
+        batch.stream_meta["snapshot"]["stream"],
+        tuple(batch.metadata["__key__"]),
+        tuple(batch.seq_lens.tolist()),
+        batch.input_ids.sum().item(),
+    )
+
+
+def _run(loader, stop: int | None = None) -> list:
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BadSampleWarning)
+        for batch in loader:
+            out.append(batch)
+            if stop is not None and len(out) == stop:
+                break
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, qwen):
+    """One uninterrupted epoch through 2 DataLoader workers."""
+    ds = _pipeline(corpus, qwen)
+    batches = _run(PackedDataLoader(ds, num_workers=2))
+    return ds, batches
+
+
+def test_two_workers_every_good_sample_in_exactly_one_pack(corpus, reference):
+    ds, batches = reference
+    keys = [k for b in batches for k in b.metadata["__key__"]]
+    assert sorted(keys) == corpus["good"]  # each good sample once, no bad one
+    assert {b.stream_meta["snapshot"]["stream"] for b in batches} == {0, 1}  # both workers produced packs
+    for b in batches:
+        assert b.num_rows == 1 and b.input_ids.shape == (1, CAPACITY)
+        assert int(b.seq_lens.sum()) <= CAPACITY
+        assert b.cu_seqlens[-1].item() == int(b.seq_lens.sum())
+        # The header-only forecast of each sample equals its length after real preprocessing.
+        meta = b.stream_meta
+        forecast = dict(zip((k for _, k in meta["samples"]), meta["forecast"]))
+        assert [forecast[k] for k in b.metadata["__key__"]] == b.seq_lens.tolist()
+        assert meta["lengths"] == meta["forecast"]
+        n_image_tokens = int((b.input_ids == ds.tokenizer.image_token_id).sum())
+        if b.image_grid_thw is None:  # a pack of text-only samples
+            assert n_image_tokens == 0 and b.pixel_values is None
+        else:
+            assert (
+                n_image_tokens == int(b.tokens_per_image.sum()) == int(b.image_grid_thw.prod(-1).sum()) // 4
+            )
+    stats = ds.stats
+    assert stats.reasons == {**dict.fromkeys(BAD_REASONS, 1), "unreadable_shard": 2}
+    assert {(b.reason, b.key) for b in stats.bad} >= set(BAD_REASONS.items())
+    assert stats.samples_bad == len(BAD_REASONS) and stats.forecast_mismatches == 0
+    assert stats.samples_read == corpus["n_read"]
+    assert stats.samples_packed == len(corpus["good"]) and stats.bins == len(batches)
+    assert stats.tokens == sum(int(b.seq_lens.sum()) for b in batches)
+    assert 0.5 < stats.fill_ratio <= 1.0
+
+
+def test_bad_data_is_warned_with_shard_and_key_or_raised(corpus, qwen):
+    ds = _pipeline(corpus, qwen, shuffle_seed=None)
+    with pytest.warns(BadSampleWarning) as caught:
+        keys = sorted(k for b in ds for k in b.metadata["__key__"])
+    assert keys == corpus["good"]  # single process: same samples
+    messages = [str(w.message) for w in caught if issubclass(w.category, BadSampleWarning)]
+    for reason, key in BAD_REASONS.items():
+        hit = [m for m in messages if f"key {key!r}" in m]
+        assert len(hit) == 1 and reason in hit[0] and "main/shard-" in hit[0], (reason, hit)
+    assert any("garbage.tar" in m and "unreadable_shard" in m for m in messages)
+    assert any("cut/shard-000000.tar" in m and "unreadable_shard" in m and "cut002" in m for m in messages)
+
+    strict = _pipeline(corpus, qwen, shuffle_seed=None, on_error="raise")
+    with pytest.raises(
+        ValueError, match=r"bad_text: shard .*main/shard-000000.tar, key 'bad_header'|corrupt_image"
+    ):
+        list(strict)
+
+
+def test_resume_after_interruption_gives_the_same_remaining_packs(corpus, qwen, reference):
+    ref = [_summary(b) for b in reference[1]]
+    # The state after k batches, as a checkpoint taken at that point would hold it (plain JSON data).
+    ds = _pipeline(corpus, qwen)
+    loader = PackedDataLoader(ds, num_workers=2)
+    states = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BadSampleWarning)
+        for _ in loader:
+            states.append(json.loads(json.dumps(loader.state_dict())))
+    assert len(states) == len(ref) >= 8
+    held = {"shuffle": 0, "open": 0, "ready": 0}
+    for k in range(1, len(ref), 2):
+        for snap in states[k - 1]["progress"]["streams"]:
+            held["shuffle"] += len(snap["shuffle"])
+            held["open"] += sum(len(b["keys"]) for b in snap["packer"]["open"])
+            held["ready"] += sum(len(keys) for keys in snap["ready"])
+        resumed = _pipeline(corpus, qwen)
+        resumed.load_state_dict(states[k - 1])
+        tail = [_summary(b) for b in _run(PackedDataLoader(resumed, num_workers=2))]
+        assert ref[:k] + tail == ref, k
+        # stats continue from the checkpoint: the epoch's totals equal the uninterrupted run's
+        assert resumed.stats.reasons == reference[0].stats.reasons
+        assert resumed.stats.samples_read == corpus["n_read"]
+    # the cuts caught samples in every kind of buffer, which resuming must read again
+    assert min(held.values()) > 0, held
+
+    # A real interruption: break out of the loop, checkpoint, resume in a new pipeline.
+    first = _pipeline(corpus, qwen)
+    loader = PackedDataLoader(first, num_workers=2)
+    head = [_summary(b) for b in _run(loader, stop=2)]
+    resumed = _pipeline(corpus, qwen)
+    resumed.load_state_dict(loader.state_dict())
+    assert head + [_summary(b) for b in _run(PackedDataLoader(resumed, num_workers=2))] == ref
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("workers", [0, 3])
+def test_resume_with_another_worker_count_loses_and_repeats_nothing(corpus, qwen, workers):
+    first = _pipeline(corpus, qwen)
+    loader = PackedDataLoader(first, num_workers=2)
+    head = _run(loader, stop=3)
+    resumed = _pipeline(corpus, qwen)
+    resumed.load_state_dict(loader.state_dict())
+    tail = _run(PackedDataLoader(resumed, num_workers=workers))
+    keys = [k for b in head + tail for k in b.metadata["__key__"]]
+    assert sorted(keys) == corpus["good"]
+    stats = resumed.stats
+    assert stats.samples_read == corpus["n_read"] and stats.samples_packed == len(corpus["good"])
+    assert stats.reasons == {**dict.fromkeys(BAD_REASONS, 1), "unreadable_shard": 2}
+
+
+def test_epochs_follow_each_other_and_reshuffle(corpus, qwen, reference):
+    ds = _pipeline(corpus, qwen)
+    loader = PackedDataLoader(ds, num_workers=2)
+    epoch0 = [_summary(b) for b in _run(loader)]
+    assert epoch0 == [_summary(b) for b in reference[1]]
+    state = loader.state_dict()
+    epoch1 = _run(loader)  # the next iteration is the next epoch, shuffled again
+    assert {b.stream_meta["epoch"] for b in epoch1} == {1}
+    assert sorted(k for b in epoch1 for k in b.metadata["__key__"]) == corpus["good"]
+    assert [_summary(b) for b in epoch1] != epoch0
+    # a checkpoint taken at the end of epoch 0 resumes into epoch 1
+    again = _pipeline(corpus, qwen)
+    again.load_state_dict(state)
+    assert [_summary(b) for b in _run(PackedDataLoader(again, num_workers=2))] == [
+        _summary(b) for b in epoch1
+    ]
+    assert again.stats.samples_read == 2 * corpus["n_read"]  # both epochs
+    # set_epoch restarts a given epoch
+    again.set_epoch(0)
+    assert [_summary(b) for b in _run(PackedDataLoader(again, num_workers=2))] == epoch0
+
+
+def test_split_by_node_and_worker(corpus, qwen, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    per_rank = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        ds = _pipeline(corpus, qwen, pad_to_multiple_of=8, vision_capacity=2, vision_cost="images")
+        batches = _run(PackedDataLoader(ds, num_workers=2))
+        assert {b.stream_meta["snapshot"]["stream"] % 2 for b in batches} == {rank}
+        for b in batches:
+            spans = b.cu_seqlens_padded.diff()
+            assert bool((spans % 8 == 0).all()) and int(spans.sum()) == CAPACITY
+            assert b.seq_lens.tolist() == [
+                dict(zip((k for _, k in b.stream_meta["samples"]), b.stream_meta["forecast"]))[k]
+                for k in b.metadata["__key__"]
+            ]
+            assert (0 if b.image_grid_thw is None else len(b.image_grid_thw)) <= 2
+        per_rank.append([k for b in batches for k in b.metadata["__key__"]])
+    assert sorted(per_rank[0] + per_rank[1]) == corpus["good"]
+    assert not set(per_rank[0]) & set(per_rank[1])
+
+
+def test_progress_log(corpus, qwen, caplog):
+    ds = _pipeline(corpus, qwen, progress="log", log_every=0.0)
+    with caplog.at_level(logging.INFO, logger="vlm_pack.data"):
+        batches = _run(ds)
+    lines = [r.getMessage() for r in caplog.records if r.name == "vlm_pack.data"]
+    assert len(lines) == len(batches)
+    assert all("samples/s" in m and "packs/s" in m and "fill" in m for m in lines)
+    assert torch.is_tensor(batches[0].input_ids)
