@@ -222,6 +222,8 @@ class PackResult:
         max_samples_per_bin: int | None = None,
         unpacked: list[Unpacked] | None = None,
         truncated: dict[int, int] | None = None,
+        bin_lengths: np.ndarray | None = None,
+        bin_vision: np.ndarray | None = None,
     ) -> None:
         self.order = order
         self.bin_offsets = bin_offsets
@@ -233,8 +235,12 @@ class PackResult:
         self.max_samples_per_bin = max_samples_per_bin
         self.unpacked = unpacked if unpacked is not None else []
         self.truncated = truncated if truncated is not None else {}
-        self.bin_lengths = _segment_sums(lengths[order], bin_offsets)
-        self.bin_vision = None if vision is None else _segment_sums(vision[order], bin_offsets)
+        if bin_lengths is None:
+            bin_lengths = _segment_sums(lengths[order], bin_offsets)
+        if bin_vision is None and vision is not None:
+            bin_vision = _segment_sums(vision[order], bin_offsets)
+        self.bin_lengths = bin_lengths
+        self.bin_vision = bin_vision
         self._bins: list[list[int]] | None = None
         self._sample_bin: np.ndarray | None = None
 
@@ -331,13 +337,13 @@ def _stable_argsort_desc(lens: np.ndarray, capacity: int) -> np.ndarray:
 
 
 def _stable_argsort_ids(ids: np.ndarray, max_id: int) -> np.ndarray:
-    """Stable argsort of non-negative ids < ``max_id`` via two 16-bit radix passes (numpy radix-sorts uint16)."""
+    """Stable argsort of bin ids in ``[0, max_id)``.
+
+    One 16-bit radix pass when the ids fit; otherwise timsort, which is near linear here because
+    the ids come in long ascending runs (bins are opened in processing order).
+    """
     if max_id <= 1 << 16:
         return np.argsort(ids.astype(np.uint16), kind="stable")
-    if max_id <= 1 << 32:
-        p = np.argsort((ids & 0xFFFF).astype(np.uint16), kind="stable")
-        p2 = np.argsort((ids[p] >> 16).astype(np.uint16), kind="stable")
-        return p[p2]
     return np.argsort(ids, kind="stable")
 
 
@@ -347,31 +353,83 @@ def _stable_argsort_ids(ids: np.ndarray, max_id: int) -> np.ndarray:
 # ``item_bin``: the bin (numbered in opening order) of each processed item, and the bin count.
 
 
-def _bfd_histogram(counts: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
-    """Exact best-fit decreasing on a length histogram, in O(n + C) numpy plus one Python step per bucket move.
+def _bfd_histogram(
+    counts: np.ndarray, capacity: int, *, ranges: bool | None = None
+) -> tuple[np.ndarray, int]:
+    """Exact best-fit decreasing on a length histogram: numpy plus one Python step per bucket move.
 
     ``counts[L]`` = number of items of length L; items are processed longest first. Bins live in
     buckets keyed by free space ``r``; a bucket is a stack (top = most recently modified bin, the
-    tie-break). For a length L the best bin is the top of the smallest bucket r >= L, and after taking
-    one item it sits at r - L, which is again the best bin while r - L >= L: so it takes
-    ``q = r // L`` items in a row and every bin of bucket r does the same, in stack order, ending at
-    ``r % L``. A whole bucket is therefore placed in one step, and new bins take ``capacity // L``
-    items each. Returns ``item_bin`` [n] for the items in processing order, and the bin count.
+    tie-break). For a length L the best bin is the top of the smallest bucket r >= L, and after
+    taking one item it sits at r - L, which is again the best bin while r - L >= L: so it takes
+    ``q = r // L`` items in a row, and every bin of bucket r does the same in stack order, ending
+    at ``r % L``. A whole bucket is placed in one step, and new bins take ``capacity // L`` items
+    each, so the Python work is per (length, bucket) pair, not per item::
+
+        length L = 300, k = 7 items left        buckets (free space -> stack of bins, top last)
+        smallest r >= 300: r = 620, q = 2        620: [b4, b9]      -> b9 takes 2, b4 takes 2 -> 20: [.., b9, b4]
+        next r = 700,  q = 2                     700: [b2, b7, b8]  -> b8 takes 2, b7 takes 1 -> 400: [b7]
+                                                                       (b2 stays at 700)
+
+    Two representations of the stacks give the same bins: plain lists of bin ids (cheapest when
+    lengths are mostly distinct) and lists of ``range`` runs (bins opened together move together,
+    so a million samples become a few thousand runs). ``ranges=None`` picks by items per length.
+    Returns ``item_bin`` [n] for the items in processing order, and the bin count.
     """
     distinct = np.flatnonzero(counts)[::-1]
     if distinct.size == 0:
         return np.zeros(0, dtype=np.int64), 0
+    if ranges is None:
+        ranges = int(counts.sum()) >= 32 * distinct.size
+    return (_bfd_runs if ranges else _bfd_lists)(counts, distinct, capacity)
+
+
+def _bfd_lists(counts: np.ndarray, distinct: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """:func:`_bfd_histogram` with stacks as lists of bin ids."""
     lmin = int(distinct[-1])
     buckets: dict[int, list[int]] = {}
     keys: list[int] = []  # sorted free-space values of non-empty buckets
     rec_bins: list[int] = []  # run-length record of placements: bin, how many items in a row
     rec_reps: list[int] = []
-    nb = 0
+    # Items longer than capacity/2 never share a bin with each other: each opens its own bin,
+    # and the bins of one length form one bucket at free space capacity - L.
+    nbig = int(np.searchsorted(-distinct, -(capacity // 2), side="left"))
+    big = distinct[:nbig]
+    kbig = counts[big]
+    nb = int(kbig.sum())
+    ends = np.cumsum(kbig).tolist()
+    for length, k, e in zip(big.tolist(), kbig.tolist(), ends):
+        d = capacity - length  # ascending over this loop
+        if d >= lmin:
+            buckets[d] = list(range(e - k, e))
+            keys.append(d)
     bisect_left = bisect.bisect_left
-    for length, k in zip(distinct.tolist(), counts[distinct].tolist()):
+    for length, k in zip(distinct[nbig:].tolist(), counts[distinct[nbig:]].tolist()):
         i = bisect_left(keys, length)
-        j = i
         nkeys = len(keys)
+        # Fast paths for few items of this length (the common case when lengths are spread out):
+        # all k go to one bin, whose new free space d stays >= length, so it takes the place of r
+        # in the sorted keys (nothing lies in [length, r)), or is appended after all keys.
+        if i < nkeys:
+            r = keys[i]
+            stack = buckets[r]
+            if len(stack) == 1 and k * length < r - r % length:  # k < r // length
+                rec_bins.append(stack[0])
+                rec_reps.append(k)
+                del buckets[r]
+                d = r - k * length
+                buckets[d] = stack
+                keys[i] = d
+                continue
+        elif k * length < capacity - capacity % length:  # k < capacity // length
+            rec_bins.append(nb)
+            rec_reps.append(k)
+            d = capacity - k * length
+            buckets[d] = [nb]
+            keys.append(d)
+            nb += 1
+            continue
+        j = i
         added: list[int] = []
         while k and j < nkeys:
             r = keys[j]
@@ -445,57 +503,248 @@ def _bfd_histogram(counts: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
                 nb += 1
         for d in added:
             bisect.insort(keys, d)
-    item_bin = np.repeat(np.array(rec_bins, dtype=np.int64), np.array(rec_reps, dtype=np.int64))
-    return item_bin, nb
+    rest_bins = np.repeat(np.array(rec_bins, dtype=np.int64), np.array(rec_reps, dtype=np.int64))
+    return np.concatenate([np.arange(int(kbig.sum()), dtype=np.int64), rest_bins]), nb
+
+
+def _bfd_runs(counts: np.ndarray, distinct: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """:func:`_bfd_histogram` with stacks as lists of ``range`` runs of bin ids (top = last id of last run)."""
+    lmin = int(distinct[-1])
+    buckets: dict[int, list[Any]] = {}  # free -> [bin count, runs]
+    keys: list[int] = []
+    rec_r: list[range] = []  # runs of bins in placement order
+    rec_q: list[int] = []  # items each bin of the run takes in a row
+    nb = 0
+    bisect_left = bisect.bisect_left
+    insort = bisect.insort
+    for length, k in zip(distinct.tolist(), counts[distinct].tolist()):
+        i = bisect_left(keys, length)
+        j = i
+        nkeys = len(keys)
+        added: list[int] = []
+        while k and j < nkeys:
+            r = keys[j]
+            ent = buckets[r]
+            q = r // length
+            c = ent[0]
+            if k >= q * c:
+                taken = [rg[::-1] for rg in reversed(ent[1])]
+                rec_r += taken
+                rec_q += [q] * len(taken)
+                k -= q * c
+                del buckets[r]
+                j += 1
+                d = r - q * length
+                if d >= lmin:
+                    dst = buckets.get(d)
+                    if dst is None:
+                        buckets[d] = [c, taken]
+                        added.append(d)
+                    else:
+                        dst[0] += c
+                        dst[1] += taken
+            else:
+                nfull, rest = divmod(k, q)
+                k = 0
+                rl = ent[1]
+                if nfull:
+                    need = nfull
+                    taken = []
+                    while need:
+                        rg = rl[-1]
+                        m = len(rg)
+                        if m <= need:
+                            rl.pop()
+                            taken.append(rg[::-1])
+                            need -= m
+                        else:
+                            taken.append(rg[: m - need - 1 : -1])
+                            rl[-1] = rg[: m - need]
+                            need = 0
+                    ent[0] -= nfull
+                    rec_r += taken
+                    rec_q += [q] * len(taken)
+                    d = r - q * length
+                    if d >= lmin:
+                        dst = buckets.get(d)
+                        if dst is None:
+                            buckets[d] = [nfull, taken]
+                            added.append(d)
+                        else:
+                            dst[0] += nfull
+                            dst[1] += taken
+                if rest:
+                    rg = rl[-1]
+                    b = rg[-1]
+                    if len(rg) == 1:
+                        rl.pop()
+                    else:
+                        rl[-1] = rg[:-1]
+                    ent[0] -= 1
+                    one = range(b, b + 1)
+                    rec_r.append(one)
+                    rec_q.append(rest)
+                    d = r - rest * length
+                    buckets[d] = [1, [one]]
+                    added.append(d)
+                if not ent[0]:
+                    del buckets[r]
+                    j += 1
+        del keys[i:j]
+        if k:
+            q = capacity // length
+            nfull, rest = divmod(k, q)
+            if nfull:
+                ids = range(nb, nb + nfull)
+                nb += nfull
+                rec_r.append(ids)
+                rec_q.append(q)
+                d = capacity - q * length
+                if d >= lmin:
+                    dst = buckets.get(d)
+                    if dst is None:
+                        buckets[d] = [nfull, [ids]]
+                        added.append(d)
+                    else:
+                        dst[0] += nfull
+                        dst[1].append(ids)
+            if rest:
+                one = range(nb, nb + 1)
+                rec_r.append(one)
+                rec_q.append(rest)
+                d = capacity - rest * length
+                buckets[d] = [1, [one]]
+                added.append(d)
+                nb += 1
+        for d in added:
+            insort(keys, d)
+    # expand the runs: bin ids start, start + step, ... each repeated q times
+    nrec = len(rec_r)
+    starts = np.fromiter((rg.start for rg in rec_r), np.int64, nrec)
+    steps = np.fromiter((rg.step for rg in rec_r), np.int64, nrec)
+    sizes = np.fromiter(map(len, rec_r), np.int64, nrec)
+    first = np.zeros(nrec, dtype=np.int64)
+    np.cumsum(sizes[:-1], out=first[1:])
+    pos = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(first, sizes)
+    bins = np.repeat(starts, sizes) + pos * np.repeat(steps, sizes)
+    return np.repeat(bins, np.repeat(np.array(rec_q, dtype=np.int64), sizes)), nb
+
+
+def _tree_set(tree: list[int], j: int, value: int) -> None:
+    """Set leaf ``j`` (already offset by the tree size) of a max segment tree and fix its ancestors."""
+    tree[j] = value
+    j >>= 1
+    while j:
+        a, c = tree[2 * j], tree[2 * j + 1]
+        m = a if a > c else c
+        if tree[j] == m:
+            break
+        tree[j] = m
+        j >>= 1
+
+
+def _tree_first_at_least(tree: list[int], size: int, lo: int, value: int) -> int:
+    """Leftmost leaf index >= ``lo`` whose value is >= ``value`` in a max segment tree, or -1."""
+    i = lo + size
+    if tree[i] < value:
+        while True:  # climb to the next subtree to the right that holds a large enough leaf
+            while i & 1:
+                i >>= 1
+            if i == 0:
+                return -1
+            i += 1
+            if tree[i] >= value:
+                break
+        while i < size:
+            i = 2 * i if tree[2 * i] >= value else 2 * i + 1
+    return i - size
 
 
 def _bfd_constrained(
     lens: list[int], vis: list[int] | None, capacity: int, vcap: int, max_n: int, lmin: int
 ) -> tuple[list[int], int]:
-    """Best fit with a vision budget and/or a samples-per-bin cap, one item at a time (O(log C) + scan).
+    """Best fit with a vision budget and/or a samples-per-bin cap, one item at a time, O(log C).
 
     Same rule as :func:`_bfd_histogram` among the bins that satisfy every budget: least free token
-    space, then most recently modified. Bins that can take nothing more are dropped from the index.
+    space, then most recently modified. Bins are bucketed by free token space ``r``; a max segment
+    tree over ``r`` holds each bucket's largest free vision budget, so the best bucket is the
+    leftmost ``r >= L`` whose entry is ``>= v``, and inside it the topmost bin with room for ``v``.
+    Bins that reached ``max_n`` samples, or whose free space is below the shortest item, leave the
+    index for good.
     """
+    size = 1 << capacity.bit_length()  # leaves 0..capacity
+    tree = [-1] * (2 * size)  # -1: empty bucket
     buckets: dict[int, list[int]] = {}
-    keys: list[int] = []
     free: list[int] = []
     vfree: list[int] = []
     count: list[int] = []
     item_bin = [0] * len(lens)
-    bisect_left = bisect.bisect_left
-    insort = bisect.insort
     for t, length in enumerate(lens):
         v = vis[t] if vis is not None else 0
-        b = -1
-        i = bisect_left(keys, length)
-        nkeys = len(keys)
-        while i < nkeys:
-            r = keys[i]
+        r = _tree_first_at_least(tree, size, length, v)
+        if r >= 0:
             stack = buckets[r]
-            for pos in range(len(stack) - 1, -1, -1):
-                cand = stack[pos]
-                if vfree[cand] >= v and count[cand] < max_n:
-                    b = cand
-                    del stack[pos]
-                    if not stack:
-                        del buckets[r]
-                        del keys[i]
-                    break
-            if b >= 0:
-                break
-            i += 1
-        if b < 0:
+            pos = len(stack) - 1
+            while vfree[stack[pos]] < v:
+                pos -= 1
+            b = stack.pop(pos)
+            if not stack:
+                del buckets[r]
+                _tree_set(tree, r + size, -1)
+            elif vfree[b] == tree[r + size]:
+                _tree_set(tree, r + size, max([vfree[x] for x in stack]))
+        else:
             b = len(free)
             free.append(capacity)
             vfree.append(vcap)
             count.append(0)
         d = free[b] - length
         free[b] = d
-        vfree[b] -= v
+        vf = vfree[b] - v
+        vfree[b] = vf
         count[b] += 1
         item_bin[t] = b
         if d >= lmin and count[b] < max_n:
+            stack = buckets.get(d)
+            if stack is None:
+                buckets[d] = [b]
+                _tree_set(tree, d + size, vf)
+            else:
+                stack.append(b)
+                if vf > tree[d + size]:
+                    _tree_set(tree, d + size, vf)
+    return item_bin, len(free)
+
+
+def _bfd_capped(lens: list[int], capacity: int, max_n: int, lmin: int) -> tuple[list[int], int]:
+    """Best fit with only a samples-per-bin cap: full bins leave the index, so the top of the smallest
+    bucket ``r >= L`` is always the answer (bisect on the sorted free-space keys)."""
+    buckets: dict[int, list[int]] = {}
+    keys: list[int] = []
+    free: list[int] = []
+    count: list[int] = []
+    item_bin = [0] * len(lens)
+    bisect_left = bisect.bisect_left
+    insort = bisect.insort
+    for t, length in enumerate(lens):
+        i = bisect_left(keys, length)
+        if i < len(keys):
+            r = keys[i]
+            stack = buckets[r]
+            b = stack.pop()
+            if not stack:
+                del buckets[r]
+                del keys[i]
+        else:
+            b = len(free)
+            free.append(capacity)
+            count.append(0)
+        d = free[b] - length
+        free[b] = d
+        c = count[b] + 1
+        count[b] = c
+        item_bin[t] = b
+        if d >= lmin and c < max_n:
             stack = buckets.get(d)
             if stack is None:
                 buckets[d] = [b]
@@ -505,86 +754,77 @@ def _bfd_constrained(
     return item_bin, len(free)
 
 
-class _MaxTree:
-    """Array segment tree of per-bin free space (max), to find the lowest-numbered bin with room >= L."""
+class _BinTree:
+    """Max segment trees over bins (free tokens, free vision), grown by doubling; -1 marks closed bins."""
 
-    __slots__ = ("size", "tree")
+    __slots__ = ("size", "tf", "tv")
 
     def __init__(self) -> None:
         self.size = 1024
-        self.tree = [-1] * (2 * self.size)
+        self.tf = [-1] * (2 * self.size)
+        self.tv = [-1] * (2 * self.size)
 
     def grow(self) -> None:
-        old = self.tree[self.size :]
-        self.size *= 2
-        tree = [-1] * (2 * self.size)
-        tree[self.size : self.size + len(old)] = old
-        for j in range(self.size - 1, 0, -1):
-            a, b = tree[2 * j], tree[2 * j + 1]
-            tree[j] = a if a > b else b
-        self.tree = tree
-
-    def set(self, b: int, value: int) -> None:
-        tree = self.tree
-        j = b + self.size
-        tree[j] = value
-        j >>= 1
-        while j:
-            a, c = tree[2 * j], tree[2 * j + 1]
-            m = a if a > c else c
-            if tree[j] == m:
-                break
-            tree[j] = m
-            j >>= 1
+        size = self.size * 2
+        for name in ("tf", "tv"):
+            old = getattr(self, name)[self.size :]
+            tree = [-1] * (2 * size)
+            tree[size : size + len(old)] = old
+            for j in range(size - 1, 0, -1):
+                a, b = tree[2 * j], tree[2 * j + 1]
+                tree[j] = a if a > b else b
+            setattr(self, name, tree)
+        self.size = size
 
 
 def _first_fit(
     lens: list[int], vis: list[int] | None, capacity: int, vcap: int, max_n: int, lmin: int
 ) -> tuple[list[int], int]:
-    """Exact first fit: each item into the lowest-numbered bin where it satisfies every budget."""
-    mt = _MaxTree()
+    """Exact first fit: each item into the lowest-numbered bin where it satisfies every budget.
+
+    A max tree over bins of free tokens finds the leftmost bin with room in O(log bins); with a
+    vision budget a second tree (free vision) prunes a leftmost-first search over both.
+    """
+    bt = _BinTree()
+    free: list[int] = []
     vfree: list[int] = []
     count: list[int] = []
-    free: list[int] = []
     item_bin = [0] * len(lens)
-    constrained = vis is not None or max_n < len(lens) + 1
     for t, length in enumerate(lens):
-        v = vis[t] if vis is not None else 0
-        tree = mt.tree
-        size = mt.size
-        b = -1
-        if tree[1] >= length:
-            i = 1
-            while True:
-                while i < size:  # descend to the leftmost leaf >= length under i
-                    i = 2 * i if tree[2 * i] >= length else 2 * i + 1
-                cand = i - size
-                if not constrained or (vfree[cand] >= v and count[cand] < max_n):
-                    b = cand
+        tf = bt.tf
+        size = bt.size
+        if vis is None:
+            b = _tree_first_at_least(tf, size, 0, length)
+        else:
+            v = vis[t]
+            tv = bt.tv
+            b = -1
+            todo = [1]
+            while todo:  # leftmost-first search, pruned where either budget cannot fit
+                i = todo.pop()
+                if tf[i] < length or tv[i] < v:
+                    continue
+                if i >= size:
+                    b = i - size
                     break
-                while True:  # next subtree to the right holding a leaf >= length
-                    while i & 1:
-                        i >>= 1
-                    if i == 0:
-                        break
-                    i += 1
-                    if tree[i] >= length:
-                        break
-                if i == 0:
-                    break
+                todo.append(2 * i + 1)
+                todo.append(2 * i)
         if b < 0:
             b = len(free)
-            if b == mt.size:
-                mt.grow()
+            if b == bt.size:
+                bt.grow()
             free.append(capacity)
             vfree.append(vcap)
             count.append(0)
         d = free[b] - length
         free[b] = d
-        vfree[b] -= v
         count[b] += 1
         item_bin[t] = b
-        mt.set(b, d if (d >= lmin and count[b] < max_n) else -1)
+        alive = d >= lmin and count[b] < max_n
+        _tree_set(bt.tf, b + bt.size, d if alive else -1)
+        if vis is not None:
+            vfree[b] -= vis[t]
+            _tree_set(bt.tv, b + bt.size, vfree[b] if alive else -1)
     return item_bin, len(free)
 
 
@@ -715,32 +955,42 @@ def pack(
     subv = None if vis is None else (vis if keep is None else vis[keep])
     m = sub.size
 
+    bin_lengths = bin_vision = None
     if m == 0:
         order = np.zeros(0, dtype=np.int64)
         offsets = np.zeros(1, dtype=np.int64)
     else:
         constrained = subv is not None or max_n <= m
+        perm = None
         if strategy in ("bfd", "ffd"):
             if subv is None:
                 perm = _stable_argsort_desc(sub, capacity)
             else:
                 perm = np.lexsort((-subv, -sub))  # lexsort is stable: ties keep index order
-        else:
-            perm = None
         if strategy == "bfd" and not constrained:
             counts = np.bincount(sub, minlength=capacity + 1)
             item_bin, nb = _bfd_histogram(counts, capacity)
+            # lengths in processing order without a gather: counts read from capacity down to 1
+            plens_arr = np.repeat(np.arange(capacity, 0, -1, dtype=np.int64), counts[:0:-1])
         else:
-            plens = (sub if perm is None else sub[perm]).tolist()
+            plens_arr = sub if perm is None else sub[perm]
+            plens = plens_arr.tolist()
             pvis = None if subv is None else (subv if perm is None else subv[perm]).tolist()
             lmin = int(sub.min())
-            if strategy == "bfd":
+            if strategy == "bfd" and pvis is None:
+                ib, nb = _bfd_capped(plens, capacity, max_n, lmin)
+            elif strategy == "bfd":
                 ib, nb = _bfd_constrained(plens, pvis, capacity, vcap, max_n, lmin)
             elif strategy in ("ffd", "ff"):
                 ib, nb = _first_fit(plens, pvis, capacity, vcap, max_n, lmin)
             else:
                 ib, nb = _next_fit(plens, pvis, capacity, vcap, max_n)
             item_bin = np.asarray(ib, dtype=np.int64)
+        # per-bin sums by bincount (exact: float64 holds integers up to 2**53)
+        bin_lengths = np.bincount(item_bin, weights=plens_arr, minlength=nb).astype(np.int64)
+        if subv is not None:
+            pv = subv if perm is None else subv[perm]
+            bin_vision = np.bincount(item_bin, weights=pv, minlength=nb).astype(np.int64)
         # bin-major order; inside a bin, processing order (the sort is stable)
         within = _stable_argsort_ids(item_bin, nb)
         order = within if perm is None else perm[within]
@@ -750,7 +1000,10 @@ def pack(
         np.cumsum(np.bincount(item_bin, minlength=nb), out=offsets[1:])
 
     if seed is not None and offsets.size > 2:
-        order, offsets = _shuffle_bins(order, offsets, seed)
+        p = np.random.default_rng(seed).permutation(offsets.size - 1)
+        order, offsets = _permute_bins(order, offsets, p)
+        bin_lengths = bin_lengths[p]
+        bin_vision = None if bin_vision is None else bin_vision[p]
 
     return PackResult(
         order=order,
@@ -763,15 +1016,15 @@ def pack(
         max_samples_per_bin=max_samples_per_bin,
         unpacked=unpacked,
         truncated=truncated,
+        bin_lengths=bin_lengths,
+        bin_vision=bin_vision,
     )
 
 
-def _shuffle_bins(order: np.ndarray, offsets: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Permute whole bins with ``np.random.default_rng(seed)`` (PCG64: the same on every platform)."""
-    nb = offsets.size - 1
-    p = np.random.default_rng(seed).permutation(nb)
+def _permute_bins(order: np.ndarray, offsets: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Reorder whole bins: new bin i is old bin ``p[i]``. Shapes [N], [B+1], [B] -> [N], [B+1]."""
     sizes = np.diff(offsets)[p]
-    new_offsets = np.zeros(nb + 1, dtype=np.int64)
+    new_offsets = np.zeros(p.size + 1, dtype=np.int64)
     np.cumsum(sizes, out=new_offsets[1:])
     src = np.repeat(offsets[:-1][p] - new_offsets[:-1], sizes) + np.arange(order.size)
     return order[src], new_offsets
