@@ -15,6 +15,7 @@ from vlm_pack.packing import (
     PackResult,
     StreamPacker,
     Unpacked,
+    _bfd_histogram,
     balance_bins,
     bin_costs,
     pack,
@@ -161,6 +162,23 @@ def test_bfd_histogram_matches_reference_many_duplicates(n, capacity, seed):
     if n <= 400:
         assert res.bins == ref_pack(lengths, capacity, "bfd")
     check_invariants(res, n, capacity)
+
+
+@FAST
+@given(
+    n=st.integers(0, 2000),
+    capacity=st.integers(1, 300),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_bfd_both_stack_representations_agree(n, capacity, seed):
+    # pack() picks lists of bin ids (spread-out lengths) or range runs (many items per length);
+    # both must produce the same bins on any input
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, int(rng.integers(1, capacity + 1)) + 1, n)
+    counts = np.bincount(lengths, minlength=capacity + 1)
+    a, na = _bfd_histogram(counts, capacity, ranges=False)
+    b, nb = _bfd_histogram(counts, capacity, ranges=True)
+    assert na == nb and a.tolist() == b.tolist()
 
 
 def test_bfd_large_matches_reference_bin_count_and_bins():

@@ -47,6 +47,7 @@ every sample is in exactly one bin or in ``PackResult.unpacked`` with a reason.
 from __future__ import annotations
 
 import bisect
+import gc
 import itertools
 import logging
 import math
@@ -404,31 +405,72 @@ def _bfd_lists(counts: np.ndarray, distinct: np.ndarray, capacity: int) -> tuple
             buckets[d] = list(range(e - k, e))
             keys.append(d)
     bisect_left = bisect.bisect_left
+    insort = bisect.insort
+    rb_append = rec_bins.append
+    rr_append = rec_reps.append
     for length, k in zip(distinct[nbig:].tolist(), counts[distinct[nbig:]].tolist()):
         i = bisect_left(keys, length)
-        nkeys = len(keys)
-        # Fast paths for few items of this length (the common case when lengths are spread out):
-        # all k go to one bin, whose new free space d stays >= length, so it takes the place of r
-        # in the sorted keys (nothing lies in [length, r)), or is appended after all keys.
-        if i < nkeys:
-            r = keys[i]
-            stack = buckets[r]
-            if len(stack) == 1 and k * length < r - r % length:  # k < r // length
-                rec_bins.append(stack[0])
-                rec_reps.append(k)
-                del buckets[r]
-                d = r - k * length
-                buckets[d] = stack
-                keys[i] = d
-                continue
-        elif k * length < capacity - capacity % length:  # k < capacity // length
-            rec_bins.append(nb)
-            rec_reps.append(k)
-            d = capacity - k * length
-            buckets[d] = [nb]
-            keys.append(d)
-            nb += 1
+        if k <= 16:
+            # Few items of this length (the usual case when lengths are spread out): bin by bin,
+            # keeping the sorted keys up to date in place. The top bin of the smallest bucket
+            # r >= length takes min(k, q) items; if it keeps >= length free, its new free space
+            # d lies in [length, r), where no key exists, so d simply takes r's slot.
+            while k:
+                if i < len(keys):
+                    r = keys[i]
+                    q = r // length
+                    stack = buckets[r]
+                    b = stack.pop()
+                    rb_append(b)
+                    if q > k:
+                        rr_append(k)
+                        d = r - k * length
+                        if stack:
+                            keys.insert(i, d)
+                        else:
+                            del buckets[r]
+                            keys[i] = d
+                        buckets[d] = [b]
+                        break
+                    rr_append(q)
+                    k -= q
+                    if not stack:
+                        del buckets[r]
+                        del keys[i]
+                    d = r - q * length  # < length: lands below position i
+                    if d >= lmin:
+                        dst = buckets.get(d)
+                        if dst is None:
+                            buckets[d] = [b]
+                            insort(keys, d)
+                            i += 1
+                        else:
+                            dst.append(b)
+                else:  # no bin has room: open bins of capacity // length items, the last maybe fewer
+                    q = capacity // length
+                    nfull, rest = divmod(k, q)
+                    for _ in range(nfull):
+                        rb_append(nb)
+                        rr_append(q)
+                        d = capacity - q * length
+                        if d >= lmin:
+                            dst = buckets.get(d)
+                            if dst is None:
+                                buckets[d] = [nb]
+                                insort(keys, d)
+                            else:
+                                dst.append(nb)
+                        nb += 1
+                    if rest:
+                        rb_append(nb)
+                        rr_append(rest)
+                        d = capacity - rest * length  # >= length > every key
+                        buckets[d] = [nb]
+                        keys.append(d)
+                        nb += 1
+                    break
             continue
+        nkeys = len(keys)
         j = i
         added: list[int] = []
         while k and j < nkeys:
@@ -1271,8 +1313,8 @@ class StreamPacker:
 
     def add(self, key: Any, length: int, vision: int = 0) -> list[PackedBin]:
         """Add one sample (``length`` = expanded tokens); return the bins this emitted (often none)."""
-        self.stats.samples_seen += 1
         lv = self._validate(key, length, vision)
+        self.stats.samples_seen += 1
         out: list[PackedBin] = []
         if lv is not None:
             self._place(key, lv[0], lv[1], out)
@@ -1281,38 +1323,108 @@ class StreamPacker:
     def add_many(
         self, keys: Iterable[Any], lengths: Iterable[int], visions: Iterable[int] | None = None
     ) -> list[PackedBin]:
-        """Add samples in order (same bins as calling :meth:`add` on each); return all emitted bins."""
+        """Add samples in order (same bins as calling :meth:`add` on each); return all emitted bins.
+
+        About 4x faster per sample than :meth:`add`: the loop is inlined for the token-only case and
+        Python's cyclic garbage collector is paused for the duration of the call (the packer creates
+        no reference cycles, so refcounting frees everything; the collector's scans of the many
+        young lists otherwise dominate the cost).
+        """
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._add_many(keys, lengths, visions)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _add_many(
+        self, keys: Iterable[Any], lengths: Iterable[int], visions: Iterable[int] | None
+    ) -> list[PackedBin]:
         out: list[PackedBin] = []
         if isinstance(lengths, np.ndarray):
             lengths = lengths.tolist()
-        stats = self.stats
-        validate = self._validate
-        place = self._place
-        capacity = self.capacity
-        if visions is None:
-            if self.oversized == "raise":
-                # fast path: plain ints in range go straight to placement; anything else is validated
-                for key, length in zip(keys, lengths, strict=True):
-                    stats.samples_seen += 1
-                    if type(length) is int and 0 < length <= capacity:
-                        place(key, length, 0, out)
-                    else:
-                        lv = validate(key, length, 0)
-                        if lv is not None:
-                            place(key, lv[0], lv[1], out)
-                return out
-            visions = [0] * len(lengths) if isinstance(lengths, list) else None
+        if visions is None and self.vision_capacity is None and self.max_samples_per_bin is None:
+            self._add_plain(keys, lengths, out)
+            return out
         if isinstance(visions, np.ndarray):
             visions = visions.tolist()
         if visions is None:
             lengths = list(lengths)
             visions = [0] * len(lengths)
+        stats = self.stats
+        validate = self._validate
+        place = self._place
         for key, length, v in zip(keys, lengths, visions, strict=True):
-            stats.samples_seen += 1
             lv = validate(key, length, v)
+            stats.samples_seen += 1
             if lv is not None:
                 place(key, lv[0], lv[1], out)
         return out
+
+    def _add_plain(self, keys: Iterable[Any], lengths: Iterable[int], out: list[PackedBin]) -> None:
+        """:meth:`_place` inlined for the common configuration (token budget only), state in locals."""
+        index = self._index
+        opened = self._open
+        capacity = self.capacity
+        thr = self._threshold
+        buffer_size = self.buffer_size
+        validate = self._validate
+        bisect_left = bisect.bisect_left
+        stats = self.stats
+        clock = self._clock
+        seen = emitted = nbins = tokens = 0
+        try:
+            for key, length in zip(keys, lengths, strict=True):
+                if type(length) is not int or not 0 < length <= capacity:
+                    lv = validate(key, length, 0)
+                    if lv is None:
+                        seen += 1
+                        continue
+                    length = lv[0]
+                seen += 1
+                clock += 1
+                pos = bisect_left(index, length << _MT_BITS)
+                if pos < len(index):
+                    b = opened.pop(pos)
+                    del index[pos]
+                    b.keys.append(key)
+                    b.lengths.append(length)
+                    total = b.total + length
+                    b.total = total
+                elif length >= thr or length == capacity:
+                    out.append(PackedBin([key], [length], length))
+                    emitted += 1
+                    nbins += 1
+                    tokens += length
+                    continue
+                else:
+                    if len(index) >= buffer_size:  # buffer full: emit the fullest bin
+                        del index[0]
+                        f = opened.pop(0)
+                        out.append(PackedBin(f.keys, f.lengths, f.total))
+                        emitted += len(f.keys)
+                        nbins += 1
+                        tokens += f.total
+                    b = _OpenBin([key], [length], None, length, 0, clock)
+                    total = length
+                if total >= thr or total == capacity:
+                    out.append(PackedBin(b.keys, b.lengths, total))
+                    emitted += len(b.keys)
+                    nbins += 1
+                    tokens += total
+                    continue
+                b.mtime = clock
+                k = ((capacity - total) << _MT_BITS) | (_MT_MASK - clock)
+                pos = bisect_left(index, k)
+                index.insert(pos, k)
+                opened.insert(pos, b)
+        finally:  # also on a bad sample: the state stays consistent with the samples before it
+            self._clock = clock
+            stats.samples_seen += seen
+            stats.samples_emitted += emitted
+            stats.bins_emitted += nbins
+            stats.tokens_emitted += tokens
 
     def flush(self) -> list[PackedBin]:
         """Emit every open bin (fullest first), e.g. at the end of an epoch.
