@@ -1,0 +1,334 @@
+"""`vlm-pack analyze | pack | demo`: the table, the report folder, the pack plan and the errors users see.
+
+Everything runs on the embedded demo data (real WebDataset shards and real image files written by
+vlm_pack.demo) with the real HF image processors and the offline tokenizers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlm_pack.cli import main
+from vlm_pack.demo import demo_jsonl, demo_plan, demo_records, demo_shards, draw_image
+from vlm_pack.offline import build_tokenizer, image_processor
+from vlm_pack.processing import process_sample
+from vlm_pack.report import Baseline, forecast_lengths, padded_batches, scan_samples
+from vlm_pack.vision import vision_spec_from_processor
+
+SMALL = 200704  # Qwen max_pixels: <= 256 tokens per image, cheap to process for real
+
+
+@pytest.fixture(scope="module")
+def shards() -> list[Path]:
+    return demo_shards()  # cached after the first call of the session (or of an earlier run)
+
+
+@pytest.fixture(scope="module")
+def raw_samples(shards) -> dict[str, tuple[list[bytes], object]]:
+    """key -> (image bytes, conversation) of the first two demo shards, read back with webdataset."""
+    import webdataset as wds
+
+    from vlm_pack.data import image_fields, parse_text
+
+    return {
+        s["__key__"]: ([s[f] for f in image_fields(s)], parse_text(s))
+        for s in wds.WebDataset([str(p) for p in shards[:2]], shardshuffle=False)
+    }
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory, shards):
+    """`vlm-pack demo`, the README's main-job command, with plots."""
+    out = tmp_path_factory.mktemp("demo") / "report"
+    return out, main(["demo", "--out", str(out), "--no-progress"])
+
+
+def _run(capsys, argv: list[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# ------------------------------------------------------------------------------------------------ demo
+
+
+def test_demo_is_deterministic_and_realistic():
+    a, b = demo_plan(64), demo_plan(64)
+    assert a == b
+    assert [r["images"] for r in demo_records(3)] == [r["images"] for r in demo_records(3)]  # same bytes
+    plan = demo_plan()
+    kinds = {im.kind for it in plan for im in it["images"]}
+    assert kinds == {"photo", "document", "screenshot", "chart", "icon"}
+    counts = np.bincount([len(it["images"]) for it in plan])
+    assert counts[0] > 0 and counts[1] > counts[2] > 0 and counts[3] > 0
+    sizes = [im.display_size for it in plan for im in it["images"]]
+    assert max(max(s) for s in sizes) >= 4032 and min(min(s) for s in sizes) <= 64
+    assert any(im.orientation == 6 for it in plan for im in it["images"])
+    # The files really are what the plan says: format, stored size, EXIF orientation, not blank.
+    spec = next(im for it in plan for im in it["images"] if im.orientation == 6)
+    data, ext = draw_image(spec), spec.ext
+    im = Image.open(io.BytesIO(data))
+    assert ext == "jpg" and im.format == "JPEG" and im.getexif().get(0x0112) == 6
+    assert im.size[0] > im.size[1]  # stored landscape, displayed portrait
+    assert np.asarray(im.convert("L").reduce(16)).std() > 5
+
+
+def test_demo_command_prints_the_table_and_writes_the_report(demo_run, capsys):
+    out, code = demo_run
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [c["capacity"] for c in report["capacities"]] == [8192, 12288, 16384]
+    d = report["dataset"]
+    assert d["samples"] == 320 and d["images"] > 320 and d["text_only_samples"] > 0
+    b = report["baseline"]
+    for c in report["capacities"]:
+        pk = c["packed"]
+        # Nothing lost: every sample packed or reported.
+        assert c["packed_samples"] + len(c["oversized_skipped"]) == d["samples"]
+        assert all(s["reason"].startswith("length") for s in c["oversized_skipped"])
+        assert pk["efficiency"] == pytest.approx(c["tokens"] / (pk["bins"] * c["capacity"]))
+        assert pk["bins"] >= pk["lower_bound"] == math.ceil(c["tokens"] / c["capacity"])
+        assert pk["samples_per_pack"]["mean"] == pytest.approx(c["packed_samples"] / pk["bins"])
+        # Padded batches waste far more than packs on this data.
+        assert c["padded"]["random"]["waste"] > 0.3 > 0.05 > pk["waste"]
+        ga = c["grad_accum"]["packed"]
+        per_step = pk["samples_per_pack"]["mean"] * b["world_size"] * b["packs_per_device"]
+        assert ga["grad_accum"] == math.ceil(b["samples_per_update"] / per_step)
+        assert ga["samples_per_update"] >= b["samples_per_update"]
+    oversized = [len(c["oversized_skipped"]) for c in report["capacities"]]
+    assert oversized[0] >= oversized[1] >= oversized[2]
+    text = (out / "report.txt").read_text()
+    for row in ("padding waste, random order", "efficiency", "samples/pack mean p50 p95", "GRAD ACCUM"):
+        assert row in text
+    assert set(report["plots"]) == {"lengths.png", "efficiency.png", "packs.png"}
+    for name in report["plots"]:
+        with Image.open(out / name) as im:
+            assert im.format == "PNG" and im.size[0] > 600
+            assert np.asarray(im.convert("L")).std() > 20  # a drawing, not a blank canvas
+
+
+def test_python_dash_m_entry_point():
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlm_pack", "analyze", "--help"], capture_output=True, text=True
+    )
+    assert (
+        proc.returncode == 0 and "--capacity" in proc.stdout and "--target-samples-per-update" in proc.stdout
+    )
+
+
+# ------------------------------------------------------------------------------------------------ forecast
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava_next"])
+def test_forecast_equals_processed_length(shards, raw_samples, family):
+    """Header-only lengths == real processor output, EXIF-rotated photos, WebP and 3-image samples included."""
+    wanted = {"demo-000003", "demo-000016", "demo-000066", "demo-000075"}  # text-only, 3 images, EXIF 6, WebP
+    kw = {"size": {"shortest_edge": 3136, "longest_edge": SMALL}} if family == "qwen2_vl" else {}
+    proc = image_processor(family, **kw)
+    tok = build_tokenizer(family)
+    samples = [s for s in scan_samples(shards[:2]) if s.key in wanted]
+    assert len(samples) == len(wanted)
+    table = forecast_lengths(samples, tokenizer=tok, spec=vision_spec_from_processor(proc), family=family)
+    records = {r["key"]: r for r in demo_records(80)}
+    for i, key in enumerate(table.keys):
+        images = [data for data, _ in records[key]["images"]]
+        out = process_sample(
+            images, records[key]["conversation"], tokenizer=tok, image_processor=proc, family=family
+        )
+        assert table.lengths[i] == len(out["input_ids"]), key
+        assert table.vision_tokens[i] == int(out["tokens_per_image"].sum()), key
+        # Where each image's tokens start, as drawn in packs.png.
+        is_img = (out["input_ids"] == tok.image_token_id).int().numpy()
+        starts = np.flatnonzero(np.diff(np.concatenate([[0], is_img])) == 1)
+        lo, hi = table.image_ptr[i], table.image_ptr[i + 1]
+        if family == "qwen2_vl":  # Qwen wraps each image, so runs are one per image
+            assert table.image_starts[lo:hi].tolist() == starts.tolist(), key
+
+
+def test_jsonl_manifest_matches_shards(tmp_path, capsys):
+    n = 24
+    manifest = demo_jsonl(tmp_path / "jsonl", num_samples=n)
+    shard_dir = tmp_path / "shards"
+    demo_shards(shard_dir, num_samples=n, samples_per_shard=10)
+    reports = []
+    for src in (str(manifest), str(shard_dir / "demo-{00000..00002}.tar")):
+        out = tmp_path / f"r{len(reports)}"
+        code, _, err = _run(capsys, ["analyze", src, "--capacity", "4096", "--out", str(out), "--no-plots"])
+        assert code == 0 and "stand-in tokenizer" in err  # the user is told text counts are approximate
+        reports.append(json.loads((out / "report.json").read_text()))
+    assert reports[0]["dataset"] == reports[1]["dataset"]
+    assert reports[0]["capacities"][0]["packed"] == reports[1]["capacities"][0]["packed"]
+
+
+def test_processor_folder_gives_the_same_as_family_flags(tmp_path, shards, capsys):
+    folder = tmp_path / "ckpt"
+    image_processor("qwen2_vl", size={"shortest_edge": 3136, "longest_edge": SMALL}).save_pretrained(folder)
+    build_tokenizer("qwen2_vl").save_pretrained(folder)
+    src = str(shards[0])
+    code, out1, err = _run(
+        capsys,
+        ["analyze", src, "--processor", str(folder), "--out", str(tmp_path / "a"), "--json", "--no-plots"],
+    )
+    assert code == 0 and "stand-in" not in err
+    rep1 = json.loads(out1)
+    assert rep1["tokenizer"] == "exact" and rep1["vision_spec"]["max_pixels"] == SMALL
+    code, out2, _ = _run(
+        capsys,
+        [
+            "analyze",
+            src,
+            "--family",
+            "qwen2_vl",
+            "--max-pixels",
+            str(SMALL),
+            "--out",
+            str(tmp_path / "b"),
+            "--json",
+            "--no-plots",
+        ],
+    )
+    rep2 = json.loads(out2)
+    assert rep1["dataset"] == rep2["dataset"] and rep1["capacities"] == rep2["capacities"]
+    # Capped images: nothing is oversized any more at 8192.
+    assert rep1["capacities"][0]["oversized_skipped"] == []
+
+
+# ------------------------------------------------------------------------------------------------ pack plan
+
+
+def test_pack_plan_holds_every_sample_once(tmp_path, shards, capsys):
+    plan = tmp_path / "plans" / "plan.jsonl"
+    code, out, _ = _run(
+        capsys, ["pack", *map(str, shards), "--capacity", "8192", "--out", str(plan), "--no-progress"]
+    )
+    assert code == 0 and "packs of 8,192 tokens" in out
+    packs = [json.loads(line) for line in plan.read_text().splitlines()]
+    meta = json.loads((tmp_path / "plans" / "plan.meta.json").read_text())
+    keys = [k for p in packs for k in p["keys"]]
+    skipped = [s["key"] for s in meta["skipped"]]
+    assert len(keys) == len(set(keys)) and not set(keys) & set(skipped)
+    assert len(keys) + len(skipped) == meta["samples"] == 320
+    assert skipped and all("capacity 8192" in s["reason"] for s in meta["skipped"])
+    for p in packs:
+        assert p["tokens"] == sum(p["lengths"]) <= 8192
+        assert len(p["keys"]) == len(p["lengths"]) == len(p["sources"])
+    assert meta["packs"] == len(packs) >= meta["lower_bound"]
+    # Shuffled pack order by default (no length curriculum), creation order on request.
+    plan2 = tmp_path / "plan2.jsonl"
+    assert (
+        main(
+            [
+                "pack",
+                *map(str, shards),
+                "--capacity",
+                "8192",
+                "--out",
+                str(plan2),
+                "--no-shuffle",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    packs2 = [json.loads(line) for line in plan2.read_text().splitlines()]
+    assert sorted(map(tuple, (p["keys"] for p in packs))) == sorted(map(tuple, (p["keys"] for p in packs2)))
+    firsts = [p["lengths"][0] for p in packs2]
+    assert firsts == sorted(firsts, reverse=True) and firsts != [p["lengths"][0] for p in packs]
+
+
+def test_pack_plan_vision_budget_and_truncation(tmp_path, shards, capsys):
+    plan = tmp_path / "plan.jsonl"
+    args = ["pack", str(shards[0]), "--capacity", "8192", "--out", str(plan), "--max-images-per-pack", "2"]
+    assert main([*args, "--oversized", "truncate"]) == 0
+    packs = [json.loads(line) for line in plan.read_text().splitlines()]
+    meta = json.loads((tmp_path / "plan.meta.json").read_text())
+    truncated = {k: v for p in packs for k, v in p.get("truncated_from", {}).items()}
+    assert meta["truncated"] == len(truncated) and all(v > 8192 for v in truncated.values())
+    # A sample with 3 images cannot fit a 2-image budget: reported, not dropped silently.
+    assert any("vision cost 3" in s["reason"] for s in meta["skipped"])
+    capsys.readouterr()
+
+
+def test_padded_batches_by_hand():
+    # Grouped: sorted longest first inside a mega-batch -> [5, 1] [1, 1]: 10 + 2 tokens computed for 8 real.
+    r = padded_batches(np.array([1, 5, 1, 1]), 2, order="grouped")
+    assert (r["batches"], r["real_tokens"], r["padded_tokens"], r["max_batch_tokens"]) == (2, 8, 12, 10)
+    assert r["waste"] == pytest.approx(1 / 3)
+    # A last partial batch is padded only for the samples it has.
+    r = padded_batches(np.array([4, 4, 4]), 2, order="random")
+    assert r["padded_tokens"] == 12 and r["waste"] == 0.0
+    with pytest.raises(ValueError):
+        Baseline(batch_size=0)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def test_clear_errors(tmp_path, shards, capsys):
+    code, _, err = _run(capsys, ["analyze", str(tmp_path / "missing.tar")])
+    assert code == 1 and "missing.tar" in err and "does not exist" in err
+    (tmp_path / "notes.txt").write_text("hi")
+    code, _, err = _run(capsys, ["analyze", str(tmp_path / "notes.txt")])
+    assert code == 1 and "neither a WebDataset shard" in err
+    code, _, err = _run(capsys, ["analyze", str(shards[0]), "--family", "internvl"])
+    assert code == 1 and "--family 'internvl'" in err
+    code, _, err = _run(capsys, ["analyze", str(shards[0]), "--processor", str(tmp_path / "nope")])
+    assert code == 1 and "is not a directory" in err
+    with pytest.raises(SystemExit) as exc:
+        main(["analyze", "--capacity", "-5"])
+    assert exc.value.code == 2 and "positive integer" in capsys.readouterr().err
+    code, _, err = _run(capsys, ["pack", str(shards[0]), "--capacity", "8192", "--out", str(tmp_path)])
+    assert code == 1 and "is a directory" in err
+
+    # A manifest line whose image is missing: named by file, line and key.
+    manifest = tmp_path / "m.jsonl"
+    good = {
+        "key": "ok",
+        "conversation": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+    }
+    manifest.write_text(
+        json.dumps(good) + "\n" + json.dumps({**good, "key": "bad", "images": ["gone.jpg"]}) + "\n"
+    )
+    code, _, err = _run(capsys, ["analyze", str(manifest), "--no-plots", "--out", str(tmp_path / "r")])
+    assert code == 1 and "m.jsonl:2" in err and "'bad'" in err and "gone.jpg" in err
+
+
+def test_bad_samples_skip_mode_lists_them(tmp_path, capsys):
+    # A shard whose second sample says 2 images but carries 1, and whose third image header is corrupt.
+    shard = tmp_path / "bad.tar"
+    rec = demo_records(1)[0]
+    conv2 = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "?"}]},
+        {"role": "assistant", "content": "two"},
+    ]
+    members = {
+        "a.json": json.dumps({"messages": rec["conversation"]}).encode(),
+        "a.jpg": rec["images"][0][0],
+        "b.json": json.dumps({"messages": conv2}).encode(),
+        "b.jpg": rec["images"][0][0],
+        "c.txt": b"a caption",
+        "c.png": b"\x89PNG\r\n\x1a\n-truncated",
+    }
+    with tarfile.open(shard, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    code, _, err = _run(capsys, ["analyze", str(shard), "--no-plots", "--out", str(tmp_path / "r1")])
+    assert code == 1 and "'b'" in err and "placeholder" in err
+    code, out, _ = _run(
+        capsys, ["analyze", str(shard), "--no-plots", "--on-error", "skip", "--out", str(tmp_path / "r2")]
+    )
+    assert code == 0 and "invalid samples skipped: 2" in out
+    invalid = json.loads((tmp_path / "r2" / "report.json").read_text())["dataset"]["invalid"]
+    assert [i["key"] for i in invalid] == ["b", "c"]

@@ -1,0 +1,7 @@
+"""``python -m vlm_pack``: the ``vlm-pack`` command line."""
+
+import sys
+
+from vlm_pack.cli import main
+
+sys.exit(main())

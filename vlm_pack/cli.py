@@ -1,0 +1,470 @@
+"""``vlm-pack``: how much packing saves on your data, and the pack plan to train with.
+
+::
+
+    vlm-pack demo                                  # the analysis on the embedded demo dataset
+    vlm-pack analyze shards/{000..099}.tar --processor ./Qwen2-VL-7B-Instruct --capacity 8192 16384 \\
+        --batch-size 2 --world-size 8 --grad-accum 8   # the padded run to compare with
+    vlm-pack analyze data/manifest.jsonl --family llava_next
+    vlm-pack pack shards/ --processor ./ckpt --capacity 16384 --out plan.jsonl
+
+``analyze`` reads WebDataset shards or a JSONL manifest, forecasts every sample's expanded length from the
+text and the image *headers* (no pixel decoded), packs at each capacity, prints one column per capacity
+(padding waste of plain padded batches vs packed, samples per pack, the grad-accumulation that keeps samples
+per optimizer update close to the padded run) and writes ``report.json``, ``report.txt`` and PNG plots to
+``--out`` (default ``./vlm-pack-report``). ``pack`` writes the bins as JSONL, one pack per line, for
+offline pre-packing. ``python -m vlm_pack`` is the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_parser", "load_forecaster", "main"]
+
+_CHAT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, raw = text.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def _add_forecast_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (what a sample's length is)")
+    g.add_argument(
+        "--family",
+        help="VLM family: its chat format and its released checkpoint's image rules "
+        f"({', '.join(_CHAT_FAMILIES)}). Default qwen2_vl, or the one --processor names.",
+    )
+    g.add_argument(
+        "--processor",
+        metavar="DIR",
+        help="a local Hugging Face checkpoint / processor folder: its tokenizer and image processor give exact "
+        "counts (no download).",
+    )
+    g.add_argument("--tokenizer", metavar="DIR", help="a local tokenizer folder (default: --processor's)")
+    g.add_argument("--max-pixels", type=_positive_int, help="Qwen families: cap on resized pixels per image")
+    g.add_argument(
+        "--min-pixels", type=_positive_int, help="Qwen families: floor on resized pixels per image"
+    )
+    g.add_argument(
+        "--spec",
+        type=_key_value,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a vision-spec parameter (e.g. max_num_tiles=6); repeatable",
+    )
+    g.add_argument(
+        "--no-exif-transpose",
+        action="store_true",
+        help="your loader feeds PIL.Image.open results untransposed (WebDataset's PIL decoder): size images as "
+        "stored, ignoring their EXIF orientation",
+    )
+    d = p.add_argument_group("data")
+    d.add_argument("--image-root", metavar="DIR", help="JSONL manifests: folder image paths are relative to")
+    d.add_argument(
+        "--on-error",
+        choices=("raise", "skip"),
+        default="raise",
+        help="a sample that cannot be read or forecast: stop (default) or skip it and list it in the report",
+    )
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_pack_args(p: argparse.ArgumentParser, *, multi: bool) -> None:
+    g = p.add_argument_group("packing")
+    if multi:
+        g.add_argument(
+            "--capacity",
+            type=_positive_int,
+            nargs="+",
+            default=[8192, 12288, 16384],
+            help="tokens per pack; several values are compared (default 8192 12288 16384)",
+        )
+    else:
+        g.add_argument("--capacity", type=_positive_int, required=True, help="tokens per pack")
+    g.add_argument("--strategy", choices=("bfd", "ffd", "ff", "nf"), default="bfd", help="default bfd")
+    g.add_argument(
+        "--oversized",
+        choices=("skip", "truncate"),
+        default="skip",
+        help="a sample longer than the capacity: skip it (default) or count it cut to the capacity; both are "
+        "reported",
+    )
+    g.add_argument("--max-samples-per-pack", type=_positive_int, metavar="N")
+    v = g.add_mutually_exclusive_group()
+    v.add_argument("--max-images-per-pack", type=_positive_int, metavar="N")
+    v.add_argument(
+        "--max-patches-per-pack",
+        type=_positive_int,
+        metavar="N",
+        help="vision-encoder patches per pack (bounds the ViT's activation memory)",
+    )
+
+
+def _add_baseline_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the padded run to compare with")
+    g.add_argument(
+        "--batch-size", type=_positive_int, default=4, help="samples per device per step (default 4)"
+    )
+    g.add_argument("--world-size", type=_positive_int, default=1, help="data-parallel ranks (default 1)")
+    g.add_argument(
+        "--grad-accum", type=_positive_int, default=4, help="its gradient accumulation (default 4)"
+    )
+    g.add_argument(
+        "--target-samples-per-update",
+        type=_positive_int,
+        help="samples per optimizer update to match (default batch-size x world-size x grad-accum)",
+    )
+    g.add_argument(
+        "--packs-per-device", type=_positive_int, default=1, help="packs per device per step (default 1)"
+    )
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument(
+        "--out", metavar="DIR", default="vlm-pack-report", help="report folder (default ./vlm-pack-report)"
+    )
+    g.add_argument("--no-plots", action="store_true", help="write report.json / report.txt only")
+    g.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``vlm-pack`` argument parser (subcommands ``analyze``, ``pack``, ``demo``)."""
+    from vlm_pack._version import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="vlm-pack",
+        description="Pack image-text samples for VLM training: measure the savings, write a pack plan.",
+    )
+    parser.add_argument("--version", action="version", version=f"vlm-pack {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{analyze,pack,demo}")
+
+    a = sub.add_parser(
+        "analyze",
+        help="padding waste vs packing per capacity, samples per pack, grad-accum equivalent; report folder",
+        description="Forecast lengths from text + image headers, pack at each capacity, compare with padded "
+        "batches. With no SOURCES, analyzes the embedded demo dataset.",
+    )
+    a.add_argument(
+        "sources", nargs="*", metavar="SOURCES", help="WebDataset .tar shards (globs, {000..009}) or .jsonl"
+    )
+    _add_forecast_args(a)
+    _add_pack_args(a, multi=True)
+    _add_baseline_args(a)
+    _add_output_args(a)
+
+    k = sub.add_parser(
+        "pack",
+        help="write a pack plan: which sample keys go together (JSONL, one pack per line)",
+        description="Pack SOURCES at one capacity and write the plan for offline pre-packing.",
+    )
+    k.add_argument("sources", nargs="+", metavar="SOURCES", help="WebDataset .tar shards or .jsonl manifests")
+    _add_forecast_args(k)
+    _add_pack_args(k, multi=False)
+    k.add_argument("--out", metavar="FILE", required=True, help="the plan, e.g. plan.jsonl")
+    k.add_argument("--seed", type=int, default=0, help="shuffle the order of packs (default 0)")
+    k.add_argument(
+        "--no-shuffle",
+        action="store_true",
+        help="keep creation order (decreasing strategies open the longest packs first: a length curriculum)",
+    )
+
+    m = sub.add_parser(
+        "demo",
+        help="analyze the embedded demo dataset (photos, documents, screenshots; realistic sizes)",
+        description="Generate (once, cached) the demo shards and run `analyze` on them.",
+    )
+    m.add_argument("--num-samples", type=_positive_int, default=None, help="demo samples (default 320)")
+    m.add_argument(
+        "--data-dir", metavar="DIR", help="where to write the demo shards (default: a cache folder)"
+    )
+    _add_forecast_args(m)
+    _add_pack_args(m, multi=True)
+    _add_baseline_args(m)
+    _add_output_args(m)
+    return parser
+
+
+def load_forecaster(args: argparse.Namespace) -> tuple[Any, Any, str, bool]:
+    """``(tokenizer, vision spec, chat family, exact tokenizer?)`` from ``--family/--processor/--tokenizer``."""
+    from vlm_pack.vision import vision_spec, vision_spec_from_processor
+
+    overrides = dict(args.spec)
+    if args.max_pixels is not None:
+        overrides["max_pixels"] = args.max_pixels
+    if args.min_pixels is not None:
+        overrides["min_pixels"] = args.min_pixels
+    for flag in ("processor", "tokenizer", "image_root"):
+        value = getattr(args, flag, None)
+        if value is not None and not Path(value).is_dir():
+            raise ValueError(f"--{flag.replace('_', '-')} {value!r} is not a directory.")
+    family = args.family
+    if family is not None and family not in _CHAT_FAMILIES:
+        raise ValueError(
+            f"--family {family!r}: vlm-pack renders conversations for {', '.join(_CHAT_FAMILIES)}; "
+            "for another model, use one with the same chat format and pass its --processor."
+        )
+    spec = None
+    if args.processor is not None:
+        from transformers import AutoImageProcessor
+
+        try:
+            image_processor = AutoImageProcessor.from_pretrained(args.processor)
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"--processor {args.processor!r}: no image processor could be loaded ({e})."
+            ) from None
+        spec = vision_spec_from_processor(image_processor)
+        if overrides:
+            from dataclasses import replace
+
+            spec = replace(spec, **overrides)
+        if family is None:
+            family = getattr(spec, "variant", None) or spec.family
+            if family not in _CHAT_FAMILIES:
+                raise ValueError(
+                    f"--processor {args.processor!r} is a {spec.family} image processor; vlm-pack has no chat "
+                    f"format for it: pass --family (one of {', '.join(_CHAT_FAMILIES)}) with the same template."
+                )
+    family = family or "qwen2_vl"
+    if spec is None:
+        spec = vision_spec(family, **overrides)
+    tok_dir = args.tokenizer or args.processor
+    if tok_dir is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"tokenizer folder {tok_dir!r}: no tokenizer could be loaded ({e}).") from None
+        return tokenizer, spec, family, True
+    from vlm_pack.offline import build_tokenizer
+
+    return build_tokenizer(family), spec, family, False
+
+
+def _baseline(args: argparse.Namespace) -> Any:
+    from vlm_pack.report import Baseline
+
+    return Baseline(
+        batch_size=args.batch_size,
+        world_size=args.world_size,
+        grad_accum=args.grad_accum,
+        packs_per_device=args.packs_per_device,
+        target_samples_per_update=args.target_samples_per_update,
+    )
+
+
+def _forecast(
+    args: argparse.Namespace, sources: Sequence[str | os.PathLike[str]]
+) -> tuple[Any, dict[str, Any]]:
+    from vlm_pack.report import forecast_lengths, scan_samples
+
+    tokenizer, spec, family, exact = load_forecaster(args)
+    samples = scan_samples(
+        sources, exif_transpose=not args.no_exif_transpose, image_root=args.image_root, on_error=args.on_error
+    )
+    table = forecast_lengths(
+        samples,
+        tokenizer=tokenizer,
+        spec=spec,
+        family=family,
+        on_error=args.on_error,
+        progress=False if args.no_progress else None,
+    )
+    meta = {
+        "family": family,
+        "vision_spec": spec.to_dict(),
+        "tokenizer": "exact" if exact else "vlm-pack offline stand-in",
+        "exif_transpose": not args.no_exif_transpose,
+    }
+    return table, meta
+
+
+def _run_analysis(
+    args: argparse.Namespace, sources: Sequence[str | os.PathLike[str]], label: str, demo: bool
+) -> int:
+    from vlm_pack.report import analyze, format_report, write_report
+
+    table, meta = _forecast(args, sources)
+    baseline = _baseline(args)
+    meta = {"source": label, "sources": [str(s) for s in sources], **meta}
+    report, results = analyze(
+        table,
+        args.capacity,
+        baseline=baseline,
+        strategy=args.strategy,
+        oversized=args.oversized,
+        max_samples_per_pack=args.max_samples_per_pack,
+        max_images_per_pack=args.max_images_per_pack,
+        max_patches_per_pack=args.max_patches_per_pack,
+        meta=meta,
+    )
+    if meta["tokenizer"] != "exact" and not demo:
+        print(
+            "vlm-pack: note: text tokens are counted with vlm-pack's offline stand-in tokenizer; pass "
+            "--processor (or --tokenizer) with your checkpoint's folder for exact counts.",
+            file=sys.stderr,
+        )
+    if not args.no_plots and "MPLBACKEND" not in os.environ:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")  # files only: never a GUI window, and no display needed
+        except ImportError:
+            pass  # write_report notes that the plots were skipped
+    paths = write_report(
+        args.out, report, table, results, baseline=baseline, strategy=args.strategy, plots=not args.no_plots
+    )
+    if args.json:
+        print(Path(paths[0]).read_text(), end="")
+    else:
+        print(format_report(report))
+        print(f"\nreport: {args.out}/ ({', '.join(p.name for p in paths)})")
+    return 0
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    if not args.sources:
+        return _cmd_demo(args)
+    label = (
+        args.sources[0] if len(args.sources) == 1 else f"{args.sources[0]} (+{len(args.sources) - 1} more)"
+    )
+    return _run_analysis(args, args.sources, label, demo=False)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from vlm_pack.demo import DEMO_NUM_SAMPLES, demo_shards
+
+    n = getattr(args, "num_samples", None) or DEMO_NUM_SAMPLES
+    shards = demo_shards(getattr(args, "data_dir", None), num_samples=n)
+    return _run_analysis(args, shards, f"vlm-pack demo ({n} samples)", demo=True)
+
+
+def _cmd_pack(args: argparse.Namespace) -> int:
+    from vlm_pack.packing import pack
+
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {args.out!r} is a directory; give the plan's file name, e.g. plan.jsonl.")
+    table, meta = _forecast(args, args.sources)
+    if len(table) == 0:
+        raise ValueError("no samples to pack: the sources are empty (or every sample was invalid).")
+    vision = vision_capacity = None
+    if args.max_images_per_pack is not None:
+        vision, vision_capacity = table.num_images, args.max_images_per_pack
+    elif args.max_patches_per_pack is not None:
+        vision, vision_capacity = table.num_patches, args.max_patches_per_pack
+    result = pack(
+        table.lengths,
+        args.capacity,
+        strategy=args.strategy,
+        vision=vision,
+        vision_capacity=vision_capacity,
+        max_samples_per_bin=args.max_samples_per_pack,
+        oversized=args.oversized,
+        seed=None if args.no_shuffle else args.seed,
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    keys, sources, vis = table.keys, table.sources, table.vision_tokens
+    with open(out, "w") as f:
+        for b, members in enumerate(result.bins):
+            line: dict[str, Any] = {
+                "pack": b,
+                "tokens": int(result.bin_lengths[b]),
+                "vision_tokens": int(vis[members].sum()),
+                "keys": [keys[i] for i in members],
+                "lengths": [int(result.lengths[i]) for i in members],
+                "sources": [sources[i] for i in members],
+            }
+            cut = {keys[i]: int(result.truncated[i]) for i in members if i in result.truncated}
+            if cut:
+                line["truncated_from"] = cut
+            f.write(json.dumps(line) + "\n")
+    skipped = [
+        {"key": keys[u.index], "source": sources[u.index], "reason": u.reason} for u in result.unpacked
+    ]
+    skipped += [{"key": k, "source": s, "reason": r} for k, s, r in table.invalid]
+    meta_path = out.with_name(out.stem + ".meta.json")
+    summary = {
+        **meta,
+        "capacity": args.capacity,
+        "strategy": args.strategy,
+        "oversized": args.oversized,
+        "shuffle_seed": None if args.no_shuffle else args.seed,
+        "samples": len(table) + len(table.invalid),
+        "packed_samples": int(result.order.size),
+        "packs": result.num_bins,
+        "lower_bound": result.lower_bound,
+        "efficiency": result.efficiency,
+        "truncated": len(result.truncated),
+        "skipped": skipped,
+    }
+    meta_path.write_text(json.dumps(summary, indent=2) + "\n")
+    print(
+        f"vlm-pack pack: {result.order.size:,} of {summary['samples']:,} samples in {result.num_bins:,} packs of "
+        f"{args.capacity:,} tokens (lower bound {result.lower_bound:,}), efficiency {result.efficiency:.1%}, "
+        f"{result.order.size / max(1, result.num_bins):.2f} samples/pack"
+    )
+    if result.truncated:
+        print(
+            f"  {len(result.truncated):,} samples longer than the capacity are marked truncated_from in the plan"
+        )
+    if skipped:
+        print(f"  {len(skipped):,} samples skipped (oversized or invalid), listed in {meta_path}:")
+        for s in skipped[:5]:
+            print(f"    {s['key']} ({s['source']}): {s['reason']}")
+        if len(skipped) > 5:
+            print(f"    ... and {len(skipped) - 5} more")
+    print(f"plan: {out}  summary: {meta_path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``vlm-pack``; returns the exit status (0 ok, 1 bad data or arguments, 2 usage)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handler = {"analyze": _cmd_analyze, "pack": _cmd_pack, "demo": _cmd_demo}[args.command]
+    try:
+        return handler(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        if os.environ.get("VLM_PACK_DEBUG"):
+            raise
+        print(f"vlm-pack {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("vlm-pack: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
