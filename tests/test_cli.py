@@ -117,6 +117,14 @@ def test_demo_command_prints_the_table_and_writes_the_report(demo_run, capsys):
             assert np.asarray(im.convert("L")).std() > 20  # a drawing, not a blank canvas
 
 
+def test_analyze_without_sources_uses_the_demo(tmp_path, demo_run, capsys):
+    code, out, err = _run(capsys, ["analyze", "--capacity", "12288", "--out", str(tmp_path), "--no-plots"])
+    assert code == 0 and "vlm-pack demo (320 samples)" in out and "stand-in" not in err
+    mine = json.loads((tmp_path / "report.json").read_text())["capacities"][0]
+    demo = json.loads((demo_run[0] / "report.json").read_text())["capacities"][1]
+    assert mine == demo
+
+
 def test_python_dash_m_entry_point():
     proc = subprocess.run(
         [sys.executable, "-m", "vlm_pack", "analyze", "--help"], capture_output=True, text=True

@@ -1,8 +1,9 @@
 """The embedded demo dataset: image-text samples with realistic image sizes and conversation lengths.
 
 ``vlm-pack demo``, the notebook, the examples and the tests need data that looks like a VLM SFT mix without
-shipping binaries or reaching the network. This module draws it, deterministically (one seed, the same bytes
-on every machine), in a few seconds::
+shipping binaries or reaching the network. This module draws it in a few seconds, deterministically: one
+seed gives the same samples, conversations and image sizes on every machine (the encoded bytes can differ
+between Pillow builds; the analysis reads only sizes)::
 
     kind        share  format        pixel sizes (width x height)               what is drawn
     ----------  -----  ------------  -----------------------------------------  ---------------------------
@@ -15,7 +16,8 @@ on every machine), in a few seconds::
     icon          8%   PNG (RGBA)    32 .. 256 squares                           a glyph on a disc
 
     images per sample: 0 (text only) 12%, 1 image 63%, 2 images 15%, 3 images 10%
-    text per sample:   a user prompt + an assistant answer, about 50 .. 1500 tokens (log-normal)
+    text per sample:   a user prompt + an assistant answer, log-normal: about 70 .. 2,200 tokens,
+                       median ~360 (Qwen2-VL chat template, offline tokenizer)
 
 Images are low-detail (flat colours, quality-30 JPEG) so that files stay small, but their pixel sizes are the
 realistic part: the packer forecasts vision tokens from the header size only. In the shards a sample is::
@@ -51,6 +53,7 @@ __all__ = [
     "DemoImage",
     "demo_cache_dir",
     "demo_jsonl",
+    "demo_plan",
     "demo_records",
     "demo_shards",
     "draw_image",

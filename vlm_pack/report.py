@@ -952,7 +952,7 @@ def write_report(
     plots: bool = True,
 ) -> list[Path]:
     """Write ``report.json``, ``report.txt`` and (with matplotlib) ``lengths.png``, ``efficiency.png`` and
-    ``packs.png`` (packs at the first capacity) into ``out_dir``; return the paths written."""
+    ``packs.png`` (packs at the first capacity that packed any sample) into ``out_dir``; return the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -966,8 +966,11 @@ def write_report(
     if plots:
         plot_lengths(table, caps, out / "lengths.png")
         plot_efficiency(table, caps, baseline=baseline, strategy=strategy, path=out / "efficiency.png")
-        plot_packs(table, results[0], path=out / "packs.png")
-        written += [out / "lengths.png", out / "efficiency.png", out / "packs.png"]
+        written += [out / "lengths.png", out / "efficiency.png"]
+        drawable = [r for r in results if r.num_bins]
+        if drawable:  # the first capacity that packed anything
+            plot_packs(table, drawable[0], path=out / "packs.png")
+            written.append(out / "packs.png")
         report = {**report, "plots": [p.name for p in written]}
     (out / "report.json").write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
     (out / "report.txt").write_text(format_report(report) + "\n")
