@@ -8,16 +8,16 @@ processor's output for one example) and returns a :class:`PackedBatch`. Expanded
     expanded len  6                      7                            4
     padded len    8                      8                            4
 
-    row 0   input_ids   a0 a1 I  I  I  a2 _  _  | c0 c1 I  I  _  _  _  _     (_ = pad_token_id)
-            labels      -  a1 -  -  -  a2 -  -  | -  c1 -  -  -  -  -  -     (- = -100; HF convention,
-            position    0  1  2  3  4  5  6  7  | 0  1  2  3  4  5  6  7      unshifted: the model shifts)
-    row 1   input_ids   b0 b1 b2 b3 b4 b5 b6 _  | _  _  _  _  _  _  _  _
-            position    0  1  2  3  4  5  6  7  | 8  9  10 11 12 13 14 15
+    row 0   input_ids   a0 a1 I  I  I  a2 _  _  | b0 b1 b2 b3 b4 b5 b6 _      (_ = pad_token_id)
+            labels      -  a1 -  -  -  a2 -  -  | -  b1 b2 b3 b4 b5 b6 -      (- = -100; HF convention,
+            position    0  1  2  3  4  5  6  7  | 0  1  2  3  4  5  6  7       unshifted: the model shifts)
+    row 1   input_ids   c0 c1 I  I  _  _  _  _     _  _  _  _  _  _  _  _
+            position    0  1  2  3  4  5  6  7     8  9  10 11 12 13 14 15
 
-    sample_index        [0, 2, 1]             packed order (rows sorted by first sample, samples by index)
+    sample_index        [0, 1, 2]             packed order (rows sorted by first sample, samples by index)
     row_of_sample       [0, 0, 1]
-    seq_lens            [6, 4, 7]             real lengths, int32
-    cu_seqlens          [0, 6, 10, 17]        cumulative real lengths (Transformer Engine "thd")
+    seq_lens            [6, 7, 4]             real lengths, int32
+    cu_seqlens          [0, 6, 13, 17]        cumulative real lengths (Transformer Engine "thd")
     cu_seqlens_padded   [0, 8, 16, 32]        offsets in the flattened R*T buffer: the tail of a row
                                               belongs to the row's last sample, so rows end on boundaries
 
@@ -37,10 +37,12 @@ Collapsed layout (Megatron style: one placeholder ``P`` per image, the model exp
 format is "thd" with micro batch 1), each exactly ``T`` tokens long once expanded. Padding is placed in
 collapsed space so that every sample's *expanded* span is a multiple of ``pad_to_multiple_of``::
 
-    input_ids (collapsed)  a0 a1 P a2 _ _ | c0 c1 P _ _ _ _ | b0 b1 b2 b3 b4 b5 b6 _ _ ...
-    cu_seqlens_padded      [0, 6, 13, 22]                 collapsed offsets
-    cu_seqlens_padded_expanded  [0, 8, 16, 32]            what attention must use after expansion
-    position_ids           expanded space [1, R*T] (or [4, 1, R*T]): what the language model sees
+    input_ids (collapsed)       a0 a1 P a2 _ _ | b0 b1 b2 b3 b4 b5 b6 _ | c0 c1 P _ _ _ _ ... _
+    cu_seqlens                  [0, 4, 11, 14]        collapsed real lengths
+    cu_seqlens_padded           [0, 6, 14, 29]        collapsed offsets
+    cu_seqlens_expanded         [0, 6, 13, 17]        what attention must use after expansion
+    cu_seqlens_padded_expanded  [0, 8, 16, 32]
+    position_ids                expanded space [1, R*T] (or [4, 1, R*T]): what the language model sees
 
 ``batch.model_inputs(style)`` gives the keyword arguments of one model call:
 
@@ -324,7 +326,8 @@ class PackedBatch:
         raise KeyError(key)
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and (hasattr(self, key) or key in self.keys())
+        fields = {f.name for f in dataclasses.fields(self)}
+        return isinstance(key, str) and (key in fields or key in self.keys())
 
     def __len__(self) -> int:
         return len(self.keys())

@@ -1,0 +1,482 @@
+"""collate.py: PackingCollator on real processors, tokenizers and tiny real HF models."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from PIL import Image
+
+from vlm_pack.collate import PackedBatch, PackingCollator, pad_multiple_for
+from vlm_pack.offline import build_tokenizer, image_processor, processor, tiny_model
+from vlm_pack.processing import process_sample
+
+QWEN_SMALL = {"shortest_edge": 3136, "longest_edge": 112 * 112}  # at most 16 vision tokens per image
+
+
+def img(w: int, h: int, seed: int) -> Image.Image:
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy())
+
+
+CONVERSATIONS = [
+    (
+        [img(56, 56, 0)],
+        [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it"}]},
+            {"role": "assistant", "content": "a red square"},
+        ],
+    ),
+    ([], "the dog is large and the cat is small"),
+    (
+        [img(112, 56, 1), img(56, 84, 2)],
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "compare"}],
+            },
+            {"role": "assistant", "content": "green and blue"},
+        ],
+    ),
+    ([img(70, 90, 3)], "a photo of a tree near a house"),
+    ([], [{"role": "user", "content": "count to three"}, {"role": "assistant", "content": "one two three"}]),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    tok = build_tokenizer("qwen2_vl")
+    ip = image_processor("qwen2_vl", size=QWEN_SMALL)
+    model = tiny_model("qwen2_vl", tok, initializer_range=0.2)
+    samples = [
+        process_sample(ims, c, tokenizer=tok, image_processor=ip, family="qwen2_vl")
+        for ims, c in CONVERSATIONS
+    ]
+    collapsed = [
+        process_sample(ims, c, tokenizer=tok, image_processor=ip, family="qwen2_vl", layout="collapsed")
+        for ims, c in CONVERSATIONS
+    ]
+    return tok, model, samples, collapsed
+
+
+def sample_span(batch: PackedBatch, k: int) -> tuple[int, int, int]:
+    """(row, start in row, real length) of packed sample k."""
+    r = int(batch.row_of_sample[k])
+    return r, int(batch.cu_seqlens_padded[k]) - r * batch.row_length, int(batch.seq_lens[k])
+
+
+def hf_rope(model, s):
+    pos, _ = model.model.get_rope_index(
+        s["input_ids"][None],
+        mm_token_type_ids=s["mm_token_type_ids"][None],
+        image_grid_thw=s.get("image_grid_thw"),
+    )
+    return pos[:, 0]
+
+
+# ------------------------------------------------------------------------------------ expanded layout
+
+
+def test_qwen_layout_labels_positions_padding(qwen):
+    tok, model, samples, _ = qwen
+    m = 8
+    collator = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=m)
+    b = collator(samples)
+    n = len(samples)
+    R, T = b.input_ids.shape
+    assert b.num_rows == R and T == 64 and b.position_ids.shape == (4, R, T)
+    assert sorted(b.sample_index.tolist()) == list(range(n))  # nothing dropped, nothing twice
+    lens = [samples[i]["input_ids"].numel() for i in b.sample_index.tolist()]
+    assert b.seq_lens.tolist() == lens and b.seq_lens.dtype == torch.int32
+    assert b.cu_seqlens.tolist() == [sum(lens[:k]) for k in range(n + 1)]
+    assert b.cu_seqlens.dtype == b.cu_seqlens_padded.dtype == torch.int32
+    spans = b.cu_seqlens_padded.diff()
+    assert bool((spans % m == 0).all()) and int(b.cu_seqlens_padded[-1]) == R * T
+    assert {r * T for r in range(R + 1)} <= set(b.cu_seqlens_padded.tolist())  # rows end on boundaries
+    assert b.max_seqlen == max(lens) and b.num_real_tokens == sum(lens)
+    assert b.row_of_sample.tolist() == sorted(b.row_of_sample.tolist())
+
+    text_pos = b.position_ids[0]
+    for k, i in enumerate(b.sample_index.tolist()):
+        s = samples[i]
+        r, st, L = sample_span(b, k)
+        end = int(b.cu_seqlens_padded[k + 1]) - r * T
+        assert torch.equal(b.input_ids[r, st : st + L], s["input_ids"])
+        assert bool((b.input_ids[r, st + L : end] == tok.pad_token_id).all())
+        # labels: the first token never a target, the rest as processed, padding ignored
+        assert int(b.labels[r, st]) == -100
+        assert torch.equal(b.labels[r, st + 1 : st + L], s["labels"][1:])
+        assert bool((b.labels[r, st + L : end] == -100).all())
+        # positions: restart per sample, padding continues the arange; mRoPE = the model's own per sample
+        assert text_pos[r, st:end].tolist() == list(range(end - st))
+        assert torch.equal(b.position_ids[1:, r, st : st + L], hf_rope(model, s))
+        assert torch.equal(b.mm_token_type_ids[r, st : st + L], s["mm_token_type_ids"])
+    order = b.sample_index.tolist()
+    with_images = [samples[i] for i in order if "image_grid_thw" in samples[i]]
+    assert torch.equal(b.image_grid_thw, torch.cat([s["image_grid_thw"] for s in with_images]))
+    assert torch.equal(b.pixel_values, torch.cat([s["pixel_values"] for s in with_images]))
+    assert torch.equal(b.tokens_per_image, torch.cat([s["tokens_per_image"] for s in with_images]))
+
+
+def test_packed_forward_matches_each_sample_alone(qwen):
+    tok, model, samples, _ = qwen
+    b = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=4)(samples)
+    with torch.no_grad():
+        out = model(**b.model_inputs("sdpa"))
+        logp = out.logits.log_softmax(-1)
+        loss_sum, n_targets = 0.0, 0
+        for k, i in enumerate(b.sample_index.tolist()):
+            s = samples[i]
+            single = model(
+                input_ids=s["input_ids"][None],
+                labels=s["labels"][None],
+                pixel_values=s.get("pixel_values"),
+                image_grid_thw=s.get("image_grid_thw"),
+                mm_token_type_ids=s["mm_token_type_ids"][None],
+            )
+            r, st, L = sample_span(b, k)
+            assert torch.allclose(logp[r, st : st + L], single.logits[0].log_softmax(-1), atol=1e-4, rtol=0)
+            n = int((s["labels"][1:] != -100).sum())
+            loss_sum += float(single.loss) * n
+            n_targets += n
+    # The packed loss is the token-weighted mean of the samples' own losses: no target crosses a sample.
+    assert abs(float(out.loss) - loss_sum / n_targets) < 1e-4
+    assert b.num_label_tokens == n_targets
+
+
+def test_padding_multiples_and_unpadded_rows(qwen):
+    tok, _, samples, _ = qwen
+    b = PackingCollator(
+        96, tokenizer=tok, family="qwen2_vl", pad_to_multiple_of=pad_multiple_for(cp=4), pad_to_capacity=False
+    )(samples)
+    assert b.pad_to_multiple_of == 8
+    assert bool((b.cu_seqlens_padded.diff() % 8 == 0).all())
+    assert b.row_length == int(b.cu_seqlens_padded[-1]) // b.num_rows <= 96
+    assert b.row_length % 8 == 0
+
+
+def test_strategies_keep_every_sample(qwen):
+    tok, _, samples, _ = qwen
+    lens = [s["input_ids"].numel() for s in samples]
+    nf = PackingCollator(64, tokenizer=tok, family="qwen2_vl", strategy="nf")(samples)
+    assert nf.sample_index.tolist() == list(range(len(samples)))  # next-fit keeps the data order
+    bfd = PackingCollator(64, tokenizer=tok, family="qwen2_vl")(samples)
+    assert bfd.num_rows == -(-sum(lens) // 64)  # as few rows as the lengths allow here
+    one = PackingCollator(64, tokenizer=tok, family="qwen2_vl", max_samples_per_row=1)(samples)
+    assert one.num_rows == len(samples)
+
+
+# ----------------------------------------------------------------------------------- collapsed layout
+
+
+def test_collapsed_layout_matches_expanded(qwen):
+    tok, model, expanded, collapsed = qwen
+    kw = dict(tokenizer=tok, config=model.config, pad_to_multiple_of=8)
+    e = PackingCollator(64, **kw)(expanded)
+    c = PackingCollator(64, layout="collapsed", **kw)(collapsed)
+    assert torch.equal(c.sample_index, e.sample_index) and c.num_rows == e.num_rows
+    assert c.input_ids.shape[0] == 1  # packs are consecutive segments of one "thd" row
+    # Expanded boundaries (what attention needs) agree with the expanded layout's own.
+    assert torch.equal(c.cu_seqlens_expanded, e.cu_seqlens)
+    assert torch.equal(c.cu_seqlens_padded_expanded, e.cu_seqlens_padded)
+    assert torch.equal(c.seq_lens_expanded, e.seq_lens)
+    assert bool((c.cu_seqlens_padded_expanded.diff() % 8 == 0).all())
+    # Collapsed boundaries count one token per image.
+    tpi = [expanded[i]["tokens_per_image"] for i in c.sample_index.tolist()]
+    extra = torch.tensor([int(t.sum()) - t.numel() for t in tpi], dtype=torch.int32)
+    assert torch.equal(c.seq_lens + extra, e.seq_lens)
+    assert c.seq_lens.tolist() == [collapsed[i]["input_ids"].numel() for i in c.sample_index.tolist()]
+    # Positions are given in expanded space: identical to the expanded layout's.
+    assert torch.equal(c.position_ids, e.position_ids.reshape(4, 1, -1))
+    # Expanding the collapsed row reproduces the expanded rows.
+    repeats = torch.ones_like(c.input_ids[0])
+    repeats[c.input_ids[0] == tok.image_token_id] = c.tokens_per_image
+    assert torch.equal(torch.repeat_interleave(c.input_ids[0], repeats), e.input_ids.reshape(-1))
+    meg = c.model_inputs("megatron")
+    tokens, labels = meg["tokens"][0], meg["labels"][0]
+    targets = torch.nonzero(labels != -100).squeeze(1)
+    assert targets.numel() == c.num_label_tokens  # shifted in collapsed space, inside each sample
+    assert torch.equal(labels[targets], tokens[targets + 1])
+    psp = meg["packed_seq_params"]
+    assert psp.qkv_format == "thd"
+    assert torch.equal(psp.cu_seqlens_q, e.cu_seqlens) and torch.equal(
+        psp.cu_seqlens_kv_padded, e.cu_seqlens_padded
+    )
+    assert psp.max_seqlen_q == int(e.cu_seqlens_padded.diff().max())
+    with pytest.raises(ValueError, match="needs the expanded layout"):
+        c.model_inputs("sdpa")
+
+
+def test_collapsed_llava_counts_from_config():
+    tok = build_tokenizer("llava")
+    ip = image_processor("llava")
+    s = process_sample(
+        [img(40, 30, 5)],
+        "a cat <image> on a mat",
+        tokenizer=tok,
+        image_processor=ip,
+        family="llava",
+        layout="collapsed",
+    )
+    t = process_sample([], "just words here", tokenizer=tok, family="llava", layout="collapsed")
+    del s["tokens_per_image"]  # the collator derives 576 from image_seq_length
+    c = PackingCollator(
+        1024, tokenizer=tok, family="llava", image_seq_length=576, layout="collapsed", pad_to_multiple_of=16
+    )([s, t])
+    assert c.tokens_per_image.tolist() == [576]
+    lens = [s["input_ids"].numel() + 575, t["input_ids"].numel()]
+    assert c.seq_lens_expanded.tolist() == lens
+    assert c.cu_seqlens_padded_expanded.tolist() == [0, -(-lens[0] // 16) * 16, 1024]
+    assert c.position_ids.shape == (1, 1024)
+    assert c.position_ids[0, : lens[0]].tolist() == list(range(lens[0]))
+
+
+# ------------------------------------------------------------------------------------- model inputs
+
+
+def test_model_input_styles(qwen):
+    tok, model, samples, _ = qwen
+    b = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=4)(samples)
+    R, T = b.input_ids.shape
+    sdpa = b.model_inputs("sdpa")
+    assert "attention_mask" not in sdpa and sdpa["use_cache"] is False
+    assert set(b.keys()) == set(sdpa) and b["input_ids"] is b.input_ids and len(b) == len(sdpa)
+    flash = b.model_inputs("flash_attention_2")
+    assert "cu_seqlens" not in flash  # would reach the vision tower
+    assert flash["input_ids"].shape == (1, R * T) and flash["position_ids"].shape == (4, 1, R * T)
+    assert flash["mm_token_type_ids"].shape == (1, R * T)
+    assert (
+        torch.equal(flash["cu_seq_lens_q"], b.cu_seqlens_padded)
+        and flash["cu_seq_lens_k"] is flash["cu_seq_lens_q"]
+    )
+    assert flash["max_length_q"] == int(b.cu_seqlens_padded.diff().max())
+    assert torch.equal(flash["position_ids"][:, 0], b.position_ids.reshape(4, -1))
+    meg = b.model_inputs("megatron")
+    tokens, labels, mask = meg["tokens"][0], meg["labels"][0], meg["loss_mask"][0]
+    cu = b.cu_seqlens_padded.tolist()
+    for k in range(b.num_samples):
+        a, L = cu[k], int(b.seq_lens[k])
+        # labels[t] is the target of token t, only inside the sample; the last real token predicts nothing
+        hf = b.labels.reshape(-1)[a : a + L]
+        assert torch.equal(labels[a : a + L - 1], hf[1:L])
+        assert int(labels[a + L - 1]) == -100
+        trained = labels[a : a + L] != -100
+        assert torch.equal(tokens[a + 1 : a + L][trained[: L - 1]], labels[a : a + L - 1][trained[: L - 1]])
+    assert torch.equal(mask.bool(), labels != -100) and int(mask.sum()) == b.num_label_tokens
+    psp = meg["packed_seq_params"]
+    assert torch.equal(psp.cu_seqlens_q, b.cu_seqlens) and torch.equal(
+        psp.cu_seqlens_q_padded, b.cu_seqlens_padded
+    )
+    with pytest.raises(ValueError, match="style must be one of"):
+        b.model_inputs("xformers")
+    moved = b.to("meta")
+    assert moved.input_ids.device.type == "meta" and moved.pixel_values.device.type == "meta"
+    assert b.input_ids.device.type == "cpu"
+
+
+def test_flash_style_inputs_run_varlen_attention(qwen):
+    """The flattened row + cu_seq_lens_q/k through a varlen attention gives the sdpa rows' logits."""
+    from vlm_pack.attention import use_varlen_attention
+
+    tok, model, samples, _ = qwen
+    varlen = use_varlen_attention(tiny_model("qwen2_vl", tok, initializer_range=0.2))  # same seed, weights
+    b = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=4)(samples)
+    with torch.no_grad():
+        rows = model(**b.model_inputs("sdpa")).logits
+        flat = varlen(**b.model_inputs("flash_attention_2")).logits
+    assert flat.shape[:2] == (1, b.num_rows * b.row_length)
+    assert torch.allclose(flat[0], rows.reshape(flat.shape[1], -1), atol=1e-4, rtol=0)
+
+
+def test_qwen3_vl_real_processor_forward():
+    tok = build_tokenizer("qwen3_vl")
+    ip = image_processor("qwen3_vl", size={"shortest_edge": 4096, "longest_edge": 128 * 128})
+    model = tiny_model("qwen3_vl", tok, initializer_range=0.2)
+    samples = [
+        process_sample(ims, c, tokenizer=tok, image_processor=ip, family="qwen3_vl")
+        for ims, c in CONVERSATIONS[:3]
+    ]
+    b = PackingCollator(96, tokenizer=tok, config=model.config, pad_to_multiple_of=4)(samples)
+    with torch.no_grad():
+        logp = model(**b.model_inputs("sdpa")).logits.log_softmax(-1)
+        for k, i in enumerate(b.sample_index.tolist()):
+            s = samples[i]
+            r, st, L = sample_span(b, k)
+            assert torch.equal(b.position_ids[1:, r, st : st + L], hf_rope(model, s))
+            ref = (
+                model(
+                    input_ids=s["input_ids"][None],
+                    pixel_values=s.get("pixel_values"),
+                    image_grid_thw=s.get("image_grid_thw"),
+                    mm_token_type_ids=s["mm_token_type_ids"][None],
+                )
+                .logits[0]
+                .log_softmax(-1)
+            )
+            assert torch.allclose(logp[r, st : st + L], ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next"])
+def test_llava_processor_outputs_forward(family):
+    """Samples straight from an HF processor ([1, L] tensors with attention_mask) pack and run."""
+    proc = processor(family)
+    model = tiny_model(family, proc.tokenizer, initializer_range=0.2)
+    sizes = [(600, 60), (50, 700)] if family == "llava_next" else [(60, 40), (50, 90)]
+    samples = [
+        dict(
+            proc(
+                images=[img(*sizes[0], 7)],
+                text="USER: <image>\nwhat is it ASSISTANT: a cat",
+                return_tensors="pt",
+            )
+        ),
+        dict(proc(text="USER: hello there ASSISTANT: hi", return_tensors="pt")),
+        dict(
+            proc(
+                images=[img(*sizes[1], 8)],
+                text="USER: <image>\nand this ASSISTANT: a dog",
+                return_tensors="pt",
+            )
+        ),
+    ]
+    lens = [s["input_ids"].shape[1] for s in samples]
+    b = PackingCollator(
+        sum(_round_up(n, 16) for n in lens), tokenizer=proc, config=model.config, pad_to_multiple_of=16
+    )(samples)
+    assert b.num_rows == 1 and b.position_ids.shape == b.input_ids.shape
+    if family == "llava_next":
+        # Different patch counts: padded to the most, image_sizes tells the model each one's real count.
+        n_patches = [s["pixel_values"].shape[1] for s in samples if "pixel_values" in s]
+        assert len(set(n_patches)) == 2 and b.pixel_values.shape[1] == max(n_patches)
+        assert b.image_sizes.shape == (2, 2)
+    with torch.no_grad():
+        logp = model(**b.model_inputs("sdpa")).logits.log_softmax(-1)
+        for k, i in enumerate(b.sample_index.tolist()):
+            s = samples[i]
+            r, st, L = sample_span(b, k)
+            assert torch.equal(b.input_ids[r, st : st + L], s["input_ids"][0])
+            assert b.position_ids[r, st : st + L].tolist() == list(range(L))
+            ref = model(**{k2: v for k2, v in s.items() if k2 != "attention_mask"}).logits[0].log_softmax(-1)
+            assert torch.allclose(logp[r, st : st + L], ref, atol=1e-4, rtol=0)
+    # No labels given: trained on the text, never on image tokens or a sample's first token.
+    assert not bool((b.labels == proc.tokenizer.image_token_id).any())
+    assert all(int(b.labels[0, c]) == -100 for c in b.cu_seqlens_padded[:-1].tolist())
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+def test_errors_name_the_sample(qwen):
+    tok, model, samples, collapsed = qwen
+    col = PackingCollator(64, tokenizer=tok, config=model.config)
+    big = dict(
+        samples[0], input_ids=torch.cat([samples[0]["input_ids"]] * 4), labels=None, mm_token_type_ids=None
+    )
+    del big["tokens_per_image"]
+    big["image_grid_thw"] = big["image_grid_thw"].repeat(4, 1)
+    with pytest.raises(
+        ValueError, match=r"sample 2 is \d+ tokens long but a row holds capacity=64: raise capacity"
+    ):
+        col([samples[1], samples[3], big])
+    wrong = dict(samples[2], image_grid_thw=samples[2]["image_grid_thw"][:1])
+    del wrong["tokens_per_image"]
+    with pytest.raises(ValueError, match=r"sample 1: input_ids hold \d+ image tokens but its 1 image"):
+        col([samples[0], wrong])
+    no_place = dict(
+        samples[1], pixel_values=samples[0]["pixel_values"], image_grid_thw=samples[0]["image_grid_thw"]
+    )
+    del no_place["tokens_per_image"]
+    with pytest.raises(ValueError, match="sample 0 has 1 image\\(s\\) but no image token"):
+        col([no_place])
+    orphan = dict(samples[0])
+    del orphan["pixel_values"], orphan["image_grid_thw"], orphan["tokens_per_image"]
+    with pytest.raises(
+        ValueError, match="sample 0: input_ids hold 4 image token\\(s\\) but the sample has no images"
+    ):
+        col([orphan])
+    keyed = dict(wrong, __key__="shard-3/000042")
+    with pytest.raises(ValueError, match="sample 0 \\(key 'shard-3/000042'\\)"):
+        col([keyed])
+    no_counts = dict(collapsed[0])
+    del no_counts["tokens_per_image"], no_counts["image_grid_thw"]
+    no_counts["image_sizes"] = torch.tensor([[56, 56]])
+    with pytest.raises(ValueError, match="collapsed layout needs tokens_per_image"):
+        PackingCollator(64, tokenizer=tok, family="qwen2_vl", layout="collapsed")([no_counts])
+    with pytest.raises(ValueError, match="empty list"):
+        col([])
+    with pytest.raises(ValueError, match="labels has 3 entries but input_ids has"):
+        col([dict(samples[1], labels=torch.tensor([1, 2, 3]))])
+    with pytest.raises(ValueError, match=r"\[L\] or \[1, L\]"):
+        col(
+            [
+                dict(
+                    samples[1],
+                    input_ids=samples[1]["input_ids"].reshape(2, -1),
+                    labels=None,
+                    mm_token_type_ids=None,
+                )
+            ]
+        )
+    with pytest.raises(ValueError, match="capacity 100 is not a multiple of pad_to_multiple_of 8"):
+        PackingCollator(100, pad_to_multiple_of=8)
+    with pytest.raises(ValueError, match="needs layout='expanded'"):
+        PackingCollator(64, layout="collapsed", return_style="sdpa")
+
+
+def test_pad_multiple_for():
+    assert pad_multiple_for() == 1
+    assert pad_multiple_for(cp=2) == 4
+    assert pad_multiple_for(tp=2, sequence_parallel=True) == 2
+    assert pad_multiple_for(tp=4, cp=2, sequence_parallel=True) == 8  # lcm(2*CP, CP*TP)
+    assert pad_multiple_for(tp=2, cp=3, sequence_parallel=True) == 6
+    assert pad_multiple_for(tp=4, cp=2) == 4  # TP without SP does not split the sequence
+    assert pad_multiple_for(fp8=True) == 16
+    assert pad_multiple_for(cp=2, fp8=True) == 32
+    with pytest.raises(ValueError, match="cp must be a positive int"):
+        pad_multiple_for(cp=0)
+
+
+# ------------------------------------------------------------------------------------ data loaders
+
+
+def test_dataloader_workers_and_trainer_style(qwen):
+    tok, model, samples, _ = qwen
+    collator = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=4)
+    assert pickle.loads(pickle.dumps(collator)).image_token_id == tok.image_token_id
+    loader = torch.utils.data.DataLoader(samples * 2, batch_size=5, num_workers=2, collate_fn=collator)
+    batches = list(loader)
+    assert len(batches) == 2 and all(isinstance(x, PackedBatch) for x in batches)
+    assert all(sorted(x.sample_index.tolist()) == list(range(5)) for x in batches)
+    # As an HF Trainer data_collator: a plain dict of forward kwargs.
+    as_dict = PackingCollator(64, tokenizer=tok, config=model.config, return_style="sdpa")(samples)
+    assert isinstance(as_dict, dict) and as_dict["use_cache"] is False
+    with torch.no_grad():
+        assert torch.isfinite(model(**as_dict).loss)
+
+
+def test_hf_trainer_step(qwen, tmp_path):
+    """As an HF Trainer data_collator (return_style="sdpa"): one real optimisation step on packed rows."""
+    from transformers import Trainer, TrainingArguments
+
+    tok, _, samples, _ = qwen
+    model = tiny_model("qwen2_vl", tok).train()
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=len(samples),
+        max_steps=1,
+        report_to=[],
+        remove_unused_columns=False,  # the collator needs every processed field
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+    )
+    collator = PackingCollator(64, tokenizer=tok, config=model.config, return_style="sdpa")
+    before = model.lm_head.weight.detach().clone()
+    result = Trainer(model=model, args=args, train_dataset=samples, data_collator=collator).train()
+    assert result.global_step == 1 and torch.isfinite(torch.tensor(result.training_loss))
+    assert not torch.equal(before, model.lm_head.weight.detach())
