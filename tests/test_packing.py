@@ -175,9 +175,9 @@ def test_bfd_both_stack_representations_agree(n, capacity, seed):
     # both must produce the same bins on any input
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, int(rng.integers(1, capacity + 1)) + 1, n)
-    counts = np.bincount(lengths, minlength=capacity + 1)
-    a, na = _bfd_histogram(counts, capacity, ranges=False)
-    b, nb = _bfd_histogram(counts, capacity, ranges=True)
+    distinct, counts = np.unique(lengths, return_counts=True)
+    a, na = _bfd_histogram(distinct[::-1], counts[::-1], capacity, ranges=False)
+    b, nb = _bfd_histogram(distinct[::-1], counts[::-1], capacity, ranges=True)
     assert na == nb and a.tolist() == b.tolist()
 
 
@@ -267,6 +267,17 @@ def test_large_capacity_path_and_many_bins():
     check_invariants(res, many.size, 100)
     # two items of 60..100 never share a bin of 100
     assert res.num_bins == many.size
+
+
+def test_huge_capacity_needs_no_capacity_sized_arrays():
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(1, 2**40, 300)
+    res = pack(lengths, 2**41)
+    assert res.bins == ref_pack(lengths.tolist(), 2**41, "bfd")
+    with pytest.raises(ValueError, match="too large for best fit with a vision budget"):
+        pack(lengths, 2**41, vision=np.ones(300, dtype=int), vision_capacity=8)
+    res = pack(lengths, 2**41, strategy="ffd", vision=np.ones(300, dtype=int), vision_capacity=8)
+    assert res.bins == ref_pack(lengths.tolist(), 2**41, "ffd", [1] * 300, 8)
 
 
 def test_empty_and_single():
@@ -413,7 +424,7 @@ def test_stream_resume_from_any_state_is_exact(items, cut, buffer_size, ratio, d
 
 
 def test_stream_example_and_stats():
-    sp = StreamPacker(1024)  # emit at >= 717 tokens
+    sp = StreamPacker(1024, min_fill_ratio=0.7)  # emit at >= 717 tokens
     assert sp.add("a", 700) == []
     assert sp.add("b", 500) == []
     out = sp.add("c", 300)
