@@ -123,7 +123,7 @@ def test_packed_forward_matches_each_sample_alone(qwen):
     tok, model, samples, _ = qwen
     b = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=4)(samples)
     with torch.no_grad():
-        out = model(**b.model_inputs("sdpa"))
+        out = model(**b)  # mapping protocol: the sdpa-style model inputs
         logp = out.logits.log_softmax(-1)
         loss_sum, n_targets = 0.0, 0
         for k, i in enumerate(b.sample_index.tolist()):
@@ -143,6 +143,9 @@ def test_packed_forward_matches_each_sample_alone(qwen):
     # The packed loss is the token-weighted mean of the samples' own losses: no target crosses a sample.
     assert abs(float(out.loss) - loss_sum / n_targets) < 1e-4
     assert b.num_label_tokens == n_targets
+    eager = tiny_model("qwen2_vl", tok, initializer_range=0.2, attn_implementation="eager")
+    with torch.no_grad():
+        assert torch.allclose(eager(**b.model_inputs("eager")).logits, out.logits, atol=1e-4, rtol=0)
 
 
 def test_padding_multiples_and_unpadded_rows(qwen):
@@ -407,6 +410,12 @@ def test_errors_name_the_sample(qwen):
     no_counts["image_sizes"] = torch.tensor([[56, 56]])
     with pytest.raises(ValueError, match="collapsed layout needs tokens_per_image"):
         PackingCollator(64, tokenizer=tok, family="qwen2_vl", layout="collapsed")([no_counts])
+    broken = dict(samples[0], input_ids=samples[0]["input_ids"].clone())
+    broken["input_ids"][broken["input_ids"] == tok.convert_tokens_to_ids("<|vision_start|>")] = 100
+    with pytest.raises(
+        ValueError, match=r"sample 2: a vision block at offset \d+ does not follow <\|vision_start\|>"
+    ):
+        col([samples[1], samples[3], broken])  # named by its index in the list, whatever its packed place
     with pytest.raises(ValueError, match="empty list"):
         col([])
     with pytest.raises(ValueError, match="labels has 3 entries but input_ids has"):

@@ -137,11 +137,11 @@ except ImportError:  # pragma: no cover - the branch taken on this project's CI
         max_seqlen_kv: int | None = None
 
 
-def _to(value: Any, device: Any, non_blocking: bool) -> Any:
+def _apply(value: Any, fn: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=non_blocking)
+        return fn(value)
     if isinstance(value, dict):
-        return {k: _to(v, device, non_blocking) for k, v in value.items()}
+        return {k: _apply(v, fn) for k, v in value.items()}
     return value
 
 
@@ -209,14 +209,21 @@ class PackedBatch:
         """Tokens that carry a loss (labels != -100): the denominator of a per-token loss."""
         return int((self.labels != IGNORE_INDEX).sum())
 
-    def to(self, device: Any, non_blocking: bool = False) -> PackedBatch:
-        """A copy with every tensor on ``device``."""
+    def _apply(self, fn: Any) -> PackedBatch:
         changes = {
-            f.name: _to(getattr(self, f.name), device, non_blocking)
+            f.name: _apply(getattr(self, f.name), fn)
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), (torch.Tensor, dict))
         }
         return dataclasses.replace(self, **changes)
+
+    def to(self, device: Any, non_blocking: bool = False) -> PackedBatch:
+        """A copy with every tensor on ``device``."""
+        return self._apply(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> PackedBatch:
+        """A copy in pinned memory (``DataLoader(pin_memory=True)`` calls this)."""
+        return self._apply(lambda t: t.pin_memory())
 
     def _vision_inputs(self) -> dict[str, torch.Tensor]:
         out = {k: getattr(self, k) for k in _VISION_KEYS if getattr(self, k) is not None}
@@ -308,21 +315,31 @@ class PackedBatch:
             "packed_seq_params": params,
         }
         out.update(self._vision_inputs())
+        if "mm_token_type_ids" in out:
+            out["mm_token_type_ids"] = out["mm_token_type_ids"].reshape(1, -1)  # like tokens
         if self.layout == "collapsed" and self.tokens_per_image is not None:
             out["tokens_per_image"] = self.tokens_per_image
         return out
 
     # ------------------------------------------------------------------ mapping-style access
+    def _default_inputs(self) -> dict[str, Any]:
+        return self.model_inputs("sdpa" if self.layout == "expanded" else "megatron")
+
     def keys(self) -> list[str]:
-        """The keys of ``model_inputs()`` (sdpa style; megatron style in the collapsed layout)."""
-        return list(self.model_inputs("sdpa" if self.layout == "expanded" else "megatron").keys())
+        """The keys of ``model_inputs()`` (sdpa style; megatron style in the collapsed layout).
+
+        So ``model(**batch)`` is ``model(**batch.model_inputs(...))``: ``batch[key]`` gives the model input
+        of that name (e.g. the shifted ``labels`` in megatron style) and any other field by name, while
+        attribute access (``batch.labels``) always gives the field.
+        """
+        return list(self._default_inputs().keys())
 
     def __getitem__(self, key: str) -> Any:
-        if key in {f.name for f in dataclasses.fields(self)}:
-            return getattr(self, key)
-        inputs = self.model_inputs("sdpa" if self.layout == "expanded" else "megatron")
+        inputs = self._default_inputs()
         if key in inputs:
             return inputs[key]
+        if key in {f.name for f in dataclasses.fields(self)}:
+            return getattr(self, key)
         raise KeyError(key)
 
     def __contains__(self, key: object) -> bool:
@@ -755,6 +772,8 @@ class PackingCollator:
                 mm_token_type_ids=exp_types,
                 image_token_id=self.image_token_id,
                 video_token_id=self.video_token_id,
+                # Checks every vision block follows <|vision_start|>, as every Qwen-VL chat template has it.
+                vision_start_token_id=self.vision_start_token_id,
                 spatial_merge_size=self.spatial_merge_size,
                 tokens_per_second=self.tokens_per_second,
             )
