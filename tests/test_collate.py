@@ -292,12 +292,14 @@ def test_flash_style_inputs_run_varlen_attention(qwen):
     assert torch.allclose(flat[0], rows.reshape(flat.shape[1], -1), atol=1e-4, rtol=0)
 
 
-def test_qwen3_vl_real_processor_forward():
-    tok = build_tokenizer("qwen3_vl")
-    ip = image_processor("qwen3_vl", size={"shortest_edge": 4096, "longest_edge": 128 * 128})
-    model = tiny_model("qwen3_vl", tok, initializer_range=0.2)
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen_family_real_processor_forward(family):
+    tok = build_tokenizer(family)
+    small = {"shortest_edge": 4096, "longest_edge": 128 * 128} if family == "qwen3_vl" else QWEN_SMALL
+    ip = image_processor(family, size=small)
+    model = tiny_model(family, tok, initializer_range=0.2)
     samples = [
-        process_sample(ims, c, tokenizer=tok, image_processor=ip, family="qwen3_vl")
+        process_sample(ims, c, tokenizer=tok, image_processor=ip, family=family)
         for ims, c in CONVERSATIONS[:3]
     ]
     b = PackingCollator(96, tokenizer=tok, config=model.config, pad_to_multiple_of=4)(samples)
