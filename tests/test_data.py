@@ -376,25 +376,73 @@ def test_epochs_follow_each_other_and_reshuffle(corpus, qwen, reference):
     assert [_summary(b) for b in _run(PackedDataLoader(again, num_workers=2))] == epoch0
 
 
-def test_split_by_node_and_worker(corpus, qwen, monkeypatch):
+def _keys_of(batches) -> list[str]:
+    return [k for b in batches for k in b.metadata["__key__"]]
+
+
+def _forecast_matches(batch) -> bool:
+    meta = batch.stream_meta
+    forecast = dict(zip((k for _, k in meta["samples"]), meta["forecast"]))
+    return [forecast[k] for k in batch.metadata["__key__"]] == batch.seq_lens.tolist()
+
+
+def test_split_by_node_and_worker_then_resume_on_fewer_ranks(corpus, qwen, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    per_rank = []
+    kwargs = dict(pad_to_multiple_of=8, vision_capacity=2, vision_cost="images")
+    per_rank, states, heads = [], [], []
     for rank in range(2):
         monkeypatch.setenv("RANK", str(rank))
-        ds = _pipeline(corpus, qwen, pad_to_multiple_of=8, vision_capacity=2, vision_cost="images")
-        batches = _run(PackedDataLoader(ds, num_workers=2))
+        ds = _pipeline(corpus, qwen, **kwargs)
+        loader = PackedDataLoader(ds, num_workers=2)
+        batches = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", BadSampleWarning)
+            for batch in loader:
+                batches.append(batch)
+                if len(batches) == 2:  # each rank checkpoints after its 2nd batch
+                    states.append(loader.state_dict())
+                    heads.append(list(batches))
         assert {b.stream_meta["snapshot"]["stream"] % 2 for b in batches} == {rank}
         for b in batches:
             spans = b.cu_seqlens_padded.diff()
             assert bool((spans % 8 == 0).all()) and int(spans.sum()) == CAPACITY
-            assert b.seq_lens.tolist() == [
-                dict(zip((k for _, k in b.stream_meta["samples"]), b.stream_meta["forecast"]))[k]
-                for k in b.metadata["__key__"]
-            ]
+            assert _forecast_matches(b)
             assert (0 if b.image_grid_thw is None else len(b.image_grid_thw)) <= 2
-        per_rank.append([k for b in batches for k in b.metadata["__key__"]])
+        per_rank.append(_keys_of(batches))
     assert sorted(per_rank[0] + per_rank[1]) == corpus["good"]
     assert not set(per_rank[0]) & set(per_rank[1])
+
+    # Resume both ranks' checkpoints on a single rank with one worker: the rest, exactly once.
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    ds = _pipeline(corpus, qwen, **kwargs)
+    ds.load_state_dict(json.loads(json.dumps(states)))
+    tail = _run(PackedDataLoader(ds, num_workers=1))
+    assert sorted(_keys_of(heads[0] + heads[1] + tail)) == corpus["good"]
+    assert ds.stats.samples_read == corpus["n_read"]
+    assert ds.stats.reasons == {**dict.fromkeys(BAD_REASONS, 1), "unreadable_shard": 2}
+
+
+def test_llava_next_forecast_equals_processed_length(tmp_path):
+    tok, ip = build_tokenizer("llava_next"), image_processor("llava_next")
+    rng = random.Random(5)
+    records = [
+        {
+            "key": f"n{i}",
+            "images": _encoded((rng.randint(60, 700), rng.randint(60, 500)), "JPEG", i),
+            "caption": "x",
+        }
+        for i in range(5)
+    ]
+    urls = write_shards(records, tmp_path / "ln", maxcount=3)
+    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=4096)
+    batches = list(ds)
+    assert sorted(_keys_of(batches)) == [f"n{i}" for i in range(5)]
+    assert all(_forecast_matches(b) for b in batches) and ds.stats.forecast_mismatches == 0
+    # LLaVA-NeXT: anyres crops -> 5-D pixel_values, one image_sizes row per image
+    assert all(
+        b.pixel_values.dim() == 5 and len(b.image_sizes) == len(b.metadata["__key__"]) for b in batches
+    )
 
 
 def test_progress_log(corpus, qwen, caplog):

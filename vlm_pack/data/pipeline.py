@@ -34,6 +34,21 @@ main process keeps the latest snapshot per stream (:meth:`PackedWebDataset.obser
   samples and the ones that were buffered) is dealt again to the new streams. No sample is repeated or
   lost; the packs differ. With several ranks, pass every rank's state (a list) to ``load_state_dict``.
 
+Usage::
+
+    ds = PackedWebDataset("data/shard-{000000..000099}.tar", tokenizer=tok, image_processor=ip,
+                          capacity=8192, shuffle_seed=0)
+    loader = PackedDataLoader(ds, num_workers=8)     # a DataLoader(batch_size=None) that observes batches
+    for batch in loader:                             # PackedBatch: batch.model_inputs("sdpa") ...
+        ...
+        checkpoint["data"] = loader.state_dict()     # plain JSON-serialisable data
+    ds.load_state_dict(checkpoint["data"])           # later: the next iteration resumes there
+
+Epochs: an iteration that runs to the end completes the epoch and the next iteration starts the next one
+(reshuffled); ``set_epoch(e)`` starts epoch ``e`` explicitly. Workers must not be persistent (the state
+reaches them when they start). Memory: a stream holds the encoded bytes of the samples in its buffers
+(``shuffle_buffer`` samples and up to ``buffer_size`` open bins), not decoded images.
+
 Bad data never stops training and is never silent: each bad sample or shard is skipped with a
 :class:`BadSampleWarning` naming shard and key and counted by reason in :attr:`PackedWebDataset.stats`
 (``on_error="raise"`` raises instead). Reasons: ``unreadable_shard``, ``missing_text``, ``bad_text``,
@@ -88,7 +103,9 @@ BAD_REASONS = (
     "forecast_mismatch",
 )
 
-#: Phases timed in :attr:`PipelineStats.time` (seconds, summed over streams). ``own`` phases are vlm-pack's.
+#: Phases timed in :attr:`PipelineStats.time`: CPU seconds of the stream's thread (``time.thread_time``, so
+#: other processes on the machine do not inflate them), summed over streams. ``OWN_PHASES`` are vlm-pack's;
+#: ``read`` is tar reading (I/O waits excluded), ``preprocess`` image decode + HF image processor + tokenizer.
 PHASES = ("read", "forecast", "pack", "preprocess", "collate", "state")
 OWN_PHASES = ("forecast", "pack", "collate", "state")
 
@@ -119,7 +136,7 @@ class PipelineStats:
 
     ``samples_read == samples_packed + samples_bad + samples_dropped + samples held in buffers``; at the
     end of an epoch no sample is held. ``bad`` keeps the most recent ``max_examples`` bad samples per
-    stream; ``reasons`` counts all of them. ``time`` holds seconds per phase (see ``PHASES``).
+    stream (1000 in a sum); ``reasons`` counts all of them. ``time`` holds CPU seconds per phase (``PHASES``).
     """
 
     capacity: int = 0
@@ -194,7 +211,7 @@ class PipelineStats:
             tokens=self.tokens + other.tokens,
             forecast_mismatches=self.forecast_mismatches + other.forecast_mismatches,
             reasons=reasons,
-            bad=self.bad + other.bad,
+            bad=(self.bad + other.bad)[-1000:],
             time=times,
         )
 
@@ -290,12 +307,12 @@ def _remaining_plan(
 ) -> list[list[Any]]:
     """What is left of ``plan`` given each stream's latest snapshot (streams without one: untouched)."""
     n_streams = layout[0] * layout[1]
-    remaining: list[list[Any]] = []
+    remaining: list[tuple[int, list[Any]]] = []  # (index in the old plan, item)
     for g in range(n_streams):
         items = plan[g::n_streams]
         snap = streams.get(g)
         if snap is None:
-            remaining.extend((i * n_streams + g, item) for i, item in enumerate(items))  # type: ignore[arg-type]
+            remaining.extend((i * n_streams + g, item) for i, item in enumerate(items))
             continue
         held: dict[int, set[int]] = {}
         for pos in _held_positions(snap):
@@ -313,7 +330,7 @@ def _remaining_plan(
             else:
                 new = [start, sorted(set(pending) | extra)]
             if new[0] is not None or new[1]:
-                remaining.append((i * n_streams + g, [shard, *new]))  # type: ignore[arg-type]
+                remaining.append((i * n_streams + g, [shard, *new]))
     remaining.sort(key=lambda t: t[0])  # back to the plan's order
     return [item for _, item in remaining]
 
@@ -335,7 +352,7 @@ def _fresh_progress(epoch: int) -> dict[str, Any]:
         "plan": None,  # None: the fresh plan of the epoch
         "layout": None,  # [world, num_workers] of the streams below
         "streams": {},  # stream id -> latest snapshot
-        "last_stream": None,  # stream of the latest batch (to rotate the DataLoader on resume)
+        "last_stream": {},  # rank -> stream of its latest batch (to rotate the DataLoader on resume)
         "complete": False,
         "base": None,  # stats of the samples consumed before the latest re-deal
     }
@@ -536,19 +553,29 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
                 raise ValueError("load_state_dict: the states are from different epochs or layouts")
         progress = copy.deepcopy(first)
         progress["streams"] = {}
-        base = None
-        totals = PipelineStats(capacity=self.capacity)
         for s in states:
             for snap in s["progress"]["streams"]:
                 progress["streams"][int(snap["stream"])] = copy.deepcopy(snap)
-            if s["progress"]["base"] is not None:
-                b = PipelineStats.from_dict(s["progress"]["base"])
-                base = b if base is None else base.merge(b)
-            totals = totals.merge(PipelineStats.from_dict(s["totals"]))
+            progress["last_stream"].update(s["progress"]["last_stream"])
+
+        def merged(values: list[Any]) -> PipelineStats | None:
+            # Ranks that resumed from one merged state carry the same counts: count them once.
+            values = [v for v in values if v is not None]
+            if not values:
+                return None
+            if all(v == values[0] for v in values):
+                return PipelineStats.from_dict(values[0])
+            out = PipelineStats(capacity=self.capacity)
+            for v in values:
+                out = out.merge(PipelineStats.from_dict(v))
+            return out
+
+        base = merged([s["progress"]["base"] for s in states])
+        totals = merged([s["totals"] for s in states])
         progress["base"] = None if base is None else base.to_dict()
         progress["complete"] = all(s["progress"]["complete"] for s in states)
         self._progress = progress
-        self._totals = totals
+        self._totals = totals if totals is not None else PipelineStats(capacity=self.capacity)
 
     def _resolve(self, progress: dict[str, Any], layout: list[int]) -> tuple[dict[str, Any], bool]:
         """The progress an iteration with ``layout`` starts from, and whether it resumes streams exactly.
@@ -563,7 +590,7 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         if p["layout"] is not None and p["layout"] != layout:
             base = self._epoch_stats(p)
             p["plan"] = _remaining_plan(p["plan"], p["layout"], p["streams"])
-            p.update(generation=p["generation"] + 1, streams={}, last_stream=None, base=base.to_dict())
+            p.update(generation=p["generation"] + 1, streams={}, last_stream={}, base=base.to_dict())
         p["layout"] = layout
         return p, bool(p["streams"])
 
@@ -596,9 +623,9 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         g = int(snap["stream"])
         old = p["streams"].get(g)
         if old is None or old["seq"] < snap["seq"]:
-            p["streams"][g] = snap
-            p["last_stream"] = g
             world = p["layout"][0]
+            p["streams"][g] = snap
+            p["last_stream"][str(g % world)] = g
             n_streams = world * p["layout"][1]
             # this rank's streams (another rank's tracker follows those)
             with_work = {h for h in range(g % world, n_streams, world) if p["plan"][h::n_streams]}
@@ -660,13 +687,14 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         progress, exact = self._resolve(self._progress, layout)
         # Rotate workers so the DataLoader's round robin starts with the stream that was due next.
         rotation = 0
-        if exact and progress["last_stream"] is not None:
-            rotation = (progress["last_stream"] // world + 1) % num_workers
+        last = progress["last_stream"].get(str(rank))
+        if exact and last is not None:
+            rotation = (last // world + 1) % num_workers
         logical = (worker + rotation) % num_workers
         g = rank + world * logical
         n_streams = world * num_workers
         items = progress["plan"][g::n_streams]
-        if not items and len(progress["plan"]) < n_streams and worker == 0 and rank == 0:
+        if g == 0 and len(progress["plan"]) < n_streams:
             warnings.warn(
                 f"{len(progress['plan'])} shard(s) for {n_streams} streams (world {world} x {num_workers} "
                 "workers): some streams get no data; use more, smaller shards so ranks get equal work.",
@@ -844,7 +872,7 @@ class _StreamRunner:
         processed, picked, lengths, mismatched = [], [], [], []
         for pos in keys:
             s = self.samples.pop(pos)
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             try:
                 out = process_sample(
                     s.images,
@@ -857,10 +885,10 @@ class _StreamRunner:
                     key=s.key,
                 )
             except Exception as exc:
-                t["preprocess"] += time.perf_counter() - t0
+                t["preprocess"] += time.thread_time() - t0
                 self._bad(s.url, s.key, "decode_error", f"{type(exc).__name__}: {exc}")
                 continue
-            t["preprocess"] += time.perf_counter() - t0
+            t["preprocess"] += time.thread_time() - t0
             n = int(out["input_ids"].shape[0])
             if n != s.length:
                 self.stats.forecast_mismatches += 1
@@ -889,15 +917,15 @@ class _StreamRunner:
             del processed[j], picked[j], lengths[j]
         if not processed:
             return None
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         batch = self.collate(processed)
-        t["collate"] += time.perf_counter() - t0
+        t["collate"] += time.thread_time() - t0
         st = self.stats
         st.bins += 1
         st.samples_packed += len(processed)
         st.tokens += sum(lengths)
         self.seq += 1
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         meta = {
             "epoch": self.epoch,
             "generation": self.generation,
@@ -914,7 +942,7 @@ class _StreamRunner:
                 f"the collator returned a {type(batch).__name__}, which cannot carry the stream metadata "
                 f"(attribute {_META!r}); return an object that accepts attributes."
             ) from None
-        t["state"] += time.perf_counter() - t0
+        t["state"] += time.thread_time() - t0
         return batch
 
     def _snapshot(self, done: bool) -> dict[str, Any]:
@@ -956,18 +984,18 @@ class _StreamRunner:
         key = None
         try:
             while True:
-                t0 = time.perf_counter()
+                t0 = time.thread_time()
                 try:
                     idx, raw = next(it)
                 except StopIteration:
                     break
                 except Exception as exc:
-                    t["read"] += time.perf_counter() - t0
+                    t["read"] += time.thread_time() - t0
                     self._bad(
                         url, key, "unreadable_shard", f"{type(exc).__name__}: {exc} (after key {key!r})"
                     )
                     break
-                t["read"] += time.perf_counter() - t0
+                t["read"] += time.thread_time() - t0
                 key = raw.get("__key__")
                 if idx < first:
                     continue
@@ -996,9 +1024,9 @@ class _StreamRunner:
         by_shard = {item[0]: item for item in self.items}
         for shard in sorted(held):
             for idx, raw in self._read_item(by_shard[shard], 0, collect=held[shard]):
-                t0 = time.perf_counter()
+                t0 = time.thread_time()
                 sample = self._forecast(self.ds.urls[shard], raw)
-                self.stats.time["forecast"] += time.perf_counter() - t0
+                self.stats.time["forecast"] += time.thread_time() - t0
                 if sample is not None:
                     self.samples[(shard << _SHIFT) | idx] = sample
         missing = [pos for pos in _held_positions(snap) if pos not in self.samples]
@@ -1025,19 +1053,19 @@ class _StreamRunner:
                 self.cursor = [i, idx + 1]
                 if idx not in pending:  # re-dealt buffered samples were counted when first read
                     self.stats.samples_read += 1
-                t0 = time.perf_counter()
+                t0 = time.thread_time()
                 sample = self._forecast(url, raw)
-                t1 = time.perf_counter()
+                t1 = time.thread_time()
                 t["forecast"] += t1 - t0
                 if sample is None:
                     continue
                 pos = (shard << _SHIFT) | idx
                 self.samples[pos] = sample
                 self._push(pos)
-                t["pack"] += time.perf_counter() - t1
+                t["pack"] += time.thread_time() - t1
                 yield from self._drain(final=False)
             self.cursor = [i + 1, 0]
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         while self.shuffle:
             self._pack(self._draw())
         for b in self.packer.flush():
@@ -1047,7 +1075,7 @@ class _StreamRunner:
                 self.samples.pop(pos, None)
             self.stats.samples_dropped += len(b.keys)
         self.packer.dropped.clear()
-        t["pack"] += time.perf_counter() - t0
+        t["pack"] += time.thread_time() - t0
         yield from self._drain(final=True)
 
 
