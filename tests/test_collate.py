@@ -443,13 +443,24 @@ def test_pad_multiple_for():
     assert pad_multiple_for() == 1
     assert pad_multiple_for(cp=2) == 4
     assert pad_multiple_for(tp=2, sequence_parallel=True) == 2
-    assert pad_multiple_for(tp=4, cp=2, sequence_parallel=True) == 8  # lcm(2*CP, CP*TP)
-    assert pad_multiple_for(tp=2, cp=3, sequence_parallel=True) == 6
+    assert pad_multiple_for(tp=4, cp=2, sequence_parallel=True) == 16  # 2*CP*TP
+    assert pad_multiple_for(tp=2, cp=3, sequence_parallel=True) == 12
     assert pad_multiple_for(tp=4, cp=2) == 4  # TP without SP does not split the sequence
     assert pad_multiple_for(fp8=True) == 16
     assert pad_multiple_for(cp=2, fp8=True) == 32
     with pytest.raises(ValueError, match="cp must be a positive int"):
         pad_multiple_for(cp=0)
+
+
+def test_pad_multiple_for_always_passes_the_parallel_config_check():
+    from vlm_pack.parallel import check_parallel_config
+
+    for cp in (1, 2, 3, 4, 8):
+        for tp in (1, 2, 4, 8):
+            for sp in (False, True):
+                multiple = pad_multiple_for(tp=tp, cp=cp, sequence_parallel=sp)
+                required = check_parallel_config(cp, tp, sequence_parallel=sp, pad_to_multiple_of=multiple)
+                assert multiple % required == 0
 
 
 # ------------------------------------------------------------------------------------ data loaders

@@ -99,22 +99,24 @@ _KEY_NAMES = ("__key__", "key", "id")
 
 
 def pad_multiple_for(tp: int = 1, cp: int = 1, sequence_parallel: bool = False, fp8: bool = False) -> int:
-    """The multiple every packed sample's (expanded) length must be padded to, as Megatron Bridge sets it.
+    """The multiple every packed sample's (expanded) length must be padded to under Megatron parallelism.
 
     - context parallel (``cp > 1``): each sample is cut into ``2 * cp`` chunks (rank ``r`` holds chunks
       ``r`` and ``2*cp-1-r``), so ``2 * cp``;
-    - sequence parallel: the CP-local part is split again over the TP ranks, so ``cp * tp``;
+    - sequence parallel: every CP chunk is split again over the TP ranks, so ``2 * cp * tp`` (``tp`` alone
+      at ``cp == 1``), the rule Megatron Bridge documents and Megatron-LM's multimodal ``get_padding``
+      applies. It is a multiple of the looser ``lcm(2*cp, cp*tp)``, so it satisfies both readings;
     - FP8 (Transformer Engine GEMMs need token counts divisible by 16): each rank's local share of the
       sample, ``length / (cp * tp_sp)``, must be a multiple of 16, so ``16 * cp * tp_sp``.
 
-    The result is the least common multiple: ``lcm(2*cp if cp > 1, cp*tp if SP, 16*cp*tp_sp if fp8)``.
-    ``pad_multiple_for(cp=2)`` is 4, ``pad_multiple_for(tp=4, cp=2, sequence_parallel=True)`` is 8.
+    ``pad_multiple_for(cp=2)`` is 4, ``pad_multiple_for(tp=4, cp=2, sequence_parallel=True)`` is 16; the
+    result always passes ``vlm_pack.parallel.check_parallel_config``.
     """
     for name, v in (("tp", tp), ("cp", cp)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     sp_tp = tp if sequence_parallel and tp > 1 else 1
-    multiple = math.lcm(2 * cp if cp > 1 else 1, cp * sp_tp if sp_tp > 1 else 1)
+    multiple = (2 * cp if cp > 1 else 1) * sp_tp
     if fp8:
         multiple = math.lcm(multiple, 16 * cp * sp_tp)
     return multiple
