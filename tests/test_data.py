@@ -107,7 +107,7 @@ import random  # noqa: E402
 
 import torch  # noqa: E402
 
-from vlm_pack.data.pipeline import BadSampleWarning, PackedDataLoader, PackedWebDataset  # noqa: E402
+from vlm_pack.data.pipeline import BadSampleWarning, PackedDataLoader, PackedWebDataset, stream_info  # noqa: E402
 from vlm_pack.offline import build_tokenizer, image_processor  # noqa: E402
 
 CAPACITY = 256
@@ -226,7 +226,7 @@ def _pipeline(corpus, qwen, **overrides) -> PackedWebDataset:
 def _summary(batch) -> tuple:
     """What identifies a pack: its stream, its samples in packed order and its tokens."""
     return (
-        batch.stream_meta["snapshot"]["stream"],
+        stream_info(batch)["snapshot"]["stream"],
         tuple(batch.metadata["__key__"]),
         tuple(batch.seq_lens.tolist()),
         batch.input_ids.sum().item(),
@@ -256,13 +256,13 @@ def test_two_workers_every_good_sample_in_exactly_one_pack(corpus, reference):
     ds, batches = reference
     keys = [k for b in batches for k in b.metadata["__key__"]]
     assert sorted(keys) == corpus["good"]  # each good sample once, no bad one
-    assert {b.stream_meta["snapshot"]["stream"] for b in batches} == {0, 1}  # both workers produced packs
+    assert {stream_info(b)["snapshot"]["stream"] for b in batches} == {0, 1}  # both workers produced packs
     for b in batches:
         assert b.num_rows == 1 and b.input_ids.shape == (1, CAPACITY)
         assert int(b.seq_lens.sum()) <= CAPACITY
         assert b.cu_seqlens[-1].item() == int(b.seq_lens.sum())
         # The header-only forecast of each sample equals its length after real preprocessing.
-        meta = b.stream_meta
+        meta = stream_info(b)
         forecast = dict(zip((k for _, k in meta["samples"]), meta["forecast"]))
         assert [forecast[k] for k in b.metadata["__key__"]] == b.seq_lens.tolist()
         assert meta["lengths"] == meta["forecast"]
@@ -273,6 +273,7 @@ def test_two_workers_every_good_sample_in_exactly_one_pack(corpus, reference):
             assert (
                 n_image_tokens == int(b.tokens_per_image.sum()) == int(b.image_grid_thw.prod(-1).sum()) // 4
             )
+    assert ds.observe(batches[-1].to("cpu")) is not None  # the metadata survives .to(device)
     stats = ds.stats
     assert stats.reasons == {**dict.fromkeys(BAD_REASONS, 1), "unreadable_shard": 2}
     assert {(b.reason, b.key) for b in stats.bad} >= set(BAD_REASONS.items())
@@ -361,7 +362,7 @@ def test_epochs_follow_each_other_and_reshuffle(corpus, qwen, reference):
     assert epoch0 == [_summary(b) for b in reference[1]]
     state = loader.state_dict()
     epoch1 = _run(loader)  # the next iteration is the next epoch, shuffled again
-    assert {b.stream_meta["epoch"] for b in epoch1} == {1}
+    assert {stream_info(b)["epoch"] for b in epoch1} == {1}
     assert sorted(k for b in epoch1 for k in b.metadata["__key__"]) == corpus["good"]
     assert [_summary(b) for b in epoch1] != epoch0
     # a checkpoint taken at the end of epoch 0 resumes into epoch 1
@@ -381,7 +382,7 @@ def _keys_of(batches) -> list[str]:
 
 
 def _forecast_matches(batch) -> bool:
-    meta = batch.stream_meta
+    meta = stream_info(batch)
     forecast = dict(zip((k for _, k in meta["samples"]), meta["forecast"]))
     return [forecast[k] for k in batch.metadata["__key__"]] == batch.seq_lens.tolist()
 
@@ -402,7 +403,7 @@ def test_split_by_node_and_worker_then_resume_on_fewer_ranks(corpus, qwen, monke
                 if len(batches) == 2:  # each rank checkpoints after its 2nd batch
                     states.append(loader.state_dict())
                     heads.append(list(batches))
-        assert {b.stream_meta["snapshot"]["stream"] % 2 for b in batches} == {rank}
+        assert {stream_info(b)["snapshot"]["stream"] % 2 for b in batches} == {rank}
         for b in batches:
             spans = b.cu_seqlens_padded.diff()
             assert bool((spans % 8 == 0).all()) and int(spans.sum()) == CAPACITY

@@ -14,6 +14,7 @@ from .pipeline import (
     PackedWebDataset,
     PipelineStats,
     build_packed_pipeline,
+    stream_info,
 )
 from .shards import IMAGE_EXTENSIONS, image_fields, parse_text, write_shards, write_shards_from_folder
 
@@ -28,6 +29,7 @@ __all__ = [
     "build_packed_pipeline",
     "image_fields",
     "parse_text",
+    "stream_info",
     "write_shards",
     "write_shards_from_folder",
 ]

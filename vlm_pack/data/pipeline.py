@@ -85,6 +85,7 @@ __all__ = [
     "PackedWebDataset",
     "PipelineStats",
     "build_packed_pipeline",
+    "stream_info",
 ]
 
 logger = logging.getLogger("vlm_pack.data")
@@ -110,7 +111,7 @@ PHASES = ("read", "forecast", "pack", "preprocess", "collate", "state")
 OWN_PHASES = ("forecast", "pack", "collate", "state")
 
 _SHIFT = 32  # a sample's position key: shard index << 32 | index of the sample in its shard
-_META = "stream_meta"  # attribute of a yielded batch holding its metadata
+_META = "__stream__"  # where a yielded batch carries its stream metadata (see stream_info)
 
 
 class BadSampleWarning(UserWarning):
@@ -236,6 +237,40 @@ class _Sample:
         self.conversation = conversation
         self.length = length
         self.vision = vision
+
+
+def _attach(batch: Any, meta: dict[str, Any]) -> None:
+    # In PackedBatch.metadata: a dataclass field, so it survives .to(device) and pin_memory().
+    metadata = getattr(batch, "metadata", None)
+    if isinstance(metadata, dict):
+        metadata[_META] = meta
+    elif isinstance(batch, dict):
+        batch[_META] = meta
+    else:
+        try:
+            setattr(batch, _META, meta)
+        except AttributeError:
+            raise TypeError(
+                f"the collator returned a {type(batch).__name__}, which cannot carry the stream metadata: "
+                "return a PackedBatch, a dict, or an object with a 'metadata' dict."
+            ) from None
+
+
+def stream_info(batch: Any) -> dict[str, Any] | None:
+    """The stream metadata a batch of :class:`PackedWebDataset` carries (None for other batches).
+
+    Keys: ``epoch``, ``generation`` (re-deals after a layout change), ``layout`` ([world, workers]),
+    ``samples`` ([shard URL, key] per sample, in the order given to the collator), ``lengths`` (processed
+    lengths), ``forecast`` (forecast lengths, equal unless reported), ``snapshot`` (the stream's state after
+    this batch: ``stream``, ``seq``, ``done``, cursor, buffers, packer and RNG states, ``stats``). The
+    per-sample keys in packed order are ``batch.metadata["__key__"]`` / ``["__url__"]``.
+    """
+    metadata = getattr(batch, "metadata", None)
+    if isinstance(metadata, dict) and _META in metadata:
+        return metadata[_META]
+    if isinstance(batch, dict):
+        return batch.get(_META)
+    return getattr(batch, _META, None)
 
 
 def _expand_urls(urls: str | Sequence[str]) -> list[str]:
@@ -600,7 +635,7 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         Idempotent. :class:`PackedDataLoader` and single-process iteration call it for you; with a plain
         ``DataLoader``, call it on every batch to make ``state_dict`` / ``stats`` follow the stream.
         """
-        meta = getattr(batch, _META, None)
+        meta = stream_info(batch)
         if meta is None:
             raise ValueError(
                 "observe(): the batch carries no stream metadata; pass batches of this pipeline."
@@ -935,13 +970,7 @@ class _StreamRunner:
             "forecast": [s.length for s in picked],
             "snapshot": self._snapshot(done),
         }
-        try:
-            setattr(batch, _META, meta)
-        except AttributeError:
-            raise TypeError(
-                f"the collator returned a {type(batch).__name__}, which cannot carry the stream metadata "
-                f"(attribute {_META!r}); return an object that accepts attributes."
-            ) from None
+        _attach(batch, meta)
         t["state"] += time.thread_time() - t0
         return batch
 
