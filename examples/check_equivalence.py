@@ -1,0 +1,187 @@
+"""Check that packing leaves a model's per-token log-probs unchanged, on a tiny Qwen2-VL.
+
+Runs ``vlm_pack.testing.check_packed_equivalence``: the model once on an ordinary padded batch (one sample
+per row) and once on the packed rows of ``PackingCollator``, then compares the log-prob of every next
+token. Prints the report; exits 1 when it fails.
+
+    .venv/bin/python examples/check_equivalence.py                 # PASS, token_mult_prob_error 1.0000000
+    .venv/bin/python examples/check_equivalence.py --mistake positions   # what a broken setup looks like
+
+With a real checkpoint, replace the offline pieces by ``AutoProcessor`` / ``AutoModelForImageTextToText``
+(fp32 for an exact check; see benchmarks/RESULTS.md for bf16 tolerances on GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from vlm_pack import offline
+from vlm_pack.collate import PackingCollator
+from vlm_pack.processing import process_sample
+from vlm_pack.testing import (
+    check_packed_equivalence,
+    default_packed_forward,
+    next_token_logprobs,
+    pad_samples,
+    token_mult_prob_error,
+)
+
+
+def picture(width: int, height: int, seed: int) -> Image.Image:
+    """A small synthetic photo: a gradient sky, a ground and a few objects."""
+    rng = np.random.default_rng(seed)
+    y = np.linspace(0, 1, height)[:, None, None]
+    sky = np.array([90, 150, 230]) * (1 - y) + np.array([200, 220, 250]) * y
+    im = Image.fromarray(np.broadcast_to(sky, (height, width, 3)).astype(np.uint8))
+    draw = ImageDraw.Draw(im)
+    draw.rectangle([0, int(height * 0.7), width, height], fill=(70, 120, 60))
+    for _ in range(3):
+        x0, y0 = int(rng.integers(0, width - 8)), int(rng.integers(height // 3, height - 8))
+        color = tuple(int(c) for c in rng.integers(0, 256, 3))
+        draw.ellipse([x0, y0, x0 + width // 5, y0 + height // 5], fill=color)
+    return im
+
+
+CONVERSATIONS = [
+    ("What is in the picture?", "A red ball on the grass under a blue sky.", [(224, 160)]),
+    ("Write a haiku about training loss.", "Loss falls like the rain, slowly, then all at once.", []),
+    ("Compare the two images.", "The first shows one ball, the second three.", [(160, 224), (300, 120)]),
+    ("Describe it in detail.", "Three round objects stand on a green field at noon.", [(256, 256)]),
+    ("Count the objects.", "There are three.", [(120, 90)]),
+    ("What colour is the sky?", "Blue, fading to white near the horizon.", [(200, 100)]),
+]
+
+
+def positions_not_restarting(model, batch):
+    """A broken setup for --mistake: position ids numbered across the whole row."""
+    kwargs = dict(batch.model_inputs("sdpa"))
+    rows, length = batch.input_ids.shape
+    arange = torch.arange(length, device=batch.input_ids.device).expand(rows, length)
+    rope, _ = model.model.get_rope_index(
+        batch.input_ids, mm_token_type_ids=batch.mm_token_type_ids, image_grid_thw=batch.image_grid_thw
+    )
+    kwargs["position_ids"] = torch.cat([arange[None].to(rope.device), rope])
+    return model(**kwargs).logits
+
+
+def bf16_noise_floor(reference: torch.nn.Module, model: torch.nn.Module, samples: list[dict]) -> float:
+    """token_mult_prob_error of the padded batch run in ``model``'s dtype against fp32 ``reference``.
+
+    Packing in bf16 cannot be held to a tighter bound than bf16 itself: this is that bound's scale.
+    """
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in pad_samples(samples).items()}
+    with torch.no_grad():
+        lo = next_token_logprobs(model(**inputs, use_cache=False).logits, inputs["input_ids"])
+        hi = next_token_logprobs(reference(**inputs, use_cache=False).logits, inputs["input_ids"])
+    mask = inputs["attention_mask"].clone()
+    mask[torch.arange(len(samples)), inputs["attention_mask"].sum(1) - 1] = 0  # last token: no successor
+    return float(token_mult_prob_error(lo, hi, mask))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--attn",
+        default="sdpa",
+        choices=["sdpa", "eager", "flash_attention_2", "varlen"],
+        help="attention of the packed run; 'varlen' is vlm_pack.attention (flash-attn / torch varlen on "
+        "CUDA, per-sample SDPA on CPU). The padded reference always runs sdpa.",
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--capacity", type=int, default=512, help="tokens per packed row")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="pass threshold; default 1.0001 in fp32, and in bf16 1 + 3 * (noise floor - 1) with the noise "
+        "floor measured here (bf16 batched vs fp32 batched), at least 1.001",
+    )
+    parser.add_argument(
+        "--mistake",
+        choices=["none", "positions", "use_cache"],
+        default="none",
+        help="show the report of a broken setup: position ids that do not restart, or use_cache left on",
+    )
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+
+    family = "qwen2_vl"
+    tokenizer = offline.build_tokenizer(family)
+    # Real Qwen2-VL image processor, max_pixels capped so that these images give 16-64 vision tokens.
+    image_processor = offline.image_processor(
+        family, size={"shortest_edge": 56 * 56, "longest_edge": 64 * 28 * 28}
+    )
+
+    def build(attn: str, dtype: torch.dtype) -> torch.nn.Module:
+        # Same seed, same weights whatever the attention; the attention is switched after the cast
+        # (flash-attn refuses fp32 weights).
+        impl = "sdpa" if attn in ("varlen", "flash_attention_2") else attn
+        m = offline.tiny_model(family, tokenizer, attn_implementation=impl, initializer_range=0.2, seed=0)
+        m = m.to(device=args.device, dtype=dtype)
+        if attn == "varlen":
+            from vlm_pack.attention import use_varlen_attention
+
+            use_varlen_attention(m)
+        elif attn == "flash_attention_2":
+            m.set_attn_implementation("flash_attention_2")
+        return m
+
+    model = build(args.attn, dtype)
+    reference = build("sdpa", dtype)
+
+    samples = []
+    for k, (question, answer, sizes) in enumerate(CONVERSATIONS):
+        images = [picture(w, h, seed=10 * k + j) for j, (w, h) in enumerate(sizes)]
+        conversation = [
+            {
+                "role": "user",
+                "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": question}],
+            },
+            {"role": "assistant", "content": answer},
+        ]
+        samples.append(
+            process_sample(
+                images, conversation, tokenizer=tokenizer, image_processor=image_processor, family=family
+            )
+        )
+
+    tolerance = args.tolerance
+    if dtype == torch.float32:
+        tolerance = tolerance or 1.0001
+    else:
+        noise = bf16_noise_floor(build("sdpa", torch.float32), reference, samples)
+        print(f"{args.dtype} noise floor (padded batch, {args.dtype} vs float32): {noise:.6f}")
+        tolerance = tolerance or max(1.001, 1 + 3 * (noise - 1))
+
+    collator = PackingCollator(args.capacity, tokenizer=tokenizer, config=model.config)
+    style = "sdpa" if args.attn == "varlen" else args.attn  # model_inputs style of the packed rows
+    packed_forward = {
+        "none": None,
+        "positions": positions_not_restarting,
+        "use_cache": default_packed_forward(style, use_cache=None),
+    }[args.mistake]
+    report = check_packed_equivalence(
+        model,
+        samples,
+        collator,
+        style=style,
+        tolerance=tolerance,
+        tokenizer=tokenizer,
+        # the reference is an independent sdpa forward on the padded batch, in the same dtype
+        batched_forward=lambda _model, inputs: reference(**inputs, use_cache=False).logits,
+        packed_forward=packed_forward,
+    )
+    print(f"packed: {args.attn} attention, {args.dtype}, {args.device}; reference: padded batch, sdpa")
+    print(report)
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
