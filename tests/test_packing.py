@@ -477,6 +477,26 @@ def test_stream_add_many_equals_add():
     assert sorted(k for x in got for k in x.keys) == list(range(L.size))
 
 
+def test_stream_bad_sample_mid_batch_keeps_state_consistent():
+    good = StreamPacker(100)
+    ref = good.add_many(["a", "b"], [60, 30])
+    sp = StreamPacker(100)
+    with pytest.raises(ValueError, match=r"sample 'c'.*length 0 is zero"):
+        sp.add_many(["a", "b", "c", "d"], [60, 30, 0, 20])
+    assert sp.state_dict() == good.state_dict() and ref == []
+    assert sp.stats.samples_seen == 2
+    assert [(b.keys, b.total) for b in sp.open_bins()] == [(["a", "b"], 90)]
+    skip = StreamPacker(100, oversized="skip")
+    out = skip.add_many(["a", "b", "c"], np.array([60, 130, 40])) + skip.flush()
+    assert [b.keys for b in out] == [["a", "c"]]
+    st_ = skip.stats
+    assert (
+        st_.samples_seen == 3
+        and st_.samples_emitted == 2
+        and st_.skipped == [Unpacked("b", "length 130 > capacity 100")]
+    )
+
+
 def test_stream_errors_name_the_key():
     sp = StreamPacker(100)
     with pytest.raises(ValueError, match=r"sample 'img7'.*length 0 is zero"):

@@ -5,18 +5,18 @@ separated by ``cu_seqlens``, so nothing attends across a sample boundary. Every
 sample is fitted on its **expanded length**, the number of positions it really
 occupies in the language model: text tokens plus the vision tokens its images
 expand into (``vision.py`` forecasts those from the image header, e.g. Qwen2-VL's
-``(h/14 * w/14) / 4`` per image). Fitting on text alone would overflow every bin
-that holds an image.
+``(H/14) * (W/14) / 4`` for an image resized to H x W). Fitting on text alone
+would overflow every bin that holds an image.
 
 Samples are placed longest first, each into the open bin with the least free
 space that still holds it (best-fit decreasing)::
 
     pack([900, 700, 500, 400, 300, 120, 60], capacity=1024)
 
-              0                                      1024
-    bin 0    |s0 900...........................|s6 60|...|    960 used
-    bin 1    |s1 700....................|s4 300.......|..|   1000 used
-    bin 2    |s2 500..........|s3 400........|s5 120..|.|   1020 used
+             0                                                     1024
+    bin 0   |s0 900 .....................................|s6 60 |    |   960 used
+    bin 1   |s1 700 ..............................|s4 300 .........| |  1000 used
+    bin 2   |s2 500 ................|s3 400 ...............|s5 120 | |  1020 used
 
     PackResult (flat arrays, no per-sample Python objects):
     order       = [0, 6, 1, 4, 2, 3, 5]     sample indices, bin by bin
