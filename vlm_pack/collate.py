@@ -859,6 +859,22 @@ def _num_images(vision: dict[str, torch.Tensor], tpi: torch.Tensor | None) -> in
     return 0
 
 
+def _cat_for_worker(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts, 0)``; inside a DataLoader worker, straight into shared memory.
+
+    The DataLoader moves a worker's batch to the main process through shared memory: concatenating into
+    it directly (as ``default_collate`` does) saves a second copy of ``pixel_values``, the largest tensor
+    of a batch.
+    """
+    if torch.utils.data.get_worker_info() is None or parts[0].device.type != "cpu":
+        return torch.cat(parts, 0)
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    numel = math.prod(shape)
+    storage = parts[0]._typed_storage()._new_shared(numel, device=parts[0].device)
+    out = parts[0].new(storage).resize_(*shape)
+    return torch.cat(parts, 0, out=out)
+
+
 def _concat_vision(ordered: list[_Sample]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for k in _VISION_KEYS:
@@ -872,7 +888,7 @@ def _concat_vision(ordered: list[_Sample]) -> dict[str, torch.Tensor]:
             most = max(p.shape[1] for p in parts)
             parts = [F.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
         try:
-            out[k] = torch.cat(parts, 0)
+            out[k] = _cat_for_worker(parts)
         except RuntimeError as e:
             raise ValueError(f"cannot concatenate the samples' {k!r} along dim 0: {e}") from None
     return out
