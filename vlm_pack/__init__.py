@@ -1,46 +1,97 @@
 """vlm-pack: pack image-text samples for vision-language model training, exactly.
 
-The public API, stage by stage (see README.md for the picture):
+The public API, stage by stage (README.md draws the picture):
 
 - forecast: ``vision_spec``, ``vision_spec_from_processor``, ``image_size`` (header only)
 - plan: ``pack`` (offline), ``StreamPacker`` (online, resumable), ``balance_bins`` (data-parallel ranks)
-- load: ``process_sample``, ``forecast_length``
+- load: ``process_sample``, ``forecast_length``; WebDataset streaming: ``PackedWebDataset``, ``write_shards``
 - collate: ``PackingCollator`` -> ``PackedBatch``; ``remap_cu_seqlens``, ``roll_packed``, ``pad_multiple_for``
+- attend: ``varlen_attention``, ``use_varlen_attention`` (HF models)
+- scale out: ``shard_for_context_parallel``, ``roll_packed_context_parallel``, ``PerTokenLoss``
 - prove: ``vlm_pack.testing`` (``token_mult_prob_error``, ``check_packed_equivalence``)
 - offline stand-ins for hub checkpoints: ``vlm_pack.offline``
 """
 
 from ._version import __version__
+from .attention import (
+    available_backends,
+    register_hf_attention,
+    resolve_backend,
+    select_backend,
+    use_varlen_attention,
+    varlen_attention,
+)
 from .collate import PackedBatch, PackedSeqParams, PackingCollator, pad_multiple_for
-from .data import write_shards, write_shards_from_folder
+from .data import (
+    PackedDataLoader,
+    PackedWebDataset,
+    PipelineStats,
+    build_packed_pipeline,
+    stream_info,
+    write_shards,
+    write_shards_from_folder,
+)
 from .packing import PackedBin, PackResult, StreamPacker, balance_bins, pack
+from .parallel import (
+    ContextParallelShard,
+    PerTokenLoss,
+    all_gather_from_context_parallel,
+    check_parallel_config,
+    context_parallel_index,
+    gather_from_context_parallel,
+    reduce_token_loss,
+    roll_packed_context_parallel,
+    shard_for_context_parallel,
+    token_cross_entropy,
+)
 from .positions import mrope_position_ids, packed_position_ids
 from .processing import forecast_length, process_sample, tokenize_conversation
 from .remap import collapse_cu_seqlens, remap_cu_seqlens, remap_cu_seqlens_padded, roll_packed
 from .vision import VisionSpec, image_size, vision_spec, vision_spec_from_processor
 
 __all__ = [
+    "ContextParallelShard",
     "PackResult",
     "PackedBatch",
     "PackedBin",
+    "PackedDataLoader",
     "PackedSeqParams",
+    "PackedWebDataset",
     "PackingCollator",
+    "PerTokenLoss",
+    "PipelineStats",
     "StreamPacker",
     "VisionSpec",
     "__version__",
+    "all_gather_from_context_parallel",
+    "available_backends",
     "balance_bins",
+    "build_packed_pipeline",
+    "check_parallel_config",
     "collapse_cu_seqlens",
+    "context_parallel_index",
     "forecast_length",
+    "gather_from_context_parallel",
     "image_size",
     "mrope_position_ids",
     "pack",
     "packed_position_ids",
     "pad_multiple_for",
     "process_sample",
+    "reduce_token_loss",
+    "register_hf_attention",
     "remap_cu_seqlens",
     "remap_cu_seqlens_padded",
+    "resolve_backend",
     "roll_packed",
+    "roll_packed_context_parallel",
+    "select_backend",
+    "shard_for_context_parallel",
+    "stream_info",
+    "token_cross_entropy",
     "tokenize_conversation",
+    "use_varlen_attention",
+    "varlen_attention",
     "vision_spec",
     "vision_spec_from_processor",
     "write_shards",
