@@ -661,7 +661,11 @@ def _bfd_runs(distinct: np.ndarray, counts: np.ndarray, capacity: int) -> tuple[
                 nb += 1
         for d in added:
             insort(keys, d)
-    # expand the runs: bin ids start, start + step, ... each repeated q times
+    return _expand_runs(rec_r, rec_q), nb
+
+
+def _expand_runs(rec_r: list[range], rec_q: list[int]) -> np.ndarray:
+    """Placement record -> ``item_bin``: run ``rec_r[i]`` of bins, each taking ``rec_q[i]`` items in a row."""
     nrec = len(rec_r)
     starts = np.fromiter((rg.start for rg in rec_r), np.int64, nrec)
     steps = np.fromiter((rg.step for rg in rec_r), np.int64, nrec)
@@ -670,7 +674,7 @@ def _bfd_runs(distinct: np.ndarray, counts: np.ndarray, capacity: int) -> tuple[
     np.cumsum(sizes[:-1], out=first[1:])
     pos = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(first, sizes)
     bins = np.repeat(starts, sizes) + pos * np.repeat(steps, sizes)
-    return np.repeat(bins, np.repeat(np.array(rec_q, dtype=np.int64), sizes)), nb
+    return np.repeat(bins, np.repeat(np.array(rec_q, dtype=np.int64), sizes))
 
 
 def _tree_set(tree: list[int], j: int, value: int) -> None:
@@ -818,6 +822,62 @@ class _BinTree:
                 tree[j] = a if a > b else b
             setattr(self, name, tree)
         self.size = size
+
+
+def _ffd_histogram(distinct: np.ndarray, counts: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Exact first-fit decreasing, a whole length at a time.
+
+    For a length L the lowest-numbered bin with room takes ``free // L`` items in a row (after each
+    it is still the lowest with room), so one tree query serves several items; when no bin has room,
+    the remaining items open bins of ``capacity // L`` items each, added to the tree in bulk.
+    Same inputs and output as :func:`_bfd_histogram`.
+    """
+    bt = _BinTree()
+    free: list[int] = []
+    rec_r: list[range] = []
+    rec_q: list[int] = []
+    nb = 0
+    for length, k in zip(distinct.tolist(), counts.tolist()):
+        while k:
+            b = _tree_first_at_least(bt.tf, bt.size, 0, length) if nb else -1
+            if b >= 0:
+                t = min(k, free[b] // length)
+                rec_r.append(range(b, b + 1))
+                rec_q.append(t)
+                free[b] -= t * length
+                _tree_set(bt.tf, bt.size + b, free[b])
+                k -= t
+                continue
+            q = capacity // length
+            nfull, rest = divmod(k, q)
+            while nb + nfull + 1 > bt.size:
+                bt.grow()
+            if nfull:
+                rec_r.append(range(nb, nb + nfull))
+                rec_q.append(q)
+                d = capacity - q * length
+                free.extend([d] * nfull)
+                tf = bt.tf
+                lo = bt.size + nb
+                hi = lo + nfull - 1
+                tf[lo : hi + 1] = [d] * nfull
+                lo >>= 1
+                hi >>= 1
+                while lo:  # rebuild the ancestors of the new leaves, level by level
+                    for j in range(lo, hi + 1):
+                        a, c = tf[2 * j], tf[2 * j + 1]
+                        tf[j] = a if a > c else c
+                    lo >>= 1
+                    hi >>= 1
+                nb += nfull
+            if rest:
+                rec_r.append(range(nb, nb + 1))
+                rec_q.append(rest)
+                free.append(capacity - rest * length)
+                _tree_set(bt.tf, bt.size + nb, free[nb])
+                nb += 1
+            break
+    return _expand_runs(rec_r, rec_q), nb
 
 
 def _first_fit(
@@ -1010,7 +1070,7 @@ def pack(
                 perm = _stable_argsort_desc(sub, capacity)
             else:
                 perm = np.lexsort((-subv, -sub))  # lexsort is stable: ties keep index order
-        if strategy == "bfd" and not constrained:
+        if strategy in ("bfd", "ffd") and not constrained:
             if capacity <= 8 * m + (1 << 16):  # histogram over 0..capacity
                 hist = np.bincount(sub, minlength=capacity + 1)
                 distinct = np.flatnonzero(hist)[::-1]
@@ -1018,7 +1078,8 @@ def pack(
             else:  # huge capacity: no capacity-sized arrays
                 distinct, counts = np.unique(sub, return_counts=True)
                 distinct, counts = distinct[::-1], counts[::-1]
-            item_bin, nb = _bfd_histogram(distinct, counts, capacity)
+            core = _bfd_histogram if strategy == "bfd" else _ffd_histogram
+            item_bin, nb = core(distinct, counts, capacity)
             plens_arr = np.repeat(distinct, counts)  # lengths in processing order, without a gather
         else:
             plens_arr = sub if perm is None else sub[perm]
