@@ -12,6 +12,7 @@ The public API, stage by stage (README.md draws the picture):
 - offline stand-ins for hub checkpoints: ``vlm_pack.offline``
 """
 
+from . import offline, testing
 from ._version import __version__
 from .attention import (
     available_backends,
@@ -74,6 +75,7 @@ __all__ = [
     "gather_from_context_parallel",
     "image_size",
     "mrope_position_ids",
+    "offline",
     "pack",
     "packed_position_ids",
     "pad_multiple_for",
@@ -88,6 +90,7 @@ __all__ = [
     "select_backend",
     "shard_for_context_parallel",
     "stream_info",
+    "testing",
     "token_cross_entropy",
     "tokenize_conversation",
     "use_varlen_attention",
