@@ -148,8 +148,9 @@ def main() -> None:
             else:
                 row += f" {'-':>10s} {'-':>8s} |"
             if not args.no_verify:
-                # independent per-item BFD (the samples-per-bin path with a cap that never binds)
-                ref = pack(L, C, max_samples_per_bin=n + 1)
+                # independent one-item-at-a-time BFD: the samples-per-bin path, with a cap of n that
+                # never binds here (sum(L) > C, so no bin holds all n samples)
+                ref = pack(L, C, max_samples_per_bin=n)
                 same = np.array_equal(ref.order, res.order) and np.array_equal(
                     ref.bin_offsets, res.bin_offsets
                 )

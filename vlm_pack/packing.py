@@ -190,6 +190,7 @@ class PackResult:
         bin_lengths: int64 ``[num_bins]``: tokens used per bin (sum of ``lengths`` of its samples).
         bin_vision: int64 ``[num_bins]`` vision cost per bin, or None when packing had no vision budget.
         lengths: int64 ``[num_samples]``: the lengths packing used (truncated ones clipped to capacity).
+        vision: int64 ``[num_samples]``: the per-sample vision costs given to :func:`pack`, or None.
         unpacked: samples in no bin, with the reason (``Unpacked(index, reason)``).
         truncated: sample index -> original length, for samples clipped to ``capacity``.
     """
