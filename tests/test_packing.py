@@ -23,7 +23,7 @@ from vlm_pack.packing import (
 )
 
 settings.register_profile(
-    "packing", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "packing", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 FAST = settings.get_profile("packing")
 
@@ -179,6 +179,30 @@ def test_bfd_both_stack_representations_agree(n, capacity, seed):
     a, na = _bfd_histogram(distinct[::-1], counts[::-1], capacity, ranges=False)
     b, nb = _bfd_histogram(distinct[::-1], counts[::-1], capacity, ranges=True)
     assert na == nb and a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "ffd"])
+@pytest.mark.parametrize(
+    ("dist", "capacity"), [("uniform", 2048), ("lognormal", 8192), ("vlm", 16384), ("tiny", 64)]
+)
+def test_histogram_paths_equal_one_item_at_a_time(strategy, dist, capacity):
+    # the whole-length-at-a-time cores against the independent per-item cores (a samples-per-bin
+    # cap of n takes that path and never binds, since no bin can hold all n samples here)
+    rng = np.random.default_rng(11)
+    n = 30_000
+    if dist == "uniform":
+        lengths = rng.integers(1, capacity + 1, n)
+    elif dist == "lognormal":
+        lengths = np.clip(rng.lognormal(np.log(600), 0.8, n).astype(np.int64), 1, capacity)
+    elif dist == "vlm":
+        images = rng.integers(64, 1281, (n, 3)) * (np.arange(3) < rng.integers(0, 4, n)[:, None])
+        lengths = rng.integers(50, 1501, n) + images.sum(1)
+    else:
+        lengths = rng.integers(1, 9, n)
+    fast = pack(lengths, capacity, strategy=strategy)
+    slow = pack(lengths, capacity, strategy=strategy, max_samples_per_bin=n)
+    assert np.array_equal(fast.order, slow.order) and np.array_equal(fast.bin_offsets, slow.bin_offsets)
+    assert np.array_equal(fast.bin_lengths, slow.bin_lengths)
 
 
 def test_bfd_large_matches_reference_bin_count_and_bins():
