@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import pickle
+import re
 import tarfile
 import warnings
 from pathlib import Path
@@ -97,6 +99,94 @@ def test_write_shards_from_folder(tmp_path):
         },
         {"role": "assistant", "content": [{"type": "text", "text": "No."}]},
     ]
+
+
+# -- reading shards back: one reader for the analysis (lazy) and the pipeline (streaming) ----------------
+
+
+class _CountingFile(io.FileIO):
+    """A real file that counts the bytes read through it."""
+
+    n_read = 0
+
+    def readinto(self, b):  # type: ignore[override]
+        n = super().readinto(b)
+        self.n_read += n or 0
+        return n
+
+
+def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_lazy_and_streaming_readers_agree_and_lazy_reads_only_headers(tmp_path):
+    from PIL import ImageOps
+
+    from vlm_pack.data.reader import lazy_tar_samples, read_header, stream_tar_samples
+    from vlm_pack.data.shards import SampleError
+
+    big = _encoded((500, 400), "PNG")  # noise: ~600 KB that the lazy reader must not read
+    conv = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "?"}]},
+        {"role": "assistant", "content": "two"},
+    ]
+    rotated = _exif_rotated_jpeg((150, 60))
+    shard = _tar(
+        tmp_path / "s.tar",
+        [
+            ("__index__/a.json", b"{}"),  # webdataset metadata folder: skipped by both readers
+            ("a.jpg", rotated),
+            ("a.TXT", b"a caption"),
+            ("dir/b.1.webp", _encoded((64, 48), "WEBP")),
+            ("dir/b.0.png", big),
+            ("dir/b.json", json.dumps({"messages": conv}).encode()),
+            ("c.png", big),  # no text
+            ("d.json", b"{not json"),
+            ("d.jpg", _encoded((8, 8), "JPEG")),
+            ("e.png", b"\x89PNG\r\n\x1a\n-truncated"),
+            ("e.txt", b"x"),
+        ],
+    )
+    streamed = list(stream_tar_samples(str(shard)))
+    with _CountingFile(shard) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+        lazy = list(lazy_tar_samples(tar, str(shard)))
+        assert (
+            [s["__key__"] for s in lazy] == [s["__key__"] for s in streamed] == ["a", "dir/b", "c", "d", "e"]
+        )
+        assert [sorted(s) for s in lazy] == [sorted(s) for s in streamed]
+        assert lazy[0]["txt"] == streamed[0]["txt"] == b"a caption"  # suffixes lower-cased by both
+        assert not isinstance(lazy[1]["0.png"], bytes)  # an unread file object
+
+        headers = [read_header(s) for s in (lazy[0], streamed[0], lazy[1], streamed[1])]
+        assert headers[0] == headers[1] == ("a caption", ["jpg"], [(60, 150)])  # EXIF orientation applied
+        assert headers[0].image_sizes[0] == ImageOps.exif_transpose(Image.open(io.BytesIO(rotated))).size
+        assert headers[2] == headers[3] == (conv, ["0.png", "1.webp"], [(500, 400), (64, 48)])
+        assert f.n_read < len(big) // 3  # headers only: neither big image was read
+        assert lazy[1]["0.png"].read() == big  # the header read left the member at its start
+        for i, (reason, text) in zip(
+            (2, 3, 4),
+            [
+                ("missing_text", "missing text"),
+                ("bad_text", "json field is not valid JSON"),
+                ("corrupt_image", "image_size(e.png)"),
+            ],
+        ):
+            for sample in (lazy[i], streamed[i]):
+                with pytest.raises(SampleError, match=re.escape(text)) as exc:
+                    read_header(sample)
+                assert exc.value.reason == reason and isinstance(exc.value, ValueError)
+        assert pickle.loads(pickle.dumps(exc.value)).reason == "corrupt_image"
+
+    dup = _tar(tmp_path / "dup.tar", [("k.txt", b"a"), ("k.txt", b"b")])
+    with pytest.raises(ValueError, match="duplicate file name"):
+        list(stream_tar_samples(str(dup)))
+    with tarfile.open(dup) as tar, pytest.raises(ValueError, match="duplicate file name"):
+        list(lazy_tar_samples(tar, str(dup)))
 
 
 # -- streaming pipeline --------------------------------------------------------------------------------

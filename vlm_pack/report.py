@@ -35,7 +35,6 @@ import glob
 import json
 import math
 import os
-import re
 import tarfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -66,8 +65,6 @@ __all__ = [
 
 _TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 _JSONL_SUFFIXES = (".jsonl", ".json")
-# WebDataset's key/field split: the key runs to the first dot of the file name.
-_KEY_FIELD = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -173,36 +170,29 @@ def scan_samples(
 
 
 def _sample_from_fields(
-    key: str,
-    where: str,
-    fields: dict[str, Any],
-    images: dict[str, Any],
-    read_size: Callable[[Any, str], Any],
-    on_error: str,
+    sample: dict[str, Any], where: str, exif_transpose: bool, on_error: str
 ) -> SampleInfo:
-    from vlm_pack.data import image_fields, parse_text
+    from vlm_pack.data.reader import read_header
+    from vlm_pack.data.shards import SampleError
 
+    key = sample["__key__"]
     try:
-        try:
-            conversation = parse_text(fields)
-        except ValueError as e:
-            raise ValueError(f"{where}: sample {key!r}: {e}") from None
-        sizes = tuple(
-            read_size(images[name], f"{where}: sample {key!r}, field {name!r}")
-            for name in image_fields(images)
+        conversation, _, sizes = read_header(
+            sample,
+            exif_transpose=exif_transpose,
+            image_name=lambda name: f"{where}: sample {key!r}, field {name!r}",
         )
-    except ValueError as e:
+    except SampleError as e:
+        # Image messages already name shard, key and field (image_name above); text ones get them here.
+        message = str(e) if e.reason == "corrupt_image" else f"{where}: sample {key!r}: {e}"
         if on_error == "raise":
-            raise
-        return SampleInfo(key, where, None, (), error=str(e))
-    return SampleInfo(key, where, conversation, sizes)
+            raise ValueError(message) from None
+        return SampleInfo(key, where, None, (), error=message)
+    return SampleInfo(key, where, conversation, tuple(sizes))
 
 
 def _scan_tar(path: Path, exif_transpose: bool, on_error: str) -> Iterator[SampleInfo]:
-    from vlm_pack.vision import image_size
-
-    def size(member_file: Any, name: str) -> tuple[int, int]:
-        return image_size(member_file, exif_transpose=exif_transpose, name=name)
+    from vlm_pack.data.reader import lazy_tar_samples
 
     where = str(path)
     try:
@@ -210,30 +200,20 @@ def _scan_tar(path: Path, exif_transpose: bool, on_error: str) -> Iterator[Sampl
     except (tarfile.TarError, OSError) as e:
         raise ValueError(f"{where}: not a readable tar shard ({e}).") from None
     with tar:
+        # Random access: image members stay unread file objects; image_size reads their header and seeks back.
+        samples = lazy_tar_samples(tar, where)
         key: str | None = None
-        fields: dict[str, Any] = {}
-        images: dict[str, Any] = {}
-        try:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                m = _KEY_FIELD.match(member.name)
-                if m is None:
-                    continue  # no extension: not a sample field (WebDataset skips these too)
-                mkey, name = m.group(1), m.group(2).lower()
-                if mkey != key:
-                    if key is not None:
-                        yield _sample_from_fields(key, where, fields, images, size, on_error)
-                    key, fields, images = mkey, {}, {}
-                if name in ("json", "txt"):
-                    fields[name] = tar.extractfile(member).read()  # type: ignore[union-attr]
-                else:
-                    # Opened lazily: image_size reads the header bytes and seeks back.
-                    images[name] = tar.extractfile(member)
-            if key is not None:
-                yield _sample_from_fields(key, where, fields, images, size, on_error)
-        except tarfile.TarError as e:
-            raise ValueError(f"{where}: corrupt tar shard after sample {key!r} ({e}).") from None
+        while True:
+            try:
+                sample = next(samples)
+            except StopIteration:
+                break
+            except (tarfile.TarError, ValueError) as e:  # ValueError: a field twice in one sample
+                raise ValueError(
+                    f"{where}: corrupt tar shard after sample {key!r} ({e.args[0] if e.args else e})."
+                ) from None
+            key = sample["__key__"]
+            yield _sample_from_fields(sample, where, exif_transpose, on_error)
 
 
 def _scan_jsonl(

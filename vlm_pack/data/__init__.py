@@ -2,6 +2,9 @@
 
 - :mod:`vlm_pack.data.shards`: ``write_shards`` / ``write_shards_from_folder`` (convert data to tar shards),
   ``parse_text`` / ``image_fields`` (read one sample's fields back);
+- :mod:`vlm_pack.data.reader`: ``stream_tar_samples`` / ``lazy_tar_samples`` (tar members -> sample dicts, the
+  lazy one leaving images unread) and ``read_header`` (text + header-only image sizes, or ``SampleError``),
+  shared by the pipeline and ``vlm-pack analyze``;
 - :mod:`vlm_pack.data.pipeline`: ``PackedWebDataset`` (shards -> forecast -> pack -> preprocess -> collate,
   split by rank and worker, resumable) and ``PackedDataLoader`` (a DataLoader that tracks it).
 """
@@ -16,7 +19,15 @@ from .pipeline import (
     build_packed_pipeline,
     stream_info,
 )
-from .shards import IMAGE_EXTENSIONS, image_fields, parse_text, write_shards, write_shards_from_folder
+from .reader import SampleHeader, lazy_tar_samples, read_header, stream_tar_samples
+from .shards import (
+    IMAGE_EXTENSIONS,
+    SampleError,
+    image_fields,
+    parse_text,
+    write_shards,
+    write_shards_from_folder,
+)
 
 __all__ = [
     "BAD_REASONS",
@@ -26,10 +37,15 @@ __all__ = [
     "PackedDataLoader",
     "PackedWebDataset",
     "PipelineStats",
+    "SampleError",
+    "SampleHeader",
     "build_packed_pipeline",
     "image_fields",
+    "lazy_tar_samples",
     "parse_text",
+    "read_header",
     "stream_info",
+    "stream_tar_samples",
     "write_shards",
     "write_shards_from_folder",
 ]

@@ -74,8 +74,9 @@ import torch
 
 from ..packing import StreamPacker
 from ..processing import IMAGE_MARKER, forecast_length, process_sample
-from ..vision import image_size, vision_spec_from_processor
-from .shards import image_fields, parse_text
+from ..vision import vision_spec_from_processor
+from .reader import read_header, stream_tar_samples
+from .shards import SampleError
 
 __all__ = [
     "BAD_REASONS",
@@ -286,21 +287,12 @@ def _expand_urls(urls: str | Sequence[str]) -> list[str]:
 
 
 def _read_shard(url: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(index in shard, raw sample dict) for each sample of one tar shard, via webdataset's tar reader."""
-    import webdataset as wds
-    from webdataset.tariterators import group_by_keys, tar_file_iterator
-
-    stream = wds.gopen(url, "rb")
+    """(index in shard, raw sample dict) for each sample of one tar shard."""
+    samples = stream_tar_samples(url)
     try:
-
-        def members() -> Iterator[dict[str, Any]]:
-            for member in tar_file_iterator(stream):
-                member["__url__"] = url
-                yield member
-
-        yield from enumerate(group_by_keys(members()))
+        yield from enumerate(samples)
     finally:
-        stream.close()
+        samples.close()  # closes the shard's stream now, also when the reader stops early
 
 
 def _count_markers(conversation: Any) -> int:
@@ -808,19 +800,11 @@ class _StreamRunner:
         ds = self.ds
         key = raw.get("__key__")
         try:
-            conversation = parse_text(raw)
-        except ValueError as exc:
-            self._bad(url, key, "missing_text" if "missing text" in str(exc) else "bad_text", str(exc))
+            conversation, names, sizes = read_header(raw, exif_transpose=ds.exif_transpose)
+        except SampleError as exc:
+            self._bad(url, key, exc.reason, str(exc))
             return None
-        names = image_fields(raw)
         images = [raw[n] for n in names]
-        sizes = []
-        for name, data in zip(names, images):
-            try:
-                sizes.append(image_size(data, exif_transpose=ds.exif_transpose, name=f"{key}.{name}"))
-            except ValueError as exc:
-                self._bad(url, key, "corrupt_image", str(exc))
-                return None
         n_markers = _count_markers(conversation) if ds.template is None else None
         if n_markers and n_markers != len(images):
             self._bad(

@@ -34,6 +34,7 @@ from typing import Any
 
 __all__ = [
     "IMAGE_EXTENSIONS",
+    "SampleError",
     "image_fields",
     "parse_text",
     "write_shards",
@@ -54,6 +55,21 @@ _MAGIC = (
 )
 _IMAGE_FIELD = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTENSIONS) + r")$")
 _PLACEHOLDER = "<image>"
+
+
+class SampleError(ValueError):
+    """A sample that cannot be read, with ``reason``: ``"missing_text"``, ``"bad_text"`` or ``"corrupt_image"``.
+
+    A ``ValueError`` (so ``except ValueError`` still catches it); the reason lets callers count bad samples by
+    cause without matching message text.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across DataLoader workers
+        return (type(self), (self.reason, str(self)))
 
 
 def _sniff(data: bytes) -> str | None:
@@ -328,7 +344,7 @@ def _llava_turns(turns: list[Any]) -> list[dict[str, Any]]:
     for turn in turns:
         role = roles.get(str(turn.get("from", "")).lower())
         if role is None:
-            raise ValueError(f"unknown speaker {turn.get('from')!r} (expected human/gpt/system)")
+            raise SampleError("bad_text", f"unknown speaker {turn.get('from')!r} (expected human/gpt/system)")
         value = str(turn.get("value", ""))
         pieces = value.split(_PLACEHOLDER)
         parts: list[dict[str, Any]] = []
@@ -351,13 +367,14 @@ def parse_text(sample: Mapping[str, Any]) -> str | list[dict[str, Any]]:
     ``{"from": "human"|"gpt", "value": "<image>\\n..."}``), or with ``caption`` / ``text``.
 
     Raises:
-        ValueError: no text field, undecodable JSON, or an unknown layout (the message says which).
+        SampleError (a ValueError): reason ``"missing_text"`` when the sample has no text field, ``"bad_text"``
+        for undecodable JSON / UTF-8 or an unknown layout (the message says which).
     """
     if "json" in sample:
         try:
             payload = json.loads(sample["json"])
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"json field is not valid JSON: {exc}") from None
+            raise SampleError("bad_text", f"json field is not valid JSON: {exc}") from None
         if isinstance(payload, dict):
             for name in ("messages", "conversation", "conversations"):
                 if name in payload:
@@ -368,13 +385,14 @@ def parse_text(sample: Mapping[str, Any]) -> str | list[dict[str, Any]]:
                     if isinstance(payload.get(name), str):
                         return payload[name]
                 if "txt" not in sample:
-                    raise ValueError(
-                        "json field has no 'messages', 'conversation(s)', 'caption' or 'text' entry"
+                    raise SampleError(
+                        "bad_text",
+                        "json field has no 'messages', 'conversation(s)', 'caption' or 'text' entry",
                     )
                 payload = None
         if payload is not None:
             if not isinstance(payload, list) or not all(isinstance(t, dict) for t in payload):
-                raise ValueError("json conversation must be a list of message dicts")
+                raise SampleError("bad_text", "json conversation must be a list of message dicts")
             if payload and "from" in payload[0]:
                 return _llava_turns(payload)
             return payload
@@ -382,5 +400,5 @@ def parse_text(sample: Mapping[str, Any]) -> str | list[dict[str, Any]]:
         try:
             return sample["txt"].decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(f"txt field is not UTF-8: {exc}") from None
-    raise ValueError("missing text: the sample has neither a 'txt' nor a 'json' field")
+            raise SampleError("bad_text", f"txt field is not UTF-8: {exc}") from None
+    raise SampleError("missing_text", "missing text: the sample has neither a 'txt' nor a 'json' field")

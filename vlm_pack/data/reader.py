@@ -1,0 +1,120 @@
+"""Read WebDataset samples back: tar members grouped into samples, and a sample's text + image sizes.
+
+The one reader behind both consumers of shards, so the analysis forecasts exactly the samples the training
+stream packs::
+
+    shard.tar ──┬─ stream_tar_samples(url)     every member's bytes, sequential     PackedWebDataset
+                │   (webdataset gopen: local, pipe:, http...)
+                └─ lazy_tar_samples(tar, url)  json/txt bytes; image members as     vlm-pack analyze
+                    (random-access TarFile)      seekable file objects (not read)     (scan_samples)
+                          │
+                          ▼   webdataset group_by_keys: key = name up to the first dot, field = the rest
+    {"__key__": "000018", "__url__": url, "json": b"...", "0.png": <bytes|file>, "1.webp": ...}
+                          │
+                          ▼   read_header(): parse_text + image_fields + vision.image_size (header only)
+    SampleHeader(conversation, image_names=["0.png", "1.webp"], image_sizes=[(w, h), (w, h)])
+                          or SampleError(reason="missing_text" | "bad_text" | "corrupt_image")
+
+``lazy_tar_samples`` never reads image bytes: ``image_size`` reads a few header bytes of each image member and
+seeks back, and the tar itself is walked header to header, so an analysis costs a few KB per image.
+"""
+
+from __future__ import annotations
+
+import re
+import tarfile
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+from ..vision import image_size
+from .shards import SampleError, image_fields, parse_text
+
+__all__ = ["SampleHeader", "lazy_tar_samples", "read_header", "stream_tar_samples"]
+
+#: Fields read whole by ``lazy_tar_samples`` (the text); every other member stays an unread file object.
+TEXT_FIELDS = ("json", "txt")
+# webdataset's tar_file_iterator skips these members (``__key__``-like metadata), and so do we.
+_SKIP_META = re.compile(r"__[^/]*__($|/)")
+
+
+class SampleHeader(NamedTuple):
+    """What a sample's forecast needs: its text and its images' ``(width, height)``, in placeholder order."""
+
+    conversation: str | list[dict[str, Any]]
+    image_names: list[str]
+    image_sizes: list[tuple[int, int]]
+
+
+def stream_tar_samples(url: str) -> Iterator[dict[str, Any]]:
+    """Samples of one shard, every field as ``bytes``, read front to back through ``webdataset.gopen``.
+
+    Any URL webdataset opens (local path, ``pipe:``, ``http(s)://``...). Errors of the shard (unreadable,
+    truncated, a duplicate field in one sample) propagate as raised by webdataset.
+    """
+    import webdataset as wds
+    from webdataset.tariterators import group_by_keys, tar_file_iterator
+
+    stream = wds.gopen(url, "rb")
+    try:
+
+        def members() -> Iterator[dict[str, Any]]:
+            for member in tar_file_iterator(stream):
+                member["__url__"] = url
+                yield member
+
+        yield from group_by_keys(members())
+    finally:
+        stream.close()
+
+
+def lazy_tar_samples(tar: tarfile.TarFile, url: str) -> Iterator[dict[str, Any]]:
+    """Samples of an open random-access ``tar`` (``tarfile.open(path, "r:*")``): text fields (``json``,
+    ``txt``) as ``bytes``, every other field as the member's unread, seekable file object.
+
+    Grouping, field names and skipped members are those of :func:`stream_tar_samples`. The file objects stay
+    valid while ``tar`` is open. Raises ``tarfile.TarError`` for a corrupt tar and ``ValueError`` for a field
+    that occurs twice in one sample.
+    """
+    from webdataset.tariterators import base_plus_ext, group_by_keys
+
+    def members() -> Iterator[dict[str, Any]]:
+        for info in tar:
+            if not info.isreg() or _SKIP_META.match(info.name):
+                continue
+            field = base_plus_ext(info.name)[1]
+            file = tar.extractfile(info)
+            data = file.read() if field is not None and field.lower() in TEXT_FIELDS else file  # type: ignore[union-attr]
+            yield {"fname": info.name, "data": data, "__url__": url}
+
+    return group_by_keys(members())
+
+
+def read_header(
+    sample: Mapping[str, Any],
+    *,
+    exif_transpose: bool = True,
+    image_name: Callable[[str], str] | None = None,
+) -> SampleHeader:
+    """Text and image sizes of a sample dict (fields as ``bytes`` or binary file objects); no pixel decoded.
+
+    Args:
+        sample: a WebDataset sample dict, e.g. from :func:`stream_tar_samples` or :func:`lazy_tar_samples`.
+        exif_transpose: passed to ``vision.image_size``.
+        image_name: how an image field is named in error messages (default: ``"KEY.FIELD"``).
+
+    Raises:
+        SampleError: reason ``"missing_text"`` / ``"bad_text"`` (see ``parse_text``), or ``"corrupt_image"``
+        with ``image_size``'s message for the first unreadable image header.
+    """
+    conversation = parse_text(sample)
+    if image_name is None:
+        key = sample.get("__key__")
+        image_name = lambda name: f"{key}.{name}"  # noqa: E731
+    names = image_fields(sample)
+    sizes = []
+    for name in names:
+        try:
+            sizes.append(image_size(sample[name], exif_transpose=exif_transpose, name=image_name(name)))
+        except ValueError as exc:
+            raise SampleError("corrupt_image", str(exc)) from None
+    return SampleHeader(conversation, names, sizes)
