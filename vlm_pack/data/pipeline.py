@@ -420,7 +420,7 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         family: str | None = None,
         template: Callable[[Any, int], list[tuple[str, bool]]] | None = None,
         buffer_size: int = 256,
-        min_fill_ratio: float = 0.7,
+        min_fill_ratio: float = 0.95,
         drop_last: bool = False,
         max_samples_per_bin: int | None = None,
         vision_capacity: int | None = None,
