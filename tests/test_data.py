@@ -544,3 +544,165 @@ def test_progress_log(corpus, qwen, caplog):
     assert len(lines) == len(batches)
     assert all("samples/s" in m and "packs/s" in m and "fill" in m for m in lines)
     assert torch.is_tensor(batches[0].input_ids)
+
+
+# -- review: record fields, URL forms, forecast mismatches, resume in a new process ---------------------
+
+
+def test_write_shards_takes_llava_conversations_and_rejects_unknown_fields(tmp_path):
+    """LLaVA-style records ('conversations' of from/value turns) are stored; unknown fields never vanish."""
+    jpg = _encoded((60, 50), "JPEG")
+    turns = [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "noise"}]
+    paths = write_shards([{"key": "llava", "image": jpg, "conversations": turns}], tmp_path / "ok")
+    (sample,) = wds.WebDataset(paths, shardshuffle=False)
+    assert parse_text(sample) == [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "noise"}]},
+    ]
+    assert image_fields(sample) == ["jpg"]
+    with pytest.raises(
+        ValueError, match=r"record 0 \(key 'x'\): unknown field\(s\) \['captoin', 'id'\].*'meta'"
+    ):
+        write_shards([{"key": "x", "images": jpg, "captoin": "typo", "id": 7}], tmp_path / "bad")
+    with pytest.raises(ValueError, match=r"record 1: give one text field, not \['conversation', 'caption'\]"):
+        write_shards([{"caption": "a"}, {"caption": "b", "conversation": []}], tmp_path / "two")
+    with pytest.raises(ValueError, match="'images' or 'image', not both"):
+        write_shards([{"image": jpg, "images": [jpg], "caption": "c"}], tmp_path / "both")
+
+
+def _small_shards(root: Path) -> list[str]:
+    convs = [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "red dog"}]
+    records = [
+        {"key": "llava", "images": _encoded((60, 50), "PNG"), "conversations": convs},
+        {  # an image but no placeholder: the image goes first in the first user turn
+            "key": "noph",
+            "images": _encoded((60, 50), "JPEG", 1),
+            "conversation": [
+                {"role": "user", "content": "describe"},
+                {"role": "assistant", "content": "dog"},
+            ],
+        },
+        {"key": "cap", "images": _encoded((40, 40), "WEBP", 2), "caption": "a caption"},
+        {"key": "txt", "caption": "just text"},
+    ]
+    return write_shards(records, root, maxcount=2)
+
+
+def test_url_forms_and_more_workers_than_shards(tmp_path, qwen):
+    tok, ip = qwen
+    urls = _small_shards(tmp_path / "s")
+    pattern = str(tmp_path / "s" / "shard-{000000..000001}.tar")
+    for given in (pattern, urls, [Path(u) for u in urls], f"{urls[0]}::{urls[1]}"):
+        assert PackedWebDataset(given, tokenizer=tok, image_processor=ip, capacity=256).urls == urls
+    assert PackedWebDataset(Path(urls[0]), tokenizer=tok, image_processor=ip, capacity=256).urls == urls[:1]
+    with pytest.raises(ValueError, match="no shard URLs"):
+        PackedWebDataset([], tokenizer=tok, image_processor=ip, capacity=256)
+
+    # 3 workers for 2 shards: the idle worker yields nothing, the epoch still completes and resumes.
+    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DataLoader: 3 workers on 2 cores
+        batches = list(PackedDataLoader(ds, num_workers=3))
+    assert sorted(_keys_of(batches)) == ["cap", "llava", "noph", "txt"]
+    assert {stream_info(b)["snapshot"]["stream"] for b in batches} == {0, 1}
+    assert ds.stats.samples_read == ds.stats.samples_packed == 4 and ds.stats.samples_bad == 0
+    assert all(_forecast_matches(b) for b in batches)
+    texts = {}
+    for b in batches:
+        cu = b.cu_seqlens.tolist()
+        for key, start, end in zip(b.metadata["__key__"], cu, cu[1:]):
+            texts[key] = tok.decode(b.input_ids.flatten()[start:end])
+    assert "<|vision_start|><|image_pad|>" in texts["llava"] and "What?" in texts["llava"]
+    assert "\n<|vision_start|>" not in texts["llava"].split("What?")[0][-1:]  # placeholder newline dropped
+    assert texts["noph"].index("<|vision_start|>") < texts["noph"].index("describe")
+    next_epoch = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=1.0)
+    next_epoch.load_state_dict(json.loads(json.dumps(ds.state_dict())))
+    assert next_epoch.epoch == 0 and next_epoch.state_dict()["progress"]["complete"]
+
+
+def test_forecast_mismatch_is_warned_counted_and_never_overflows(tmp_path, qwen):
+    """A processor changed after the pipeline read its vision spec: processed lengths differ from the forecast."""
+    import copy
+
+    tok, ip = qwen
+    records = [
+        {"key": f"m{i}", "images": _encoded((56 * (i + 1), 56), "PNG", i), "caption": "x"} for i in range(3)
+    ]
+    urls = write_shards(records, tmp_path / "m")
+    smaller = copy.deepcopy(ip)
+    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=smaller, capacity=64, min_fill_ratio=1.0)
+    smaller.size["longest_edge"] = 56 * 56  # now every image becomes 4 tokens
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = list(ds)
+    mismatches = [str(w.message) for w in caught if "FORECAST MISMATCH" in str(w.message)]
+    assert len(mismatches) == 2 and all("shard-000000.tar" in m for m in mismatches)
+    assert any("key 'm1'" in m and re.search(r"forecast \d+ tokens, processed \d+", m) for m in mismatches), (
+        mismatches
+    )
+    assert sorted(_keys_of(batches)) == ["m0", "m1", "m2"]  # shorter than forecast: still packed
+    assert ds.stats.forecast_mismatches == 2 and ds.stats.samples_bad == 0
+    meta = stream_info(batches[0])
+    assert meta["lengths"] != meta["forecast"]
+
+    larger = copy.deepcopy(ip)
+    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=larger, capacity=64, min_fill_ratio=1.0)
+    larger.size["shortest_edge"] = 56 * 56 * 8  # now longer than forecast: the bin would overflow
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = list(ds)
+    assert all(int(b.seq_lens.sum()) <= 64 for b in batches)
+    st = ds.stats
+    assert st.samples_packed + st.reasons.get("forecast_mismatch", 0) == 3
+    assert st.reasons.get("forecast_mismatch", 0) >= 1
+    assert any("forecast_mismatch" in str(w.message) and "overflow the bin" in str(w.message) for w in caught)
+    changed = copy.deepcopy(ip)
+    strict = PackedWebDataset(urls, tokenizer=tok, image_processor=changed, capacity=64, on_error="raise")
+    changed.size["shortest_edge"] = 56 * 56 * 8
+    with (
+        pytest.raises(ValueError, match=r"forecast \d+ != processed length \d+ for key 'm0'"),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore", BadSampleWarning)
+        list(strict)
+
+
+_RESUME_SCRIPT = """
+import json, sys, warnings
+from vlm_pack.data.pipeline import PackedDataLoader, PackedWebDataset
+from vlm_pack.offline import build_tokenizer, image_processor
+urls, state_path = json.loads(sys.argv[1]), sys.argv[2]
+ds = PackedWebDataset(urls, tokenizer=build_tokenizer("qwen2_vl"), image_processor=image_processor("qwen2_vl"),
+                      capacity=256, shuffle_seed=3, shuffle_buffer=4, buffer_size=4, min_fill_ratio=0.9)
+with open(state_path) as f:
+    ds.load_state_dict(json.load(f))
+warnings.simplefilter("ignore")
+out = [[list(b.metadata["__key__"]), b.seq_lens.tolist()] for b in PackedDataLoader(ds, num_workers=2)]
+print(json.dumps({"batches": out, "read": ds.stats.samples_read}))
+"""
+
+
+def test_resume_in_a_new_process_from_a_json_file(corpus, qwen, reference, tmp_path):
+    """The checkpoint is a JSON file; a fresh interpreter (other hash seed) continues with the same packs."""
+    import os
+    import subprocess
+    import sys
+
+    ref = [[list(b.metadata["__key__"]), b.seq_lens.tolist()] for b in reference[1]]
+    first = _pipeline(corpus, qwen)
+    loader = PackedDataLoader(first, num_workers=2)
+    head = _run(loader, stop=3)
+    (tmp_path / "state.json").write_text(json.dumps(loader.state_dict()))
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESUME_SCRIPT, json.dumps(corpus["urls"]), str(tmp_path / "state.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [[list(b.metadata["__key__"]), b.seq_lens.tolist()] for b in head] + result["batches"] == ref
+    assert result["read"] == corpus["n_read"]

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vlm_pack.packing import (
+    PackedBin,
     PackResult,
     StreamPacker,
     Unpacked,
@@ -598,3 +599,86 @@ def test_balance_errors():
         balance_bins([1, 2], 0)
     with pytest.raises(ValueError, match="vision has 1 bins but bins has 2"):
         balance_bins([1, 2], 2, vision=[3])
+
+
+# -- review: input types, edge sizes, JSON resume with composite keys, rank balancing edge cases --------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda v: np.asarray(v, dtype=np.int32),
+        lambda v: np.asarray(v, dtype=np.uint16),
+        lambda v: np.asarray(v, dtype=np.int64),
+        lambda v: __import__("torch").tensor(v),
+        lambda v: __import__("torch").tensor(v, dtype=__import__("torch").int16),
+        list,
+        tuple,
+        lambda v: (x for x in v),  # a generator: consumed once, like any iterable of ints
+        lambda v: [np.int32(x) for x in v],
+    ],
+)
+def test_pack_accepts_every_integer_container(make):
+    lengths = [700, 300, 500, 1024, 24, 1]
+    want = pack(lengths, 1024)
+    for strategy in ("bfd", "ffd", "ff", "nf"):
+        got = pack(make(lengths), 1024, strategy=strategy)
+        assert got.bins == pack(lengths, 1024, strategy=strategy).bins
+    assert want.bins == [[3], [0, 1, 4], [2, 5]]  # 24 fills the 700 + 300 bin exactly
+    assert pack(make([]), 8).bins == []
+
+
+def test_edge_sizes_and_flat_arrays_agree_with_bins():
+    for strategy in ("bfd", "ffd", "ff", "nf"):
+        ones = pack([1] * 5, 1, strategy=strategy)  # capacity 1: one sample per bin
+        assert ones.bins == [[i] for i in range(5)] and ones.efficiency == 1.0
+        full = pack([8] * 4, 8, strategy=strategy, seed=1)  # every sample fills its bin
+        assert sorted(full.bins) == [[0], [1], [2], [3]] and full.lower_bound == full.num_bins == 4
+        many = pack(np.full(200_000, 3, dtype=np.uint16), 10, strategy=strategy)
+        assert many.num_bins == math.ceil(200_000 / 3) and int(many.bin_sizes.max()) == 3
+    res = pack(
+        np.random.default_rng(0).integers(1, 50, 2000), 64, vision=np.arange(2000) % 3, vision_capacity=4
+    )
+    bins = res.bins
+    assert [res.bin(i).tolist() for i in range(res.num_bins)] == bins
+    assert res.bin(-1).tolist() == bins[-1]
+    assert [sum(int(res.lengths[j]) for j in b) for b in bins] == res.bin_lengths.tolist()
+    assert [sum(int(res.vision[j]) for j in b) for b in bins] == res.bin_vision.tolist()
+    assert all(res.sample_bin[j] == i for i, b in enumerate(bins) for j in b)
+    assert res.bin_offsets[-1] == res.order.size == res.num_samples
+
+
+def test_stream_state_json_round_trip_with_composite_keys():
+    """Keys like (shard, index) come back as tuples after JSON, so resumed bins equal the uninterrupted ones."""
+    items = [((f"shard-{i % 3}", i), 50 + (37 * i) % 400) for i in range(200)]
+    ref = StreamPacker(512, buffer_size=8, min_fill_ratio=0.9, drop_last=True, oversized="skip")
+    ref_bins = ref.add_many([k for k, _ in items], [n for _, n in items]) + ref.flush()
+    for cut in (0, 37, 150):
+        head = StreamPacker(512, buffer_size=8, min_fill_ratio=0.9, drop_last=True, oversized="skip")
+        head_bins = head.add_many([k for k, _ in items[:cut]], [n for _, n in items[:cut]])
+        tail = StreamPacker(512, buffer_size=8, min_fill_ratio=0.9, drop_last=True, oversized="skip")
+        tail.load_state_dict(json.loads(json.dumps(head.state_dict())))
+        assert tail.open_bins() == head.open_bins()
+        rest = tail.add_many([k for k, _ in items[cut:]], [n for _, n in items[cut:]]) + tail.flush()
+        assert head_bins + rest == ref_bins, cut
+        assert all(isinstance(k, tuple) for b in rest for k in b.keys)
+        assert tail.dropped == ref.dropped and tail.stats == ref.stats
+
+
+def test_stream_flush_twice_add_after_flush_and_drop_last_accounting():
+    sp = StreamPacker(10, min_fill_ratio=0.9, drop_last=True)
+    assert sp.add("a", 3) == [] and sp.add("b", 9) == [PackedBin(["b"], [9], 9)]
+    assert sp.flush() == [] and sp.flush() == []  # "a" (3 < 9 tokens) dropped once, not twice
+    assert [b.keys for b in sp.dropped] == [["a"]]
+    assert (sp.stats.samples_dropped, sp.stats.bins_dropped, sp.stats.tokens_dropped) == (1, 1, 3)
+    assert sp.add("c", 4) == [] and sp.add("d", 5) == [PackedBin(["c", "d"], [4, 5], 9)]  # a new epoch
+    st = sp.stats
+    assert st.samples_seen == st.samples_emitted + st.samples_dropped + sp.num_open == 4
+
+
+def test_balance_more_ranks_than_bins_and_one_rank():
+    assert balance_bins([5, 3], 4) == [[0], [1], [], []]  # the extra ranks get no bin: their lists are empty
+    assert balance_bins([], 3) == [[], [], []]
+    assert balance_bins([5, 3, 2], 1) == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="2 bins for 4 ranks"):
+        balance_bins([5, 3], 4, equal_count=True)

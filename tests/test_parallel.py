@@ -626,3 +626,50 @@ def test_check_parallel_config():
         check_parallel_config(cp=4, packing="in_batch", micro_batch_size=4, pad_to_multiple_of=8)
     with pytest.raises(ValueError, match="packing must be"):
         check_parallel_config(cp=1, packing="online")
+
+
+def test_sharding_a_multi_row_collator_batch():
+    """R > 1 rows from PackingCollator: rows are flattened into one THD buffer and shard back exactly."""
+    import numpy as np
+
+    from vlm_pack.collate import PackingCollator, pad_multiple_for
+    from vlm_pack.offline import build_tokenizer
+    from vlm_pack.processing import process_sample
+
+    tok = build_tokenizer("qwen2_vl")
+    convs = [
+        [{"role": "user", "content": "w " * n}, {"role": "assistant", "content": "yes " * n}]
+        for n in (5, 9, 3, 12, 7, 2)
+    ]
+    samples = [process_sample([], conv, tokenizer=tok) for conv in convs]
+    batch = PackingCollator(64, family="qwen2_vl", tokenizer=tok, pad_to_multiple_of=pad_multiple_for(cp=2))(
+        samples
+    )
+    assert batch.num_rows > 1 and batch.position_ids.shape == (4, batch.num_rows, 64)
+    cu = batch.cu_seqlens_padded
+    assert int(cu[-1]) == batch.num_rows * 64  # the padded samples partition every row
+    shards = [
+        shard_for_context_parallel(batch, np.int64(2), np.int64(r), shift_labels=True) for r in range(2)
+    ]
+    assert all(s.input_ids.shape == (1, batch.num_rows * 32) for s in shards)
+    for name in ("input_ids", "position_ids"):
+        got = gather_from_context_parallel([getattr(s, name) for s in shards], cu)
+        assert torch.equal(got.view(getattr(batch, name).shape), getattr(batch, name))
+    labels = gather_from_context_parallel([s.labels for s in shards], cu)
+    assert torch.equal(labels, batch.model_inputs("megatron")["labels"].reshape(labels.shape))
+    # Every sample's tokens are split evenly: each rank holds half of every padded sample.
+    assert torch.equal(shards[0].cu_seqlens_local, cu // 2)
+
+    with pytest.raises(
+        ValueError,
+        match=r"sample 0 of the packed batch has padded length \d+, not divisible by 2 \* cp_size = 6",
+    ):
+        shard_for_context_parallel(batch, 3, 0)
+    for bad in (True, 2.0, -1):
+        with pytest.raises(ValueError, match="cp_rank must be an int in"):
+            shard_for_context_parallel(batch, 2, bad)
+    with pytest.raises(ValueError, match="cp_size must be an int >= 1"):
+        shard_for_context_parallel(batch, 0, 0)
+    assert check_parallel_config(cp=np.int64(2), pad_to_multiple_of=torch.tensor(4)) == 4
+    with pytest.raises(ValueError, match="cp must be an int >= 1, got True"):
+        check_parallel_config(cp=True)

@@ -95,6 +95,8 @@ def _as_int_array(values: Any, name: str, *, allow_zero: bool) -> np.ndarray:
     if isinstance(values, np.ndarray):
         arr = values
     else:
+        if not hasattr(values, "__len__"):  # a generator or other one-pass iterable
+            values = list(values)
         try:
             arr = np.asarray(values)
         except (ValueError, TypeError) as e:  # ragged nested lists
@@ -1246,7 +1248,8 @@ class StreamPacker:
     Memory is bounded by ``buffer_size`` open bins; a sample costs one bisection plus list
     insertions in the sorted index of open bins (O(log buffer_size) comparisons). The whole state
     is plain Python data: ``state_dict()`` / ``load_state_dict()`` resume mid-epoch and emit exactly
-    the bins an uninterrupted run would (JSON-serialisable as long as the sample keys are).
+    the bins an uninterrupted run would (JSON-serialisable as long as the sample keys are: str, int,
+    or tuples of them, which come back as tuples).
     """
 
     def __init__(
@@ -1581,7 +1584,11 @@ class StreamPacker:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (also after a JSON round trip). The configuration must match."""
+        """Restore a :meth:`state_dict` (also after a JSON round trip). The configuration must match.
+
+        JSON turns tuple keys such as ``(shard, index)`` into lists; list keys are turned back into
+        tuples here, so the bins emitted after resuming equal those of an uninterrupted run.
+        """
         if state.get("version") != 1:
             raise ValueError(f"unsupported StreamPacker state version {state.get('version')!r}")
         mine = self.state_dict()["config"]
@@ -1599,7 +1606,12 @@ class StreamPacker:
             lengths = [int(x) for x in ob["lengths"]]
             visions = None if ob["visions"] is None else [int(x) for x in ob["visions"]]
             b = PackedBin(
-                list(ob["keys"]), lengths, sum(lengths), visions, sum(visions or ()), int(ob["mtime"])
+                [_key(k) for k in ob["keys"]],
+                lengths,
+                sum(lengths),
+                visions,
+                sum(visions or ()),
+                int(ob["mtime"]),
             )
             entries.append((((self.capacity - b.total) << _MT_BITS) | (_MT_MASK - b._mtime), b))
         entries.sort(key=lambda e: e[0])
@@ -1617,11 +1629,11 @@ class StreamPacker:
             "tokens_dropped",
         ):
             setattr(st, name, int(s[name]))
-        st.skipped = [Unpacked(k, r) for k, r in s["skipped"]]
-        st.truncated = [(k, int(n)) for k, n in s["truncated"]]
+        st.skipped = [Unpacked(_key(k), r) for k, r in s["skipped"]]
+        st.truncated = [(_key(k), int(n)) for k, n in s["truncated"]]
         self.dropped = [
             PackedBin(
-                list(d["keys"]),
+                [_key(k) for k in d["keys"]],
                 [int(x) for x in d["lengths"]],
                 sum(int(x) for x in d["lengths"]),
                 None if d["visions"] is None else [int(x) for x in d["visions"]],
@@ -1629,6 +1641,11 @@ class StreamPacker:
             )
             for d in state["dropped"]
         ]
+
+
+def _key(key: Any) -> Any:
+    """A sample key read back from a state dict: JSON lists become tuples again (recursively)."""
+    return tuple(_key(k) for k in key) if isinstance(key, list) else key
 
 
 # ----------------------------------------------------------------------------- DP balancing
@@ -1809,7 +1826,8 @@ def balance_bins(
             micro-batches would desynchronise gradient accumulation collectives.
 
     Returns:
-        ``world_size`` lists of bin indices (each sorted ascending). The achieved imbalance
+        ``world_size`` lists of bin indices (each sorted ascending); with fewer bins than ranks the
+        extra ranks get empty lists (no error: check for them if every rank must step). The achieved imbalance
         (max rank cost / mean) is logged at DEBUG; compute it with :func:`partition_imbalance`.
     """
     world_size = _as_positive_int(world_size, "world_size")

@@ -50,6 +50,7 @@ Only ``torch.distributed`` is used (NCCL on GPU, gloo on CPU).
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,10 +80,23 @@ IGNORE_INDEX = -100
 # --------------------------------------------------------------------------------------------------------
 
 
+def _as_int(value: Any, name: str, low: int, high: int | None = None) -> int:
+    """``value`` as a Python int in ``[low, high)`` (numpy / 0-d tensor ints accepted, bools rejected)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        out = operator.index(value)
+    except TypeError:
+        out = None
+    if out is None or out < low or (high is not None and out >= high):
+        bounds = f"an int >= {low}" if high is None else f"an int in [{low}, {high})"
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+    return out
+
+
 def _check_cu_seqlens_padded(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
     """Validate ``cu_seqlens_padded`` (N+1,) for ``cp_size`` and return it as int64."""
-    if not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    cp_size = _as_int(cp_size, "cp_size", 1)
     if not isinstance(cu_seqlens_padded, torch.Tensor) or cu_seqlens_padded.dim() != 1:
         raise TypeError("cu_seqlens_padded must be a 1-D integer tensor of N+1 sample offsets")
     if cu_seqlens_padded.is_floating_point() or cu_seqlens_padded.numel() < 1:
@@ -126,8 +140,9 @@ def context_parallel_index(
         (total // cp_size,) int64 for one rank, or (cp_size, total // cp_size) for all ranks.
     """
     cu = _check_cu_seqlens_padded(cu_seqlens_padded, cp_size)
-    if cp_rank is not None and not (isinstance(cp_rank, int) and 0 <= cp_rank < cp_size):
-        raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
+    cp_size = _as_int(cp_size, "cp_size", 1)
+    if cp_rank is not None:
+        cp_rank = _as_int(cp_rank, "cp_rank", 0, cp_size)
     device = cu.device
     if cp_size == 1:
         index = torch.arange(int(cu[-1]), device=device)
@@ -282,6 +297,8 @@ def shard_for_context_parallel(
         ValueError: a sample's padded length is not divisible by ``2 * cp_size`` (names the sample), or
             a tensor does not cover ``cu_seqlens_padded[-1]`` tokens.
     """
+    cp_size = _as_int(cp_size, "cp_size", 1)
+    cp_rank = _as_int(cp_rank, "cp_rank", 0, cp_size)
     fields = _fields(batch)
     cu_in = cu_seqlens_padded if cu_seqlens_padded is not None else fields.get("cu_seqlens_padded")
     if cu_in is None:
@@ -704,11 +721,10 @@ def check_parallel_config(
         without CP (a per-micro-batch mean re-weights the samples of a pack) and when in-batch packing has
         micro batch size 1 (nothing to pack).
     """
-    for name, value in (("cp", cp), ("tp", tp), ("pad_to_multiple_of", pad_to_multiple_of)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    cp = _as_int(cp, "cp", 1)
+    tp = _as_int(tp, "tp", 1)
+    pad_to_multiple_of = _as_int(pad_to_multiple_of, "pad_to_multiple_of", 1)
+    micro_batch_size = _as_int(micro_batch_size, "micro_batch_size", 1)
     if packing not in ("offline", "in_batch"):
         raise ValueError(f"packing must be 'offline' or 'in_batch', got {packing!r}")
     required = (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)

@@ -62,6 +62,7 @@ import copy
 import hashlib
 import logging
 import math
+import os
 import time
 import warnings
 from collections import deque
@@ -274,13 +275,13 @@ def stream_info(batch: Any) -> dict[str, Any] | None:
     return getattr(batch, _META, None)
 
 
-def _expand_urls(urls: str | Sequence[str]) -> list[str]:
+def _expand_urls(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
     import webdataset as wds
 
-    if isinstance(urls, str):
-        out = wds.shardlists.expand_urls(urls)
+    if isinstance(urls, (str, os.PathLike)):
+        out = wds.shardlists.expand_urls(os.fspath(urls))
     else:
-        out = [u for url in urls for u in wds.shardlists.expand_urls(str(url))]
+        out = [u for url in urls for u in wds.shardlists.expand_urls(os.fspath(url))]
     if not out:
         raise ValueError(f"no shard URLs in {urls!r}")
     return out
@@ -390,7 +391,8 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
 
     Args:
         urls: shard paths or URLs: a brace pattern ``"data/shard-{000000..000099}.tar"``, several joined
-            by ``::``, or a list. Anything ``webdataset.gopen`` opens (``pipe:``, ``http://`` ...).
+            by ``::``, a ``pathlib.Path``, or a list of any of these. Anything ``webdataset.gopen`` opens
+            (``pipe:``, ``http://`` ...).
         tokenizer, image_processor: the model's HF tokenizer and image processor; or ``processor``.
         capacity: tokens per packed row.
         family: chat format of ``vlm_pack.processing`` (``qwen2_vl`` ... ``llava_next``); default: from the
@@ -411,7 +413,7 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
 
     def __init__(
         self,
-        urls: str | Sequence[str],
+        urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         *,
         capacity: int,
         tokenizer: Any = None,
@@ -1092,7 +1094,9 @@ class _StreamRunner:
         yield from self._drain(final=True)
 
 
-def build_packed_pipeline(urls: str | Sequence[str], **kwargs: Any) -> PackedWebDataset:
+def build_packed_pipeline(
+    urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], **kwargs: Any
+) -> PackedWebDataset:
     """``PackedWebDataset(urls, **kwargs)``: see its docstring."""
     return PackedWebDataset(urls, **kwargs)
 

@@ -123,17 +123,32 @@ def _encode_image(image: Any, image_format: str, where: str) -> tuple[bytes, str
     )
 
 
+_TEXT_FIELDS = ("conversation", "conversations", "messages", "caption", "text")
+_RECORD_FIELDS = frozenset(("key", "__key__", "images", "image", "meta", *_TEXT_FIELDS))
+
+
 def _record_fields(record: Any, index: int, image_format: str) -> tuple[str | None, dict[str, bytes]]:
     """One user record -> (key or None, {field: bytes}) ready for ``TarWriter``."""
     where = f"record {index}"
     if isinstance(record, Mapping):
         key = record.get("key", record.get("__key__"))
-        images = record.get("images", record.get("image", []))
-        text: Any = None
-        for name in ("conversation", "messages", "caption", "text"):
-            if name in record:
-                text = record[name]
-                break
+        if key is not None:
+            where = f"record {index} (key {str(key)!r})"
+        # An unknown field (a misspelt "caption", LLaVA's "id") would otherwise vanish from the shard.
+        unknown = sorted(str(k) for k in record if k not in _RECORD_FIELDS)
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown field(s) {unknown}; a record holds {sorted(_RECORD_FIELDS)}. Put other "
+                "data under 'meta' (stored in the sample's json)."
+            )
+        texts = [name for name in _TEXT_FIELDS if name in record]
+        if len(texts) > 1:
+            raise ValueError(f"{where}: give one text field, not {texts}")
+        images_fields = [name for name in ("images", "image") if name in record]
+        if len(images_fields) > 1:
+            raise ValueError(f"{where}: give 'images' or 'image', not both")
+        images = record[images_fields[0]] if images_fields else []
+        text: Any = record[texts[0]] if texts else None
         meta = record.get("meta")
     elif isinstance(record, Sequence) and not isinstance(record, (str, bytes)) and len(record) == 2:
         key, (images, text), meta = None, record, None
@@ -208,6 +223,7 @@ def write_shards(
                 {"key": "abc",                          # optional; default key_format.format(index)
                  "images": [path | bytes | (bytes, "jpg") | PIL.Image, ...],   # or one image
                  "conversation": [{"role": "user", "content": [{"type": "image"}, ...]}, ...]
+                   | "conversations": [{"from": "human", "value": "<image>\\n..."}, ...]   # LLaVA
                    | "caption": "a dog on a beach",
                  "meta": {...}}                         # optional, stored in the json
 
