@@ -292,6 +292,47 @@ def test_flash_style_inputs_run_varlen_attention(qwen):
     assert torch.allclose(flat[0], rows.reshape(flat.shape[1], -1), atol=1e-4, rtol=0)
 
 
+def test_flash_style_through_transformers_flash_dispatch(qwen):
+    """model_inputs("flash_attention_2") under an attention whose name says "flash": transformers then runs
+    the vision tower's own varlen branch (cu_seq_lens_q = the images' boundaries) next to the text model's,
+    and must keep the packed row's cu_seq_lens_q away from the vision tower. The stand-in kernel is
+    flash_attn_varlen_func's contract (block-diagonal over cu_seq_lens_q) computed with sdpa on CPU."""
+    import torch.nn.functional as F
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    seen = []
+
+    def varlen_sdpa(module, q, k, v, attention_mask=None, scaling=None, cu_seq_lens_q=None, **kwargs):
+        assert attention_mask is None and q.shape[0] == 1 and cu_seq_lens_q is not None
+        causal = kwargs.get("is_causal", module.is_causal)
+        seen.append((causal, cu_seq_lens_q))
+        t = torch.arange(q.shape[2])
+        seg = torch.searchsorted(cu_seq_lens_q.long(), t, right=True)
+        allowed = (seg[:, None] == seg[None, :]) & (t[None, :] <= t[:, None] if causal else True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None
+
+    AttentionInterface.register("test_flash_varlen", varlen_sdpa)
+    AttentionMaskInterface.register("test_flash_varlen", flash_attention_mask)
+    tok, model, samples, _ = qwen
+    flash = tiny_model("qwen2_vl", tok, initializer_range=0.2)  # same seed: the fixture's weights
+    for m in flash.modules():
+        if hasattr(m, "config"):  # set_attn_implementation would try to import the flash-attn package
+            m.config._attn_implementation_internal = "test_flash_varlen"
+    b = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=4)(samples)
+    inputs = b.model_inputs("flash_attention_2")
+    assert inputs["cu_seq_lens_q"].dtype == torch.int32
+    with torch.no_grad():
+        rows = model(**b.model_inputs("sdpa")).logits
+        flat = flash(**inputs).logits
+    assert torch.allclose(flat[0], rows.reshape(flat.shape[1], -1), atol=1e-4, rtol=0)
+    text_calls = [cu for causal, cu in seen if causal]
+    assert text_calls and all(cu is inputs["cu_seq_lens_q"] for cu in text_calls)
+    vision_cu = F.pad((b.image_grid_thw.prod(-1)).cumsum(0), (1, 0))
+    assert all(torch.equal(cu, vision_cu.to(cu.dtype)) for causal, cu in seen if not causal)
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_qwen_family_real_processor_forward(family):
     tok = build_tokenizer(family)
@@ -437,6 +478,57 @@ def test_errors_name_the_sample(qwen):
         PackingCollator(100, pad_to_multiple_of=8)
     with pytest.raises(ValueError, match="needs layout='expanded'"):
         PackingCollator(64, layout="collapsed", return_style="sdpa")
+
+
+def test_qwen_samples_without_the_mrope_family_raise(qwen):
+    """A hub processor carries no family: Qwen samples must not silently get 1-D position ids (the model
+    then finds no text row, builds no packed mask and lets the samples attend to each other)."""
+    tok, _, samples, _ = qwen
+    no_family = PackingCollator(64, image_token_id=tok.image_token_id)
+    with pytest.raises(ValueError, match=r"sample 1 has image_grid_thw.*family is None: pass config="):
+        no_family([samples[1], samples[0]])
+    with pytest.raises(ValueError, match="family is 'llava'"):
+        PackingCollator(64, family="llava", image_token_id=tok.image_token_id)([samples[0]])
+    with pytest.raises(ValueError, match=r"vision_start_token_id .* but no family"):
+        PackingCollator(
+            64, image_token_id=tok.image_token_id, vision_start_token_id=tok.vision_start_token_id
+        )
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_video_samples(family):
+    """Videos (pixel_values_videos, video_grid_thw, Qwen2.5-VL second_per_grid_ts) pack in sample order
+    and every sample's logits equal the model's on that sample alone."""
+    tok = build_tokenizer(family)
+    model = tiny_model(family, tok, initializer_range=0.2)
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+
+    def video(t: int, h: int, w: int, seconds: float) -> dict:
+        ids = [30, 31, cfg.vision_start_token_id] + [cfg.video_token_id] * (t * h * w // 4)
+        s = {
+            "input_ids": torch.tensor([*ids, cfg.vision_end_token_id, 40, 41]),
+            "pixel_values_videos": torch.randn(t * h * w, 1176, generator=g),
+            "video_grid_thw": torch.tensor([[t, h, w]]),
+        }
+        if family == "qwen2_5_vl":
+            s["second_per_grid_ts"] = torch.tensor([seconds])
+        return s
+
+    samples = [video(2, 4, 4, 0.5), {"input_ids": torch.tensor([50, 51, 52])}, video(3, 2, 6, 2.0)]
+    b = PackingCollator(128, tokenizer=tok, config=cfg, pad_to_multiple_of=4)(samples)
+    order = [i for i in b.sample_index.tolist() if "video_grid_thw" in samples[i]]
+    assert torch.equal(b.video_grid_thw, torch.cat([samples[i]["video_grid_thw"] for i in order]))
+    assert torch.equal(b.pixel_values_videos, torch.cat([samples[i]["pixel_values_videos"] for i in order]))
+    assert int((b.mm_token_type_ids == 2).sum()) == int((b.input_ids == cfg.video_token_id).sum())
+    with torch.no_grad():
+        logits = model(**b.model_inputs("sdpa")).logits
+        for k, i in enumerate(b.sample_index.tolist()):
+            s = samples[i]
+            types = 2 * (s["input_ids"] == cfg.video_token_id).long()
+            alone = model(**{**s, "input_ids": s["input_ids"][None], "mm_token_type_ids": types[None]})
+            r, st, L = sample_span(b, k)
+            assert torch.allclose(logits[r, st : st + L], alone.logits[0], atol=1e-4, rtol=0)
 
 
 def test_pad_multiple_for():

@@ -503,6 +503,14 @@ class PackingCollator:
         self.max_samples_per_row = max_samples_per_row
         self.return_style = return_style
         self.mrope = is_mrope_family(self.family)
+        if self.family is None and self.vision_start_token_id is not None:
+            # <|vision_start|> marks a Qwen-VL vocabulary: 1-D positions would silently disable the packed
+            # mask (the model then sees no text row) and, for Qwen3-VL, the image mRoPE.
+            raise ValueError(
+                "the tokenizer/config has a vision_start_token_id (a Qwen-VL model) but no family: pass "
+                "config=model.config or family='qwen2_vl' / 'qwen2_5_vl' / 'qwen3_vl' so that position_ids "
+                "get the 4-row multimodal RoPE"
+            )
 
     def __repr__(self) -> str:
         return (
@@ -584,6 +592,12 @@ class PackingCollator:
             else:
                 metadata[k] = v
 
+        if not self.mrope and ("image_grid_thw" in vision or "video_grid_thw" in vision):
+            raise ValueError(
+                f"{name} has image_grid_thw/video_grid_thw (a Qwen-VL sample) but the collator's family is "
+                f"{self.family!r}: pass config=model.config or family='qwen2_vl' / 'qwen2_5_vl' / 'qwen3_vl'; "
+                "without the 4-row mRoPE position_ids the packed samples would attend to each other"
+            )
         n_placeholders = int(is_image.sum())
         grid = vision.get("image_grid_thw")
         merge2 = self.spatial_merge_size**2
