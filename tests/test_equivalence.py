@@ -310,6 +310,39 @@ def test_report_is_readable_and_names_worst_tokens():
     report.raise_if_failed()  # passing: no exception
 
 
+def test_processor_outputs_and_a_trainer_style_collator():
+    """What a user hands over first: HF processor outputs ([1, L] tensors, attention_mask) and the
+    collator they train with (return_style="sdpa" returns model kwargs, not a PackedBatch)."""
+    proc = offline.processor("llava", tokenizer=_tokenizer("llava"))
+    samples = [
+        dict(
+            proc(
+                images=[_image(60, 40, 1)],
+                text="USER: <image>\nwhat is it ASSISTANT: a car",
+                return_tensors="pt",
+            )
+        ),
+        dict(proc(text="USER: hello there ASSISTANT: hi", return_tensors="pt")),
+        dict(
+            proc(
+                images=[_image(50, 90, 2)],
+                text="USER: <image>\nand this ASSISTANT: a dog",
+                return_tensors="pt",
+            )
+        ),
+    ]
+    assert samples[0]["input_ids"].shape[0] == 1 and "attention_mask" in samples[0]
+    collator = PackingCollator(
+        sum(s["input_ids"].shape[1] for s in samples),
+        tokenizer=proc,
+        config=_model("llava").config,
+        return_style="sdpa",
+    )
+    report = check_packed_equivalence(_model("llava"), samples, collator)
+    assert report.passed, str(report)
+    assert report.num_tokens == sum(s["input_ids"].shape[1] - 1 for s in samples)
+
+
 def test_report_flags_samples_missing_from_the_packed_batch():
     family = "qwen2_vl"
     samples = list(_samples(family, 4))

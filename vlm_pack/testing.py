@@ -322,6 +322,39 @@ class PackedEquivalenceError(AssertionError):
 # --------------------------------------------------------------------------------------------------------
 
 
+def _one_example(index: int, sample: Any) -> dict[str, Any]:
+    """``sample`` with 1-D token tensors, as ``pad_samples`` takes it.
+
+    HF processors return one example as ``[1, L]`` tensors with an ``attention_mask``: the batch dim is
+    dropped, and so are the tokens the mask marks as padding (the collator drops them too).
+    """
+    if not hasattr(sample, "keys") or "input_ids" not in sample:
+        raise ValueError(f"sample {index}: needs 'input_ids' (a dict from process_sample or an HF processor)")
+    out = dict(sample)
+    mask = out.pop("attention_mask", None)
+    for key in ("input_ids", "labels", "mm_token_type_ids"):
+        if out.get(key) is None:
+            out.pop(key, None)
+            continue
+        t = torch.as_tensor(out[key])
+        if t.ndim == 2 and t.shape[0] == 1:
+            t = t[0]
+        if t.ndim != 1:
+            raise ValueError(
+                f"sample {index}: {key} must be [L] or [1, L] (one example), got shape {tuple(t.shape)}"
+            )
+        out[key] = t
+    if mask is not None:
+        keep = torch.as_tensor(mask).reshape(-1).bool()
+        if keep.numel() != out["input_ids"].numel():
+            raise ValueError(f"sample {index}: attention_mask and input_ids differ in length")
+        if not bool(keep.all()):
+            for key in ("input_ids", "labels", "mm_token_type_ids"):
+                if key in out:
+                    out[key] = out[key][keep]
+    return out
+
+
 def _tensor(batch: Any, name: str) -> torch.Tensor:
     value = getattr(batch, name, None)
     if value is None and isinstance(batch, dict):
@@ -436,9 +469,13 @@ def check_packed_equivalence(
         raise ValueError(f"targets must be 'all' or 'labels', got {targets!r}")
     if not samples:
         raise ValueError("check_packed_equivalence: no samples")
+    given = list(samples)  # what the collator gets, untouched
+    samples = [_one_example(i, s) for i, s in enumerate(given)]
     for i, s in enumerate(samples):
-        if "input_ids" not in s or s["input_ids"].ndim != 1 or len(s["input_ids"]) < 2:
-            raise ValueError(f"sample {i}: needs a 1-D 'input_ids' of at least 2 tokens")
+        if len(s["input_ids"]) < 2:
+            raise ValueError(f"sample {i}: needs at least 2 tokens (one next-token transition to compare)")
+        if targets == "labels" and "labels" not in s:
+            raise ValueError(f"sample {i} has no 'labels': targets='labels' scores the tokens they mark")
     if collator is None and packed_batch is None:
         raise ValueError("check_packed_equivalence needs a collator (or an already collated packed_batch=)")
     batched_forward = batched_forward or default_batched_forward
@@ -470,7 +507,16 @@ def check_packed_equivalence(
             reference.append(_gather_tokens(logp, ids, labels, r, 0, len(s["input_ids"]), targets))
 
     # 2. Packed: the collator's rows.
-    batch = packed_batch if packed_batch is not None else collator(list(samples))
+    if packed_batch is not None:
+        batch = packed_batch
+    else:
+        # A PackingCollator built with return_style= returns model kwargs; the check needs the PackedBatch.
+        batch = getattr(collator, "collate", collator)(given)
+        if isinstance(batch, dict):
+            raise TypeError(
+                "the collator returned a dict of model inputs; check_packed_equivalence needs the PackedBatch "
+                "(a vlm_pack PackingCollator, or pass packed_batch=)"
+            )
     if hasattr(batch, "to") and not isinstance(batch, dict):
         batch = batch.to(device)
     packed_ids = _tensor(batch, "input_ids")
