@@ -1,5 +1,7 @@
 """process_sample / tokenize_conversation: the ids a VLM trains on, checked against real HF processors."""
 
+import io
+
 import pytest
 import torch
 from PIL import Image
@@ -130,3 +132,122 @@ def test_forecast_from_header_equals_processed_length(family):
         s = process_sample(blobs, conv, tokenizer=tok, image_processor=ip, family=family)
         assert length == len(s["input_ids"])
         assert counts == s["tokens_per_image"].tolist()
+
+
+def _rendered(conv, family, n_images, tok):
+    """The family's prompt text with the tokenizer's image token: what one passes to the HF processor."""
+    segments = chat_format(family).render(conv, n_images)
+    return "".join(text for text, _ in segments).replace("<image>", tok.image_token)
+
+
+MULTI = [
+    {"role": "system", "content": "You are helpful."},
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "the dog?"}]},
+    {"role": "assistant", "content": "the dog is left"},  # " the" merges with the space before it
+    {"role": "user", "content": [{"type": "text", "text": "and"}, {"type": "image"}, {"type": "image"}]},
+    {"role": "assistant", "content": "three cats"},
+]
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next"])
+def test_multi_image_ids_equal_hf_processor_on_the_whole_prompt(family, tmp_path):
+    """Tokens across segment boundaries merge as when the processor tokenizes the whole prompt."""
+    tok = build_tokenizer(family)
+    proc = processor(family, tok)
+    imgs = [_img(300, 200), _img(640, 480, (0, 90, 0)), _img(120, 700, (0, 0, 200))]
+    path = tmp_path / "a.png"
+    imgs[0].save(path)
+    buf = io.BytesIO()
+    imgs[1].save(buf, format="PNG")
+    s = process_sample([path, buf.getvalue(), imgs[2]], MULTI, processor=proc, family=family)
+    ref = proc(images=imgs, text=_rendered(MULTI, family, 3, tok), return_tensors="pt")
+    assert s["input_ids"].tolist() == ref["input_ids"][0].tolist()
+    assert torch.equal(s["pixel_values"], ref["pixel_values"])
+    assert tok.decode(s["labels"][s["labels"] != -100]) == " the dog is left</s> three cats</s>"
+    assert int((s["input_ids"] == tok.image_token_id).sum()) == int(s["tokens_per_image"].sum())
+
+
+def test_qwen_ids_equal_tokenizer_on_the_whole_prompt():
+    tok = build_tokenizer("qwen2_vl")
+    ids, mask = tokenize_conversation(MULTI, tokenizer=tok, family="qwen2_vl", num_images=3)
+    assert ids == tok(_rendered(MULTI, "qwen2_vl", 3, tok), add_special_tokens=False)["input_ids"]
+    trained = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert trained == "the dog is left<|im_end|>three cats<|im_end|>"
+
+
+def _raw_tokenizer():
+    """A fast tokenizer as loaded from a hub tokenizer.json: no image_token attribute set."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from vlm_pack.offline import _tokenizer_json
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(1024)))
+
+
+@pytest.mark.parametrize(
+    "family, token", [("qwen2_vl", "<|image_pad|>"), ("llava", "<image>"), ("llava_next", "<image>")]
+)
+def test_tokenizer_without_image_token_attribute_uses_the_family_token(family, token):
+    """Vocabularies can hold several image tokens (LLaVA-OneVision's Qwen2 vocab has both)."""
+    tok = _raw_tokenizer()
+    assert getattr(tok, "image_token_id", None) is None
+    ids, _ = tokenize_conversation(MULTI, tokenizer=tok, family=family, num_images=3)
+    assert ids.count(tok.convert_tokens_to_ids(token)) == 3
+    if family == "qwen2_vl":
+        s = process_sample(
+            [_img(64, 64)] * 3, MULTI, tokenizer=tok, image_processor=image_processor(family), family=family
+        )
+        image_id = tok.convert_tokens_to_ids(token)
+        assert torch.equal(s["mm_token_type_ids"], (s["input_ids"] == image_id).long())
+        assert int(s["mm_token_type_ids"].sum()) == int(s["tokens_per_image"].sum())
+
+
+def test_image_token_typed_in_the_text_is_an_error_naming_the_sample():
+    tok = build_tokenizer("qwen2_vl")
+    conv = [
+        {"role": "user", "content": "<image> what is <|image_pad|>?"},
+        {"role": "assistant", "content": "x"},
+    ]
+    with pytest.raises(ValueError, match=r"sample 'k/5'.*<\|image_pad\|>"):
+        tokenize_conversation(conv, tokenizer=tok, family="qwen2_vl", num_images=1, key="k/5")
+
+
+def test_template_callable_and_collapsed_forecast():
+    from vlm_pack.processing import forecast_length
+    from vlm_pack.vision import vision_spec_from_processor
+
+    tok = build_tokenizer("qwen2_vl")
+    ip = image_processor("qwen2_vl", size={"shortest_edge": 3136, "longest_edge": 200704})
+
+    def template(conv, n):
+        return [
+            ("Q: " + "<image>" * n + conv[0]["content"] + "\nA:", False),
+            (" " + conv[1]["content"], True),
+        ]
+
+    conv = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "two"}]
+    imgs = [_img(500, 300), _img(90, 900)]
+    s = process_sample(imgs, conv, tokenizer=tok, image_processor=ip, template=template, family="qwen2_vl")
+    c = process_sample(imgs, conv, tokenizer=tok, image_processor=ip, template=template, layout="collapsed")
+    n, counts = forecast_length(
+        conv, [im.size for im in imgs], tokenizer=tok, spec=vision_spec_from_processor(ip), template=template
+    )
+    assert n == len(s["input_ids"]) and counts == s["tokens_per_image"].tolist()
+    assert len(c["input_ids"]) == n - sum(counts) + 2
+    assert tok.decode(s["labels"][s["labels"] != -100]) == " two"
+
+
+def test_offline_tokenizer_is_identical_across_processes():
+    """Token ids written into shards by one run must mean the same in the next (no training randomness)."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from vlm_pack.offline import _tokenizer_json
+
+    code = "import hashlib; from vlm_pack.offline import _tokenizer_json as t; print(hashlib.sha256(t(1024).encode()).hexdigest())"
+    other = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert other == hashlib.sha256(_tokenizer_json(1024).encode()).hexdigest()

@@ -21,6 +21,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from PIL import Image, ImageOps
 from PIL.PngImagePlugin import PngInfo
 from transformers import (
@@ -632,6 +634,9 @@ def test_registry_and_unknown_processor():
     with pytest.raises(ValueError, match="Qwen2VLImageProcessor") as err:
         vision_spec_from_processor(SimpleNamespace(image_processor=object()))
     assert "PixtralImageProcessor" in str(err.value)
+    for not_a_processor in (build_tokenizer("qwen2_vl"), Qwen2VLImageProcessorPil, "qwen2_vl", None):
+        with pytest.raises(ValueError, match="not a supported image processor or processor instance"):
+            vision_spec_from_processor(not_a_processor)
     with pytest.raises(ValueError, match="do_center_crop"):
         vision_spec_from_processor(LlavaImageProcessorPil(size={"shortest_edge": 336}, do_center_crop=False))
 
@@ -802,3 +807,98 @@ def test_image_size_errors_name_the_source(image_files, tmp_path):
         image_size(tmp_path / "missing.png")
     with pytest.raises(TypeError, match="path, bytes-like"):
         image_size(12345)  # type: ignore[arg-type]
+
+
+def pillow_outcome(data: bytes, transpose: bool):
+    """Pillow's decoded (and, if asked, EXIF-transposed) size, or None where Pillow fails."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+            return (ImageOps.exif_transpose(im) if transpose else im).size
+    except Exception:
+        return None
+
+
+def mutate(data: bytes, op: int, pos: int, blob: bytes) -> bytes:
+    """One damage of the kind real shards carry: truncation, overwritten, inserted or deleted bytes."""
+    if op == 0:
+        return data[: pos * len(data) // 2000]
+    head = pos % min(len(data), 600)  # headers live at the start: damage them, not the coded data
+    if op == 1:
+        return data[:head] + blob + data[head + len(blob) :]
+    if op == 2:
+        return data[:head] + blob + data[head:]
+    return data[:head] + data[head + len(blob) :]
+
+
+FUZZ_FILES = ["plain.jpg", "progressive.jpg", "cmyk.jpg", "exif6.jpg", "xmp6.jpg", "plain.png", "exif6.png",
+              "apng.png", "plain.gif", "anim.gif", "lossy.webp", "lossless.webp", "exif6.webp", "anim.webp",
+              "plain.bmp", "plain.tiff"]  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    name=st.sampled_from(FUZZ_FILES),
+    op=st.integers(0, 3),
+    pos=st.integers(0, 1999),
+    blob=st.binary(min_size=1, max_size=8),
+)
+def test_image_size_fuzz_agrees_with_pillow_or_raises_value_error(image_files, name, op, pos, blob):
+    """Damaged headers: Pillow's size, or ValueError naming the source; never another exception."""
+    data = mutate(image_files[name].read_bytes(), op, pos, blob)
+    for transpose in (False, True):
+        try:
+            got = image_size(data, exif_transpose=transpose, name="k/7")
+        except ValueError as e:
+            assert "image_size(k/7)" in str(e)
+            continue
+        expected = pillow_outcome(data, transpose)
+        if expected is not None:  # where Pillow cannot decode either, any size is as good as an error
+            assert got == expected, (name, op, transpose)
+
+
+def test_gif_skips_stray_bytes_before_the_first_frame_as_pillow_does(image_files):
+    data = image_files["plain.gif"].read_bytes()
+    at = data.index(b",")  # first image descriptor (the test GIF has no extension before it)
+    stray = data[:at] + b"\x00\x7f" + data[at:]
+    assert image_size(stray) == pillow_outcome(stray, False) == (97, 61)
+    with pytest.raises(ValueError, match="GIF"):
+        image_size(data[:at] + b";")  # trailer before any frame
+
+
+def jpeg_with_app1(im: Image.Image, *segments: bytes) -> bytes:
+    """A JPEG of ``im`` with the given APP1 payloads inserted right after SOI, in order."""
+    buf = io.BytesIO()
+    im.save(buf, "JPEG")
+    raw = buf.getvalue()
+    app1 = b"".join(b"\xff\xe1" + struct.pack(">H", len(s) + 2) + s for s in segments)
+    return raw[:2] + app1 + raw[2:]
+
+
+def test_exif_orientation_across_app1_segments_matches_pillow():
+    im = rgb(97, 61)
+    with_6 = b"Exif\x00\x00" + exif_with_orientation(6).tobytes()
+    without = b"Exif\x00\x00" + Image.Exif().tobytes()
+    xmp = b"http://ns.adobe.com/xap/1.0/\x00" + b'<rdf:Description tiff:Orientation="8"/>'
+    xmp6 = b"http://ns.adobe.com/xap/1.0/\x00" + b'<rdf:Description tiff:Orientation="6"/>'
+    tiff = exif_with_orientation(6).tobytes()[6:]  # the TIFF structure, without the Exif prefix
+    bad_magic = b"Exif\x00\x00" + tiff[:2] + b"\x00\x00" + tiff[4:]
+    cases = {
+        "xmp then exif": (xmp, with_6),
+        "exif without orientation, then exif with it": (without, with_6),
+        # Pillow concatenates the Exif APP1s: an IFD cut by the first one continues in the second.
+        "exif split over two APP1": (b"Exif\x00\x00" + tiff[:12], b"Exif\x00\x00" + tiff[12:]),
+        "two xmp: the last one counts": (xmp, xmp6),
+        "invalid TIFF magic: no orientation": (bad_magic,),
+    }
+    for what, segments in cases.items():
+        data = jpeg_with_app1(im, *segments)
+        assert image_size(data) == pillow_outcome(data, True), what
+
+
+def test_pillow_fallback_errors_become_value_errors(image_files):
+    """Formats left to Pillow: its refusals (decompression-bomb guard, plugin errors) name the source."""
+    bmp = bytearray(image_files["plain.bmp"].read_bytes())
+    bmp[18:26] = struct.pack("<ii", 60000, 60000)  # 3.6 gigapixels: Pillow refuses to open it
+    with pytest.raises(ValueError, match=r"image_size\(k/1\).*Pillow"):
+        image_size(bytes(bmp), name="k/1")

@@ -160,15 +160,42 @@ def chat_format(family: str) -> ChatFormat:
         ) from None
 
 
-def _image_token_id(tokenizer: Any) -> int:
+# The image token each family's processor expands; a vocabulary may hold several (LLaVA-OneVision's Qwen2
+# vocabulary has both), so the family decides, not the first token found.
+_FAMILY_IMAGE_TOKEN = {
+    "qwen2_vl": "<|image_pad|>",
+    "qwen2_5_vl": "<|image_pad|>",
+    "qwen3_vl": "<|image_pad|>",
+    "llava": IMAGE_MARKER,
+    "llava_next": IMAGE_MARKER,
+}
+
+
+def _image_token(tokenizer: Any, family: str | None = None) -> tuple[str, int]:
+    """``(token, id)`` of the image placeholder: ``tokenizer.image_token[_id]``, else the family's token."""
     token_id = getattr(tokenizer, "image_token_id", None)
-    if token_id is None:
-        for token in ("<|image_pad|>", IMAGE_MARKER, "<IMG_CONTEXT>"):
-            tid = tokenizer.convert_tokens_to_ids(token)
-            if tid is not None and tid != tokenizer.unk_token_id:
-                return int(tid)
-        raise ValueError("the tokenizer has no image token: set tokenizer.image_token_id")
-    return int(token_id)
+    if token_id is not None:
+        return str(tokenizer.convert_ids_to_tokens(int(token_id))), int(token_id)
+    family = family or getattr(tokenizer, "vlm_pack_family", None)
+    named = getattr(tokenizer, "image_token", None)
+    if named:
+        candidates = [named]
+    elif family in _FAMILY_IMAGE_TOKEN:
+        candidates = [_FAMILY_IMAGE_TOKEN[family]]
+    else:
+        candidates = ["<|image_pad|>", IMAGE_MARKER, "<IMG_CONTEXT>"]
+    for token in candidates:
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if tid is not None and tid != tokenizer.unk_token_id:
+            return token, int(tid)
+    raise ValueError(
+        f"the tokenizer has none of the image tokens {candidates}: set tokenizer.image_token and "
+        "tokenizer.image_token_id (or add the token with tokenizer.add_special_tokens)."
+    )
+
+
+def _image_token_id(tokenizer: Any, family: str | None = None) -> int:
+    return _image_token(tokenizer, family)[1]
 
 
 def tokenize_conversation(
@@ -182,8 +209,15 @@ def tokenize_conversation(
 ) -> tuple[list[int], list[bool]]:
     """Token ids of ``conversation`` in the collapsed layout (one image token per image) and a trained mask.
 
+    The conversation is rendered by ``template`` (a callable returning ``[(text, trained), ...]`` with
+    ``<image>`` where images go), else by the chat format of ``family`` (default: the tokenizer's
+    ``vlm_pack_family``, else ``qwen2_vl``); the tokenizer's own ``chat_template`` is not used. ``<image>``
+    becomes the tokenizer's image token and the whole prompt is tokenized in one call, as an HF processor
+    does, so tokens merge across turn boundaries exactly as there (``"ASSISTANT: the"`` -> ``" the"``).
+    A token is trained when any of its characters is in a trained segment; image tokens never are.
+
     Raises ``ValueError`` naming ``key`` when the text has a different number of image places than
-    ``num_images``.
+    ``num_images``, or contains the image token itself.
     """
     if template is None:
         if family is None:
@@ -191,38 +225,44 @@ def tokenize_conversation(
         segments = chat_format(family or "qwen2_vl").render(conversation, num_images)
     else:
         segments = template(conversation, num_images)
-    image_id = _image_token_id(tokenizer)
-    pieces: list[str] = []
-    piece_trained: list[bool] = []
-    n_markers = 0
-    for text, trained in segments:
-        parts = text.split(IMAGE_MARKER)
-        n_markers += len(parts) - 1
-        for j, part in enumerate(parts):
-            if j:
-                pieces.append(IMAGE_MARKER)
-                piece_trained.append(False)
-            if part:
-                pieces.append(part)
-                piece_trained.append(trained)
+    image_token, image_id = _image_token(tokenizer, family)
+    n_markers = sum(text.count(IMAGE_MARKER) for text, _ in segments)
     if n_markers != num_images:
         raise ValueError(
             f"sample {key!r}: the text has {n_markers} image placeholder(s) but {num_images} image(s) were "
             "given; give one image per placeholder (or no placeholder at all to put the images first)."
         )
-    texts = [p for p in pieces if p != IMAGE_MARKER]
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    ids: list[int] = []
-    mask: list[bool] = []
-    k = 0
-    for piece, trained in zip(pieces, piece_trained):
-        if piece == IMAGE_MARKER:
-            ids.append(image_id)
-            mask.append(False)
-        else:
-            ids.extend(encoded[k])
-            mask.extend([trained] * len(encoded[k]))
-            k += 1
+    if image_token != IMAGE_MARKER and any(image_token in text for text, _ in segments):
+        raise ValueError(
+            f"sample {key!r}: the text contains the image token {image_token!r} itself; write "
+            f"{IMAGE_MARKER!r} where an image goes (or remove the token from the text)."
+        )
+    texts = [text.replace(IMAGE_MARKER, image_token) for text, _ in segments]
+    full = "".join(texts)
+    try:
+        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:  # slow (Python) tokenizers have no offsets: tokenize segment by segment
+        ids, mask = [], []
+        for text, (_, trained) in zip(texts, segments):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            ids += piece
+            mask += [trained] * len(piece)
+    else:
+        ids = list(enc["input_ids"])
+        char_trained = torch.zeros(len(full) + 1, dtype=torch.long)
+        at = 0
+        for text, (_, trained) in zip(texts, segments):
+            char_trained[at + 1 : at + 1 + len(text)] = int(trained)
+            at += len(text)
+        cum = char_trained.cumsum(0)  # cum[e] - cum[s]: trained characters in [s, e)
+        spans = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
+        mask = ((cum[spans[:, 1]] - cum[spans[:, 0]]) > 0).tolist()
+    mask = [m and i != image_id for i, m in zip(ids, mask)]
+    if ids.count(image_id) != num_images:
+        raise ValueError(
+            f"sample {key!r}: {num_images} image(s) became {ids.count(image_id)} image token(s) "
+            f"{image_token!r}; the tokenizer must keep {image_token!r} as one special token."
+        )
     return ids, mask
 
 
@@ -340,7 +380,7 @@ def process_sample(
             if "image_sizes" in vision:
                 out["image_sizes"] = vision["image_sizes"]
             counts = _llava_counts(image_processor, tokenizer, pil, processor)
-    image_id = _image_token_id(tokenizer)
+    image_id = _image_token_id(tokenizer, family)
     input_ids = torch.tensor(ids, dtype=torch.long)
     trained = torch.tensor(mask, dtype=torch.bool)
     if layout == "expanded" and counts:

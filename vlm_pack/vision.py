@@ -1373,9 +1373,13 @@ def vision_spec_from_processor(obj: Any) -> VisionSpec:
             kwargs["spatial_merge_size"] = merge
         return PixtralSpec(**kwargs)
 
+    what = (
+        f"processor {type(obj).__name__!r} (image processor {type(image_proc).__name__!r})"
+        if processor is not None
+        else f"{type(obj).__name__!r}, which is not a supported image processor or processor instance"
+    )
     raise ValueError(
-        f"vision_spec_from_processor: unsupported processor {type(obj).__name__!r} "
-        f"(image processor {type(image_proc).__name__!r}). Supported: {'; '.join(_SUPPORTED_PROCESSORS)}. "
+        f"vision_spec_from_processor: unsupported {what}. Supported: {'; '.join(_SUPPORTED_PROCESSORS)}. "
         f"For other models build a spec directly: vision_spec(family, ...) with family in {', '.join(FAMILIES)}."
     )
 
@@ -1420,11 +1424,10 @@ def _exif_orientation(data: bytes) -> int | None:
     for _ in range(2):  # Pillow strips up to two "Exif\0\0" prefixes (PNG eXIf chunks often carry one)
         if data[:6] == b"Exif\x00\x00":
             data = data[6:]
-    if len(data) < 8:
-        return None
-    if data[:2] == b"II":
+    # Pillow's TIFF prefixes (42 either way round); anything else, BigTIFF included, yields no EXIF tags.
+    if data[:4] in (b"II*\x00", b"II\x00*"):
         bo = "<"
-    elif data[:2] == b"MM":
+    elif data[:4] in (b"MM\x00*", b"MM*\x00"):
         bo = ">"
     else:
         return None
@@ -1498,13 +1501,13 @@ def _jpeg(r: _Reader, want_exif: bool) -> tuple[int, int, int]:
             if sof[5] not in (1, 3, 4):
                 raise _Corrupt(f"JPEG with {sof[5]} components: Pillow cannot decode it")
             size = (_u16be(sof, 3), _u16be(sof, 1))  # Pillow keeps the last SOF
-        elif marker == 0xE1 and want_exif and (exif is None or xmp is None):
+        elif marker == 0xE1 and want_exif:
             body = r.get(pos + 4, seglen - 2)
             if len(body) < seglen - 2:
                 raise _Corrupt("JPEG APP1 segment is truncated")
+            # As Pillow: Exif APP1s are concatenated (one TIFF structure), the last XMP packet wins.
             if body[:6] == b"Exif\x00\x00":
-                if exif is None:
-                    exif = body
+                exif = body if exif is None else exif + body[6:]
             elif body[:29] == b"http://ns.adobe.com/xap/1.0/\x00":
                 xmp = body[29:]
         pos += 2 + seglen
@@ -1615,8 +1618,10 @@ def _gif(r: _Reader) -> tuple[int, int, int]:
                 raise _Corrupt("GIF image descriptor is truncated")
             x0, y0, w, h = struct.unpack("<HHHH", desc)
             return max(width, x0 + w), max(height, y0 + h), 1
+        elif block == b";":
+            raise _Corrupt("GIF ends (trailer) before its first image descriptor")
         else:
-            raise _Corrupt(f"GIF has no image (found block {block!r} before any frame)")
+            pos += 1  # Pillow skips stray bytes between blocks
 
 
 def _webp(r: _Reader, want_exif: bool) -> tuple[int, int, int]:
@@ -1677,8 +1682,10 @@ def _pillow(r: _Reader, want_exif: bool) -> tuple[int, int, int]:
             orientation = im.getexif().get(0x0112, 1) if want_exif else 1
     except UnidentifiedImageError:
         raise _Corrupt("not an image format Pillow can identify") from None
-    except (OSError, SyntaxError, struct.error, EOFError) as e:
-        raise _Corrupt(f"Pillow cannot read its header ({e})") from None
+    except Image.DecompressionBombError as e:
+        raise _Corrupt(f"Pillow refuses to open it ({e})") from None
+    except Exception as e:  # Pillow's plugins raise anything on garbage
+        raise _Corrupt(f"Pillow cannot read its header ({type(e).__name__}: {e})") from None
     return width, height, orientation if isinstance(orientation, int) else -1
 
 
