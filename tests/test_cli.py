@@ -340,3 +340,47 @@ def test_bad_samples_skip_mode_lists_them(tmp_path, capsys):
     assert code == 0 and "invalid samples skipped: 2" in out
     invalid = json.loads((tmp_path / "r2" / "report.json").read_text())["dataset"]["invalid"]
     assert [i["key"] for i in invalid] == ["b", "c"]
+
+
+def test_errors_say_what_to_do(tmp_path, shards, capsys):
+    # A corrupt image stops the run: the message names shard, key and field, and the way to go on.
+    shard = tmp_path / "corrupt.tar"
+    with tarfile.open(shard, "w") as tar:
+        for name, data in {"x.txt": b"a caption", "x.jpg": b"\xff\xd8 not a jpeg"}.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    code, _, err = _run(capsys, ["analyze", str(shard), "--no-plots", "--out", str(tmp_path / "r0")])
+    assert code == 1 and "corrupt.tar" in err and "'x'" in err and "--on-error skip" in err
+
+    # An empty shard: named, not "the sources are empty".
+    empty = tmp_path / "empty-000.tar"
+    tarfile.open(empty, "w").close()
+    code, _, err = _run(capsys, ["analyze", str(empty), "--no-plots", "--out", str(tmp_path / "r1")])
+    assert code == 1 and "empty-000.tar" in err and "no samples" in err
+    code, _, err = _run(
+        capsys, ["pack", str(empty), "--capacity", "8192", "--out", str(tmp_path / "p.jsonl")]
+    )
+    assert code == 1 and "empty-000.tar" in err
+
+    # A capacity below every sample is a mistake, not a table of zeros or an empty plan.
+    lengths = forecast_lengths(
+        scan_samples([shards[0]]), tokenizer=build_tokenizer("qwen2_vl"), spec=_qwen2_spec(), progress=False
+    ).lengths
+    shortest = int(lengths.min())
+    argv = ["analyze", str(shards[0]), "--no-plots", "--no-progress", "--capacity", "16"]
+    code, out, err = _run(capsys, [*argv, "--out", str(tmp_path / "r2")])
+    assert code == 1 and out == "" and f"shortest sample is {shortest:,} tokens" in err
+    assert "--oversized truncate" in err and not (tmp_path / "r2" / "report.json").exists()
+    plan = tmp_path / "plan.jsonl"
+    code, out, err = _run(capsys, ["pack", str(shards[0]), "--capacity", "16", "--out", str(plan)])
+    assert code == 1 and f"shortest sample is {shortest:,} tokens" in err and not plan.exists()
+    # One capacity too small among good ones: the table is printed, with a warning on stderr.
+    code, out, err = _run(capsys, [*argv, "8192", "--out", str(tmp_path / "r3")])
+    assert code == 0 and "8,192" in out and "capacity 16 packs none of the 64 samples" in err
+
+
+def _qwen2_spec():
+    from vlm_pack.vision import vision_spec
+
+    return vision_spec("qwen2_vl")

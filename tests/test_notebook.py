@@ -53,3 +53,13 @@ def test_notebook_executes(tmp_path, monkeypatch):
     assert len(images) >= 5
     if os.environ.get("VLM_PACK_SAVE_NOTEBOOK"):
         nbformat.write(nb, NOTEBOOK)
+
+
+def test_prose_token_counts_are_the_real_ones():
+    from vlm_pack.vision import vision_spec
+
+    spec = vision_spec("qwen2_vl")
+    text = "".join(c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "markdown")
+    assert f"a 1024x768 photo is {spec.num_tokens(1024, 768):,} Qwen2-VL tokens" in text
+    assert f"about {round(spec.num_tokens(1240, 1754), -2):,}" in text  # A4 at 150 dpi
+    assert f"full-resolution phone photo {spec.num_tokens(4032, 3024):,}" in text

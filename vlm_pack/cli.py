@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 __all__ = ["build_parser", "load_forecaster", "main"]
 
 _CHAT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next")
@@ -284,20 +286,37 @@ def _baseline(args: argparse.Namespace) -> Any:
 def _forecast(
     args: argparse.Namespace, sources: Sequence[str | os.PathLike[str]]
 ) -> tuple[Any, dict[str, Any]]:
-    from vlm_pack.report import forecast_lengths, scan_samples
+    from vlm_pack.report import SampleReadError, forecast_lengths, scan_samples
 
     tokenizer, spec, family, exact = load_forecaster(args)
     samples = scan_samples(
         sources, exif_transpose=not args.no_exif_transpose, image_root=args.image_root, on_error=args.on_error
     )
-    table = forecast_lengths(
-        samples,
-        tokenizer=tokenizer,
-        spec=spec,
-        family=family,
-        on_error=args.on_error,
-        progress=False if args.no_progress else None,
-    )
+    try:
+        table = forecast_lengths(
+            samples,
+            tokenizer=tokenizer,
+            spec=spec,
+            family=family,
+            on_error=args.on_error,
+            progress=False if args.no_progress else None,
+        )
+    except SampleReadError as e:
+        raise ValueError(
+            f"{e}\n  Fix the sample, or pass --on-error skip to leave such samples out (they are listed in the "
+            "report)."
+        ) from None
+    if len(table) == 0:
+        names = ", ".join(str(s) for s in sources[:3]) + (
+            f" (+{len(sources) - 3} more)" if len(sources) > 3 else ""
+        )
+        if not table.invalid:
+            raise ValueError(f"no samples in {names}: the shards / manifests are empty.")
+        key, where, reason = table.invalid[0]
+        raise ValueError(
+            f"no valid samples in {names}: all {len(table.invalid):,} were skipped; the first, {key!r} "
+            f"({where}): {reason}"
+        )
     meta = {
         "family": family,
         "vision_spec": spec.to_dict(),
@@ -305,6 +324,15 @@ def _forecast(
         "exif_transpose": not args.no_exif_transpose,
     }
     return table, meta
+
+
+def _too_small(table: Any, capacities: Sequence[int]) -> str:
+    lengths = table.lengths
+    caps = ", ".join(f"{c:,}" for c in capacities)
+    return (
+        f"capacity {caps} packs none of the {len(table):,} samples: the shortest sample is "
+        f"{int(lengths.min()):,} tokens (median {int(np.median(lengths)):,}, longest {int(lengths.max()):,})"
+    )
 
 
 def _run_analysis(
@@ -326,6 +354,13 @@ def _run_analysis(
         max_patches_per_pack=args.max_patches_per_pack,
         meta=meta,
     )
+    empty = [c["capacity"] for c in report["capacities"] if c["packed_samples"] == 0]
+    if len(empty) == len(report["capacities"]):
+        raise ValueError(
+            _too_small(table, empty) + "; raise --capacity or pass --oversized truncate (count them cut)."
+        )
+    if empty:
+        print(f"vlm-pack: warning: {_too_small(table, empty)}.", file=sys.stderr)
     if meta["tokenizer"] != "exact" and not demo:
         print(
             "vlm-pack: note: text tokens are counted with vlm-pack's offline stand-in tokenizer; pass "
@@ -363,7 +398,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from vlm_pack.demo import DEMO_NUM_SAMPLES, demo_shards
 
     n = getattr(args, "num_samples", None) or DEMO_NUM_SAMPLES
-    shards = demo_shards(getattr(args, "data_dir", None), num_samples=n)
+    shards = demo_shards(
+        getattr(args, "data_dir", None), num_samples=n, progress=False if args.no_progress else None
+    )
     return _run_analysis(args, shards, f"vlm-pack demo ({n} samples)", demo=True)
 
 
@@ -391,6 +428,11 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         oversized=args.oversized,
         seed=None if args.no_shuffle else args.seed,
     )
+    if result.num_bins == 0:
+        raise ValueError(
+            _too_small(table, [args.capacity]) + "; raise --capacity or pass --oversized truncate. "
+            "No plan written."
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     keys, sources, vis = table.keys, table.sources, table.vision_tokens
     with open(out, "w") as f:

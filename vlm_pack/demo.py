@@ -440,15 +440,16 @@ def demo_records(num_samples: int = DEMO_NUM_SAMPLES, seed: int = DEMO_SEED) -> 
     ``{"key": "demo-000042", "images": [(bytes, "jpg"), ...], "conversation": [...], "meta": {"kinds": [...]}}``.
     Deterministic in ``(num_samples, seed)``; the first ``n`` records do not depend on ``num_samples``.
     """
-    return [
-        {
-            "key": item["key"],
-            "images": [(draw_image(im), im.ext) for im in item["images"]],
-            "conversation": item["conversation"],
-            "meta": {"kinds": [im.kind for im in item["images"]], "source": f"vlm-pack demo v{DEMO_VERSION}"},
-        }
-        for item in demo_plan(num_samples, seed)
-    ]
+    return [_record(item) for item in demo_plan(num_samples, seed)]
+
+
+def _record(item: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "key": item["key"],
+        "images": [(draw_image(im), im.ext) for im in item["images"]],
+        "conversation": item["conversation"],
+        "meta": {"kinds": [im.kind for im in item["images"]], "source": f"vlm-pack demo v{DEMO_VERSION}"},
+    }
 
 
 def demo_cache_dir() -> Path:
@@ -470,11 +471,13 @@ def demo_shards(
     num_samples: int = DEMO_NUM_SAMPLES,
     seed: int = DEMO_SEED,
     samples_per_shard: int = 64,
+    progress: bool | None = False,
 ) -> list[Path]:
     """Write the demo records as WebDataset ``.tar`` shards (once) and return their paths.
 
     ``directory`` defaults to ``demo_cache_dir() / "demo-<signature>"``; a folder already holding a complete
     set for the same parameters is reused, so the first call takes seconds and later ones nothing.
+    ``progress`` shows a tqdm bar while drawing (``None``: only on a terminal).
     """
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
@@ -489,8 +492,17 @@ def demo_shards(
 
     out.mkdir(parents=True, exist_ok=True)
     done.unlink(missing_ok=True)
+    from tqdm import tqdm
+
+    # Drawn lazily, one record at a time, as write_shards consumes them.
+    plan = tqdm(
+        demo_plan(num_samples, seed),
+        desc=f"drawing demo data into {out}",
+        unit=" samples",
+        disable=(not progress) if progress is not None else None,
+    )
     written = write_shards(
-        demo_records(num_samples, seed), str(out / "demo-%05d.tar"), maxcount=samples_per_shard
+        (_record(item) for item in plan), str(out / "demo-%05d.tar"), maxcount=samples_per_shard
     )
     if [Path(p) for p in written] != paths:
         raise RuntimeError(f"demo_shards: expected {[str(p) for p in paths]}, write_shards wrote {written}")

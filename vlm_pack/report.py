@@ -50,6 +50,7 @@ __all__ = [
     "Baseline",
     "LengthTable",
     "SampleInfo",
+    "SampleReadError",
     "analyze",
     "analyze_capacity",
     "expand_sources",
@@ -70,6 +71,13 @@ _JSONL_SUFFIXES = (".jsonl", ".json")
 # ------------------------------------------------------------------------------------------------------
 # Reading: sources -> SampleInfo (headers only)
 # ------------------------------------------------------------------------------------------------------
+
+
+class SampleReadError(ValueError):
+    """One sample could not be read or forecast (its message names the shard or manifest line and the key).
+
+    Raised under ``on_error="raise"``; with ``on_error="skip"`` the sample is listed instead.
+    """
 
 
 @dataclass(frozen=True)
@@ -156,7 +164,7 @@ def scan_samples(
     "conversation" | "messages" | "conversations" | "caption": ...}`` with image paths relative to the
     manifest's folder (or ``image_root``).
 
-    Raises ``ValueError`` naming the shard / line and key for an unreadable sample (text missing or not
+    Raises :class:`SampleReadError` (a ``ValueError``) naming the shard / line and key for an unreadable sample (text missing or not
     parseable, corrupt image header, missing image file); with ``on_error="skip"`` such a sample is yielded
     with only ``key``, ``source`` and ``error`` set. An unreadable shard or manifest always raises.
     """
@@ -186,7 +194,7 @@ def _sample_from_fields(
         # Image messages already name shard, key and field (image_name above); text ones get them here.
         message = str(e) if e.reason == "corrupt_image" else f"{where}: sample {key!r}: {e}"
         if on_error == "raise":
-            raise ValueError(message) from None
+            raise SampleReadError(message) from None
         return SampleInfo(key, where, None, (), error=message)
     return SampleInfo(key, where, conversation, tuple(sizes))
 
@@ -230,7 +238,7 @@ def _scan_jsonl(
                 key, sample = _jsonl_sample(line, where, key, root, exif_transpose)
             except ValueError as e:
                 if on_error == "raise":
-                    raise
+                    raise SampleReadError(str(e)) from None
                 sample = SampleInfo(key, where, None, (), error=str(e))
             yield sample
 
@@ -349,7 +357,7 @@ def forecast_lengths(
     for s in bar:
         if s.error is not None:
             if on_error == "raise":
-                raise ValueError(s.error)
+                raise SampleReadError(s.error)
             invalid.append((s.key, s.source, s.error))
             continue
         try:
@@ -361,7 +369,7 @@ def forecast_lengths(
         except (ValueError, TypeError) as e:
             if on_error == "raise":
                 msg = str(e) if s.key in str(e) else f"sample {s.key!r}: {e}"
-                raise ValueError(f"{s.source}: {msg}") from None
+                raise SampleReadError(f"{s.source}: {msg}") from None
             invalid.append((s.key, s.source, str(e)))
             continue
         # Collapsed placeholder positions -> expanded starts: shift by the earlier images' extra tokens.
@@ -785,8 +793,8 @@ def plot_efficiency(
 ) -> Any:
     """Useful-token share vs capacity: packed, padded (random / length-grouped); samples per pack on the right.
 
-    The requested ``capacities`` are marked; the curve sweeps ``points`` capacities between the longest
-    sample's half and twice the largest requested one.
+    The requested ``capacities`` are marked; the curve sweeps ``points`` capacities between the median
+    sample length (at least 256) and twice the largest requested one.
     """
     plt = _pyplot()
     lo = max(256, int(np.percentile(table.lengths, 50)))
