@@ -384,3 +384,11 @@ def _qwen2_spec():
     from vlm_pack.vision import vision_spec
 
     return vision_spec("qwen2_vl")
+
+
+def test_table_shows_per_pack_numbers_exactly(demo_run):
+    out, code = demo_run
+    assert code == 0
+    rows = [r for r in (out / "report.txt").read_text().splitlines() if r.startswith("  largest micro-batch")]
+    # The packed micro-batch is one pack: the capacities themselves, not "12.3k".
+    assert rows[1].split()[-3:] == ["8,192", "12,288", "16,384"]

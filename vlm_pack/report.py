@@ -646,8 +646,9 @@ def analyze(
 
 
 def _n(x: float) -> str:
+    # Exact below 100k (capacities, per-pack counts stay comparable digit for digit), k / M / G above.
     x = float(x)
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e4)):
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e5)):
         if abs(x) >= scale:
             scale = 1e3 if unit == "k" else scale
             return f"{x / scale:.1f}{unit}"
