@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     keys = []
     for sample in wds.WebDataset([str(s) for s in demo_shards(args.data_dir)], shardshuffle=False):
         images = [sample[f] for f in image_fields(sample)]
-        if not images:
+        if not images:  # text-only samples have nothing to remap: this example shows image samples
             continue
         conversation = parse_text(sample)
         for layout, out in samples.items():
