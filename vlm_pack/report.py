@@ -342,7 +342,7 @@ def forecast_lengths(
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     family = family or getattr(tokenizer, "vlm_pack_family", None) or spec.family
-    image_id = _image_token_id(tokenizer)
+    image_id = _image_token_id(tokenizer, family)
     keys: list[str] = []
     sources: list[str] = []
     text: list[int] = []
