@@ -36,14 +36,27 @@ name                 devices      notes
 ``sdpa_masked``      any          one SDPA call with a (T, T) block-diagonal mask: exact but O(T^2)
 ===================  ===========  =========================================================================
 
-Measured on a 2-core CPU (T=2048, 5 samples, 4 heads x 64): per-sample SDPA 14 ms, compiled flex 13 ms
-(after a 15 s compile per shape), eager flex 240 ms, masked SDPA 30 ms; hence CPU "auto" = per sample.
+On CPU (``benchmarks/bench_train_step.py --kernels --device cpu --capacity 2048``: one 2038-token row of
+4 samples, 8 heads, fp32, 2 cores) per-sample SDPA takes 9 ms forward / 33 ms forward+backward, masked
+SDPA 35 / 105, the same samples as a padded batch 16 / 54, uncompiled flex 330 ms (forward only); flex
+under ``torch.compile`` runs at about per-sample speed after a 15-40 s compile per shape. Hence CPU
+"auto" = ``sdpa_per_sample``.
 
 Hugging Face models: ``use_varlen_attention(model)`` (or ``register_hf_attention()`` then
 ``attn_implementation="vlm_pack_varlen"``) routes every attention call of a transformers 5.x model through
 ``hf_varlen_attention_forward``, which reads the sample boundaries from the flash-attention kwargs
 (``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/``max_length_k``) or, when absent, from the restarts
-of ``position_ids`` (the same rule transformers uses to detect packed rows).
+of ``position_ids`` (the same rule transformers uses to detect packed rows). Usage::
+
+    out = varlen_attention(q, k, v, cu_seqlens, max_seqlen)      # q (T, H, D), k/v (T, Hkv, D)
+    select_backend(q)                                             # which backend "auto" runs here
+
+    model = use_varlen_attention(model)                           # any transformers 5.x model
+    model(input_ids=row, position_ids=pos, use_cache=False)       # row (1, T), pos restarts per sample
+    model(input_ids=row, position_ids=pos, use_cache=False,       # or the boundaries, explicitly
+          cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=m, max_length_k=m)
+
+Never name that kwarg ``cu_seqlens`` for a HF VLM: the vision tower takes ``cu_seqlens`` as its own.
 """
 
 from __future__ import annotations
