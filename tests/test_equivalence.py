@@ -415,7 +415,8 @@ def test_collapsed_model_is_the_hf_model():
 
 @pytest.mark.parametrize("per_pack", [1, 4, 16])
 def test_collapsed_model_needs_remapped_cu_seqlens(per_pack):
-    """Megatron's LLaVA bug (seed 004): collapsed cu_seqlens after expansion are wrong; remapped are exact."""
+    """Megatron's LLaVA bug (seed 004): collapsed cu_seqlens after expansion are wrong; remapped are exact.
+    The model attends through varlen attention (its default), as Megatron's THD path does."""
     tok, model, _ = _collapsed()
     n = max(per_pack, 4)
     samples = list(_collapsed_samples(n))
@@ -443,6 +444,51 @@ def test_collapsed_model_needs_remapped_cu_seqlens(per_pack):
         model, samples, None, packed_forward=collapsed_packed_forward("collapsed"), **kwargs
     )
     assert not wrong.passed and wrong.metric > WRONG, str(wrong)
+
+
+def test_collapsed_model_varlen_attention_is_the_mask_path():
+    """attention="varlen" (vlm_pack.attention through attn_implementation "vlm_pack_varlen") takes its
+    boundaries from the cu_seqlens it is given: its logits are the dense block-diagonal mask path's for
+    remapped and for collapsed cu_seqlens alike; only the remap makes the harness pass, with either."""
+    tok, model, _ = _collapsed()
+    assert model.attention == "varlen"  # the default
+    samples = list(_collapsed_samples(4))
+    batch = PackingCollator(
+        sum(len(s["input_ids"]) + int(s["tokens_per_image"].sum()) for s in samples),
+        tokenizer=tok,
+        config=model.config,
+        layout="collapsed",
+        max_samples_per_row=4,
+    )(samples)
+    inputs = dict(pixel_values=batch.pixel_values, image_sizes=batch.image_sizes)
+    lm_config = model.model.model.language_model.config
+    with torch.no_grad():
+        for cu in (batch.cu_seqlens_padded_expanded, batch.cu_seqlens_padded):
+            varlen = model(batch.input_ids, cu_seqlens=cu, attention="varlen", **inputs).logits
+            mask = model(batch.input_ids, cu_seqlens=cu, attention="mask", **inputs).logits
+            torch.testing.assert_close(varlen, mask, rtol=1e-5, atol=1e-5)
+        # the varlen kernels really run on the given boundaries: they reject a non-monotonic cu_seqlens
+        bad = batch.cu_seqlens_padded_expanded.clone()
+        bad[[1, 2]] = bad[[2, 1]]
+        with pytest.raises(ValueError, match="non-decreasing"):
+            model(batch.input_ids, cu_seqlens=bad, **inputs)
+        with pytest.raises(ValueError, match="expanded row"):  # boundaries past the expanded row
+            model(batch.input_ids, cu_seqlens=batch.cu_seqlens_padded_expanded + 1, **inputs)
+    # only the text model switched, and only for those calls: the CLIP tower and the reference keep sdpa
+    assert lm_config._attn_implementation == "sdpa"
+    assert model.model.model.vision_tower.config._attn_implementation == "sdpa"
+    # varlen through the harness: test_collapsed_model_needs_remapped_cu_seqlens; here the mask path
+    kwargs = dict(batched_forward=collapsed_batched_forward, packed_batch=batch)
+    right = check_packed_equivalence(
+        model, samples, None, packed_forward=collapsed_packed_forward("remapped", "mask"), **kwargs
+    )
+    assert right.passed and right.metric <= TOL, str(right)
+    wrong = check_packed_equivalence(
+        model, samples, None, packed_forward=collapsed_packed_forward("collapsed", "mask"), **kwargs
+    )
+    assert not wrong.passed and wrong.metric > WRONG, str(wrong)
+    with pytest.raises(ValueError, match=r"'varlen'.*'mask'"):
+        collapsed_packed_forward(attention="flash")
 
 
 def test_collapsed_model_with_cp_padding():
@@ -524,7 +570,7 @@ if __name__ == "__main__":  # the figures of benchmarks/RESULTS.md, section "equ
                 packed_forward=collapsed_packed_forward(how),
             )
             rows.append(
-                (f"collapsed LLaVA-NeXT {len(samples)} samples, {per_pack}/pack, cu_seqlens {how}", r)
+                (f"collapsed LLaVA-NeXT {len(samples)} samples, {per_pack}/pack, varlen, cu_seqlens {how}", r)
             )
     print("| case | token_mult_prob_error | max abs dlogp | tokens | verdict |\n|---|---|---|---|---|")
     for name, r in rows:

@@ -677,22 +677,34 @@ class CollapsedLlavaModel(torch.nn.Module):
 
         collapsed input_ids  t0 t1 <I> t2 u0 <J> u1                     cu_seqlens given: segment ids and
         expanded embeddings  t0 t1 I0 I1 I2 t2 u0 J0 J1 J2 J3 u1         positions restart at each entry
-        expanded cu_seqlens  0 .............. 6 ................ 12      (block-diagonal causal mask)
+        expanded cu_seqlens  0 .............. 6 ................ 12      (varlen segments or a mask)
         collapsed cu_seqlens 0 ....... 4 ......... 7                    -> wrong boundaries: the bug
 
     Passed collapsed-space ``cu_seqlens`` (Megatron's bug, seed 004) it silently attends across samples
     and restarts positions at the wrong tokens; remapped ones (``vlm_pack.remap.remap_cu_seqlens``) make it
     exact.
 
-    Without ``cu_seqlens`` it runs a padded batch from ``attention_mask`` (the reference forward).
+    How the language model attends within the given segments (``attention=``, per model or per call):
+
+    - ``"varlen"`` (default, Megatron's THD path): ``vlm_pack.attention`` varlen attention, registered as
+      ``attn_implementation="vlm_pack_varlen"`` for the Llama language model only, fed
+      ``cu_seq_lens_q/k`` and ``max_length_q/k`` built from the given ``cu_seqlens``, ``attention_mask=None``:
+      no (T, T) mask, no work across segments. Exact: its logits match ``"mask"``'s to fp32 round-off.
+    - ``"mask"``: a dense (1, 1, T, T) block-diagonal causal mask through the model's own
+      ``attn_implementation`` (sdpa/eager): O(T^2), the independent cross-check of ``"varlen"``.
+
+    Either way the boundaries are the given ``cu_seqlens``; tokens past its last entry form one more segment.
+    The CLIP vision tower keeps its own ``attn_implementation``. Without ``cu_seqlens`` it runs a padded
+    batch from ``attention_mask`` through the model's own ``attn_implementation`` (the reference forward).
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, attention: str = "varlen") -> None:
         super().__init__()
         self.model = model
         self.config = model.config
         self.image_token_id = int(model.config.image_token_id)
         self.is_next = hasattr(model.config, "image_grid_pinpoints")
+        self.attention = _check_attention(attention)
 
     @classmethod
     def tiny(
@@ -703,10 +715,14 @@ class CollapsedLlavaModel(torch.nn.Module):
         image_size: int = 56,
         seed: int = 0,
         attn_implementation: str = "sdpa",
+        attention: str = "varlen",
         initializer_range: float = 0.2,
         **config_kwargs: Any,
     ) -> CollapsedLlavaModel:
         """A tiny random LLaVA(-NeXT) whose CLIP tower sees ``image_size`` tiles (patch 14).
+
+        ``attn_implementation`` is the HF one (vision tower, padded reference, ``attention="mask"``);
+        ``attention`` how packed rows attend (see the class docstring).
 
         LLaVA-NeXT's pinpoints are scaled to the tile (the released 336-px grid at ``image_size``), so an
         image becomes 3-5 tiles and (image_size/14)^2 base embeddings plus its unpadded grid; use
@@ -735,7 +751,7 @@ class CollapsedLlavaModel(torch.nn.Module):
         )
         torch.manual_seed(seed)
         model = model_cls._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
-        return cls(model.eval())
+        return cls(model.eval(), attention=attention)
 
     def image_processor_overrides(self) -> dict[str, Any]:
         """``offline.image_processor(family, **overrides)`` arguments matching this model's tile size."""
@@ -766,6 +782,7 @@ class CollapsedLlavaModel(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         tokens_per_image: torch.Tensor | None = None,
+        attention: str | None = None,
     ) -> CollapsedLlavaOutput:
         """Expand the placeholders, then attend within the ``cu_seqlens`` segments (or the padded rows).
 
@@ -778,6 +795,7 @@ class CollapsedLlavaModel(torch.nn.Module):
             cu_seqlens: (S+1,) sample boundaries in the *expanded* row, used as given: attention never
                 crosses them and positions restart at each.
             tokens_per_image: (n,) expected embeddings per image; checked against the vision tower.
+            attention: ``"varlen"`` or ``"mask"`` for this call (default: the model's ``attention``).
 
         Returns:
             ``CollapsedLlavaOutput`` with expanded ``logits`` (R, Te, V) and ``token_index`` (R, Tc).
@@ -825,8 +843,26 @@ class CollapsedLlavaModel(torch.nn.Module):
                 raise ValueError(
                     f"with cu_seqlens, input_ids must be one flattened row (1, T); got {rows} rows"
                 )
-            mask, position_ids = _segment_mask_and_positions(cu_seqlens.to(device), te, embeds.dtype)
-            hidden = lm(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False)
+            mode = self.attention if attention is None else _check_attention(attention)
+            if mode == "mask":
+                mask, position_ids = _segment_mask_and_positions(cu_seqlens.to(device), te, embeds.dtype)
+                hidden = lm(
+                    inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False
+                )
+            else:
+                cu, position_ids = _segment_bounds_and_positions(cu_seqlens.to(device), te)
+                longest = int((cu[1:] - cu[:-1]).max())
+                with _attn_implementation(lm.config, _varlen_implementation()):
+                    hidden = lm(
+                        inputs_embeds=embeds,
+                        attention_mask=None,
+                        position_ids=position_ids,
+                        use_cache=False,
+                        cu_seq_lens_q=cu,
+                        cu_seq_lens_k=cu,
+                        max_length_q=longest,
+                        max_length_k=longest,
+                    )
         else:
             valid = torch.zeros(rows, te, dtype=torch.long, device=device)
             am = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
@@ -842,6 +878,61 @@ class CollapsedLlavaModel(torch.nn.Module):
 def _scaled_pinpoints(image_size: int) -> list[list[int]]:
     # LLaVA-v1.6's pinpoints in units of its 336-px tile.
     return [[h * image_size, w * image_size] for h, w in ((1, 2), (2, 1), (2, 2), (3, 1), (1, 3))]
+
+
+_ATTENTION_MODES = ("varlen", "mask")
+
+
+def _check_attention(attention: str) -> str:
+    if attention not in _ATTENTION_MODES:
+        raise ValueError(
+            f"attention must be 'varlen' (vlm_pack.attention varlen kernels) or 'mask' (dense block-diagonal "
+            f"mask), got {attention!r}"
+        )
+    return attention
+
+
+def _varlen_implementation() -> str:
+    from vlm_pack.attention import register_hf_attention
+
+    return register_hf_attention()
+
+
+@contextlib.contextmanager
+def _attn_implementation(config: Any, name: str):
+    """Run the language model (whose ``config`` this is) with attention ``name`` for one call, then restore.
+
+    Only the text config changes: the vision tower reads its own ``vision_config``, and the padded reference
+    forward keeps the model's implementation, so varlen packing is checked against an independent kernel.
+    """
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def _segment_bounds_and_positions(cu_seqlens: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cu_seqlens`` (S+1,) closed over a row of ``length`` tokens -> (S+1 or S+2,) int32, and positions (1, T).
+
+    Tokens past the last entry form one more segment (as in ``_segment_mask_and_positions``), so collapsed
+    cu_seqlens (Megatron's bug) still run, wrongly, as they do in Megatron::
+
+        cu_seqlens [0, 3, 5], length 6     ->     cu [0, 3, 5, 6]      pos  0 1 2 0 1 0
+    """
+    last = int(cu_seqlens[-1])
+    if last > length:
+        raise ValueError(
+            f"cu_seqlens ends at {last} but the expanded row has {length} tokens; pass cu_seqlens of the "
+            "expanded row (vlm_pack.remap.remap_cu_seqlens) or the batch's cu_seqlens_padded_expanded"
+        )
+    cu = cu_seqlens.to(torch.int32)
+    if last < length:
+        cu = torch.cat([cu, cu.new_tensor([length])])
+    t = torch.arange(length, device=cu.device)
+    seg = (torch.searchsorted(cu, t.to(cu.dtype), right=True) - 1).clamp(min=0)
+    return cu, (t - cu[seg])[None]
 
 
 def _segment_mask_and_positions(
@@ -876,7 +967,9 @@ def collapsed_batched_forward(model: CollapsedLlavaModel, inputs: dict[str, torc
     return out.collapsed_logits()
 
 
-def collapsed_packed_forward(cu_seqlens: str = "remapped") -> Callable[[Any, Any], torch.Tensor]:
+def collapsed_packed_forward(
+    cu_seqlens: str = "remapped", attention: str | None = None
+) -> Callable[[Any, Any], torch.Tensor]:
     """Packed forward of ``CollapsedLlavaModel`` on a collapsed-layout ``PackedBatch``: logits (1, Tc, V).
 
     The collapsed layout is one row (Megatron's THD format, micro batch 1). The model is given:
@@ -885,9 +978,13 @@ def collapsed_packed_forward(cu_seqlens: str = "remapped") -> Callable[[Any, Any
       ``vlm_pack.remap.remap_cu_seqlens`` here (what a correct pipeline does);
     - ``"batch"``: the collator's own ``cu_seqlens_padded_expanded``;
     - ``"collapsed"``: ``cu_seqlens_padded`` as is, in the collapsed space (Megatron's bug, seed 004).
+
+    ``attention`` ("varlen" / "mask") overrides the model's ``attention`` for these calls.
     """
     if cu_seqlens not in ("remapped", "batch", "collapsed"):
         raise ValueError(f"cu_seqlens must be 'remapped', 'batch' or 'collapsed', got {cu_seqlens!r}")
+    if attention is not None:
+        _check_attention(attention)
 
     def forward(model: CollapsedLlavaModel, batch: Any) -> torch.Tensor:
         ids = batch.input_ids
@@ -910,6 +1007,7 @@ def collapsed_packed_forward(cu_seqlens: str = "remapped") -> Callable[[Any, Any
             image_sizes=batch.image_sizes,
             cu_seqlens=cu,
             tokens_per_image=tokens_per_image,
+            attention=attention,
         )
         return out.collapsed_logits()
 
