@@ -67,3 +67,12 @@ def test_streaming_snippet_runs(tmp_path, namespace, monkeypatch):
     exec(code, namespace)
     assert sum(len(b.sample_index) for b in namespace["packs"]) == 6
     assert namespace["state"]
+
+
+def test_token_counts_quoted_in_the_readme_are_the_forecasts():
+    import vlm_pack as vp
+
+    text = README.read_text()
+    for family, n in (("qwen2_vl", 2691), ("qwen3_vl", 2040), ("llava_next", 1948)):
+        assert f"{n}" in text
+        assert vp.vision_spec(family).num_tokens(1920, 1080) == n
