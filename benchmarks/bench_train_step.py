@@ -1,175 +1,195 @@
-"""Training-step benchmark: padded batches vs packed rows with varlen attention, Qwen2-VL-shaped model.
+"""Training-step benchmark on the demo data: padded batches vs packed rows with varlen attention, Qwen2-VL.
 
-The same samples go through both modes, one optimizer step per step, from the same initial weights::
+Everything on the packed side is the product, end to end; the padded side is what a plain HF run does::
 
-    padded   micro-batches of --batch-size samples, each padded to its longest sample, attention_mask,
-             attention --padded-attn (default "sdpa", what transformers runs by default)
-    packed   rows of up to --capacity tokens (first-fit decreasing), micro-batch = 1 row, no padding,
-             per-sample position ids (4, 1, T), attention "vlm_pack_varlen" with --backend
+    demo shards (vlm_pack.demo) --read--> S samples per optimizer step, in data order
+       |                                         |
+       | forecast_length (headers only)          | process_sample: real images through the Qwen2-VL
+       v                                         v image processor (pixel_values, image_grid_thw)
+    packed   pack(lengths, capacity, "bfd") -> bins -> PackingCollator -> batch.model_inputs("sdpa")
+             one row per micro-batch, no attention_mask, per-sample (4, 1, T) mRoPE position ids,
+             model switched by use_varlen_attention(model, backend=--backend)
+    padded   the same S samples in micro-batches of B, padded to the longest (right), attention_mask,
+             the model's own attn_implementation="sdpa"
 
-Samples follow the VLM SFT mix: text 50..1500 tokens, 0..3 images of 64..1280 vision tokens (plus
-<|vision_start|>/<|vision_end|>), drawn with a fixed seed; the images are real inputs of the vision tower
-(random pixel patches with a valid grid_thw). On CPU, --length-scale (default capacity / 8192) shrinks all
-lengths so that the same mix fits the smaller capacity.
+B defaults to the packed run's mean samples per row (rounded), so both modes take about as many
+forward/backward calls per step, each holding as many real tokens on average; --batch-size overrides.
+Both models are ``vlm_pack.offline.tiny_model("qwen2_vl")`` from the same seed (widths from the flags),
+so the first step starts from identical weights on identical samples. The loss is HF's per-token loss with
+``num_items_in_batch`` = label tokens of the whole step: summed over micro-batches it is the same number
+in both modes (checked: the first-step losses must agree, else exit 1).
 
-Timing runs both modes in one process, alternating step by step (each step --repeats times per mode, the
-fastest counts), so that load from other processes on a shared machine hits both alike. Peak memory comes
-from one fresh subprocess per mode (CUDA max_memory_allocated; CPU peak RSS above the RSS before the first
-step). Reported per mode: real tokens/s (text + vision tokens in the LLM sequence, over the timed steps),
-peak memory, padding share (padding / computed tokens), and the first-step loss (sum of token losses /
-number of label tokens, before any update: must agree between modes).
+Timing runs both modes in one process, alternating step by step (each step --repeats times per mode, in
+swapped order on odd repeats, the fastest counts), so that load from other processes on a shared machine
+hits both alike. Peak memory comes from one fresh subprocess per mode, fed the same micro-batches (CUDA
+max_memory_allocated; CPU peak RSS (VmHWM) above the RSS before the first step). Reported per mode: real
+tokens/s (every non-pad token of the LLM sequence, text and vision, labels or not, over the timed steps),
+peak memory, padding share (pad tokens / computed tokens), micro-batches per step, first-step loss.
 
-    python benchmarks/bench_train_step.py --device cpu --capacity 2048 --steps 4
-    python benchmarks/bench_train_step.py --device cpu --capacity 2048 --kernels   # attention alone
-    python benchmarks/bench_train_step.py --device cuda --backend flash_attn --capacity 8192
+Image cap: --max-pixels (default 512 * 28 * 28 = 401408 on CPU, i.e. <= 512 vision tokens per image, so
+that a CPU run takes a few minutes; 1280 * 28 * 28 on CUDA, the max_pixels Qwen2-VL's model card suggests
+for training; "checkpoint" for the released processor's 12845056, where samples longer than --capacity
+are left out of both modes and reported).
+
+    python benchmarks/bench_train_step.py --device cpu --capacity 4096 --steps 4
+    python benchmarks/bench_train_step.py --device cpu --capacity 4096 --kernels   # attention alone
     python benchmarks/bench_train_step.py --device cuda --backend torch_varlen --capacity 8192
+    python benchmarks/bench_train_step.py --device cuda --backend flash_attn --capacity 8192 --max-pixels checkpoint
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+import webdataset as wds
 
 from vlm_pack.attention import available_backends, select_backend, use_varlen_attention, varlen_attention
-from vlm_pack.offline import build_tokenizer, tiny_model_config
+from vlm_pack.collate import PackingCollator
+from vlm_pack.data import image_fields, parse_text
+from vlm_pack.demo import demo_shards
+from vlm_pack.offline import build_tokenizer, image_processor, tiny_model, tiny_model_config
+from vlm_pack.packing import pack
+from vlm_pack.processing import forecast_length, process_sample
+from vlm_pack.vision import image_size, vision_spec_from_processor
 
-MERGE = 2  # Qwen2-VL spatial_merge_size: a vision token is a 2x2 block of 14x14 patches
-PATCH_DIM = 3 * 2 * 14 * 14  # channels * temporal_patch * patch * patch
-
-MODEL_SIZES = {  # (hidden, layers, heads, kv_heads, vision_hidden, vision_layers)
+IGNORE = -100
+MAX_PIXELS = {"cpu": 512 * 28 * 28, "cuda": 1280 * 28 * 28}
+MODEL_SIZES = {  # hidden, layers, heads, kv_heads, vision_hidden, vision_layers
     "cpu": (256, 4, 8, 4, 64, 1),
     "cuda": (1024, 8, 16, 4, 256, 2),
 }
+MODEL_FLAGS = ("hidden", "layers", "heads", "kv_heads", "vision_hidden", "vision_layers")
 
 
-@dataclass
-class Sample:
-    input_ids: torch.Tensor  # (L,)
-    grids: list[tuple[int, int, int]]  # (t, h, w) patch grid per image
-    pixel_values: torch.Tensor | None  # (sum t*h*w, PATCH_DIM), same pixels in both modes
+# ---------------------------------------------------------------------------------------------- data
 
 
-def synth_samples(n: int, seed: int, scale: float, tok) -> list[Sample]:
-    """The SFT length mix, lengths multiplied by ``scale`` (vision grids keep even sides)."""
-    rng = np.random.default_rng(seed)
-    pad, start, end = tok.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
-    vocab = len(tok)
-    out = []
-    for _ in range(n):
-        n_text = max(4, round(rng.integers(50, 1501) * scale))
-        n_images = int(rng.choice(4, p=[0.25, 0.45, 0.2, 0.1]))
-        cuts = np.sort(rng.integers(0, n_text + 1, n_images))
-        text = rng.integers(20, vocab, n_text)
-        ids, grids, prev = [], [], 0
-        for cut in cuts:
-            tokens = max(4, round(rng.integers(64, 1281) * scale))  # vision tokens of this image
-            h = max(1, round(math.sqrt(tokens * rng.uniform(0.5, 2.0))))
-            w = max(1, round(tokens / h))
-            grids.append((1, MERGE * h, MERGE * w))
-            ids += text[prev:cut].tolist() + [start] + [pad] * (h * w) + [end]
-            prev = cut
-        ids += text[prev:].tolist()
-        n_patches = sum(t * h * w for t, h, w in grids)
-        pixels = (
-            torch.from_numpy(rng.standard_normal((n_patches, PATCH_DIM), dtype=np.float32)) if grids else None
+def read_demo(urls: list[str]) -> list[dict[str, Any]]:
+    """Raw demo samples: key, encoded image bytes (placeholder order), conversation. Nothing decoded."""
+    return [
+        {"key": s["__key__"], "images": [s[f] for f in image_fields(s)], "conversation": parse_text(s)}
+        for s in wds.WebDataset(urls, shardshuffle=False)
+    ]
+
+
+def prepare_steps(args, tokenizer, image_proc) -> tuple[list[dict], dict]:
+    """Per optimizer step (warm-up first): the processed samples, their forecast lengths and the pack plan.
+
+    Samples longer than ``capacity`` are left out of both modes (printed with their keys); the rest are
+    taken in data order, ``--samples-per-step`` per step.
+    """
+    raw = read_demo([str(p) for p in demo_shards()])
+    spec = vision_spec_from_processor(image_proc)
+    lengths = [
+        forecast_length(
+            s["conversation"],
+            [image_size(b) for b in s["images"]],
+            tokenizer=tokenizer,
+            spec=spec,
+            key=s["key"],
+        )[0]
+        for s in raw
+    ]
+    fits = [i for i, n in enumerate(lengths) if n <= args.capacity]
+    skipped = [raw[i]["key"] for i, n in enumerate(lengths) if n > args.capacity]
+    need = (args.steps + 1) * args.samples_per_step
+    if len(fits) < need:
+        raise SystemExit(
+            f"the demo has {len(fits)} samples within capacity {args.capacity} but {args.steps + 1} steps x "
+            f"{args.samples_per_step} samples need {need}: lower --steps / --samples-per-step"
         )
-        out.append(Sample(torch.tensor(ids), grids, pixels))
+    steps = []
+    for step in range(args.steps + 1):
+        idx = fits[step * args.samples_per_step : (step + 1) * args.samples_per_step]
+        lens = [lengths[i] for i in idx]
+        samples = []
+        for i in idx:
+            s = raw[i]
+            out = process_sample(
+                s["images"], s["conversation"], tokenizer=tokenizer, image_processor=image_proc, key=s["key"]
+            )
+            if out["input_ids"].numel() != lengths[i]:  # the forecast is what packing relies on
+                raise AssertionError(
+                    f"{s['key']}: forecast {lengths[i]} != processed {out['input_ids'].numel()}"
+                )
+            samples.append({**out, "__key__": s["key"]})
+        plan = pack(lens, args.capacity, strategy="bfd")
+        steps.append(dict(samples=samples, lengths=lens, bins=plan.bins, efficiency=plan.efficiency))
+    info = dict(
+        demo_samples=len(raw),
+        skipped=skipped,
+        mean_length=float(np.mean([n for s in steps for n in s["lengths"]])),
+        max_length=max(n for s in steps for n in s["lengths"]),
+    )
+    return steps, info
+
+
+def packed_batches(step: dict, collator: PackingCollator) -> list[tuple[dict, int, int, int]]:
+    """(model inputs, label tokens, real tokens, computed tokens) per row of the step's pack plan."""
+    out = []
+    for b in step["bins"]:
+        batch = collator([step["samples"][i] for i in b])
+        if batch.num_rows != 1:  # the plan's bins fit one row each: the forecast is exact
+            raise AssertionError(f"bin {b} collated into {batch.num_rows} rows")
+        out.append(
+            (batch.model_inputs("sdpa"), batch.num_label_tokens, batch.num_real_tokens, batch.row_length)
+        )
     return out
 
 
-def pack_ffd(lengths: list[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing: lists of sample indices per row (a sample longer than capacity raises)."""
-    rows, free = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if lengths[i] > capacity:
-            raise ValueError(f"sample {i} has {lengths[i]} tokens > capacity {capacity}; raise --capacity")
-        j = next((j for j, f in enumerate(free) if f >= lengths[i]), None)
-        if j is None:
-            rows.append([i])
-            free.append(capacity - lengths[i])
-        else:
-            rows[j].append(i)
-            free[j] -= lengths[i]
-    return rows
+def padded_batches(step: dict, batch_size: int, pad_id: int) -> list[tuple[dict, int, int, int]]:
+    """The step's samples in data order, ``batch_size`` per micro-batch, right-padded to the longest."""
+    out = []
+    samples = step["samples"]
+    for a in range(0, len(samples), batch_size):
+        group = samples[a : a + batch_size]
 
+        def pad(key: str, value: int, group=group) -> torch.Tensor:
+            return torch.nn.utils.rnn.pad_sequence(
+                [s[key] for s in group], batch_first=True, padding_value=value
+            )
 
-def labels_for(ids: torch.Tensor, starts: torch.Tensor, special: torch.Tensor) -> torch.Tensor:
-    """Next-token labels aligned to positions: -100 at a sample's last token and where the next token is
-    a vision token (never predict across a sample boundary)."""
-    labels = torch.full_like(ids, -100)
-    labels[:-1] = ids[1:]
-    last = torch.zeros_like(ids, dtype=torch.bool)
-    last[starts[1:] - 1] = True
-    last[-1] = True
-    return labels.masked_fill(last | torch.isin(labels, special), -100)
-
-
-def pixel_inputs(samples: list[Sample]):
-    grids = [g for s in samples for g in s.grids]
-    if not grids:
-        return None, None
-    return torch.cat([s.pixel_values for s in samples if s.grids]), torch.tensor(grids)
-
-
-def build_padded(samples, batch_size, special, image_id):
-    batches = []
-    for b in range(0, len(samples), batch_size):
-        group = samples[b : b + batch_size]
-        longest = max(len(s.input_ids) for s in group)
-        ids = torch.zeros(len(group), longest, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        labels = torch.full_like(ids, -100)
-        for r, s in enumerate(group):
-            n = len(s.input_ids)
-            ids[r, :n], mask[r, :n] = s.input_ids, 1
-            labels[r, :n] = labels_for(s.input_ids, torch.tensor([0, n]), special)
-        pv, grid = pixel_inputs(group)
-        inputs = dict(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == image_id).int() * mask)
-        if pv is not None:
-            inputs.update(pixel_values=pv, image_grid_thw=grid)
-        batches.append((inputs, labels, int(mask.sum()), ids.numel()))
-    return batches
-
-
-def build_packed(samples, capacity, special, image_id, model):
-    rows = pack_ffd([len(s.input_ids) for s in samples], capacity)
-    batches = []
-    for row in rows:
-        group = [samples[i] for i in row]
-        ids = torch.cat([s.input_ids for s in group])
-        lengths = torch.tensor([len(s.input_ids) for s in group])
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-        positions = []
-        for s in group:  # (4, 1, L): text arange + the sample's own mRoPE rows
-            grid = torch.tensor(s.grids) if s.grids else None
-            mm = (s.input_ids[None] == image_id).int()
-            rope = model.model.get_rope_index(s.input_ids[None], mm_token_type_ids=mm, image_grid_thw=grid)[0]
-            positions.append(torch.cat([torch.arange(len(s.input_ids)).view(1, 1, -1), rope]))
-        pv, grid = pixel_inputs(group)
-        inputs = dict(input_ids=ids[None], position_ids=torch.cat(positions, -1))
-        if pv is not None:
-            inputs.update(pixel_values=pv, image_grid_thw=grid)
-        batches.append((inputs, labels_for(ids, starts, special)[None], len(ids), len(ids)))
-    return batches
+        ids = pad("input_ids", pad_id)
+        mask = pad("input_ids", -1) != -1  # (B, L): real tokens
+        labels = pad("labels", IGNORE)
+        inputs = dict(
+            input_ids=ids,
+            attention_mask=mask.long(),
+            labels=labels,
+            mm_token_type_ids=pad("mm_token_type_ids", 0),
+            use_cache=False,
+        )
+        with_images = [s for s in group if s["tokens_per_image"].numel()]
+        if with_images:
+            inputs["pixel_values"] = torch.cat([s["pixel_values"] for s in with_images])
+            inputs["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in with_images])
+        # HF shifts labels by one inside each row: a row's first label is never a target.
+        out.append((inputs, int((labels[:, 1:] != IGNORE).sum()), int(mask.sum()), ids.numel()))
+    return out
 
 
 def to_device(inputs: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    out = {}
-    for k, v in inputs.items():
+    def move(k: str, v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
         v = v.to(device)
-        out[k] = v.to(dtype) if k == "pixel_values" else v
-    return out
+        return v.to(dtype) if k == "pixel_values" else v
+
+    return {k: move(k, v) for k, v in inputs.items()}
+
+
+# ---------------------------------------------------------------------------------------------- memory
 
 
 def rss_bytes() -> int:
@@ -189,64 +209,52 @@ def peak_rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
+# ---------------------------------------------------------------------------------------------- training
+
+
 class Trainer:
-    """One mode: its model (same initial weights in every mode), optimizer and micro-batch builder."""
+    """One mode: its model (same initial weights in every mode) and optimizer."""
 
-    def __init__(self, mode: str, args, tok) -> None:
-        from transformers import Qwen2VLForConditionalGeneration
-
+    def __init__(self, mode: str, args, tokenizer) -> None:
         self.mode, self.args = mode, args
         self.device = torch.device(args.device)
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        hidden, layers, heads, kv_heads, v_hidden, v_layers = MODEL_SIZES[self.device.type]
-        self.config = tiny_model_config(
+        dims = {k: getattr(args, k) for k in MODEL_FLAGS}
+        self.model = tiny_model(
             "qwen2_vl",
-            tok,
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            vision_hidden_size=v_hidden,
-            vision_layers=v_layers,
+            tokenizer,
+            seed=0,
+            attn_implementation="sdpa",
             initializer_range=args.init_std,
-        )
-        self.attention = args.padded_attn if mode == "padded" else "sdpa"
-        torch.manual_seed(0)  # same initial weights in both modes
-        self.model = Qwen2VLForConditionalGeneration._from_config(
-            self.config, attn_implementation=self.attention, dtype=self.dtype
-        ).to(self.device)
+            hidden_size=dims["hidden"],
+            num_layers=dims["layers"],
+            num_heads=dims["heads"],
+            num_kv_heads=dims["kv_heads"],
+            vision_hidden_size=dims["vision_hidden"],
+            vision_layers=dims["vision_layers"],
+        ).to(self.device, self.dtype)
+        self.attention = "sdpa"
         if mode == "packed":
             use_varlen_attention(self.model, backend=args.backend)
             backend = args.backend
             if backend == "auto":  # what "auto" picks for this model's q (dtype, head_dim, grad)
+                head_dim = args.hidden // args.heads
                 q = torch.empty(
-                    1, heads, hidden // heads, device=self.device, dtype=self.dtype, requires_grad=True
+                    1, args.heads, head_dim, device=self.device, dtype=self.dtype, requires_grad=True
                 )
                 backend = select_backend(q)
             self.attention = f"vlm_pack_varlen/{backend}"
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=False)
-        self.special = torch.tensor(
-            tok.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
-        )
-
-    def batches(self, samples: list[Sample]) -> list:
-        image_id = self.config.image_token_id
-        if self.mode == "padded":
-            out = build_padded(samples, self.args.batch_size, self.special, image_id)
-        else:
-            out = build_packed(samples, self.args.capacity, self.special, image_id, self.model)
-        return [(to_device(i, self.device, self.dtype), lab.to(self.device), r, c) for i, lab, r, c in out]
 
     def step(self, batches: list) -> tuple[float, float]:
-        """One optimizer step over all micro-batches: (seconds, loss = token-loss sum / label count)."""
-        n_labels = sum(int((lab != -100).sum()) for _, lab, _, _ in batches)
+        """One optimizer step over all micro-batches: (seconds, loss = token-loss sum / label tokens)."""
+        n_items = sum(b[1] for b in batches)
         self.sync()
         t0 = time.perf_counter()
         loss_sum = 0.0
-        for inputs, labels, _, _ in batches:
-            logits = self.model(**inputs, use_cache=False).logits
-            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum") / n_labels
+        for inputs, *_ in batches:
+            loss = self.model(**inputs, num_items_in_batch=n_items).loss
             loss.backward()
             loss_sum += float(loss.detach())
         self.opt.step()
@@ -259,15 +267,28 @@ class Trainer:
             torch.cuda.synchronize()
 
 
+def build_batches(args, steps: list[dict], tokenizer, config) -> dict[str, list[list]]:
+    """Micro-batches of every step for both modes (CPU tensors)."""
+    collator = PackingCollator(
+        args.capacity, tokenizer=tokenizer, config=config, pad_to_capacity=args.pad_rows
+    )
+    return {
+        "padded": [padded_batches(s, args.batch_size, tokenizer.pad_token_id) for s in steps],
+        "packed": [packed_batches(s, collator) for s in steps],
+    }
+
+
 def measure_memory(args) -> dict:
-    """Peak memory of one mode alone in this process: warm-up step + --steps steps."""
-    tok = build_tokenizer("qwen2_vl")
-    trainer = Trainer(args.mode, args, tok)
-    scale = args.length_scale or args.capacity / 8192
+    """Peak memory of one mode alone in this process: the saved micro-batches, warm-up + --steps steps."""
+    tokenizer = build_tokenizer("qwen2_vl")
+    all_batches = torch.load(args.batches_file, weights_only=False)[args.mode]
+    trainer = Trainer(args.mode, args, tokenizer)
+    moved = [
+        [(to_device(i, trainer.device, trainer.dtype), *rest) for i, *rest in step] for step in all_batches
+    ]
     reset_peak_rss()
     rss0, peak = rss_bytes(), 0
-    for step in range(args.steps + 1):
-        batches = trainer.batches(synth_samples(args.samples_per_step, args.seed + step, scale, tok))
+    for batches in moved:
         if trainer.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         trainer.step(batches)
@@ -278,17 +299,17 @@ def measure_memory(args) -> dict:
     return dict(mode=args.mode, peak_mem_mib=peak / 2**20)
 
 
-def run_timing(args) -> dict:
+def run_timing(args, all_batches: dict, tokenizer) -> dict:
     """Both modes in this process, alternated step by step (and repeat by repeat, in swapped order), so
     that load from other processes hits both alike; per step the fastest repeat counts."""
-    tok = build_tokenizer("qwen2_vl")
-    trainers = {mode: Trainer(mode, args, tok) for mode in ("padded", "packed")}
-    scale = args.length_scale or args.capacity / 8192
+    trainers = {mode: Trainer(mode, args, tokenizer) for mode in ("padded", "packed")}
     stats = {m: dict(seconds=[], real=0, computed=0, micro=0) for m in trainers}
-    first_loss = {}
+    first_loss, label_tokens = {}, {}
     for step in range(args.steps + 1):  # step 0: warm-up, gives the first-step loss
-        samples = synth_samples(args.samples_per_step, args.seed + step, scale, tok)
-        batches = {m: t.batches(samples) for m, t in trainers.items()}
+        batches = {
+            m: [(to_device(i, t.device, t.dtype), *rest) for i, *rest in all_batches[m][step]]
+            for m, t in trainers.items()
+        }
         best = dict.fromkeys(trainers, float("inf"))
         for rep in range(args.repeats):
             for m in list(trainers)[:: 1 if rep % 2 == 0 else -1]:
@@ -296,6 +317,7 @@ def run_timing(args) -> dict:
                 best[m] = min(best[m], seconds)
                 if step == 0 and rep == 0:
                     first_loss[m] = loss
+                    label_tokens[m] = sum(b[1] for b in batches[m])
         if step == 0:
             continue
         for m, b in batches.items():
@@ -308,27 +330,29 @@ def run_timing(args) -> dict:
             mode=m,
             attention=trainers[m].attention,
             tokens_per_s=st["real"] / sum(st["seconds"]),
+            real_tokens=st["real"],
             step_seconds=[round(x, 3) for x in st["seconds"]],
             padding_share=1 - st["real"] / st["computed"],
             micro_batches=st["micro"] / args.steps,
             first_loss=first_loss[m],
+            label_tokens=label_tokens[m],
         )
         for m, st in stats.items()
     }
 
 
-def bench_kernels(args) -> None:
-    """Attention alone on one packed row of the mix: every available backend, and the padded batch of the
-    same samples through SDPA (what the padded mode's attention computes), best of --repeats x 3 calls."""
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+def bench_kernels(args, steps: list[dict]) -> None:
+    """Attention alone on the fullest packed row of the warm-up step: every available backend, and the
+    padded batch of the same samples through SDPA, best of --repeats x 3 calls."""
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    hidden, _, heads, kv_heads, _, _ = MODEL_SIZES[device.type]
-    dim = hidden // heads
-    tok = build_tokenizer("qwen2_vl")
-    scale = args.length_scale or args.capacity / 8192
-    lengths = [len(s.input_ids) for s in synth_samples(args.samples_per_step, args.seed, scale, tok)]
-    row = max(pack_ffd(lengths, args.capacity), key=lambda r: sum(lengths[i] for i in r))
-    row_lengths = [lengths[i] for i in row]
+    heads, kv_heads, dim = args.heads, args.kv_heads, args.hidden // args.heads
+    step = steps[0]
+    row = max(step["bins"], key=lambda b: sum(step["lengths"][i] for i in b))
+    row_lengths = [step["lengths"][i] for i in row]
     total = sum(row_lengths)
     cu = torch.tensor([0, *np.cumsum(row_lengths).tolist()], dtype=torch.int32, device=device)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -375,8 +399,8 @@ def bench_kernels(args) -> None:
         return F.scaled_dot_product_attention(lay(qq), kk, vv, attn_mask=mask4).transpose(1, 2)[pad_mask]
 
     print(
-        f"attention only: one packed row of {total} tokens ({len(row_lengths)} samples, longest {longest}), "
-        f"{heads} heads / {kv_heads} kv, head_dim {dim}, {dtype}, {device}"
+        f"attention only: the fullest packed row of the demo warm-up step, {total} tokens ({len(row_lengths)} "
+        f"samples, longest {longest}), {heads} heads / {kv_heads} kv, head_dim {dim}, {dtype}, {device}"
     )
     print(f"{'attention':32} {'fwd ms':>9} {'fwd+bwd ms':>11}")
     print(
@@ -396,71 +420,142 @@ def bench_kernels(args) -> None:
         print(f"{label:32} {fwd:9.2f} {both}")
 
 
-def main() -> None:
+# ---------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--capacity", type=int, default=8192, help="packed row length (CPU: 2048 is plenty)")
-    p.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up step)")
+    p.add_argument("--capacity", type=int, default=0, help="packed row length (default: 8192; CPU: 4096)")
+    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps (after one warm-up step)")
     p.add_argument("--backend", default="auto", help="varlen backend of the packed mode")
-    p.add_argument("--padded-attn", default="sdpa", help="attn_implementation of the padded mode")
-    p.add_argument("--samples-per-step", type=int, default=0, help="default: about 4 rows' worth")
-    p.add_argument("--batch-size", type=int, default=0, help="padded micro-batch (default: samples per row)")
-    p.add_argument("--length-scale", type=float, default=0.0, help="default: capacity / 8192")
-    p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--repeats", type=int, default=3, help="repeats of each step per mode; the fastest counts")
+    p.add_argument("--samples-per-step", type=int, default=16, help="demo samples per optimizer step")
+    p.add_argument("--batch-size", type=int, default=0, help="padded micro-batch (default: samples per row)")
+    p.add_argument(
+        "--max-pixels",
+        default="",
+        help="image processor longest_edge (pixels); 'checkpoint' = the released processor's; "
+        "default 401408 on CPU, 1003520 on CUDA",
+    )
+    p.add_argument("--pad-rows", action="store_true", help="pad packed rows to --capacity (static shapes)")
+    p.add_argument("--hidden", type=int, default=0, help="text hidden size (default by device)")
+    p.add_argument("--layers", type=int, default=0, help="text layers (default by device)")
+    p.add_argument("--heads", type=int, default=0, help="attention heads (default by device)")
+    p.add_argument("--kv-heads", type=int, default=0, help="KV heads (default by device)")
+    p.add_argument("--vision-hidden", type=int, default=0, help="vision tower width (default by device)")
+    p.add_argument("--vision-layers", type=int, default=0, help="vision tower blocks (default by device)")
     p.add_argument("--init-std", type=float, default=0.02, help="initializer_range of the model")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--kernels", action="store_true", help="time the attention backends alone and exit")
     p.add_argument("--mode", choices=["padded", "packed"], help=argparse.SUPPRESS)
-    args = p.parse_args()
+    p.add_argument("--batches-file", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    kind = torch.device(args.device).type
+    kind = kind if kind in MODEL_SIZES else "cuda"
+    for name, default in zip(MODEL_FLAGS, MODEL_SIZES[kind], strict=True):
+        if not getattr(args, name):
+            setattr(args, name, default)
+    if not args.capacity:
+        args.capacity = 4096 if kind == "cpu" else 8192
+    return args
+
+
+def make_image_processor(args):
+    if args.max_pixels == "checkpoint":
+        return image_processor("qwen2_vl")
+    cap = int(args.max_pixels) if args.max_pixels else MAX_PIXELS["cpu" if args.device == "cpu" else "cuda"]
+    return image_processor("qwen2_vl", size={"shortest_edge": 3136, "longest_edge": cap})
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    # The mix averages ~1550 tokens at scale 1 (8192 capacity): ~5 samples per row, 16 per step ~ 3-4 rows.
-    if not args.samples_per_step:
-        args.samples_per_step = 16
-    if not args.batch_size:
-        args.batch_size = 4
-    if args.mode:
+    if args.mode:  # memory child
         print(json.dumps(measure_memory(args)))
         return
-    if args.kernels:
-        bench_kernels(args)
-        return
 
-    results = run_timing(args)
-    for mode in results:  # memory: each mode alone in a fresh process
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--mode", mode]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode:
-            sys.exit(f"{mode} memory run failed:\n{proc.stderr[-4000:]}")
-        results[mode].update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    tokenizer = build_tokenizer("qwen2_vl")
+    image_proc = make_image_processor(args)
+    t0 = time.perf_counter()
+    steps, info = prepare_steps(args, tokenizer, image_proc)
+    prep_s = time.perf_counter() - t0
+    if args.kernels:
+        bench_kernels(args, steps)
+        return
+    rows = sum(len(s["bins"]) for s in steps)
+    if not args.batch_size:  # as many padded micro-batches as packed rows, on average
+        args.batch_size = max(1, round(len(steps) * args.samples_per_step / rows))
+    config = tiny_model_config(  # the collator reads ids, merge size and family from it
+        "qwen2_vl",
+        tokenizer,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        vision_hidden_size=args.vision_hidden,
+        vision_layers=args.vision_layers,
+    )
+    all_batches = build_batches(args, steps, tokenizer, config)
+    results = run_timing(args, all_batches, tokenizer)
+
+    with tempfile.TemporaryDirectory() as tmp:  # memory: each mode alone in a fresh process
+        path = os.path.join(tmp, "batches.pt")
+        torch.save(all_batches, path)
+        argv_child = list(sys.argv[1:] if argv is None else argv)
+        for mode in results:
+            cmd = [sys.executable, __file__, *argv_child, "--mode", mode, "--batches-file", path]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode:
+                sys.exit(f"{mode} memory run failed:\n{proc.stderr[-4000:]}")
+            results[mode].update(json.loads(proc.stdout.strip().splitlines()[-1]))
+
     dev = torch.device(args.device)
     if dev.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
     else:
         print(f"device: cpu ({torch.get_num_threads()} threads), torch {torch.__version__}")
-    scale = args.length_scale or args.capacity / 8192
+    longest = image_proc.size["longest_edge"]
     print(
-        f"capacity {args.capacity}, length scale {scale:g}, {args.samples_per_step} samples/step, "
+        f"model: Qwen2-VL from config, text {args.hidden} x {args.layers} layers, {args.heads} heads / "
+        f"{args.kv_heads} kv, vision {args.vision_hidden} x {args.vision_layers}, "
+        f"{'bf16' if dev.type == 'cuda' else 'fp32'}, AdamW"
+    )
+    print(
+        f"data: demo shards ({info['demo_samples']} samples), images capped at {longest} px "
+        f"(<= {longest // 784} vision tokens), {len(info['skipped'])} samples > capacity left out; "
+        f"{args.samples_per_step} samples/step, mean {info['mean_length']:.0f} tokens, "
+        f"longest {info['max_length']}; prepared in {prep_s:.0f} s"
+    )
+    eff = np.mean([s["efficiency"] for s in steps])
+    print(
+        f"capacity {args.capacity} (bfd, mean fill {eff:.1%}{', rows padded to capacity' if args.pad_rows else ''}), "
         f"padded micro-batch {args.batch_size}, {args.steps} timed steps after 1 warm-up, modes alternated, "
         f"best of {args.repeats} repeats per step"
     )
-    header = f"{'mode':7} {'attention':30} {'real tok/s':>11} {'peak MiB':>9} {'padding':>8} {'micro-b':>8} {'first loss':>11}"
-    print(header)
+    print(
+        f"{'mode':7} {'attention':30} {'real tok/s':>11} {'peak MiB':>9} {'padding':>8} {'micro-b':>8} "
+        f"{'first loss':>11}"
+    )
     for r in results.values():
         print(
             f"{r['mode']:7} {r['attention']:30} {r['tokens_per_s']:11.0f} {r['peak_mem_mib']:9.0f} "
             f"{r['padding_share']:8.1%} {r['micro_batches']:8.1f} {r['first_loss']:11.6f}"
         )
     pad, pk = results["padded"], results["packed"]
+    assert pad["real_tokens"] == pk["real_tokens"] and pad["label_tokens"] == pk["label_tokens"]
     print(f"packed / padded real tokens/s: {pk['tokens_per_s'] / pad['tokens_per_s']:.2f}x")
     print(f"packed / padded peak memory:   {pk['peak_mem_mib'] / pad['peak_mem_mib']:.2f}x")
     diff = abs(pk["first_loss"] - pad["first_loss"])
     tol = (2e-2 if dev.type == "cuda" else 1e-4) * max(1.0, pad["first_loss"])  # bf16 on CUDA, fp32 on CPU
     print(
-        f"first-step loss |padded - packed| = {diff:.2e} ({'match' if diff <= tol else 'MISMATCH'}, tol {tol:.0e})"
+        f"first-step loss |padded - packed| = {diff:.2e} over {pad['label_tokens']} label tokens "
+        f"({'match' if diff <= tol else 'MISMATCH'}, tol {tol:.0e})"
     )
     print(f"step seconds: padded {pad['step_seconds']}, packed {pk['step_seconds']}")
+    if diff > tol:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
