@@ -76,3 +76,34 @@ def test_token_counts_quoted_in_the_readme_are_the_forecasts():
     for family, n in (("qwen2_vl", 2691), ("qwen3_vl", 2040), ("llava_next", 1948)):
         assert f"{n}" in text
         assert vp.vision_spec(family).num_tokens(1920, 1080) == n
+
+
+def test_megatron_snippet_runs():
+    import vlm_pack as vp
+    from vlm_pack.offline import build_tokenizer, processor
+
+    tok = build_tokenizer("llava_next")
+    proc = processor("llava_next", tok)
+    conv = [{"role": "user", "content": "<image>What is this?"}, {"role": "assistant", "content": "A sky."}]
+    samples = [
+        vp.process_sample([_jpeg(300 + 100 * i, 200)], conv, processor=proc, layout="collapsed")
+        for i in range(3)
+    ]
+    ns = {"vp": vp, "tok": tok, "samples": samples}
+    code = _python_blocks()[2]
+    exec(code.split("vp.remap_cu_seqlens")[0], ns)  # the collator part, then the remap with real inputs
+    batch = ns["batch"]
+    # A Megatron-style cu_seqlens partitions the collapsed row: the padded offsets.
+    ns.update(
+        cu_seqlens=batch.cu_seqlens_padded,
+        input_ids=batch.input_ids[0],
+        image_token_id=tok.image_token_id,
+        tokens_per_image=batch.tokens_per_image,
+    )
+    exec(code, ns)
+    expanded = vp.remap_cu_seqlens(
+        batch.cu_seqlens_padded, batch.input_ids[0], tok.image_token_id, batch.tokens_per_image
+    )
+    assert expanded.tolist() == batch.cu_seqlens_padded_expanded.tolist()
+    assert ns["params"].qkv_format == "thd"
+    assert ns["params"].cu_seqlens_q_padded.tolist() == expanded.tolist()
