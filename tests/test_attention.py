@@ -435,3 +435,100 @@ def test_qwen2_vl_packed_images_varlen_matches_per_sample_and_sdpa():
     for got in (from_pos, from_cu):
         torch.testing.assert_close(got, alone, atol=3e-5, rtol=0)
         torch.testing.assert_close(got, sdpa, atol=3e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------------
+# review regressions
+# ------------------------------------------------------------------------------------------------------
+
+
+class _Bidirectional(torch.nn.Module):
+    is_causal = False
+
+
+def test_non_causal_call_honours_its_own_cu_seq_lens_q():
+    """A bidirectional attention fed cu_seq_lens_q (no position ids) must not attend across samples."""
+    from vlm_pack.attention import hf_varlen_attention_forward
+
+    lengths = [3, 1, 5]
+    cu = cu_from_lengths(lengths)
+    q, k, v = (t.transpose(0, 1)[None] for t in qkv(sum(lengths), 4, 2, seed=11))  # (1, H, T, D)
+    out, _ = hf_varlen_attention_forward(
+        _Bidirectional(), q, k, v, None, is_causal=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5
+    )
+    flat = [t[0].transpose(0, 1) for t in (q, k, v)]
+    torch.testing.assert_close(out[0].double(), reference_attention(*flat, cu, False), atol=2e-6, rtol=1e-5)
+
+
+def test_inference_mode_tensors_run_and_are_not_cached():
+    """torch.inference_mode() tensors have no version counter: the identity caches must not touch it."""
+    from vlm_pack.attention import hf_varlen_attention_forward
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(2))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    use_varlen_attention(model)
+    with torch.inference_mode():
+        got = model(input_ids=ids.clone(), position_ids=pos.clone(), use_cache=False).logits
+        q, k, v = qkv(9, 2, 2, seed=4)
+        cu = torch.tensor([0, 3, 9], dtype=torch.int32)
+        first = varlen_attention(q, k, v, cu)
+        cu[1] = 5  # in place: an inference tensor cannot show this in a version counter
+        torch.testing.assert_close(
+            varlen_attention(q, k, v, cu).double(), reference_attention(q, k, v, cu, True)
+        )
+        assert not torch.equal(first, varlen_attention(q, k, v, cu))
+        pos_inf = torch.tensor([[0, 1, 0, 1, 2]])
+        x = torch.randn(1, 2, 5, 8)
+        out, _ = hf_varlen_attention_forward(
+            model.model.layers[0].self_attn, x, x, x, None, position_ids=pos_inf
+        )
+        assert out.shape == (1, 5, 2, 8)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_in_place_edit_of_cu_seqlens_is_not_served_from_cache():
+    q, k, v = qkv(9, 2, 2, seed=5)
+    cu = torch.tensor([0, 3, 9], dtype=torch.int32)
+    for backend in CPU_BACKENDS:
+        with torch.no_grad():
+            varlen_attention(q, k, v, cu, backend=backend)
+    cu[1] = 6
+    for backend in CPU_BACKENDS:
+        with torch.no_grad():
+            out = varlen_attention(q, k, v, cu, backend=backend)
+        torch.testing.assert_close(out.double(), reference_attention(q, k, v, cu, True), atol=2e-6, rtol=1e-5)
+
+
+def test_bare_mrope_rows_are_refused():
+    rope = torch.tensor([[[0, 1, 1, 1, 1, 2, 0, 1]]]).expand(3, 1, 8)  # temporal rows stand still on images
+    with pytest.raises(ValueError, match=r"\(4, B, T\)"):
+        cu_seqlens_from_position_ids(rope)
+
+
+def test_qwen2_5_vl_windowed_vision_ignores_inherited_boundaries_and_switches_back():
+    """Qwen2.5-VL's windowed vision tower under varlen: the text's cu_seq_lens_q reaching it through
+    **kwargs is ignored even when it spans exactly the tower's tokens; set_attn_implementation("sdpa")
+    restores the original model."""
+    from vlm_pack.offline import build_tokenizer, image_processor, tiny_model
+
+    tok = build_tokenizer("qwen2_5_vl")
+    model = tiny_model("qwen2_5_vl", tok, initializer_range=0.2, vision_layers=2)
+    samples = qwen2_vl_samples(tok, image_processor("qwen2_5_vl"))
+    grid = samples[0]["image_grid_thw"][:1]  # one image: its vision calls see exactly n tokens
+    n = int(grid.prod())
+    pixels = samples[0]["pixel_values"][:n]
+    inherited = torch.tensor([0, 5, n], dtype=torch.int32)  # text boundaries that happen to cover n tokens
+    with torch.no_grad():
+        want = model.model.visual(pixels, grid_thw=grid).pooler_output
+        use_varlen_attention(model)
+        got = model.model.visual(
+            pixels, grid_thw=grid, cu_seq_lens_q=inherited, cu_seq_lens_k=inherited, max_length_q=n - 5
+        ).pooler_output
+        model.set_attn_implementation("sdpa")
+        back = model.model.visual(pixels, grid_thw=grid).pooler_output
+    assert model.config.vision_config._attn_implementation == "sdpa"
+    for out in (got, back):
+        torch.testing.assert_close(torch.cat(list(out)), torch.cat(list(want)), atol=2e-5, rtol=0)

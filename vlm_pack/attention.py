@@ -104,19 +104,27 @@ _FLEX_BLOCK = 128  # FlexAttention's default sparse block size
 
 class _IdentityCache:
     """Tiny cache keyed by a tensor's identity and version (the same ``cu_seqlens`` / ``position_ids``
-    object reaches every layer of a forward; recomputing from it per layer would cost a host sync each)."""
+    object reaches every layer of a forward; recomputing from it per layer would cost a host sync each).
+
+    The version counter makes an in-place edit of the key a miss. Inference tensors have no version
+    counter (an in-place edit could not be seen), so they are never cached.
+    """
 
     def __init__(self, size: int = 8) -> None:
         self.size = size
         self.entries: list[tuple[weakref.ref, int, Any, Any]] = []
 
     def get(self, tensor: torch.Tensor, key: Any) -> Any:
+        if tensor.is_inference():
+            return None
         for ref, version, k, value in self.entries:
             if ref() is tensor and version == tensor._version and k == key:
                 return value
         return None
 
     def put(self, tensor: torch.Tensor, key: Any, value: Any) -> Any:
+        if tensor.is_inference():
+            return value
         self.entries = [e for e in self.entries if e[0]() is not None][-(self.size - 1) :]
         self.entries.append((weakref.ref(tensor), tensor._version, key, value))
         return value
@@ -223,13 +231,22 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
     """Sample boundaries of packed rows from their position ids: a sample starts wherever a position does
     not follow its predecessor by exactly 1, and at the start of every row.
 
-    position_ids: (B, T), or (R, B, T) with row 0 the text positions (Qwen2-VL's (4, 1, T) layout).
+    position_ids: (B, T), or (4, B, T) with row 0 the text positions (Qwen2-VL's packed layout).
     Returns cu_seqlens (N+1,) int32 over the B*T flattened tokens and max_seqlen (int). This is the rule
     ``transformers.masking_utils.find_packed_sequence_indices`` uses, so sdpa packed and varlen agree::
 
         position_ids  [[0 1 2 0 1 0 1 2 3]]  ->  cu_seqlens [0 3 5 9], max_seqlen 4
+
+    The bare (3, B, T) mRoPE rows are refused: their rows stand still over an image, which would read as
+    one sample per image token.
     """
     if position_ids.dim() == 3:
+        if position_ids.shape[0] != 4:
+            raise ValueError(
+                f"position_ids of shape {tuple(position_ids.shape)}: a 3-D input must be Qwen-VL's (4, B, T) "
+                "layout with the text positions (arange per sample) in row 0; the (3, B, T) mRoPE rows "
+                "cannot mark sample starts. Prepend the text row or pass the (B, T) text positions."
+            )
         position_ids = position_ids[0]
     if position_ids.dim() == 1:
         position_ids = position_ids[None]
@@ -577,12 +594,18 @@ def _boundaries_from_positions(position_ids: torch.Tensor, batch: int) -> tuple[
     """(cu_seqlens, max_seqlen, total) for ``batch`` rows, cached per position_ids object (one per forward)."""
     cached = _FROM_POSITIONS.get(position_ids, batch)
     if cached is None:
-        pos = position_ids[0] if position_ids.dim() == 3 else position_ids
+        pos = position_ids[0] if position_ids.dim() == 3 and position_ids.shape[0] == 4 else position_ids
         if pos.dim() == 2 and pos.shape[0] == 1 and batch > 1:  # (1, T) positions shared by every row
             pos = pos.expand(batch, -1)
         cu, max_len = cu_seqlens_from_position_ids(pos)
         cached = _FROM_POSITIONS.put(position_ids, batch, (cu, max_len, int(cu[-1])))
     return cached
+
+
+def _covers(cu_seqlens: Any, total: int) -> bool:
+    """Whether ``cu_seqlens`` spans exactly ``total`` tokens (a non-causal call's own boundaries, not the
+    text's boundaries handed on to a vision tower through ``**kwargs``)."""
+    return isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.numel() >= 2 and int(cu_seqlens[-1]) == total
 
 
 def _sdpa_fallback(query, key, value, mask, is_causal, scaling):
@@ -621,8 +644,10 @@ def hf_varlen_attention_forward(
 
     1. ``cu_seq_lens_q``/``cu_seq_lens_k`` (+ ``max_length_q``/``_k``) kwargs over the B*T tokens, as the
        flash-attention path of transformers takes them (never pass a kwarg named ``cu_seqlens`` to a HF VLM:
-       the vision tower takes it as its own). Vision-tower calls (non-causal, no ``position_ids``) also
-       receive these kwargs through ``**kwargs`` and ignore them.
+       the vision tower takes it as its own). Vision towers also receive the text's kwargs through
+       ``**kwargs``; a non-causal call without ``position_ids`` therefore uses them only when they cover
+       exactly its B*T tokens and the module is not part of a vision/audio encoder (which
+       ``use_varlen_attention`` marks), and otherwise ignores them.
     2. a 2-D padding ``attention_mask`` (B, T): padded batch, real tokens are unpadded and run as samples.
     3. restarts in ``position_ids`` (a sample starts where a position is not its predecessor + 1).
     4. none: each of the B rows is one sequence (plain SDPA), e.g. the Qwen2-VL vision tower's per-image
@@ -659,8 +684,11 @@ def hf_varlen_attention_forward(
     def flat(x: torch.Tensor) -> torch.Tensor:  # (B, H, T, D) -> (B*T, H, D)
         return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
-    text_call = causal or position_ids is not None
-    if cu_seq_lens_q is not None and text_call:
+    if cu_seq_lens_q is not None and (
+        causal
+        or position_ids is not None
+        or (not getattr(module, "_vlm_pack_encoder", False) and _covers(cu_seq_lens_q, b * t_q))
+    ):
         if (
             cu_seq_lens_k is not None
             and cu_seq_lens_k is not cu_seq_lens_q
@@ -750,4 +778,14 @@ def use_varlen_attention(model: torch.nn.Module, backend: str = "auto") -> torch
     model.set_attn_implementation(register_hf_attention())
     for module in model.modules():
         module._vlm_pack_backend = backend
+    # Sub-models with their own config that is neither the model's nor its text config are encoders
+    # (vision tower, audio encoder): their calls never take the text's cu_seq_lens_q from **kwargs.
+    from transformers import PreTrainedModel
+
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if config is not None else None
+    for sub in model.modules():
+        if isinstance(sub, PreTrainedModel) and sub.config is not config and sub.config is not text_config:
+            for module in sub.modules():
+                module._vlm_pack_encoder = True
     return model
