@@ -267,8 +267,26 @@ def _smart_resize_3d(
     return h_bar, w_bar
 
 
+class _ResizedSpec(VisionSpec):
+    """One crop, resized to whole patches: families whose patches follow from ``resized_size``."""
+
+    patch_size: int
+
+    @abc.abstractmethod
+    def resized_size(self, width: int, height: int) -> tuple[int, int]:
+        """``(width, height)`` the processor resizes the image to (multiples of ``patch_size``)."""
+
+    def num_patches(self, width: int, height: int) -> int:
+        w, h = self.resized_size(width, height)
+        return (h // self.patch_size) * (w // self.patch_size)
+
+    def tiles(self, width: int, height: int) -> int:
+        _check_size(self.family, width, height)
+        return 1
+
+
 @dataclass(frozen=True)
-class _QwenStyleSpec(VisionSpec):
+class _QwenStyleSpec(_ResizedSpec):
     """Shared parameters and image rules of the Qwen-VL style families (dynamic resolution)."""
 
     patch_size: int = 14
@@ -302,18 +320,10 @@ class _QwenStyleSpec(VisionSpec):
         w, h = self.resized_size(width, height)
         return 1, h // self.patch_size, w // self.patch_size
 
-    def num_patches(self, width: int, height: int) -> int:
-        w, h = self.resized_size(width, height)
-        return (h // self.patch_size) * (w // self.patch_size)
-
     def num_tokens(self, width: int, height: int) -> int:
         w, h = self.resized_size(width, height)
         # Both sides are multiples of patch * merge: the merge divides each side exactly.
         return (h // self.factor) * (w // self.factor)
-
-    def tiles(self, width: int, height: int) -> int:
-        _check_size(self.family, width, height)
-        return 1
 
 
 @dataclass(frozen=True)
@@ -991,7 +1001,7 @@ class Gemma3Spec(VisionSpec):
 
 
 @dataclass(frozen=True)
-class PixtralSpec(VisionSpec):
+class PixtralSpec(_ResizedSpec):
     """Pixtral: longest side capped at ``longest_edge``, sides rounded up to whole patches.
 
     ``ratio = max(h / L, w / L)``; above 1 both sides are floored after dividing by it; each side becomes
@@ -1036,14 +1046,6 @@ class PixtralSpec(VisionSpec):
     def extra_tokens(self, width: int, height: int) -> int:
         rows, _ = self.token_grid(width, height)
         return rows
-
-    def num_patches(self, width: int, height: int) -> int:
-        w, h = self.resized_size(width, height)
-        return (h // self.patch_size) * (w // self.patch_size)
-
-    def tiles(self, width: int, height: int) -> int:
-        _check_size(self.family, width, height)
-        return 1
 
 
 # ----------------------------------------------------------------------------------------------------------
