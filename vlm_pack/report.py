@@ -747,6 +747,14 @@ def _pyplot() -> Any:
     return plt
 
 
+def _finish(fig: Any, path: str | Path | None) -> Any:
+    """Save ``fig`` to ``path`` and release it (a long CLI run opens many figures); else return it to show."""
+    if path is not None:
+        fig.savefig(path, dpi=110)
+        _pyplot().close(fig)
+    return fig
+
+
 def plot_lengths(
     table: LengthTable, capacities: Sequence[int], path: str | os.PathLike[str] | None = None
 ) -> Any:
@@ -777,10 +785,7 @@ def plot_lengths(
     )
     ax1.legend(fontsize=8)
     fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-    return fig
+    return _finish(fig, path)
 
 
 def plot_efficiency(
@@ -827,10 +832,7 @@ def plot_efficiency(
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower right")
     fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-    return fig
+    return _finish(fig, path)
 
 
 def plot_packs(
@@ -910,10 +912,7 @@ def plot_packs(
         ncol=3,
     )
     fig.tight_layout(rect=(0, 0.4 / fig.get_figheight(), 1, 1))
-    if path is not None:
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-    return fig
+    return _finish(fig, path)
 
 
 def _short(key: str, width: int = 12) -> str:
