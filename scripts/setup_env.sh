@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install vlm-pack with its dev extras.
+# Create .venv and install vlm-pack with its dev extras and the optional integrations (so tests cover them).
 # Where pip's configured find-links hold a local torch wheel (a CPU build, say), it is used;
 # elsewhere torch resolves from the index as usual: nobody is pinned to the local build.
 set -euo pipefail
@@ -18,6 +18,6 @@ if [ ! -f .venv/.vlm-pack-installed ] || [ pyproject.toml -nt .venv/.vlm-pack-in
         "$VPY" -m pip install -q "$tmp"/torch-*.whl
     fi
     rm -rf "$tmp"
-    "$VPY" -m pip install -q -e ".[dev]"
+    "$VPY" -m pip install -q -e ".[dev,hf,trl,energon]"
     touch .venv/.vlm-pack-installed
 fi
