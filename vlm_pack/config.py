@@ -1,0 +1,123 @@
+"""One object for the packing and streaming knobs, shared by the packers, the streaming pipeline and the CLI.
+
+``PackingConfig`` is the single place where a knob is named, defaulted and validated: ``StreamPacker``,
+``PackedWebDataset`` and ``vlm-pack analyze | pack`` all take one, so a value means the same thing
+everywhere and a bad value fails at construction, in the main process, with the fix in the message.
+
+```python
+cfg = PackingConfig(capacity=16384, max_samples_per_bin=32)
+cfg = cfg.replace(buffer_size=512)          # a new, validated config
+PackingConfig.from_dict(cfg.to_dict()) == cfg
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+_OVERSIZED = ("raise", "skip", "truncate")
+_VISION_COST = ("patches", "images")
+
+
+def _positive_int(value: Any, name: str, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+        hint = " or None" if optional else ""
+        raise ValueError(f"{name} must be a positive integer{hint}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class PackingConfig:
+    """Packing knobs (``capacity`` .. ``oversized``) and streaming knobs (``shuffle_seed`` ..).
+
+    Packing:
+        capacity: tokens per pack (a row of the batch), counted in the layout the model attends over.
+        buffer_size: open bins the streaming packer keeps (memory bound; larger fills better).
+        min_fill_ratio: a streaming bin leaves as soon as it is this full, in (0, 1].
+        drop_last: at the end of a stream, drop bins below ``min_fill_ratio`` instead of emitting them.
+        max_samples_per_bin: at most this many samples per pack (None: no cap).
+        vision_capacity: at most this much vision cost per pack (None: no cap); see ``vision_cost``.
+        vision_cost: what ``vision_capacity`` counts: ViT "patches" or "images".
+        oversized: a sample longer than ``capacity``: "raise", "skip" (reported) or "truncate" (offline only).
+        pad_to_multiple_of: each sample is padded to this multiple (context parallelism: ``pad_multiple_for``).
+    Streaming:
+        shuffle_seed: shuffle shards and samples with this seed per epoch (None: keep the order).
+        shuffle_buffer: samples held for shuffling (ignored without ``shuffle_seed``).
+        on_error: a sample that cannot be read: "warn" (skip, count, warn) or "raise".
+        exif_transpose: apply EXIF orientation, as ``ImageOps.exif_transpose`` and the forecast do.
+        max_image_pixels: refuse an image whose header declares more pixels, before decoding (None: no cap).
+    """
+
+    capacity: int
+    buffer_size: int = 256
+    min_fill_ratio: float = 0.95
+    drop_last: bool = False
+    max_samples_per_bin: int | None = None
+    vision_capacity: int | None = None
+    vision_cost: str = "patches"
+    oversized: str = "raise"
+    pad_to_multiple_of: int = 1
+    shuffle_seed: int | None = None
+    shuffle_buffer: int = 256
+    on_error: str = "warn"
+    exif_transpose: bool = True
+    max_image_pixels: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise in place once
+        set_(self, "capacity", _positive_int(self.capacity, "capacity"))
+        set_(self, "buffer_size", _positive_int(self.buffer_size, "buffer_size"))
+        ratio = self.min_fill_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0.0 < float(ratio) <= 1.0:
+            raise ValueError(f"min_fill_ratio must be a float in (0, 1], got {ratio!r}")
+        set_(self, "min_fill_ratio", float(ratio))
+        set_(self, "drop_last", bool(self.drop_last))
+        for name in ("max_samples_per_bin", "vision_capacity", "max_image_pixels"):
+            set_(self, name, _positive_int(getattr(self, name), name, optional=True))
+        if self.vision_cost not in _VISION_COST:
+            raise ValueError(f"vision_cost must be one of {_VISION_COST}, got {self.vision_cost!r}")
+        if self.oversized not in _OVERSIZED:
+            raise ValueError(f"oversized must be one of {_OVERSIZED}, got {self.oversized!r}")
+        set_(self, "pad_to_multiple_of", _positive_int(self.pad_to_multiple_of, "pad_to_multiple_of"))
+        if self.capacity % self.pad_to_multiple_of:
+            raise ValueError(
+                f"capacity {self.capacity} is not a multiple of pad_to_multiple_of {self.pad_to_multiple_of}: "
+                f"use capacity={math.ceil(self.capacity / self.pad_to_multiple_of) * self.pad_to_multiple_of}"
+            )
+        if self.shuffle_seed is not None and (
+            isinstance(self.shuffle_seed, bool) or not isinstance(self.shuffle_seed, numbers.Integral)
+        ):
+            raise ValueError(f"shuffle_seed must be an int or None, got {self.shuffle_seed!r}")
+        set_(self, "shuffle_buffer", _positive_int(self.shuffle_buffer, "shuffle_buffer"))
+        if self.on_error not in ("warn", "raise"):
+            raise ValueError(f"on_error must be 'warn' or 'raise', got {self.on_error!r}")
+        set_(self, "exif_transpose", bool(self.exif_transpose))
+
+    @property
+    def fill_threshold(self) -> int:
+        """Tokens at which a streaming bin is full enough to leave (``ceil(min_fill_ratio * capacity)``)."""
+        # round() first so that 0.7 * 10 = 7.000000000000001 does not become 8
+        return max(1, math.ceil(round(self.min_fill_ratio * self.capacity, 9)))
+
+    def replace(self, **changes: Any) -> PackingConfig:
+        """A copy with ``changes`` applied and validated; an unknown name lists the valid ones."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"unknown packing option(s) {unknown}; valid: {sorted(self.to_dict())}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PackingConfig:
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown packing option(s) {unknown} in the saved config")
+        return cls(**data)
