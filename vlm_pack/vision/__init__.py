@@ -11,18 +11,7 @@ processor produces, for every size the processor accepts, and raises ``ValueErro
       (header only,                                 + spec.wrapper_tokens    (<|vision_start|> ...)
        EXIF-aware)                                  spec.num_patches()       (ViT patches, 2nd budget)
 
-    Qwen2-VL 1920x1080 (checkpoint min/max pixels):
-        smart_resize(1080, 1920, factor=28) -> 1092 x 1932   grid (t, h, w) = (1, 78, 138)
-        num_patches = 78 * 138 = 10764      num_tokens = 10764 / 2**2 = 2691      wrapper_tokens = 2
-
-    InternVL 640x480, 448 px tiles, 1..12 tiles:
-        +-----+-----+-----+-----+
-        |  1  |  2  |  3  |  4  |     grid 4 x 3 = 12 tiles + 1 thumbnail = 13 tiles
-        +-----+-----+-----+-----+     num_tokens = 13 * 256 = 3328 (<IMG_CONTEXT>)
-        |  5  |  6  |  7  |  8  |     wrapper_tokens = 2 (<img>, </img>)
-        +-----+-----+-----+-----+
-        |  9  | 10  | 11  | 12  |  + [thumb]
-        +-----+-----+-----+-----+
+    Qwen2-VL 1920x1080: 2691 tokens (smart_resize.py)   InternVL 640x480: 13 tiles, 3328 tokens (tiles.py)
 
 Vocabulary used throughout:
 

@@ -139,12 +139,21 @@ class _QwenStyleSpec(_ResizedSpec):
         return (h // self.factor) * (w // self.factor)
 
 
+@dataclass(frozen=True)
 class _QwenVideoSpec(_QwenStyleSpec):
-    """The video rule Qwen2-VL and Qwen3-VL share; subclasses say how frames are sampled and resized."""
+    """The video rule Qwen2-VL and Qwen3-VL share; subclasses say how frames are sampled and resized.
 
-    do_sample_frames: bool
-    video_min_pixels: int
-    video_max_pixels: int
+    The video fields' defaults are Qwen2-VL's: its released checkpoints ship no
+    video_preprocessor_config.json, so the video processor loads preprocessor_config.json, hence the same
+    pixel bounds as images.
+    """
+
+    video_min_pixels: int = 3136
+    video_max_pixels: int = 12845056
+    do_sample_frames: bool = False
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
 
     @abc.abstractmethod
     def sample_frames(self, total_frames: int, video_fps: float, fps: float | None = None) -> int:
@@ -200,14 +209,6 @@ class Qwen2VLSpec(_QwenVideoSpec):
     patch_size: int = 14
     min_pixels: int = 3136
     max_pixels: int = 12845056
-    # Released Qwen2-VL / Qwen2.5-VL checkpoints ship no video_preprocessor_config.json: the video
-    # processor loads preprocessor_config.json, hence the same pixel bounds as images.
-    video_min_pixels: int = 3136
-    video_max_pixels: int = 12845056
-    do_sample_frames: bool = False
-    fps: float = 2.0
-    min_frames: int = 4
-    max_frames: int = 768
     variant: str = "qwen2_vl"
 
     def __post_init__(self) -> None:
@@ -270,9 +271,6 @@ class Qwen3VLSpec(_QwenVideoSpec):
     video_min_pixels: int = 4096
     video_max_pixels: int = 25165824
     do_sample_frames: bool = True
-    fps: float = 2.0
-    min_frames: int = 4
-    max_frames: int = 768
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 768
 
