@@ -94,12 +94,12 @@ class VisionSpec(abc.ABC):
         pairs, inverse = np.unique(np.stack([w, h], axis=1), axis=0, return_inverse=True)
         inverse = inverse.reshape(-1)
         out = np.empty(len(pairs), dtype=np.int64)
-        for k, (a, b) in enumerate(pairs.tolist()):
+        for pair, (width, height) in enumerate(pairs.tolist()):
             try:
-                out[k] = fn(a, b)
+                out[pair] = fn(width, height)
             except (ValueError, TypeError) as e:
-                first = int(np.flatnonzero(inverse == k)[0])
-                raise type(e)(f"image {first} ({a}x{b}): {e}") from None
+                first = int(np.flatnonzero(inverse == pair)[0])
+                raise type(e)(f"image {first} ({width}x{height}): {e}") from None
         return out[inverse]
 
     def to_dict(self) -> dict[str, Any]:
