@@ -372,7 +372,9 @@ def image_size(
             ``memoryview``), or a binary file object (read from its current position, which is restored).
         exif_transpose: honour the EXIF / XMP Orientation as ``PIL.ImageOps.exif_transpose`` (hence
             transformers' ``load_image``) does: orientations 5-8 swap width and height. Pass ``False`` when
-            the processor receives ``PIL.Image.open`` results untransposed.
+            the processor receives ``PIL.Image.open`` results untransposed. TIFF is always its displayed
+            size: Pillow's TIFF reader applies the orientation itself, so no flag changes what the
+            processor sees.
         name: how to call the image in error messages (e.g. a WebDataset key); defaults to the path or type.
 
     JPEG, PNG (incl. APNG), GIF and WebP (VP8, VP8L, VP8X) are parsed by hand; other formats fall back to
