@@ -103,12 +103,19 @@ def test_demo_command_prints_the_table_and_writes_the_report(demo_run, capsys):
         assert c["padded"]["random"]["waste"] > 0.3 > 0.05 > pk["waste"]
         ga = c["grad_accum"]["packed"]
         per_step = pk["samples_per_pack"]["mean"] * b["world_size"] * b["packs_per_device"]
-        assert ga["grad_accum"] == math.ceil(b["samples_per_update"] / per_step)
-        assert ga["samples_per_update"] >= b["samples_per_update"]
+        target = b["samples_per_update"]
+        miss = [abs(g * per_step - target) for g in range(1, ga["grad_accum"] + 3)]
+        assert miss[ga["grad_accum"] - 1] == min(miss)  # the recommendation is closest to the target
+        assert ga["min_grad_accum_reaching_target"] == math.ceil(target / per_step)
+        assert ga["min_reaching_samples_per_update"] >= target
+        # The padded run has no capacity: every sample at full length, the same in every column.
+        assert c["padded"] == report["capacities"][0]["padded"]
+        assert c["padded"]["random"]["real_tokens"] == d["text_tokens"] + d["vision_tokens"]
     oversized = [len(c["oversized_skipped"]) for c in report["capacities"]]
     assert oversized[0] >= oversized[1] >= oversized[2]
     text = (out / "report.txt").read_text()
-    for row in ("padding waste, random order", "efficiency", "samples/pack mean p50 p95", "GRAD ACCUM"):
+    for row in ("padding waste, random order", "efficiency", "samples/pack mean p50 p95", "GRAD ACCUM",
+                "(1) recommended: samples per update closest to", "(2) the fewest steps"):  # fmt: skip
         assert row in text
     assert set(report["plots"]) == {"lengths.png", "efficiency.png", "packs.png"}
     for name in report["plots"]:

@@ -32,6 +32,7 @@ with ``target_samples_per_update = batch_size * world_size * grad_accum`` of the
 from __future__ import annotations
 
 import glob
+import io
 import json
 import math
 import os
@@ -44,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from vlm_pack._version import __version__
+from vlm_pack.config import PackingConfig
 from vlm_pack.packing import PackResult, pack
 
 __all__ = [
@@ -155,6 +157,7 @@ def scan_samples(
     exif_transpose: bool = True,
     image_root: str | os.PathLike[str] | None = None,
     on_error: str = "raise",
+    verify: bool = False,
 ) -> Iterator[SampleInfo]:
     """Yield every sample of ``sources`` (see :func:`expand_sources`) with its image sizes read from headers.
 
@@ -164,6 +167,10 @@ def scan_samples(
     "conversation" | "messages" | "conversations" | "caption": ...}`` with image paths relative to the
     manifest's folder (or ``image_root``).
 
+    Header-only (default): the text parses, every placeholder has an image, and each image's header gives
+    a format and a size. ``verify=True`` also decodes every image's pixels with Pillow, which catches a file
+    cut short after its header (reads every image byte: much slower).
+
     Raises :class:`SampleReadError` (a ``ValueError``) naming the shard / line and key for an unreadable sample (text missing or not
     parseable, corrupt image header, missing image file); with ``on_error="skip"`` such a sample is yielded
     with only ``key``, ``source`` and ``error`` set. An unreadable shard or manifest always raises.
@@ -172,34 +179,73 @@ def scan_samples(
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     for path in expand_sources(sources):
         if _kind(path) == "tar":
-            yield from _scan_tar(path, exif_transpose, on_error)
+            yield from _scan_tar(path, exif_transpose, on_error, verify)
         else:
-            yield from _scan_jsonl(path, exif_transpose, image_root, on_error)
+            yield from _scan_jsonl(path, exif_transpose, image_root, on_error, verify)
+
+
+_TEXT_LAYOUTS = (
+    'put the conversation under "messages" (chat turns {"role", "content"}) or "conversations" (LLaVA '
+    'turns {"from", "value"}), or a caption under "caption" (README: "Data formats")'
+)
+
+
+def _text_error(error: Exception, json_bytes: Any) -> str:
+    """``parse_text``'s message, with the record's own keys and the accepted layouts when none was found."""
+    message = str(error)
+    if "has no" not in message or not isinstance(json_bytes, (bytes, str)):
+        return message
+    try:
+        keys = sorted(json.loads(json_bytes))
+    except (ValueError, TypeError):
+        return message
+    return f"its JSON has no text entry vlm-pack reads (its keys: {keys}); {_TEXT_LAYOUTS}"
+
+
+def _decode_fully(image: Any, name: str) -> None:
+    """Decode every pixel of ``image`` (bytes, a path or a seekable binary file; left rewound)."""
+    from PIL import Image
+
+    try:
+        if hasattr(image, "read"):
+            image.seek(0)
+            data = image.read()
+            image.seek(0)
+        else:
+            data = image if isinstance(image, bytes) else Path(image).read_bytes()
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ValueError(
+            f"{name}: the header reads but the pixels do not decode ({e}): the file is truncated or corrupt."
+        ) from None
 
 
 def _sample_from_fields(
-    sample: dict[str, Any], where: str, exif_transpose: bool, on_error: str
+    sample: dict[str, Any], where: str, exif_transpose: bool, on_error: str, verify: bool = False
 ) -> SampleInfo:
     from vlm_pack.data.reader import read_header
     from vlm_pack.data.shards import SampleError
 
     key = sample["__key__"]
+    image_name = lambda name: f"{where}: sample {key!r}, field {name!r}"  # noqa: E731
     try:
-        conversation, _, sizes = read_header(
-            sample,
-            exif_transpose=exif_transpose,
-            image_name=lambda name: f"{where}: sample {key!r}, field {name!r}",
-        )
-    except SampleError as e:
+        conversation, names, sizes = read_header(sample, exif_transpose=exif_transpose, image_name=image_name)
+        for name in names if verify else ():
+            _decode_fully(sample[name], image_name(name))
+    except (SampleError, ValueError) as e:
         # Image messages already name shard, key and field (image_name above); text ones get them here.
-        message = str(e) if e.reason == "corrupt_image" else f"{where}: sample {key!r}: {e}"
+        if getattr(e, "reason", "corrupt_image") == "corrupt_image":
+            message = str(e)
+        else:
+            message = f"{where}: sample {key!r}: {_text_error(e, sample.get('json'))}"
         if on_error == "raise":
             raise SampleReadError(message) from None
         return SampleInfo(key, where, None, (), error=message)
     return SampleInfo(key, where, conversation, tuple(sizes))
 
 
-def _scan_tar(path: Path, exif_transpose: bool, on_error: str) -> Iterator[SampleInfo]:
+def _scan_tar(path: Path, exif_transpose: bool, on_error: str, verify: bool) -> Iterator[SampleInfo]:
     from vlm_pack.data.reader import lazy_tar_samples
 
     where = str(path)
@@ -217,15 +263,15 @@ def _scan_tar(path: Path, exif_transpose: bool, on_error: str) -> Iterator[Sampl
             except StopIteration:
                 break
             except (tarfile.TarError, ValueError) as e:  # ValueError: a field twice in one sample
-                raise ValueError(
-                    f"{where}: corrupt tar shard after sample {key!r} ({e.args[0] if e.args else e})."
-                ) from None
+                detail = e.args[0] if e.args else e
+                at = "its first sample could not be read" if key is None else f"after sample {key!r}"
+                raise ValueError(f"{where}: corrupt tar shard: {at} ({detail}).") from None
             key = sample["__key__"]
-            yield _sample_from_fields(sample, where, exif_transpose, on_error)
+            yield _sample_from_fields(sample, where, exif_transpose, on_error, verify)
 
 
 def _scan_jsonl(
-    path: Path, exif_transpose: bool, image_root: str | os.PathLike[str] | None, on_error: str
+    path: Path, exif_transpose: bool, image_root: str | os.PathLike[str] | None, on_error: str, verify: bool
 ) -> Iterator[SampleInfo]:
     root = Path(image_root) if image_root is not None else path.parent
     with open(path, encoding="utf-8") as f:
@@ -235,7 +281,7 @@ def _scan_jsonl(
             where = f"{path}:{lineno}"
             key = f"{path.stem}-{lineno}"
             try:
-                key, sample = _jsonl_sample(line, where, key, root, exif_transpose)
+                key, sample = _jsonl_sample(line, where, key, root, exif_transpose, verify)
             except ValueError as e:
                 if on_error == "raise":
                     raise SampleReadError(str(e)) from None
@@ -244,7 +290,7 @@ def _scan_jsonl(
 
 
 def _jsonl_sample(
-    line: str, where: str, key: str, root: Path, exif_transpose: bool
+    line: str, where: str, key: str, root: Path, exif_transpose: bool, verify: bool = False
 ) -> tuple[str, SampleInfo]:
     from vlm_pack.data import parse_text
     from vlm_pack.vision import image_size
@@ -263,7 +309,7 @@ def _jsonl_sample(
     try:
         conversation = parse_text({"json": line.encode("utf-8")})
     except ValueError as e:
-        raise ValueError(f"{where}: sample {key!r}: {e}") from None
+        raise ValueError(f"{where}: sample {key!r}: {_text_error(e, line)}") from None
     sizes = []
     for p in paths:
         file = root / p
@@ -272,7 +318,10 @@ def _jsonl_sample(
                 f"{where}: sample {key!r}: image {p!r} not found at {file}; image paths are relative "
                 "to the manifest's folder (or pass --image-root)."
             )
-        sizes.append(image_size(file, exif_transpose=exif_transpose, name=f"{where}: sample {key!r} ({p})"))
+        name = f"{where}: sample {key!r} ({p})"
+        sizes.append(image_size(file, exif_transpose=exif_transpose, name=name))
+        if verify:
+            _decode_fully(file, name)
     return key, SampleInfo(key, where, conversation, tuple(sizes))
 
 
@@ -473,6 +522,63 @@ def _stats(a: np.ndarray) -> dict[str, float]:
     return dict(mean=float(a.mean()), p50=float(p50), p95=float(p95), max=float(a.max()), min=float(a.min()))
 
 
+def _grad_accum(target: int, per_micro: float) -> tuple[int, int]:
+    """``(recommended, smallest reaching target)`` grad-accum steps for ``per_micro`` samples per micro step.
+
+    Recommended: the one whose samples per update are closest to ``target`` (a tie goes to the larger, which
+    does not undershoot). ``13`` samples per micro step, target ``16``: recommended 1 (13 samples), smallest
+    reaching the target 2 (26 samples).
+    """
+    if per_micro <= 0:
+        return 0, 0
+    low = max(1, math.floor(target / per_micro))
+    high = max(1, math.ceil(target / per_micro))
+    closest = low if abs(low * per_micro - target) < abs(high * per_micro - target) else high
+    return closest, high
+
+
+def _pack_table(table: LengthTable, config: PackingConfig, strategy: str) -> PackResult:
+    """:func:`vlm_pack.packing.pack` with ``config``'s knobs, its vision budget counted as ``config.vision_cost``."""
+    vision = None
+    if config.vision_capacity is not None:
+        vision = table.num_images if config.vision_cost == "images" else table.num_patches
+    return pack(
+        table.lengths,
+        config.capacity,
+        strategy=strategy,
+        vision=vision,
+        vision_capacity=config.vision_capacity,
+        max_samples_per_bin=config.max_samples_per_bin,
+        oversized=config.oversized,
+    )
+
+
+def _analysis_config(
+    capacity: int,
+    config: PackingConfig | None,
+    oversized: str,
+    max_samples_per_pack: int | None,
+    max_images_per_pack: int | None,
+    max_patches_per_pack: int | None,
+) -> PackingConfig:
+    if config is not None:
+        config = config.replace(capacity=int(capacity))
+    else:
+        if max_images_per_pack is not None and max_patches_per_pack is not None:
+            raise ValueError("give at most one of max_images_per_pack and max_patches_per_pack")
+        images = max_images_per_pack is not None
+        config = PackingConfig(
+            capacity=int(capacity),
+            max_samples_per_bin=max_samples_per_pack,
+            vision_capacity=max_images_per_pack if images else max_patches_per_pack,
+            vision_cost="images" if images else "patches",
+            oversized=oversized,
+        )
+    if config.oversized not in ("skip", "truncate"):
+        raise ValueError(f"oversized must be 'skip' or 'truncate' for an analysis, got {config.oversized!r}")
+    return config
+
+
 def analyze_capacity(
     table: LengthTable,
     capacity: int,
@@ -484,50 +590,40 @@ def analyze_capacity(
     max_images_per_pack: int | None = None,
     max_patches_per_pack: int | None = None,
     seed: int = 0,
+    config: PackingConfig | None = None,
 ) -> tuple[dict[str, Any], PackResult]:
-    """Pack ``table`` at ``capacity`` and compare with the padded ``baseline`` on the same samples.
+    """Pack ``table`` at ``capacity`` and compare with the padded ``baseline``.
 
+    ``config`` (a :class:`vlm_pack.config.PackingConfig`; its ``capacity`` is replaced by ``capacity``) gives
+    the packing knobs; without it they come from ``oversized`` and the ``max_*_per_pack`` arguments.
     Samples longer than ``capacity`` are skipped (``oversized="skip"``) or counted at ``capacity``
     (``"truncate"``, as a padded run with ``max_length=capacity`` would cut them); both are reported.
+    The padded baseline is the same at every capacity: a padded run has no capacity, so it batches every
+    sample of ``table`` at its full length, in one fixed random order (``seed``).
     Returns ``(metrics, PackResult)``.
     """
-    if oversized not in ("skip", "truncate"):
-        raise ValueError(f"oversized must be 'skip' or 'truncate' for an analysis, got {oversized!r}")
-    if max_images_per_pack is not None and max_patches_per_pack is not None:
-        raise ValueError("give at most one of max_images_per_pack and max_patches_per_pack")
-    vision = vision_capacity = None
-    if max_images_per_pack is not None:
-        vision, vision_capacity = table.num_images, max_images_per_pack
-    elif max_patches_per_pack is not None:
-        vision, vision_capacity = table.num_patches, max_patches_per_pack
+    config = _analysis_config(
+        capacity, config, oversized, max_samples_per_pack, max_images_per_pack, max_patches_per_pack
+    )
+    capacity = config.capacity
     lengths = table.lengths
     if lengths.size and lengths.min() < 1:
         i = int(np.argmin(lengths))
         raise ValueError(f"sample {table.keys[i]!r} has length 0: nothing to train on; drop it.")
-    result = pack(
-        lengths,
-        capacity,
-        strategy=strategy,
-        vision=vision,
-        vision_capacity=vision_capacity,
-        max_samples_per_bin=max_samples_per_pack,
-        oversized=oversized,
-    )
+    result = _pack_table(table, config, strategy)
     kept = result.order
     kept_lens = result.lengths[kept]
     sizes = result.bin_sizes
     b = baseline
     padded = {
-        order: padded_batches(kept_lens, b.batch_size, order=order, seed=seed)
-        for order in ("random", "grouped")
+        order: padded_batches(lengths, b.batch_size, order=order, seed=seed) for order in ("random", "grouped")
     }
     n, nb = int(kept.size), result.num_bins
     mean_spp = n / nb if nb else 0.0
     target = b.samples_per_update
     per_micro = mean_spp * b.world_size * b.packs_per_device
-    ga_ceil = max(1, math.ceil(target / per_micro)) if per_micro else 0
-    ga_near = max(1, round(target / per_micro)) if per_micro else 0
-    micro_padded = math.ceil(n / (b.batch_size * b.world_size))
+    ga_best, ga_reach = _grad_accum(target, per_micro)
+    micro_padded = math.ceil(lengths.size / (b.batch_size * b.world_size))
     micro_packed = math.ceil(nb / (b.world_size * b.packs_per_device))
     seg = lambda v: np.add.reduceat(v[kept], result.bin_offsets[:-1]) if nb else np.zeros(0, np.int64)  # noqa: E731
     vision_kept = np.minimum(table.vision_tokens, result.lengths)  # a truncated sample keeps <= capacity
@@ -574,11 +670,11 @@ def analyze_capacity(
             "packed": {
                 "packs_per_device": b.packs_per_device,
                 "world_size": b.world_size,
-                "grad_accum": ga_ceil,
-                "samples_per_update": per_micro * ga_ceil,
-                "optimizer_steps_per_epoch": math.ceil(micro_packed / ga_ceil) if ga_ceil else 0,
-                "nearest_grad_accum": ga_near,
-                "nearest_samples_per_update": per_micro * ga_near,
+                "grad_accum": ga_best,  # samples per update closest to the target
+                "samples_per_update": per_micro * ga_best,
+                "optimizer_steps_per_epoch": math.ceil(micro_packed / ga_best) if ga_best else 0,
+                "min_grad_accum_reaching_target": ga_reach,  # never fewer samples per update than the target
+                "min_reaching_samples_per_update": per_micro * ga_reach,
             },
         },
     }
@@ -597,8 +693,13 @@ def analyze(
     max_patches_per_pack: int | None = None,
     seed: int = 0,
     meta: dict[str, Any] | None = None,
+    config: PackingConfig | None = None,
 ) -> tuple[dict[str, Any], list[PackResult]]:
-    """:func:`analyze_capacity` for each capacity, plus dataset statistics: ``(report, pack results)``."""
+    """:func:`analyze_capacity` for each capacity, plus dataset statistics: ``(report, pack results)``.
+
+    ``config``: the packing knobs as one :class:`vlm_pack.config.PackingConfig` (its capacity is replaced by
+    each of ``capacities``), instead of ``oversized`` and the ``max_*_per_pack`` arguments.
+    """
     if not capacities:
         raise ValueError("give at least one capacity")
     if len(table) == 0:
@@ -615,6 +716,7 @@ def analyze(
             max_images_per_pack=max_images_per_pack,
             max_patches_per_pack=max_patches_per_pack,
             seed=seed,
+            config=config,
         )
         per_cap.append(m)
         results.append(r)
@@ -678,7 +780,8 @@ def format_report(report: dict[str, Any]) -> str:
         ("  oversized, skipped", lambda c: f"{len(c['oversized_skipped']):,}"),
         ("  truncated to capacity", lambda c: f"{len(c['truncated']):,}"),
         ("tokens text + vision", lambda c: f"{_n(c['text_tokens'])} + {_n(c['vision_tokens'])}"),
-        ("PADDED: micro-batches", lambda c: f"{c['padded']['random']['batches']:,}"),
+        ("PADDED (same at every capacity)", lambda c: ""),
+        ("  micro-batches", lambda c: f"{c['padded']['random']['batches']:,}"),
         ("  padding waste, random order", lambda c: f"{c['padded']['random']['waste']:.1%}"),
         ("  padding waste, length-grouped", lambda c: f"{c['padded']['grouped']['waste']:.1%}"),
         ("  tokens computed (random)", lambda c: _n(c["padded"]["random"]["padded_tokens"])),
@@ -704,16 +807,16 @@ def format_report(report: dict[str, Any]) -> str:
             ),
         ),
         (
-            "GRAD ACCUM packed (samples/upd)",
+            "GRAD ACCUM packed, recommended (1)",
             lambda c: (
                 f"{c['grad_accum']['packed']['grad_accum']} ({c['grad_accum']['packed']['samples_per_update']:.1f})"
             ),
         ),
         (
-            "  nearest (samples/upd)",
+            "  smallest reaching target (2)",
             lambda c: (
-                f"{c['grad_accum']['packed']['nearest_grad_accum']} "
-                f"({c['grad_accum']['packed']['nearest_samples_per_update']:.1f})"
+                f"{c['grad_accum']['packed']['min_grad_accum_reaching_target']} "
+                f"({c['grad_accum']['packed']['min_reaching_samples_per_update']:.1f})"
             ),
         ),
         (
@@ -737,6 +840,14 @@ def format_report(report: dict[str, Any]) -> str:
     fmt_row = lambda r: "  ".join([r[0].ljust(w0)] + [x.rjust(w) for x, w in zip(r[1:], ws)])  # noqa: E731
     lines += ["", fmt_row(head), "-" * (w0 + sum(w + 2 for w in ws))]
     lines += [fmt_row(r) for r in body]
+    target = b["samples_per_update"]
+    lines += [
+        "",
+        f"grad-accum rows: micro steps per optimizer update (samples per update); target {target} samples.",
+        f"  (1) recommended: samples per update closest to {target}.",
+        f"  (2) the fewest steps that never give fewer than {target} samples per update.",
+        "padded columns repeat: a padded run has no capacity (every sample at full length, one random order).",
+    ]
     return "\n".join(lines)
 
 
@@ -796,6 +907,7 @@ def plot_efficiency(
     strategy: str = "bfd",
     path: str | os.PathLike[str] | None = None,
     points: int = 12,
+    config: PackingConfig | None = None,
 ) -> Any:
     """Useful-token share vs capacity: packed, padded (random / length-grouped); samples per pack on the right.
 
@@ -806,7 +918,8 @@ def plot_efficiency(
     lo = max(256, int(np.percentile(table.lengths, 50)))
     hi = max(max(capacities) * 2, lo * 2)
     sweep = sorted(set(np.geomspace(lo, hi, points).astype(int).tolist()) | {int(c) for c in capacities})
-    rows = [analyze_capacity(table, c, baseline=baseline, strategy=strategy)[0] for c in sweep]
+    # The padded lines are flat by construction: a padded run has no capacity (see analyze_capacity).
+    rows = [analyze_capacity(table, c, baseline=baseline, strategy=strategy, config=config)[0] for c in sweep]
     eff = [r["packed"]["efficiency"] for r in rows]
     rnd = [1 - r["padded"]["random"]["waste"] for r in rows]
     grp = [1 - r["padded"]["grouped"]["waste"] for r in rows]
@@ -837,70 +950,33 @@ def plot_efficiency(
 
 def plot_packs(
     table: LengthTable,
-    result: PackResult,
+    results: PackResult | Sequence[PackResult],
     *,
     num_packs: int = 8,
     path: str | os.PathLike[str] | None = None,
 ) -> Any:
-    """A few packs as bars: each sample a coloured segment, its image tokens hatched, padding grey.
+    """A few packs per capacity as bars: each sample a coloured segment, its image tokens hatched, padding grey.
 
-    Packs are taken evenly over the bin order (the first bins of a decreasing strategy hold the longest
+    ``results``: one :class:`PackResult` or one per capacity (one panel each, results without packs left
+    out). Packs are taken evenly over the bin order (the first bins of a decreasing strategy hold the longest
     samples, the last ones the leftovers).
     """
     from matplotlib.patches import Patch
 
     plt = _pyplot()
-    nb = result.num_bins
-    if nb == 0:
+    drawable = [r for r in ([results] if isinstance(results, PackResult) else results) if r.num_bins]
+    if not drawable:
         raise ValueError("no packs to draw: every sample was oversized")
-    picks = sorted(set(np.linspace(0, nb - 1, min(num_packs, nb)).round().astype(int).tolist()))
-    cap = result.capacity
-    fig, ax = plt.subplots(figsize=(12, 0.55 * len(picks) + 1.6))
-    cmap = plt.get_cmap("tab20")
-    for row, b in enumerate(picks):
-        y = len(picks) - 1 - row
-        x = 0
-        members = result.bin(b).tolist()
-        for j, i in enumerate(members):
-            length = int(result.lengths[i])
-            color = cmap((2 * j) % 20)
-            ax.barh(y, length, left=x, height=0.8, color=color, alpha=0.45, edgecolor="black", lw=0.6)
-            for k in range(int(table.image_ptr[i]), int(table.image_ptr[i + 1])):
-                s, n = int(table.image_starts[k]), int(table.image_tokens[k])
-                s, e = min(s, length), min(s + n, length)  # a truncated sample may cut its last image
-                if e > s:
-                    ax.barh(
-                        y,
-                        e - s,
-                        left=x + s,
-                        height=0.8,
-                        color=color,
-                        alpha=0.95,
-                        hatch="///",
-                        edgecolor="white",
-                        lw=0,
-                    )
-            if length > cap * 0.06:
-                ax.text(
-                    x + length / 2,
-                    y,
-                    _short(table.keys[i]),
-                    ha="center",
-                    va="center",
-                    fontsize=6.5,
-                    bbox=dict(facecolor="white", alpha=0.7, lw=0, pad=1),
-                )
-            x += length
-        if x < cap:
-            ax.barh(y, cap - x, left=x, height=0.8, color="0.88", edgecolor="0.6", lw=0.6)
-    labels = [
-        f"pack {b}: {int(result.bin_sizes[b])} samples, {result.bin_lengths[b] / cap:.0%}" for b in picks
-    ]
-    ax.set_yticks(range(len(picks)))
-    ax.set_yticklabels(labels[::-1], fontsize=8)
-    ax.set_xlim(0, cap)
-    ax.set_xlabel(f"token position in the pack (capacity {cap:,})")
-    ax.set_title(f"{len(picks)} of {nb} packs: one colour per sample, image tokens hatched, padding grey")
+    rows = [min(num_packs, r.num_bins) for r in drawable]
+    fig, axes = plt.subplots(
+        len(drawable),
+        1,
+        figsize=(12, sum(0.55 * n + 0.9 for n in rows) + 0.7),
+        gridspec_kw={"height_ratios": [n + 1.6 for n in rows]},
+        squeeze=False,
+    )
+    for ax, result in zip(axes[:, 0], drawable):
+        _draw_packs(ax, table, result, num_packs)
     fig.legend(
         handles=[
             Patch(facecolor="tab:blue", alpha=0.45, edgecolor="black", label="text tokens of a sample"),
@@ -913,6 +989,43 @@ def plot_packs(
     )
     fig.tight_layout(rect=(0, 0.4 / fig.get_figheight(), 1, 1))
     return _finish(fig, path)
+
+
+def _draw_packs(ax: Any, table: LengthTable, result: PackResult, num_packs: int) -> None:
+    """``num_packs`` packs of ``result`` on ``ax``, evenly spread over the bin order."""
+    nb, cap = result.num_bins, result.capacity
+    picks = sorted(set(np.linspace(0, nb - 1, min(num_packs, nb)).round().astype(int).tolist()))
+    cmap = _pyplot().get_cmap("tab20")
+    for row, bin_index in enumerate(picks):
+        y = len(picks) - 1 - row
+        x = 0
+        for slot, sample in enumerate(result.bin(bin_index).tolist()):
+            length = int(result.lengths[sample])
+            color = cmap((2 * slot) % 20)
+            ax.barh(y, length, left=x, height=0.8, color=color, alpha=0.45, edgecolor="black", lw=0.6)
+            for image in range(int(table.image_ptr[sample]), int(table.image_ptr[sample + 1])):
+                start, count = int(table.image_starts[image]), int(table.image_tokens[image])
+                start, stop = min(start, length), min(start + count, length)  # truncation may cut an image
+                if stop > start:
+                    ax.barh(y, stop - start, left=x + start, height=0.8, color=color, alpha=0.95, hatch="///",
+                            edgecolor="white", lw=0)  # fmt: skip
+            if length > cap * 0.06:
+                ax.text(x + length / 2, y, _short(table.keys[sample]), ha="center", va="center", fontsize=6.5,
+                        bbox=dict(facecolor="white", alpha=0.7, lw=0, pad=1))  # fmt: skip
+            x += length
+        if x < cap:
+            ax.barh(y, cap - x, left=x, height=0.8, color="0.88", edgecolor="0.6", lw=0.6)
+    labels = [
+        f"pack {b}: {int(result.bin_sizes[b])} samples, {result.bin_lengths[b] / cap:.0%}" for b in picks
+    ]
+    ax.set_yticks(range(len(picks)))
+    ax.set_yticklabels(labels[::-1], fontsize=8)
+    ax.set_xlim(0, cap)
+    ax.set_xlabel(f"token position in the pack (capacity {cap:,})")
+    ax.set_title(
+        f"capacity {cap:,}: {len(picks)} of {nb} packs; one colour per sample, image tokens hatched, padding grey",
+        fontsize=10,
+    )
 
 
 def _short(key: str, width: int = 12) -> str:
@@ -938,11 +1051,18 @@ def write_report(
     baseline: Baseline = Baseline(),
     strategy: str = "bfd",
     plots: bool = True,
+    config: PackingConfig | None = None,
 ) -> list[Path]:
     """Write ``report.json``, ``report.txt`` and (with matplotlib) ``lengths.png``, ``efficiency.png`` and
-    ``packs.png`` (packs at the first capacity that packed any sample) into ``out_dir``; return the paths."""
+    ``packs.png`` (a few packs of every capacity that packed any sample) into ``out_dir``; return the paths.
+
+    Raises ``ValueError`` naming ``out_dir`` when it cannot be created or written.
+    """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"report folder {str(out)!r} cannot be created: {e.strerror or e}.") from None
     written = []
     caps = [c["capacity"] for c in report["capacities"]]
     if plots:
@@ -953,11 +1073,12 @@ def write_report(
             report = {**report, "plots_skipped": "matplotlib is not installed: pip install 'vlm-pack[plot]'"}
     if plots:
         plot_lengths(table, caps, out / "lengths.png")
-        plot_efficiency(table, caps, baseline=baseline, strategy=strategy, path=out / "efficiency.png")
+        plot_efficiency(
+            table, caps, baseline=baseline, strategy=strategy, path=out / "efficiency.png", config=config
+        )
         written += [out / "lengths.png", out / "efficiency.png"]
-        drawable = [r for r in results if r.num_bins]
-        if drawable:  # the first capacity that packed anything
-            plot_packs(table, drawable[0], path=out / "packs.png")
+        if any(r.num_bins for r in results):  # one panel per capacity that packed anything
+            plot_packs(table, results, path=out / "packs.png")
             written.append(out / "packs.png")
         report = {**report, "plots": [p.name for p in written]}
     (out / "report.json").write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
