@@ -18,7 +18,7 @@ STATEMENTS = {
     "peer: import torch, transformers": "import torch, transformers",
     "import vlm_pack": "import vlm_pack",
     "vlm-pack --help": "import sys; sys.argv = ['vlm-pack', '--help']; from vlm_pack.cli import main; main()",
-    "training imports": "from vlm_pack import PackedWebDataset, PackingCollator, PackingConfig",
+    "training imports": "from vlm_pack import PackedWebDataset, PackingCollator",
 }
 
 
