@@ -9,9 +9,9 @@
     vlm-pack pack shards/ --processor ./ckpt --capacity 16384 --out plan.jsonl
 
 ``analyze`` reads WebDataset shards or a JSONL manifest, forecasts every sample's expanded length from the
-text and the image *headers* (no pixel decoded), packs at each capacity, prints one column per capacity
-(padding waste of plain padded batches vs packed, samples per pack, the grad-accumulation that keeps samples
-per optimizer update close to the padded run) and writes ``report.json``, ``report.txt`` and PNG plots to
+text and the image *headers* (no pixel decoded; ``--verify`` decodes every image too), packs at each
+capacity, prints one column per capacity (padding waste of plain padded batches vs packed, samples per pack,
+the grad-accumulation whose samples per optimizer update are closest to the padded run's) and writes ``report.json``, ``report.txt`` and PNG plots to
 ``--out`` (default ``./vlm-pack-report``). ``pack`` writes the bins as JSONL, one pack per line, for
 offline pre-packing. ``python -m vlm_pack`` is the same command.
 """
