@@ -19,7 +19,6 @@ from vlm_pack.attention import (
     document_block_mask,
     register_hf_attention,
     resolve_backend,
-    select_backend,
     use_varlen_attention,
     varlen_attention,
 )
@@ -136,7 +135,7 @@ def test_cuda_backends_match_reference_in_bf16(causal):
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad_out.double())
     backends = available_backends(device, torch.bfloat16, 64, requires_grad=True)
     if torch.cuda.get_device_capability(device) >= (8, 0):
-        assert "torch_varlen" in backends and select_backend(q) in ("flash_attn", "torch_varlen")
+        assert "torch_varlen" in backends and resolve_backend("auto", q) in ("flash_attn", "torch_varlen")
     for backend in backends:
         out = varlen_attention(q, k, v, cu, max(lengths), causal=causal, backend=backend)
         torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=backend)
@@ -170,7 +169,7 @@ def test_backend_availability_and_selection_on_cpu():
     assert CPU_GRAD_BACKENDS == ["sdpa_per_sample", "sdpa_masked"]
     q, k, v = qkv(10, 2, 2)
     # CPU auto: per-sample SDPA (flex has no CPU backward and is slower uncompiled).
-    assert select_backend(q) == "sdpa_per_sample"
+    assert resolve_backend("auto", q) == "sdpa_per_sample"
     assert resolve_backend("auto", q.requires_grad_(), k, v) == "sdpa_per_sample"
     assert "CUDA" in backend_unavailable_reason("torch_varlen", "cpu")
     assert backend_unavailable_reason("sdpa_masked", "cpu") is None

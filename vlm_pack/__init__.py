@@ -18,7 +18,6 @@ from .attention import (
     available_backends,
     register_hf_attention,
     resolve_backend,
-    select_backend,
     use_varlen_attention,
     varlen_attention,
 )
@@ -87,7 +86,6 @@ __all__ = [
     "resolve_backend",
     "roll_packed",
     "roll_packed_context_parallel",
-    "select_backend",
     "shard_for_context_parallel",
     "stream_info",
     "testing",
