@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 import webdataset as wds
 
-from vlm_pack.attention import available_backends, select_backend, use_varlen_attention, varlen_attention
+from vlm_pack.attention import available_backends, resolve_backend, use_varlen_attention, varlen_attention
 from vlm_pack.collate import PackingCollator
 from vlm_pack.data import image_fields, parse_text
 from vlm_pack.demo import demo_shards
@@ -242,7 +242,7 @@ class Trainer:
                 q = torch.empty(
                     1, args.heads, head_dim, device=self.device, dtype=self.dtype, requires_grad=True
                 )
-                backend = select_backend(q)
+                backend = resolve_backend("auto", q)
             self.attention = f"vlm_pack_varlen/{backend}"
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=False)
