@@ -316,7 +316,7 @@ def _pipeline(corpus, qwen, **overrides) -> PackedWebDataset:
 def _summary(batch) -> tuple:
     """What identifies a pack: its stream, its samples in packed order and its tokens."""
     return (
-        stream_info(batch)["snapshot"]["stream"],
+        stream_info(batch)["snapshot"].stream,
         tuple(batch.metadata["__key__"]),
         tuple(batch.seq_lens.tolist()),
         batch.input_ids.sum().item(),
@@ -346,7 +346,7 @@ def test_two_workers_every_good_sample_in_exactly_one_pack(corpus, reference):
     ds, batches = reference
     keys = [k for b in batches for k in b.metadata["__key__"]]
     assert sorted(keys) == corpus["good"]  # each good sample once, no bad one
-    assert {stream_info(b)["snapshot"]["stream"] for b in batches} == {0, 1}  # both workers produced packs
+    assert {stream_info(b)["snapshot"].stream for b in batches} == {0, 1}  # both workers produced packs
     for b in batches:
         assert b.num_rows == 1 and b.input_ids.shape == (1, CAPACITY)
         assert int(b.seq_lens.sum()) <= CAPACITY
@@ -493,7 +493,7 @@ def test_split_by_node_and_worker_then_resume_on_fewer_ranks(corpus, qwen, monke
                 if len(batches) == 2:  # each rank checkpoints after its 2nd batch
                     states.append(loader.state_dict())
                     heads.append(list(batches))
-        assert {stream_info(b)["snapshot"]["stream"] % 2 for b in batches} == {rank}
+        assert {stream_info(b)["snapshot"].stream % 2 for b in batches} == {rank}
         for b in batches:
             spans = b.cu_seqlens_padded.diff()
             assert bool((spans % 8 == 0).all()) and int(spans.sum()) == CAPACITY
@@ -604,7 +604,7 @@ def test_url_forms_and_more_workers_than_shards(tmp_path, qwen):
         warnings.simplefilter("ignore")  # DataLoader: 3 workers on 2 cores
         batches = list(PackedDataLoader(ds, num_workers=3))
     assert sorted(_keys_of(batches)) == ["cap", "llava", "noph", "txt"]
-    assert {stream_info(b)["snapshot"]["stream"] for b in batches} == {0, 1}
+    assert {stream_info(b)["snapshot"].stream for b in batches} == {0, 1}
     assert ds.stats.samples_read == ds.stats.samples_packed == 4 and ds.stats.samples_bad == 0
     assert all(_forecast_matches(b) for b in batches)
     texts = {}
