@@ -312,21 +312,31 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         states = [PipelineState.from_json(s) for s in raw]
         for saved in states:
             self._check_compatible(saved)
-        first = states[0].progress
-        for saved in states[1:]:
-            other = saved.progress
-            if (other.epoch, other.generation, other.layout) != (first.epoch, first.generation, first.layout):
-                raise ValueError("load_state_dict: the states are from different epochs or layouts")
+        # A rank that had not started iterating saved an untouched epoch: it adds no stream and no count,
+        # but its share of the epoch is still to do.
+        started = [s for s in states if s.progress.layout is not None] or states[:1]
+        if any(s.progress.epoch != started[0].progress.epoch for s in states):
+            raise ValueError("load_state_dict: the states are from different epochs")
+        self._progress = self._merged_progress([s.progress for s in started])
+        self._progress.complete = all(s.progress.complete for s in states)
+        totals = self._merged_stats([s.totals for s in started])
+        self._totals = totals if totals is not None else PipelineStats(capacity=self.capacity)
+
+    def _merged_progress(self, saved: list[EpochProgress]) -> EpochProgress:
+        """One progress from every rank's (same epoch, generation and layout)."""
+        first = saved[0]
+        for other in saved[1:]:
+            if (other.generation, other.layout) != (first.generation, first.layout):
+                raise ValueError("load_state_dict: the states are from different layouts (world x workers)")
         progress = copy.deepcopy(first)
         progress.streams = {}
-        for saved in states:
-            progress.streams.update(saved.progress.streams)
-            progress.last_stream.update(saved.progress.last_stream)
-        progress.base = self._merged_stats([s.progress.base for s in states])
-        progress.complete = all(s.progress.complete for s in states)
-        self._progress = progress
-        totals = self._merged_stats([s.totals for s in states])
-        self._totals = totals if totals is not None else PipelineStats(capacity=self.capacity)
+        for one in saved:  # a rank's state may hold another rank's streams, as it loaded them: latest wins
+            for stream, snapshot in one.streams.items():
+                if stream not in progress.streams or progress.streams[stream].seq < snapshot.seq:
+                    progress.streams[stream] = snapshot
+            progress.last_stream.update(one.last_stream)
+        progress.base = self._merged_stats([one.base for one in saved])
+        return progress
 
     def _resolve(self, progress: EpochProgress, layout: tuple[int, int]) -> tuple[EpochProgress, bool]:
         """The progress an iteration with ``layout`` starts from, and whether it resumes streams exactly.
@@ -345,6 +355,14 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
             resolved.streams, resolved.last_stream, resolved.base = {}, {}, base
         resolved.layout = layout
         return resolved, bool(resolved.streams)
+
+    def _begin(self, num_workers: int) -> None:
+        """Move the main process's progress to the iteration about to start with ``num_workers``, as its
+        workers will (so a rank whose streams get no work after a re-deal still records the new layout)."""
+        _, world, _, _ = _worker_layout()
+        if self._progress.complete:
+            self._fold()
+        self._progress, _ = self._resolve(self._progress, (world, max(1, num_workers)))
 
     def observe(self, item: Any) -> Any:
         """Record that the consumer received ``item`` (its snapshot becomes the state); return the batch,
@@ -494,6 +512,7 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
             self._iterated_in_worker = True
             yield from self._runner().run()
             return
+        self._begin(0)
         for item in self._runner().run():
             batch = self.observe(item)
             if batch is not None:
@@ -539,6 +558,7 @@ class PackedDataLoader:
         self.loader_kwargs = loader_kwargs
 
     def __iter__(self) -> Iterator[Any]:
+        self.dataset._begin(self.num_workers)
         loader = torch.utils.data.DataLoader(
             self.dataset,
             batch_size=None,
