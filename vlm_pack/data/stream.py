@@ -14,6 +14,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -104,18 +105,16 @@ def _count_markers(conversation: Any) -> int:
     return count
 
 
+@dataclass(slots=True)
 class _Sample:
     """A forecast sample waiting in a buffer: raw image bytes, its text, its forecast."""
 
-    __slots__ = ("conversation", "images", "key", "length", "url", "vision")
-
-    def __init__(self, url: str, key: str, images: list[bytes], conversation: Any, length: int, vision: int):
-        self.url = url
-        self.key = key
-        self.images = images
-        self.conversation = conversation
-        self.length = length
-        self.vision = vision
+    url: str
+    key: str
+    images: list[bytes]
+    conversation: Any
+    length: int  # forecast tokens
+    vision: int  # vision cost (PackingConfig.vision_cost)
 
 
 class _Skip(Exception):
