@@ -35,7 +35,8 @@ The main process keeps the latest snapshot per stream (:meth:`PackedWebDataset.o
   samples and the ones that were buffered) is dealt again to the new streams. No sample is repeated or
   lost; the packs differ. With several ranks, pass every rank's state (a list) to ``load_state_dict``.
 
-Usage::
+Usage (with a plain ``DataLoader``, call ``ds.observe(item)`` on every item and skip the None it returns
+for a ``StreamEnd``; ``PackedDataLoader`` does both)::
 
     ds = PackedWebDataset("data/shard-{000000..000099}.tar", tokenizer=tok, image_processor=ip,
                           capacity=8192, shuffle_seed=0)  # or config=PackingConfig(capacity=8192, ...)
@@ -66,6 +67,7 @@ versioned resume state), :mod:`~vlm_pack.data.stats` (counters and bad-sample re
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import logging
 import os
@@ -124,7 +126,7 @@ def _worker_layout() -> tuple[int, int, int, int]:
 def _stream_config(config: PackingConfig | None, knobs: dict[str, Any]) -> PackingConfig:
     """The pipeline's config: ``config`` with ``knobs`` applied, or one built from ``knobs`` alone (where
     ``oversized`` defaults to "skip": a too-long sample in a stream is reported, not fatal)."""
-    valid = {f for f in PackingConfig.__dataclass_fields__}
+    valid = {f.name for f in dataclasses.fields(PackingConfig)}
     unknown = sorted(set(knobs) - valid)
     if unknown:
         raise TypeError(f"PackedWebDataset: unknown argument(s) {unknown}; packing knobs: {sorted(valid)}")
