@@ -541,8 +541,8 @@ class PackingCollator:
         if ids.numel() == 0:
             raise ValueError(f"{name} has no tokens: drop empty samples before collating")
 
-        def token_level(value: Any, what: str) -> torch.Tensor:
-            t = self._token_tensor(value, name, what)
+        def token_level(value: Any, what: str, integer: bool = True) -> torch.Tensor:
+            t = self._token_tensor(value, name, what, integer=integer)
             if t.numel() != n_tokens:
                 raise ValueError(
                     f"{name}: {what} has {t.numel()} entries but input_ids has {n_tokens}: one per token"
@@ -586,7 +586,7 @@ class PackingCollator:
                 continue
             if isinstance(v, torch.Tensor):
                 if v.dim() in (1, 2) and v.shape[-1] == n_tokens and (v.dim() == 1 or v.shape[0] == 1):
-                    token_extra[k] = token_level(v, k)
+                    token_extra[k] = token_level(v, k, integer=False)  # weights, masks: keep their dtype
                 else:
                     other_extra[k] = v
             else:
@@ -681,7 +681,7 @@ class PackingCollator:
         )
 
     @staticmethod
-    def _token_tensor(value: Any, name: str, what: str) -> torch.Tensor:
+    def _token_tensor(value: Any, name: str, what: str, integer: bool = True) -> torch.Tensor:
         t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
         if t.dim() == 2 and t.shape[0] == 1:  # HF processors return [1, L] for one example
             t = t[0]
@@ -690,6 +690,8 @@ class PackingCollator:
                 f"{name}: {what} must be [L] or [1, L] (one example), got shape {tuple(t.shape)}; collate "
                 "examples one per list entry"
             )
+        if not integer:
+            return t
         if t.dtype.is_floating_point:
             raise TypeError(f"{name}: {what} must hold integers, got {t.dtype}")
         return t.long()
@@ -807,8 +809,9 @@ class PackingCollator:
 
         token_extra = {}
         for k in {k for s in ordered for k in s.token_extra}:
+            dtype = next(s.token_extra[k].dtype for s in ordered if k in s.token_extra)
             token_extra[k] = scatter(
-                [s.token_extra.get(k, torch.zeros_like(s.ids)) for s in ordered], 0
+                [s.token_extra.get(k, torch.zeros(s.ids.shape, dtype=dtype)) for s in ordered], 0
             ).reshape(shape)
         other_extra = {}
         for k in {k for s in ordered for k in s.other_extra}:
