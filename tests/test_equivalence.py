@@ -435,11 +435,26 @@ def test_collapsed_model_needs_remapped_cu_seqlens(per_pack):
         model, samples, None, packed_forward=collapsed_packed_forward(), **kwargs
     )
     assert right.passed and right.metric <= TOL, str(right)
-    # the collator's own expanded boundaries are the remapped ones
+    # Independent oracle: the HF processor's own expanded ids of the same samples give each sample's
+    # expanded length; a pack of `capacity` expanded tokens holds its samples back to back, the last one
+    # owning the pack's tail. The collator's boundaries and remap_cu_seqlens must both land there.
+    expanded = _collapsed_samples(n, "expanded")
+    want_real, want_padded, offset = [0], [0], 0
+    order, rows = batch.sample_index.tolist(), batch.row_of_sample.tolist()
+    for k, (i, row) in enumerate(zip(order, rows)):
+        length = len(expanded[i]["input_ids"])
+        offset += length
+        want_real.append(want_real[-1] + length)
+        row_ends = k + 1 == len(order) or rows[k + 1] != row
+        want_padded.append((row + 1) * collator.capacity if row_ends else offset)
+        if row_ends:
+            offset = (row + 1) * collator.capacity
+    assert batch.cu_seqlens_expanded.tolist() == want_real
+    assert batch.cu_seqlens_padded_expanded.tolist() == want_padded
     remapped = remap_cu_seqlens(
         batch.cu_seqlens_padded, batch.input_ids, model.image_token_id, batch.tokens_per_image
     )
-    assert torch.equal(remapped, batch.cu_seqlens_padded_expanded)
+    assert remapped.tolist() == want_padded
     wrong = check_packed_equivalence(
         model, samples, None, packed_forward=collapsed_packed_forward("collapsed"), **kwargs
     )

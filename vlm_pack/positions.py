@@ -236,7 +236,12 @@ class _Runs:
     """
 
     def __init__(
-        self, starts: torch.Tensor, length: int, kind: torch.Tensor, sample: torch.Tensor, of_token: torch.Tensor
+        self,
+        starts: torch.Tensor,
+        length: int,
+        kind: torch.Tensor,
+        sample: torch.Tensor,
+        of_token: torch.Tensor,
     ) -> None:
         self.starts, self.kind, self.sample, self.of_token = starts, kind, sample, of_token
         self.lens = torch.diff(starts, append=torch.tensor([length], device=starts.device))
@@ -293,7 +298,9 @@ def _check_vision_runs(
         return
     before = (runs.starts - 1).clamp(min=0)
     seg = runs.sample[runs.of_token[before]]
-    bad = runs.is_vision & ((runs.starts == 0) | (ids[before] != vision_start_token_id) | (seg != runs.sample))
+    bad = runs.is_vision & (
+        (runs.starts == 0) | (ids[before] != vision_start_token_id) | (seg != runs.sample)
+    )
     if bool(bad.any()):
         r = int(torch.nonzero(bad)[0, 0])
         raise ValueError(

@@ -127,6 +127,7 @@ def default_packed_forward(
 
     return forward
 
+
 # --------------------------------------------------------------------------------------------------------
 # The report
 # --------------------------------------------------------------------------------------------------------
@@ -242,6 +243,7 @@ class EquivalenceReport:
 
 class PackedEquivalenceError(AssertionError):
     """Raised by ``EquivalenceReport.raise_if_failed``; the message is the full report."""
+
 
 # --------------------------------------------------------------------------------------------------------
 # The harness, step by step
@@ -391,7 +393,9 @@ def _reference_logprobs(
         ids = inputs["input_ids"].to(logits.device)
         logp = next_token_logprobs(logits, ids)
         labels = (
-            torch.nn.utils.rnn.pad_sequence([s["labels"] for s in chunk], batch_first=True, padding_value=-100)
+            torch.nn.utils.rnn.pad_sequence(
+                [s["labels"] for s in chunk], batch_first=True, padding_value=-100
+            )
             if targets == "labels"
             else None
         )
@@ -486,14 +490,18 @@ def _score(
                     num_tokens=int(mask.sum()),
                     metric=float(token_mult_prob_error(lp_ref, lp_pack, mask)),
                     max_abs_diff=float(diff.max()),
-                    worst=_token_diff(i, worst, int(next_ids[worst]), lp_ref[worst], lp_pack[worst], tokenizer),
+                    worst=_token_diff(
+                        i, worst, int(next_ids[worst]), lp_ref[worst], lp_pack[worst], tokenizer
+                    ),
                     row=row,
                     offset=off,
                 )
             )
     if not columns:
         empty = torch.zeros(0, dtype=torch.long)
-        return _Scored(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool), empty, empty, empty, [])
+        return _Scored(
+            torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool), empty, empty, empty, []
+        )
     return _Scored(*(torch.cat(column) for column in zip(*columns)), samples=sample_diffs)
 
 
@@ -510,7 +518,9 @@ def _summarise(
     diff = torch.where(m, (a - b).abs(), torch.full_like(a, -1.0))
     top = torch.topk(diff, min(top_k, num_tokens)).indices.tolist()
     worst = [
-        _token_diff(int(scored.sample[j]), int(scored.position[j]), int(scored.token_id[j]), a[j], b[j], tokenizer)
+        _token_diff(
+            int(scored.sample[j]), int(scored.position[j]), int(scored.token_id[j]), a[j], b[j], tokenizer
+        )
         for j in top
     ]
     return metric, float(diff.max()), worst
@@ -574,7 +584,9 @@ def check_packed_equivalence(
     device = _eval_device(model, device)
 
     # 1. Reference: padded batches, one sample per row.
-    reference = _reference_logprobs(model, checked, batched_forward, batch_size, pad_token_id, targets, device)
+    reference = _reference_logprobs(
+        model, checked, batched_forward, batch_size, pad_token_id, targets, device
+    )
 
     # 2. Packed: the collator's rows, each sample found intact where the batch says it is.
     batch = packed_batch if packed_batch is not None else _collate(collator, given)

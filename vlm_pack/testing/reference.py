@@ -173,7 +173,9 @@ class CollapsedLlavaModel(torch.nn.Module):
         Returns:
             ``CollapsedLlavaOutput`` with expanded ``logits`` (R, Te, V) and ``token_index`` (R, Tc).
         """
-        embeds, valid_slots, token_index = self._expand(input_ids, pixel_values, image_sizes, tokens_per_image)
+        embeds, valid_slots, token_index = self._expand(
+            input_ids, pixel_values, image_sizes, tokens_per_image
+        )
         if cu_seqlens is not None:
             if input_ids.shape[0] != 1:
                 raise ValueError(
