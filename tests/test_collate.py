@@ -664,3 +664,42 @@ def test_hf_trainer_step(qwen, tmp_path):
     result = Trainer(model=model, args=args, train_dataset=samples, data_collator=collator).train()
     assert result.global_step == 1 and torch.isfinite(torch.tensor(result.training_loss))
     assert not torch.equal(before, model.lm_head.weight.detach())
+
+
+_LAZY_MEGATRON = """
+import importlib.abc, pathlib, sys, types
+attempts = []
+
+class Spy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "megatron":
+            attempts.append(name)
+        return None
+
+sys.meta_path.insert(0, Spy())
+# vlm_pack without its __init__: what importing the collate module itself pulls in.
+package = types.ModuleType("vlm_pack")
+package.__path__ = [sys.argv[1]]
+sys.modules["vlm_pack"] = package
+import vlm_pack.collate as collate
+assert not attempts, f"import vlm_pack.collate imported {attempts}"
+cls = collate.PackedSeqParams
+assert "megatron.core" in attempts or "megatron" in attempts, attempts
+params = cls(qkv_format="thd")
+assert type(params).__name__ == "PackedSeqParams" and params.qkv_format == "thd"
+print("ok")
+"""
+
+
+def test_megatron_core_is_imported_only_when_packed_seq_params_are_asked_for():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import vlm_pack
+
+    package_dir = str(Path(vlm_pack.__file__).parent)
+    out = subprocess.run(
+        [sys.executable, "-c", _LAZY_MEGATRON, package_dir], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
