@@ -298,8 +298,7 @@ class PackingCollator:
                 f"{name}: input_ids hold {n_placeholders} image token(s) but the sample has no images "
                 "(pixel_values / image_grid_thw): give the images or remove the placeholders"
             )
-        check_length = self._expanded_length if self.layout == "expanded" else self._collapsed_length
-        expanded_len = check_length(name, ids, is_video, vision, tpi, n_images, n_placeholders)
+        expanded_len = self._expanded_length(name, ids, is_video, vision, tpi, n_images, n_placeholders)
         return _Sample(
             index=index,
             name=name,
@@ -351,39 +350,32 @@ class PackingCollator:
         n_images: int,
         n_placeholders: int,
     ) -> int:
-        """An expanded sample's length, once its image and video tokens are checked against its grids."""
-        if n_images and not n_placeholders:
-            raise ValueError(
-                f"{name} has {n_images} image(s) but no image token in input_ids: the text needs a "
-                "placeholder per image (expanded by the processor)"
-            )
-        if tpi is not None and int(tpi.sum()) != n_placeholders:
-            raise ValueError(
-                f"{name}: input_ids hold {n_placeholders} image tokens but its {n_images} image(s) make "
-                f"{int(tpi.sum())} ({tpi.tolist()}): the placeholders were expanded for other images, "
-                "another processor setting or another merge size"
-            )
-        video_grid = vision.get("video_grid_thw")
-        if video_grid is not None and self.video_token_id is not None:
-            n_video = int(is_video.sum())
-            want = int((video_grid.reshape(-1, 3).prod(-1) // self.spatial_merge_size**2).sum())
-            if n_video != want:
-                raise ValueError(
-                    f"{name}: input_ids hold {n_video} video tokens but video_grid_thw makes {want}"
-                )
-        return ids.numel()
+        """The sample's length once expanded, after checking its placeholders against its images.
 
-    def _collapsed_length(
-        self,
-        name: str,
-        ids: torch.Tensor,
-        is_video: torch.Tensor,
-        vision: dict[str, torch.Tensor],
-        tpi: torch.Tensor | None,
-        n_images: int,
-        n_placeholders: int,
-    ) -> int:
-        """A collapsed sample's expanded length: each placeholder becomes its ``tokens_per_image``."""
+        Expanded layout: its own length, every image and video token accounted for by the grids;
+        collapsed: one placeholder per image, each becoming its ``tokens_per_image``.
+        """
+        if self.layout == "expanded":
+            if n_images and not n_placeholders:
+                raise ValueError(
+                    f"{name} has {n_images} image(s) but no image token in input_ids: the text needs a "
+                    "placeholder per image (expanded by the processor)"
+                )
+            if tpi is not None and int(tpi.sum()) != n_placeholders:
+                raise ValueError(
+                    f"{name}: input_ids hold {n_placeholders} image tokens but its {n_images} image(s) make "
+                    f"{int(tpi.sum())} ({tpi.tolist()}): the placeholders were expanded for other images, "
+                    "another processor setting or another merge size"
+                )
+            video_grid = vision.get("video_grid_thw")
+            if video_grid is not None and self.video_token_id is not None:
+                n_video = int(is_video.sum())
+                want = int((video_grid.reshape(-1, 3).prod(-1) // self.spatial_merge_size**2).sum())
+                if n_video != want:
+                    raise ValueError(
+                        f"{name}: input_ids hold {n_video} video tokens but video_grid_thw makes {want}"
+                    )
+            return ids.numel()
         if is_video.any() or "video_grid_thw" in vision:
             raise ValueError(
                 f"{name}: the collapsed layout supports images only; use layout='expanded' for videos"

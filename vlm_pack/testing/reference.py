@@ -203,9 +203,22 @@ class CollapsedLlavaModel(torch.nn.Module):
         is_image = input_ids == self.image_token_id
         text = self.model.get_input_embeddings()(input_ids.masked_fill(is_image, 0))
         counts = torch.ones_like(input_ids)
-        feats = self._image_features(is_image, pixel_values, image_sizes, tokens_per_image)
-        if feats is not None:
-            counts[is_image] = feats[1]
+        feats = None
+        num_images = int(is_image.sum())
+        if num_images:
+            if pixel_values is None:
+                raise ValueError(f"input_ids hold {num_images} image placeholder(s) but no pixel_values")
+            per_image = self.image_embeddings(pixel_values, image_sizes)
+            if len(per_image) != num_images:
+                raise ValueError(f"{num_images} image placeholders but {len(per_image)} images")
+            sizes = torch.tensor([f.shape[0] for f in per_image], device=device)
+            if tokens_per_image is not None and not torch.equal(sizes.cpu(), tokens_per_image.cpu()):
+                raise ValueError(
+                    f"tokens_per_image {tokens_per_image.tolist()} disagrees with the vision tower's "
+                    f"{sizes.tolist()} embeddings per image"
+                )
+            counts[is_image] = sizes
+            feats = torch.cat(per_image).to(text.dtype)
         # expanded position e <- collapsed position src[e]; token t's last slot is cumsum(counts) - 1.
         row_len = counts.sum(1)
         te = int(row_len.max())
@@ -217,7 +230,7 @@ class CollapsedLlavaModel(torch.nn.Module):
         embeds[row, col] = text.flatten(0, 1)[src]
         if feats is not None:
             slot = is_image.flatten()[src]
-            embeds[row[slot], col[slot]] = feats[0].to(text.dtype)
+            embeds[row[slot], col[slot]] = feats
 
         def valid_slots(collapsed_mask: torch.Tensor) -> torch.Tensor:
             valid = torch.zeros(rows, te, dtype=torch.long, device=device)
@@ -225,30 +238,6 @@ class CollapsedLlavaModel(torch.nn.Module):
             return valid
 
         return embeds, valid_slots, torch.cumsum(counts, 1) - 1
-
-    def _image_features(
-        self,
-        is_image: torch.Tensor,
-        pixel_values: torch.Tensor | None,
-        image_sizes: torch.Tensor | None,
-        tokens_per_image: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Every image's embeddings, concatenated (sum N_i, hidden), and N_i per image; None without images."""
-        num_images = int(is_image.sum())
-        if not num_images:
-            return None
-        if pixel_values is None:
-            raise ValueError(f"input_ids hold {num_images} image placeholder(s) but no pixel_values")
-        per_image = self.image_embeddings(pixel_values, image_sizes)
-        if len(per_image) != num_images:
-            raise ValueError(f"{num_images} image placeholders but {len(per_image)} images")
-        sizes = torch.tensor([f.shape[0] for f in per_image], device=is_image.device)
-        if tokens_per_image is not None and not torch.equal(sizes.cpu(), tokens_per_image.cpu()):
-            raise ValueError(
-                f"tokens_per_image {tokens_per_image.tolist()} disagrees with the vision tower's "
-                f"{sizes.tolist()} embeddings per image"
-            )
-        return torch.cat(per_image), sizes
 
     def _segment_hidden(self, embeds: torch.Tensor, cu_seqlens: torch.Tensor, mode: str) -> Any:
         """The language model on one expanded row (1, Te, hidden), attending within the given segments."""
@@ -259,16 +248,15 @@ class CollapsedLlavaModel(torch.nn.Module):
             return lm(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False)
         cu, position_ids = _segment_bounds_and_positions(cu_seqlens, length)
         longest = int((cu[1:] - cu[:-1]).max())
+        # The names transformers' varlen path reads; no attention_mask, so no (T, T) mask is built.
+        bounds = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
         with _attn_implementation(lm.config, _varlen_implementation()):
             return lm(
                 inputs_embeds=embeds,
                 attention_mask=None,
                 position_ids=position_ids,
                 use_cache=False,
-                cu_seq_lens_q=cu,
-                cu_seq_lens_k=cu,
-                max_length_q=longest,
-                max_length_k=longest,
+                **bounds,
             )
 
     def _padded_hidden(self, embeds: torch.Tensor, valid: torch.Tensor) -> Any:
