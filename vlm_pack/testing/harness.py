@@ -445,6 +445,20 @@ def _placement_problems(
     return problems
 
 
+def _packed_logprobs(
+    model: Any, batch: Any, packed_forward: Callable[[Any, Any], torch.Tensor], packed_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probs (R, T) of the packed forward, and the packed ids on the logits' device."""
+    logits = packed_forward(model, batch)
+    if logits.shape[:-1] != packed_ids.shape:
+        raise ValueError(
+            f"packed_forward returned logits {tuple(logits.shape)} for input_ids {tuple(packed_ids.shape)}; "
+            "it must return (R, T, V) aligned with batch.input_ids"
+        )
+    packed_ids = packed_ids.to(logits.device)
+    return next_token_logprobs(logits, packed_ids), packed_ids
+
+
 @dataclass
 class _Scored:
     """Every compared transition, concatenated over samples in sample order (K,), and per-sample diffs."""
@@ -589,22 +603,14 @@ def check_packed_equivalence(
     )
 
     # 2. Packed: the collator's rows, each sample found intact where the batch says it is.
-    batch = packed_batch if packed_batch is not None else _collate(collator, given)
-    if hasattr(batch, "to") and not isinstance(batch, dict):
-        batch = batch.to(device)
+    batch = _collate(collator, given) if packed_batch is None else packed_batch
+    batch = batch.to(device) if hasattr(batch, "to") and not isinstance(batch, dict) else batch
     packed_ids = _tensor(batch, "input_ids")
     packed_labels = _tensor(batch, "labels") if targets == "labels" or hasattr(batch, "labels") else None
     spans, problems = _packed_spans(batch, len(checked))
     problems += _placement_problems(spans, checked, packed_ids, packed_labels)
-    logits = packed_forward(model, batch)
-    if logits.shape[:-1] != packed_ids.shape:
-        raise ValueError(
-            f"packed_forward returned logits {tuple(logits.shape)} for input_ids {tuple(packed_ids.shape)}; "
-            "it must return (R, T, V) aligned with batch.input_ids"
-        )
-    packed_ids = packed_ids.to(logits.device)
-    logp = next_token_logprobs(logits, packed_ids)
-    labels = packed_labels.to(logits.device) if targets == "labels" else None
+    logp, packed_ids = _packed_logprobs(model, batch, packed_forward, packed_ids)
+    labels = packed_labels.to(logp.device) if targets == "labels" else None
 
     # 3. Compare sample by sample, then over every scored token.
     scored = _score(reference, logp, packed_ids, labels, spans, checked, targets, tokenizer)
