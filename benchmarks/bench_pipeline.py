@@ -169,10 +169,10 @@ class PaddedLoader:
         )
 
 
-def run_once(make_batches, count) -> tuple[int, float, float]:
+def run_once(make_loader, workers: int, count) -> tuple[int, float, float]:
     """(samples delivered, CPU seconds of this process, wall seconds) of one full pass."""
     cpu, wall = time.process_time(), time.perf_counter()
-    samples = sum(count(batch) for batch in make_batches())
+    samples = sum(count(batch) for batch in make_loader(workers))
     return samples, time.process_time() - cpu, time.perf_counter() - wall
 
 
@@ -212,10 +212,10 @@ def main() -> None:
     count_padded = lambda b: len(b["input_ids"])  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         urls = write_tars(tmp, args.samples, args.bad, args.per_shard, args.min_side, args.max_side)
-        n_packed, _, _ = run_once(lambda: packed(0), count_packed)  # warm-up; the mean pack size
+        n_packed, _, _ = run_once(packed, 0, count_packed)  # warm-up; the mean pack size
         stats = packed.ds.stats
         batch = args.batch or max(1, round(stats.samples_packed / stats.bins))
-        n_padded, _, _ = run_once(lambda: padded(0), count_padded)
+        n_padded, _, _ = run_once(padded, 0, count_padded)
         assert n_packed == n_padded == args.samples - args.bad, (n_packed, n_padded)
         print(
             f"{args.samples} samples ({args.bad} bad: {', '.join(BAD_KINDS)}) in {len(urls)} tar shards; Qwen2-VL, "
@@ -228,13 +228,13 @@ def main() -> None:
         for repeat in range(args.repeats):
             order = [("p", packed, count_packed), ("q", padded, count_padded)]
             for tag, make, count in order if repeat % 2 == 0 else order[::-1]:
-                n, cpu, _ = run_once(lambda: make(0), count)
+                n, cpu, _ = run_once(make, 0, count)
                 rows[f"{tag}0"].append(n / cpu)
                 if tag == "p":
                     phases.append(dict(packed.ds.stats.time))
             for tag, make, count in order if repeat % 2 else order[::-1]:
                 c0 = children_cpu()
-                n, _, wall = run_once(lambda: make(args.workers), count)
+                n, _, wall = run_once(make, args.workers, count)
                 rows[f"{tag}2"].append(n / wall)
                 rows[f"{tag}c2"].append(n / (children_cpu() - c0))
             load.append(os.getloadavg()[0])

@@ -198,7 +198,13 @@ import random  # noqa: E402
 
 import torch  # noqa: E402
 
-from vlm_pack.data.pipeline import BadSampleWarning, PackedDataLoader, PackedWebDataset, stream_info  # noqa: E402
+from vlm_pack.data.pipeline import (  # noqa: E402
+    BadSampleWarning,
+    PackedDataLoader,
+    PackedWebDataset,
+    StreamEnd,
+    stream_info,
+)
 from vlm_pack.offline import build_tokenizer, image_processor  # noqa: E402
 
 CAPACITY = 256
@@ -896,3 +902,35 @@ def test_an_image_header_over_max_image_pixels_is_refused_before_decoding(tmp_pa
         warnings.simplefilter("ignore", BadSampleWarning)
         assert sorted(_keys_of(list(ds))) == ["small"]
     assert ds.stats.reasons == {"image_too_large": 2}
+
+
+@pytest.mark.filterwarnings("ignore::vlm_pack.data.BadSampleWarning")
+def test_a_plain_dataloader_gets_only_batches_and_counts_bad_samples_after_each_streams_last_batch(tmp_path, qwen):
+    tok, ip = qwen
+    good = _small_shards(tmp_path / "good")  # two shards of two good samples
+    (tmp_path / "garbage.tar").write_bytes(b"this is not a tar file" * 50)
+    bad = write_shards(
+        [
+            {"key": "notext", "images": _encoded((20, 20), "PNG")},
+            {"key": "badheader", "images": (b"\x89PNG\r\n\x1a\n-cut", "png"), "caption": "x"},
+        ],
+        tmp_path / "bad",
+    )
+    # 2 workers deal the shards round robin: stream 0 reads good[0] then garbage.tar, stream 1 good[1]
+    # then the all-bad shard. A tiny min_fill_ratio emits each sample's pack as soon as it is read, so
+    # both streams count their bad shard after their last pack was made.
+    urls = [good[0], good[1], str(tmp_path / "garbage.tar"), bad[0]]
+    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=0.01)
+    items = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2))
+    assert not any(isinstance(item, StreamEnd) for item in items)
+    assert sorted(_keys_of(items)) == ["cap", "llava", "noph", "txt"] and len(items) == 4
+    last = {}
+    for item in items:
+        assert ds.observe(item) is item
+        last[stream_info(item)["snapshot"].stream] = stream_info(item)["snapshot"]
+    assert sorted(last) == [0, 1] and all(snapshot.done for snapshot in last.values())
+    assert last[0].stats.reasons == {"unreadable_shard": 1}
+    assert last[1].stats.reasons == {"missing_text": 1, "corrupt_image": 1}
+    assert ds.state_dict()["progress"]["complete"]
+    assert ds.stats.reasons == {"unreadable_shard": 1, "missing_text": 1, "corrupt_image": 1}
+    assert ds.stats.samples_read == 6 and ds.stats.samples_packed == 4 and ds.stats.samples_bad == 2

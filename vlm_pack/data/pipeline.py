@@ -23,8 +23,10 @@ Work split. The shards of an epoch (shuffled by ``shuffle_seed`` and the epoch) 
 
 Resume. The state of a stream lives in its worker, so each batch carries a snapshot of its stream *after*
 that batch: the read cursor (item, sample), the positions of the samples it holds (shuffle buffer, the
-packer's open bins, bins waiting to be collated), the packer and RNG states and cumulative stats (a
-stream whose final state no batch carries sends a ``StreamEnd`` marker instead).
+packer's open bins, bins waiting to be collated), the packer and RNG states and cumulative stats. A
+stream holds each batch back until it has made the next, so its last batch carries its final state (the
+end of its shards, bad samples after that batch included); only a stream that yields no batch at all (its
+shards unreadable, or all bad) sends a ``StreamEnd`` marker instead.
 The main process keeps the latest snapshot per stream (:meth:`PackedWebDataset.observe`, done for you by
 :class:`PackedDataLoader`); ``state_dict()`` is those snapshots. On ``load_state_dict``:
 
@@ -36,7 +38,7 @@ The main process keeps the latest snapshot per stream (:meth:`PackedWebDataset.o
   lost; the packs differ. With several ranks, pass every rank's state (a list) to ``load_state_dict``.
 
 Usage (with a plain ``DataLoader``, call ``ds.observe(item)`` on every item and skip the None it returns
-for a ``StreamEnd``; ``PackedDataLoader`` does both)::
+for a ``StreamEnd``, which only a stream without any batch yields; ``PackedDataLoader`` does both)::
 
     ds = PackedWebDataset("data/shard-{000000..000099}.tar", tokenizer=tok, image_processor=ip,
                           capacity=8192, shuffle_seed=0)  # or config=PackingConfig(capacity=8192, ...)

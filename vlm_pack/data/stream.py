@@ -2,9 +2,11 @@
 
 A *stream* is one (rank, DataLoader worker); :class:`StreamRunner` does its work inside the worker and
 attaches to every batch the metadata the main process tracks (:func:`stream_info`), including a
-:class:`~vlm_pack.data.state.StreamSnapshot` of the stream *after* that batch. A stream whose final state
-no batch carries (it yielded nothing: an unreadable shard, only bad samples) ends with a
-:class:`StreamEnd` marker, so the main process always learns that the stream is done and what it counted.
+:class:`~vlm_pack.data.state.StreamSnapshot` of the stream *after* that batch. Each batch is held back until
+the next one is made, so the last batch carries the stream's final state (``done``, and the bad samples
+read after it). Only a stream that yields no batch at all (an unreadable shard, only bad samples) ends
+with a :class:`StreamEnd` marker, so the main process always learns that the stream is done and what it
+counted; a plain ``DataLoader`` over streams that each yield a batch never sees one.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ _META = "__stream__"  # where a yielded batch carries its stream metadata (see s
 
 
 class StreamEnd:
-    """Yielded by a stream instead of a batch when no batch carried its final state (see the module doc).
+    """Yielded by a stream that yields no batch at all, to carry its final state (see the module doc).
 
     :class:`~vlm_pack.data.PackedDataLoader` and single-process iteration consume it; with a plain
     ``DataLoader``, ``dataset.observe(item)`` records it and returns None: skip such items.
@@ -157,7 +159,6 @@ class StreamRunner:
         self.stats = PipelineStats(capacity=ds.config.capacity, time={p: 0.0 for p in PHASES})
         self.collate = ds._collate()
         self.snapshot = snapshot
-        self.final_delivered = False  # a yielded item carried the stream's final state
 
     # -- bad data
     def _bad(self, url: str, key: str | None, reason: str, detail: str) -> None:
@@ -326,7 +327,7 @@ class StreamRunner:
                 f"in {sample.url}"
             )
 
-    def _make_batch(self, positions: list[int], done: bool) -> Any:
+    def _make_batch(self, positions: list[int]) -> Any:
         processed, picked, lengths, mismatched = [], [], [], []
         for pos in positions:
             sample = self.samples.pop(pos)
@@ -356,14 +357,13 @@ class StreamRunner:
         self.stats.bins += 1
         self.stats.samples_packed += len(processed)
         self.stats.tokens += sum(lengths)
-        _attach(batch, self._meta(picked, lengths, done))
+        _attach(batch, self._meta(picked, lengths, done=False))
         return batch
 
     def _meta(self, picked: list[_Sample], lengths: list[int], done: bool) -> dict[str, Any]:
         """The metadata of the next yielded item (a batch of ``picked``, or a :class:`StreamEnd`)."""
         started = time.thread_time()
         self.seq += 1
-        self.final_delivered = done
         meta = {
             "epoch": self.epoch,
             "generation": self.generation,
@@ -390,10 +390,9 @@ class StreamRunner:
             stats=stats,
         )
 
-    def _drain(self, final: bool) -> Iterator[Any]:
+    def _drain(self) -> Iterator[Any]:
         while self.ready:
-            positions = self.ready.popleft()
-            batch = self._make_batch(positions, final and not self.ready)
+            batch = self._make_batch(self.ready.popleft())
             if batch is not None:
                 yield batch
 
@@ -483,24 +482,41 @@ class StreamRunner:
                 self.samples[pos] = sample
                 self._push(pos)
                 times["pack"] += time.thread_time() - started
-                yield from self._drain(final=False)
+                yield from self._drain()
             self.cursor = Cursor(item_number + 1, 0)
 
-    def run(self) -> Iterator[Any]:
-        """The stream's batches; the last item yielded carries its final state (``snapshot.done``)."""
+    def _batches(self) -> Iterator[Any]:
+        """Every batch of the stream, each carrying the snapshot taken when it was made (not yet final)."""
         if self.snapshot is not None:
-            if self.snapshot.done:
-                return  # delivered to its end before the checkpoint
             self._restore(self.snapshot)
-            if self.cursor.item < len(self.items):  # else the final drain below yields them, flagging the last
-                yield from self._drain(final=False)
-        elif not self.items:
-            return  # more streams than shards: nothing to do, nothing to report
+            yield from self._drain()
         yield from self._read_all()
         self._flush()
-        yield from self._drain(final=True)
-        if not self.final_delivered:
+        yield from self._drain()
+
+    def run(self) -> Iterator[Any]:
+        """The stream's batches; the last item yielded carries its final state (``snapshot.done``).
+
+        Each batch is held back until the next one is made (or the stream ends), so the last batch can
+        carry the state after the stream's end, bad samples read after it included: a :class:`StreamEnd`
+        is yielded only by a stream that yields no batch at all. A held-back batch's snapshot, taken when
+        it was made, still describes the state after the consumer received it: resuming from it makes the
+        next batch again.
+        """
+        if self.snapshot is not None and self.snapshot.done:
+            return  # delivered to its end before the checkpoint
+        if self.snapshot is None and not self.items:
+            return  # more streams than shards: nothing to do, nothing to report
+        held = None
+        for batch in self._batches():
+            if held is not None:
+                yield held
+            held = batch
+        if held is None:
             yield StreamEnd(self._meta([], [], done=True))
+            return
+        stream_info(held)["snapshot"] = self._snapshot(done=True)  # same seq: the state after the end
+        yield held
 
 
 def identity(x: Any) -> Any:
