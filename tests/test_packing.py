@@ -16,12 +16,12 @@ from vlm_pack.packing import (
     PackResult,
     StreamPacker,
     Unpacked,
-    _bfd_histogram,
     balance_bins,
     bin_costs,
     pack,
     partition_imbalance,
 )
+from vlm_pack.packing.histogram import _bfd_histogram
 
 settings.register_profile(
     "packing", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow]
