@@ -41,70 +41,189 @@ def _bfd_histogram(
         return np.zeros(0, dtype=np.int64), 0
     if ranges is None:
         ranges = int(counts.sum()) >= 32 * distinct.size
-    take, new_bins = (_take_runs, _new_runs) if ranges else (_take_ids, _new_ids)
-    shortest = int(distinct[-1])
-    buckets: dict[int, list[Any]] = {}  # free space -> [bin count, stack of bins (top last)]
-    free_keys: list[int] = []  # sorted free-space values of the non-empty buckets
-    placed: list[Any] = []  # placement record: bins (ids or runs) in order ...
-    items_per_bin: list[int] = []  # ... and how many items each took in a row
-    new_keys: list[int] = []  # buckets created while placing one length, indexed afterwards
-
-    def place(stack: list[Any], num_bins: int, items: int, free: int) -> None:
-        """Record that each bin of ``stack`` took ``items`` items and now has ``free`` space: push them
-        on top of that bucket (bins with less than the shortest length free never take another item)."""
-        placed.extend(stack)
-        items_per_bin.extend([items] * len(stack))
+    table = _Buckets(int(distinct[-1]), ranges)
+    # Items longer than capacity / 2 never share a bin: each opens its own, in order, and the bins of
+    # one length form one bucket at free space capacity - length (ascending over this loop).
+    num_big = int(np.searchsorted(-distinct, -(capacity // 2), side="left"))
+    big_counts = counts[:num_big]
+    num_big_items = num_opened = int(big_counts.sum())
+    ends = np.cumsum(big_counts).tolist()
+    buckets, free_keys, new_bins, shortest = table.buckets, table.free_keys, table.new_bins, table.shortest
+    for length, count, end in zip(distinct[:num_big].tolist(), big_counts.tolist(), ends):
+        free = capacity - length
         if free >= shortest:
-            bucket = buckets.get(free)
+            buckets[free] = [count, *new_bins(end - count, count)]
+            free_keys.append(free)
+    lengths = distinct[num_big:].tolist()
+    counts_left = counts[num_big:].tolist()
+    index = 0
+    while index < len(lengths):
+        if counts_left[index] <= _FEW and not ranges:  # a run of lengths with a handful of items each
+            index, num_opened = _place_few(lengths, counts_left, index, table, capacity, num_opened)
+        else:
+            num_opened = _place_length(lengths[index], counts_left[index], table, capacity, num_opened)
+            index += 1
+    placed = table.expand()
+    return np.concatenate([np.arange(num_big_items, dtype=np.int64), placed]), num_opened
+
+
+_FEW = 16  # items of one length below which bin-by-bin placement beats moving whole buckets
+
+
+class _Buckets:
+    """Open bins by free space: ``buckets[free] = [bin count, *stack]`` (top of the stack last) and the
+    sorted ``free_keys``; plus the placement record (bins in placement order, items each took)."""
+
+    __slots__ = (
+        "buckets",
+        "free_keys",
+        "items_per_bin",
+        "new_bins",
+        "new_keys",
+        "placed",
+        "ranges",
+        "shortest",
+        "take",
+    )
+
+    def __init__(self, shortest: int, ranges: bool) -> None:
+        self.buckets: dict[int, list[Any]] = {}
+        self.free_keys: list[int] = []
+        self.new_keys: list[int] = []  # buckets created while placing one length, indexed afterwards
+        self.placed: list[Any] = []
+        self.items_per_bin: list[int] = []
+        self.shortest = shortest  # bins with less free space never take another item
+        self.ranges = ranges
+        self.take, self.new_bins = (_take_runs, _new_runs) if ranges else (_take_ids, _new_ids)
+
+    def place(self, stack: list[Any], num_bins: int, items: int, free: int) -> None:
+        """Record that each bin of ``stack`` took ``items`` items and now has ``free`` space; push the
+        bins, in order, on top of that bucket."""
+        self.placed += stack
+        self.items_per_bin += [items] * len(stack)
+        if free >= self.shortest:
+            bucket = self.buckets.get(free)
             if bucket is None:
-                buckets[free] = [num_bins, stack]
-                new_keys.append(free)
+                self.buckets[free] = [num_bins, *stack]
+                self.new_keys.append(free)
             else:
                 bucket[0] += num_bins
-                bucket[1] += stack
+                bucket += stack
 
-    num_opened = 0
+    def expand(self) -> np.ndarray:
+        """The placement record as ``item_bin`` (int64, one entry per placed item)."""
+        if self.ranges:
+            return _expand_runs(self.placed, self.items_per_bin)
+        return np.repeat(np.array(self.placed, dtype=np.int64), np.array(self.items_per_bin, dtype=np.int64))
+
+
+def _place_length(length: int, items_left: int, table: _Buckets, capacity: int, num_opened: int) -> int:
+    """Place every item of one length, a bucket at a time; return the new number of opened bins."""
+    free_keys = table.free_keys
+    buckets = table.buckets
+    take = table.take
+    place = table.place
+    first = pos = bisect.bisect_left(free_keys, length)  # the smallest bucket with room
+    num_keys = len(free_keys)
+    while items_left and pos < num_keys:
+        free = free_keys[pos]
+        bucket = buckets[free]
+        per_bin = free // length
+        in_bucket = bucket[0]
+        if items_left >= per_bin * in_bucket:  # the whole bucket fills up with this length
+            num_full, rest = in_bucket, 0
+            items_left -= per_bin * in_bucket
+        else:  # num_full bins take per_bin items, one more takes the rest
+            num_full, rest = divmod(items_left, per_bin)
+            items_left = 0
+        if num_full:
+            place(take(bucket, num_full), num_full, per_bin, free - per_bin * length)
+        if rest:  # lands at >= length, where every bucket is now empty
+            place(take(bucket, 1), 1, rest, free - rest * length)
+        bucket[0] = in_bucket = in_bucket - num_full - (rest > 0)
+        if not in_bucket:
+            del buckets[free]
+            pos += 1
+    del free_keys[first:pos]
+    if items_left:  # no bin has room: open bins of capacity // length items, the last maybe fewer
+        per_bin = capacity // length
+        num_full, rest = divmod(items_left, per_bin)
+        if num_full:
+            place(table.new_bins(num_opened, num_full), num_full, per_bin, capacity - per_bin * length)
+            num_opened += num_full
+        if rest:
+            place(table.new_bins(num_opened, 1), 1, rest, capacity - rest * length)
+            num_opened += 1
+    for free in table.new_keys:
+        bisect.insort(free_keys, free)
+    table.new_keys.clear()
+    return num_opened
+
+
+def _place_few(
+    lengths: list[int], counts: list[int], start: int, table: _Buckets, capacity: int, num_opened: int
+) -> tuple[int, int]:
+    """Place the lengths from ``start`` on while each has at most ``_FEW`` items, bin by bin (stacks of
+    bin ids only); return the index of the first length not placed and the new number of opened bins.
+
+    Cheaper than bucket-at-a-time when lengths are spread out: the top bin of the smallest bucket with
+    room (``free_keys[pos]``) takes what it can, and ``free_keys`` is kept sorted in place.
+    """
+    free_keys = table.free_keys
+    buckets = table.buckets
+    append_bin = table.placed.append
+    append_items = table.items_per_bin.append
+    shortest = table.shortest
     bisect_left = bisect.bisect_left
     insort = bisect.insort
-    for length, items_left in zip(distinct.tolist(), counts.tolist()):
-        first = pos = bisect_left(free_keys, length)  # the smallest bucket with room
-        num_keys = len(free_keys)
-        while items_left and pos < num_keys:
-            free = free_keys[pos]
-            bucket = buckets[free]
-            per_bin = free // length
-            in_bucket = bucket[0]
-            if items_left >= per_bin * in_bucket:  # the whole bucket fills up with this length
-                num_full, rest = in_bucket, 0
-                items_left -= per_bin * in_bucket
-            else:  # num_full bins take per_bin items, one more takes the rest
-                num_full, rest = divmod(items_left, per_bin)
-                items_left = 0
-            if num_full:
-                place(take(bucket[1], num_full), num_full, per_bin, free - per_bin * length)
-            if rest:  # lands at >= length, where every bucket is now empty
-                place(take(bucket[1], 1), 1, rest, free - rest * length)
-            bucket[0] = in_bucket = in_bucket - num_full - (rest > 0)
-            if not in_bucket:
-                del buckets[free]
-                pos += 1
-        del free_keys[first:pos]
-        if items_left:  # no bin has room: open bins of capacity // length items, the last maybe fewer
-            per_bin = capacity // length
-            num_full, rest = divmod(items_left, per_bin)
-            if num_full:
-                place(new_bins(num_opened, num_full), num_full, per_bin, capacity - per_bin * length)
-                num_opened += num_full
-            if rest:
-                place(new_bins(num_opened, 1), 1, rest, capacity - rest * length)
+    few = _FEW
+    for index in range(start, len(lengths)):
+        items_left = counts[index]
+        if items_left > few:
+            return index, num_opened
+        length = lengths[index]
+        pos = bisect_left(free_keys, length)
+        while items_left:
+            if pos < len(free_keys):
+                free = free_keys[pos]
+                bucket = buckets[free]
+                bin_id = bucket.pop()
+                bucket[0] -= 1
+                emptied = not bucket[0]
+                if emptied:
+                    del buckets[free]
+            else:  # no bin has room: open one
+                free, bin_id, emptied = capacity, num_opened, False
                 num_opened += 1
-        for free in new_keys:
-            insort(free_keys, free)
-        new_keys.clear()
-    return _expand(placed, items_per_bin, ranges), num_opened
+            items = free // length
+            if items > items_left:
+                items = items_left
+            items_left -= items
+            append_bin(bin_id)
+            append_items(items)
+            free -= items * length
+            if free >= length:  # done, and the bin keeps room: no bucket in [length, old free)
+                buckets[free] = [1, bin_id]
+                if emptied:
+                    free_keys[pos] = free
+                else:
+                    free_keys.insert(pos, free)
+                break
+            if emptied:
+                del free_keys[pos]
+            if free >= shortest:  # below length: lands under pos
+                bucket = buckets.get(free)
+                if bucket is None:
+                    buckets[free] = [1, bin_id]
+                    insort(free_keys, free)
+                    pos += 1
+                else:
+                    bucket[0] += 1
+                    bucket.append(bin_id)
+    return len(lengths), num_opened
 
 
-# A stack of bins is a list of bin ids, or of ``range`` runs of ids (bins opened together move
+# A stack of bins (a bucket after its count) holds bin ids, or ``range`` runs of ids (bins opened together move
 # together, so a million samples become a few thousand runs). ``take`` pops ``n`` bins off the top
 # and returns them in pop order (the most recently modified bin first).
 
@@ -139,12 +258,6 @@ def _new_runs(start: int, n: int) -> list[range]:
     return [range(start, start + n)]
 
 
-def _expand(placed: list[Any], items_per_bin: list[int], ranges: bool) -> np.ndarray:
-    if ranges:
-        return _expand_runs(placed, items_per_bin)
-    return np.repeat(np.array(placed, dtype=np.int64), np.array(items_per_bin, dtype=np.int64))
-
-
 def _expand_runs(rec_r: list[range], rec_q: list[int]) -> np.ndarray:
     """Placement record -> ``item_bin``: run ``rec_r[i]`` of bins, each taking ``rec_q[i]`` items in a row."""
     nrec = len(rec_r)
@@ -156,8 +269,6 @@ def _expand_runs(rec_r: list[range], rec_q: list[int]) -> np.ndarray:
     pos = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(first, sizes)
     bins = np.repeat(starts, sizes) + pos * np.repeat(steps, sizes)
     return np.repeat(bins, np.repeat(np.array(rec_q, dtype=np.int64), sizes))
-
-
 
 
 def _ffd_histogram(distinct: np.ndarray, counts: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
@@ -214,5 +325,3 @@ def _ffd_histogram(distinct: np.ndarray, counts: np.ndarray, capacity: int) -> t
                 nb += 1
             break
     return _expand_runs(rec_r, rec_q), nb
-
-
