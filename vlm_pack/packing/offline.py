@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -92,115 +93,41 @@ def pack(
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     _check_oversized(oversized)
     capacity = _as_positive_int(capacity, "capacity")
-    lens = _as_int_array(lengths, "lengths", allow_zero=False)
+    lens, vis, vision_cap = _validated(lengths, vision, vision_capacity)
     n = lens.size
-    vis: np.ndarray | None = None
-    vcap = 0
-    if vision is not None:
-        if vision_capacity is None:
-            raise ValueError("vision is given but vision_capacity is None: pass the per-bin vision budget")
-        vcap = _as_positive_int(vision_capacity, "vision_capacity")
-        vis = _as_int_array(vision, "vision", allow_zero=True)
-        if vis.size != n:
-            raise ValueError(f"vision has {vis.size} entries but lengths has {n}: give one per sample")
-    elif vision_capacity is not None:
-        raise ValueError("vision_capacity is given but vision is None: pass the per-sample vision costs")
-    max_n = n + 1
+    sample_cap = n + 1  # no cap: a number no bin reaches
     if max_samples_per_bin is not None:
-        max_n = _as_positive_int(max_samples_per_bin, "max_samples_per_bin")
-
-    unpacked: list[Unpacked] = []
-    truncated: dict[int, int] = {}
-    skip = np.zeros(n, dtype=bool)
-    over = lens > capacity
-    vover = vis > vcap if vis is not None else np.zeros(n, dtype=bool)
-    if over.any() or vover.any():
-        i_len = int(np.argmax(over)) if over.any() else n
-        i_vis = int(np.argmax(vover)) if vover.any() else n
-        if oversized == "raise":
-            if i_len <= i_vis:
-                raise ValueError(_oversize_message(f"sample {i_len}", int(lens[i_len]), capacity))
-            raise ValueError(_vision_oversize_message(f"sample {i_vis}", int(vis[i_vis]), vcap))
-        # a vision budget cannot be truncated: such samples are skipped under both policies
-        drop = vover | over if oversized == "skip" else vover
-        for i in np.flatnonzero(drop).tolist():
-            why = []
-            if over[i]:
-                why.append(f"length {int(lens[i])} > capacity {capacity}")
-            if vover[i]:
-                why.append(f"vision cost {int(vis[i])} > vision_capacity {vcap} (cannot be truncated)")
-            unpacked.append(Unpacked(i, "; ".join(why)))
-        skip = drop
-        if oversized == "truncate":
-            idx = np.flatnonzero(over & ~vover)
-            truncated = dict(zip(idx.tolist(), lens[idx].tolist()))
-            lens = np.where(over & ~vover, capacity, lens)
-    keep = np.flatnonzero(~skip) if skip.any() else None
+        sample_cap = _as_positive_int(max_samples_per_bin, "max_samples_per_bin")
+    lens, keep, unpacked, truncated = _apply_oversized(lens, vis, capacity, vision_cap, oversized)
     sub = lens if keep is None else lens[keep]
-    subv = None if vis is None else (vis if keep is None else vis[keep])
-    m = sub.size
+    sub_vis = None if vis is None else (vis if keep is None else vis[keep])
 
     bin_lengths = bin_vision = None
-    if m == 0:
+    if sub.size == 0:
         order = np.zeros(0, dtype=np.int64)
         offsets = np.zeros(1, dtype=np.int64)
     else:
-        constrained = subv is not None or max_n <= m
-        perm = None
-        if strategy in ("bfd", "ffd"):
-            if subv is None:
-                perm = _stable_argsort_desc(sub, capacity)
-            else:
-                perm = np.lexsort((-subv, -sub))  # lexsort is stable: ties keep index order
-        if strategy in ("bfd", "ffd") and not constrained:
-            if capacity <= 8 * m + (1 << 16):  # histogram over 0..capacity
-                hist = np.bincount(sub, minlength=capacity + 1)
-                distinct = np.flatnonzero(hist)[::-1]
-                counts = hist[distinct]
-            else:  # huge capacity: no capacity-sized arrays
-                distinct, counts = np.unique(sub, return_counts=True)
-                distinct, counts = distinct[::-1], counts[::-1]
-            core = _bfd_histogram if strategy == "bfd" else _ffd_histogram
-            item_bin, nb = core(distinct, counts, capacity)
-            plens_arr = np.repeat(distinct, counts)  # lengths in processing order, without a gather
-        else:
-            plens_arr = sub if perm is None else sub[perm]
-            plens = plens_arr.tolist()
-            pvis = None if subv is None else (subv if perm is None else subv[perm]).tolist()
-            lmin = int(sub.min())
-            if strategy == "bfd" and pvis is None:
-                ib, nb = _bfd_capped(plens, capacity, max_n, lmin)
-            elif strategy == "bfd":
-                if capacity > _MAX_TREE_CAPACITY:
-                    raise ValueError(
-                        f"capacity {capacity} is too large for best fit with a vision budget (its index "
-                        f"has one slot per free-space value, at most {_MAX_TREE_CAPACITY}); use "
-                        "strategy='ffd' or 'ff', whose index grows with the number of bins instead"
-                    )
-                ib, nb = _bfd_constrained(plens, pvis, capacity, vcap, max_n, lmin)
-            elif strategy in ("ffd", "ff"):
-                ib, nb = _first_fit(plens, pvis, capacity, vcap, max_n, lmin)
-            else:
-                ib, nb = _next_fit(plens, pvis, capacity, vcap, max_n)
-            item_bin = np.asarray(ib, dtype=np.int64)
+        perm, item_bin, num_bins, ordered = _run_core(
+            strategy, sub, sub_vis, capacity, vision_cap, sample_cap
+        )
         # per-bin sums by bincount (exact: float64 holds integers up to 2**53)
-        bin_lengths = np.bincount(item_bin, weights=plens_arr, minlength=nb).astype(np.int64)
-        if subv is not None:
-            pv = subv if perm is None else subv[perm]
-            bin_vision = np.bincount(item_bin, weights=pv, minlength=nb).astype(np.int64)
+        bin_lengths = np.bincount(item_bin, weights=ordered, minlength=num_bins).astype(np.int64)
+        if sub_vis is not None:
+            ordered_vis = sub_vis if perm is None else sub_vis[perm]
+            bin_vision = np.bincount(item_bin, weights=ordered_vis, minlength=num_bins).astype(np.int64)
         # bin-major order; inside a bin, processing order (the sort is stable)
-        within = _stable_argsort_ids(item_bin, nb)
+        within = _stable_argsort_ids(item_bin, num_bins)
         order = within if perm is None else perm[within]
         if keep is not None:
             order = keep[order]
-        offsets = np.zeros(nb + 1, dtype=np.int64)
-        np.cumsum(np.bincount(item_bin, minlength=nb), out=offsets[1:])
+        offsets = np.zeros(num_bins + 1, dtype=np.int64)
+        np.cumsum(np.bincount(item_bin, minlength=num_bins), out=offsets[1:])
 
     if seed is not None and offsets.size > 2:
-        p = np.random.default_rng(seed).permutation(offsets.size - 1)
-        order, offsets = _permute_bins(order, offsets, p)
-        bin_lengths = bin_lengths[p]
-        bin_vision = None if bin_vision is None else bin_vision[p]
+        new_to_old = np.random.default_rng(seed).permutation(offsets.size - 1)
+        order, offsets = _permute_bins(order, offsets, new_to_old)
+        bin_lengths = bin_lengths[new_to_old]
+        bin_vision = None if bin_vision is None else bin_vision[new_to_old]
 
     return PackResult(
         order=order,
@@ -209,13 +136,115 @@ def pack(
         capacity=capacity,
         strategy=strategy,
         vision=vis,
-        vision_capacity=vcap if vis is not None else None,
+        vision_capacity=vision_cap if vis is not None else None,
         max_samples_per_bin=max_samples_per_bin,
         unpacked=unpacked,
         truncated=truncated,
         bin_lengths=bin_lengths,
         bin_vision=bin_vision,
     )
+
+
+def _validated(lengths: Any, vision: Any, vision_capacity: Any) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """``lengths`` [N] and ``vision`` [N] (or None) as int64 arrays, and the vision budget (0 without)."""
+    lens = _as_int_array(lengths, "lengths", allow_zero=False)
+    if vision is None:
+        if vision_capacity is not None:
+            raise ValueError("vision_capacity is given but vision is None: pass the per-sample vision costs")
+        return lens, None, 0
+    if vision_capacity is None:
+        raise ValueError("vision is given but vision_capacity is None: pass the per-bin vision budget")
+    vision_cap = _as_positive_int(vision_capacity, "vision_capacity")
+    vis = _as_int_array(vision, "vision", allow_zero=True)
+    if vis.size != lens.size:
+        raise ValueError(f"vision has {vis.size} entries but lengths has {lens.size}: give one per sample")
+    return lens, vis, vision_cap
+
+
+def _apply_oversized(
+    lens: np.ndarray, vis: np.ndarray | None, capacity: int, vision_cap: int, oversized: str
+) -> tuple[np.ndarray, np.ndarray | None, list[Unpacked], dict[int, int]]:
+    """Apply the ``oversized`` policy: (lengths, indices kept or None for all, unpacked, truncated)."""
+    n = lens.size
+    over = lens > capacity
+    vision_over = vis > vision_cap if vis is not None else np.zeros(n, dtype=bool)
+    if not (over.any() or vision_over.any()):
+        return lens, None, [], {}
+    if oversized == "raise":
+        first_long = int(np.argmax(over)) if over.any() else n
+        first_vision = int(np.argmax(vision_over)) if vision_over.any() else n
+        if first_long <= first_vision:
+            raise ValueError(_oversize_message(f"sample {first_long}", int(lens[first_long]), capacity))
+        raise ValueError(
+            _vision_oversize_message(f"sample {first_vision}", int(vis[first_vision]), vision_cap)
+        )
+    # a vision budget cannot be truncated: such samples are skipped under both policies
+    drop = vision_over | over if oversized == "skip" else vision_over
+    unpacked = []
+    for sample in np.flatnonzero(drop).tolist():
+        why = []
+        if over[sample]:
+            why.append(f"length {int(lens[sample])} > capacity {capacity}")
+        if vision_over[sample]:
+            why.append(f"vision cost {int(vis[sample])} > vision_capacity {vision_cap} (cannot be truncated)")
+        unpacked.append(Unpacked(sample, "; ".join(why)))
+    truncated: dict[int, int] = {}
+    if oversized == "truncate":
+        clipped = np.flatnonzero(over & ~vision_over)
+        truncated = dict(zip(clipped.tolist(), lens[clipped].tolist()))
+        lens = np.where(over & ~vision_over, capacity, lens)
+    keep = np.flatnonzero(~drop) if drop.any() else None
+    return lens, keep, unpacked, truncated
+
+
+def _run_core(
+    strategy: str, lens: np.ndarray, vis: np.ndarray | None, capacity: int, vision_cap: int, sample_cap: int
+) -> tuple[np.ndarray | None, np.ndarray, int, np.ndarray]:
+    """Sort and hand the (kept) samples to the right core: (perm, item_bin, number of bins, lengths).
+
+    ``perm`` [M] is the processing order (None: data order); ``item_bin`` [M] the bin of each sample
+    and the last ``lengths`` [M] its length, both in processing order.
+    """
+    constrained = vis is not None or sample_cap <= lens.size
+    perm = None
+    if strategy in ("bfd", "ffd"):
+        perm = _stable_argsort_desc(lens, capacity) if vis is None else np.lexsort((-vis, -lens))
+        if not constrained:
+            distinct, counts = _length_histogram(lens, capacity)
+            core = _bfd_histogram if strategy == "bfd" else _ffd_histogram
+            item_bin, num_bins = core(distinct, counts, capacity)
+            return perm, item_bin, num_bins, np.repeat(distinct, counts)  # processing order, no gather
+    ordered_arr = lens if perm is None else lens[perm]
+    ordered = ordered_arr.tolist()
+    ordered_vis = None if vis is None else (vis if perm is None else vis[perm]).tolist()
+    shortest = int(lens.min())
+    if strategy == "bfd" and ordered_vis is None:
+        item_bin, num_bins = _bfd_capped(ordered, capacity, sample_cap, shortest)
+    elif strategy == "bfd":
+        if capacity > _MAX_TREE_CAPACITY:
+            raise ValueError(
+                f"capacity {capacity} is too large for best fit with a vision budget (its index "
+                f"has one slot per free-space value, at most {_MAX_TREE_CAPACITY}); use "
+                "strategy='ffd' or 'ff', whose index grows with the number of bins instead"
+            )
+        item_bin, num_bins = _bfd_constrained(
+            ordered, ordered_vis, capacity, vision_cap, sample_cap, shortest
+        )
+    elif strategy in ("ffd", "ff"):
+        item_bin, num_bins = _first_fit(ordered, ordered_vis, capacity, vision_cap, sample_cap, shortest)
+    else:
+        item_bin, num_bins = _next_fit(ordered, ordered_vis, capacity, vision_cap, sample_cap)
+    return perm, np.asarray(item_bin, dtype=np.int64), num_bins, ordered_arr
+
+
+def _length_histogram(lens: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct lengths, descending, and how many samples have each."""
+    if capacity <= 8 * lens.size + (1 << 16):  # histogram over 0..capacity
+        hist = np.bincount(lens, minlength=capacity + 1)
+        distinct = np.flatnonzero(hist)[::-1]
+        return distinct, hist[distinct]
+    distinct, counts = np.unique(lens, return_counts=True)  # huge capacity: no capacity-sized arrays
+    return distinct[::-1], counts[::-1]
 
 
 def _permute_bins(order: np.ndarray, offsets: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
