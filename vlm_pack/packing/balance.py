@@ -120,7 +120,6 @@ def _karmarkar_karp(costs: list[float], k: int, equal_count: bool) -> list[list[
     set, so every rank ends with the same number of bins.
     """
 
-
     n = len(costs)
     order = sorted(range(n), key=lambda i: (costs[i], i))
     heap: list[tuple[float, int, list[tuple[float, int, Any]]]] = []

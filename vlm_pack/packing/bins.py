@@ -265,7 +265,6 @@ def _segment_sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return np.add.reduceat(values, offsets[:-1]).astype(np.int64, copy=False)
 
 
-
 class PackedBin:
     """One bin from a :class:`StreamPacker`: the samples' keys and lengths in placement order, and totals.
 
@@ -310,4 +309,3 @@ class PackedBin:
     def __repr__(self) -> str:
         v = "" if self.visions is None else f", visions={self.visions}, vision_total={self.vision_total}"
         return f"PackedBin(keys={self.keys}, lengths={self.lengths}, total={self.total}{v})"
-

@@ -258,17 +258,17 @@ def _new_runs(start: int, n: int) -> list[range]:
     return [range(start, start + n)]
 
 
-def _expand_runs(rec_r: list[range], rec_q: list[int]) -> np.ndarray:
+def _expand_runs(placed: list[range], items_per_bin: list[int]) -> np.ndarray:
     """Placement record -> ``item_bin``: run ``rec_r[i]`` of bins, each taking ``rec_q[i]`` items in a row."""
-    nrec = len(rec_r)
-    starts = np.fromiter((rg.start for rg in rec_r), np.int64, nrec)
-    steps = np.fromiter((rg.step for rg in rec_r), np.int64, nrec)
-    sizes = np.fromiter(map(len, rec_r), np.int64, nrec)
-    first = np.zeros(nrec, dtype=np.int64)
+    num_runs = len(placed)
+    starts = np.fromiter((run.start for run in placed), np.int64, num_runs)
+    steps = np.fromiter((run.step for run in placed), np.int64, num_runs)
+    sizes = np.fromiter(map(len, placed), np.int64, num_runs)
+    first = np.zeros(num_runs, dtype=np.int64)
     np.cumsum(sizes[:-1], out=first[1:])
     pos = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(first, sizes)
     bins = np.repeat(starts, sizes) + pos * np.repeat(steps, sizes)
-    return np.repeat(bins, np.repeat(np.array(rec_q, dtype=np.int64), sizes))
+    return np.repeat(bins, np.repeat(np.array(items_per_bin, dtype=np.int64), sizes))
 
 
 def _ffd_histogram(distinct: np.ndarray, counts: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
@@ -279,49 +279,49 @@ def _ffd_histogram(distinct: np.ndarray, counts: np.ndarray, capacity: int) -> t
     the remaining items open bins of ``capacity // L`` items each, added to the tree in bulk.
     Same inputs and output as :func:`_bfd_histogram`.
     """
-    bt = _BinTree()
+    trees = _BinTree()
     free: list[int] = []
-    rec_r: list[range] = []
-    rec_q: list[int] = []
-    nb = 0
-    for length, k in zip(distinct.tolist(), counts.tolist()):
-        while k:
-            b = _tree_first_at_least(bt.tf, bt.size, 0, length) if nb else -1
-            if b >= 0:
-                t = min(k, free[b] // length)
-                rec_r.append(range(b, b + 1))
-                rec_q.append(t)
-                free[b] -= t * length
-                _tree_set(bt.tf, bt.size + b, free[b])
-                k -= t
+    placed: list[range] = []
+    items_per_bin: list[int] = []
+    num_opened = 0
+    for length, items_left in zip(distinct.tolist(), counts.tolist()):
+        while items_left:
+            bin_id = _tree_first_at_least(trees.tf, trees.size, 0, length) if num_opened else -1
+            if bin_id >= 0:
+                items = min(items_left, free[bin_id] // length)
+                placed.append(range(bin_id, bin_id + 1))
+                items_per_bin.append(items)
+                free[bin_id] -= items * length
+                _tree_set(trees.tf, trees.size + bin_id, free[bin_id])
+                items_left -= items
                 continue
-            q = capacity // length
-            nfull, rest = divmod(k, q)
-            while nb + nfull + 1 > bt.size:
-                bt.grow()
-            if nfull:
-                rec_r.append(range(nb, nb + nfull))
-                rec_q.append(q)
-                d = capacity - q * length
-                free.extend([d] * nfull)
-                tf = bt.tf
-                lo = bt.size + nb
-                hi = lo + nfull - 1
-                tf[lo : hi + 1] = [d] * nfull
+            per_bin = capacity // length
+            num_full, rest = divmod(items_left, per_bin)
+            while num_opened + num_full + 1 > trees.size:
+                trees.grow()
+            if num_full:
+                placed.append(range(num_opened, num_opened + num_full))
+                items_per_bin.append(per_bin)
+                left = capacity - per_bin * length
+                free.extend([left] * num_full)
+                free_tree = trees.tf
+                lo = trees.size + num_opened
+                hi = lo + num_full - 1
+                free_tree[lo : hi + 1] = [left] * num_full
                 lo >>= 1
                 hi >>= 1
                 while lo:  # rebuild the ancestors of the new leaves, level by level
-                    for j in range(lo, hi + 1):
-                        a, c = tf[2 * j], tf[2 * j + 1]
-                        tf[j] = a if a > c else c
+                    for node in range(lo, hi + 1):
+                        left_max, right_max = free_tree[2 * node], free_tree[2 * node + 1]
+                        free_tree[node] = left_max if left_max > right_max else right_max
                     lo >>= 1
                     hi >>= 1
-                nb += nfull
+                num_opened += num_full
             if rest:
-                rec_r.append(range(nb, nb + 1))
-                rec_q.append(rest)
+                placed.append(range(num_opened, num_opened + 1))
+                items_per_bin.append(rest)
                 free.append(capacity - rest * length)
-                _tree_set(bt.tf, bt.size + nb, free[nb])
-                nb += 1
+                _tree_set(trees.tf, trees.size + num_opened, free[num_opened])
+                num_opened += 1
             break
-    return _expand_runs(rec_r, rec_q), nb
+    return _expand_runs(placed, items_per_bin), num_opened

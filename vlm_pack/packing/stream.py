@@ -175,7 +175,9 @@ class StreamPacker:
             if self.oversized == "raise":
                 raise ValueError(_vision_oversize_message(f"sample {key!r}", vision, self._vision_cap))
             self.stats.skipped.append(
-                Unpacked(key, f"vision cost {vision} > vision_capacity {self._vision_cap} (cannot be truncated)")
+                Unpacked(
+                    key, f"vision cost {vision} > vision_capacity {self._vision_cap} (cannot be truncated)"
+                )
             )
             return None
         if length > self.capacity:
@@ -203,8 +205,8 @@ class StreamPacker:
         pos = bisect.bisect_left(index, length << _MT_BITS)
         n_open = len(index)
         if self.vision_capacity is not None and vision:
-            vcap = self._vision_cap
-            while pos < n_open and opened[index[pos]].vision_total + vision > vcap:
+            vision_cap = self._vision_cap
+            while pos < n_open and opened[index[pos]].vision_total + vision > vision_cap:
                 pos += 1
         if pos < n_open:
             b = opened.pop(index.pop(pos))
@@ -386,7 +388,8 @@ class StreamPacker:
             "config": {name: getattr(self, name) for name in _PACKER_KNOBS},
             "clock": self._clock,
             "open": [
-                {**_bin_state(packed), "mtime": packed._mtime} for packed in (self._open[k] for k in self._index)
+                {**_bin_state(packed), "mtime": packed._mtime}
+                for packed in (self._open[k] for k in self._index)
             ],
             "stats": {
                 **{name: getattr(stats, name) for name in _COUNTERS},
@@ -421,7 +424,9 @@ class StreamPacker:
         for saved in state["open"]:
             packed = _bin_from_state(saved)
             packed._mtime = int(saved["mtime"])
-            entries.append((((self.capacity - packed.total) << _MT_BITS) | (_MT_MASK - packed._mtime), packed))
+            entries.append(
+                (((self.capacity - packed.total) << _MT_BITS) | (_MT_MASK - packed._mtime), packed)
+            )
         entries.sort(key=lambda entry: entry[0])
         self._index = [index_key for index_key, _ in entries]
         self._open = dict(entries)
@@ -459,4 +464,3 @@ def _key(key: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- DP balancing
-
