@@ -137,15 +137,15 @@ class StreamPacker:
 
     def open_bins(self) -> list[PackedBin]:
         """Snapshot of the open (not yet emitted) bins, fullest first."""
-        return [self._as_packed(self._open[k]) for k in self._index]
+        return [self._as_packed(self._open[index_key]) for index_key in self._index]
 
-    def _as_packed(self, b: PackedBin) -> PackedBin:
+    def _as_packed(self, packed: PackedBin) -> PackedBin:
         return PackedBin(
-            list(b.keys),
-            list(b.lengths),
-            b.total,
-            None if b.visions is None else list(b.visions),
-            b.vision_total,
+            list(packed.keys),
+            list(packed.lengths),
+            packed.total,
+            None if packed.visions is None else list(packed.visions),
+            packed.vision_total,
         )
 
     # -- core
@@ -190,12 +190,12 @@ class StreamPacker:
             length = self.capacity
         return length, vision
 
-    def _emit(self, b: PackedBin, out: list[PackedBin]) -> None:
-        st = self.stats
-        st.bins_emitted += 1
-        st.samples_emitted += len(b.keys)
-        st.tokens_emitted += b.total
-        out.append(b)
+    def _emit(self, packed: PackedBin, out: list[PackedBin]) -> None:
+        stats = self.stats
+        stats.bins_emitted += 1
+        stats.samples_emitted += len(packed.keys)
+        stats.tokens_emitted += packed.total
+        out.append(packed)
 
     def _place(self, key: Any, length: int, vision: int, out: list[PackedBin]) -> None:
         index = self._index
@@ -209,13 +209,13 @@ class StreamPacker:
             while pos < n_open and opened[index[pos]].vision_total + vision > vision_cap:
                 pos += 1
         if pos < n_open:
-            b = opened.pop(index.pop(pos))
-            b.keys.append(key)
-            b.lengths.append(length)
-            if b.visions is not None:
-                b.visions.append(vision)
-            b.total += length
-            b.vision_total += vision
+            packed = opened.pop(index.pop(pos))
+            packed.keys.append(key)
+            packed.lengths.append(length)
+            if packed.visions is not None:
+                packed.visions.append(vision)
+            packed.total += length
+            packed.vision_total += vision
         else:
             if length >= self._threshold or self._sample_cap == 1 or length == self.capacity:
                 # a bin that would be emitted at once: do not evict an open bin for it
@@ -228,24 +228,26 @@ class StreamPacker:
                 return
             if n_open >= self.buffer_size:  # buffer full: emit the fullest bin to make room
                 self._emit(opened.pop(index.pop(0)), out)
-            b = PackedBin([key], [length], length, None if self.vision_capacity is None else [vision], vision)
-        free = self.capacity - b.total
-        if b.total >= self._threshold or free == 0 or len(b.keys) >= self._sample_cap:
-            self._emit(b, out)
+            packed = PackedBin(
+                [key], [length], length, None if self.vision_capacity is None else [vision], vision
+            )
+        free = self.capacity - packed.total
+        if packed.total >= self._threshold or free == 0 or len(packed.keys) >= self._sample_cap:
+            self._emit(packed, out)
             return
-        b._mtime = clock
-        k = (free << _MT_BITS) | (_MT_MASK - clock)
-        pos = bisect.bisect_left(index, k)
-        index.insert(pos, k)
-        opened[k] = b
+        packed._mtime = clock
+        index_key = (free << _MT_BITS) | (_MT_MASK - clock)
+        pos = bisect.bisect_left(index, index_key)
+        index.insert(pos, index_key)
+        opened[index_key] = packed
 
     def add(self, key: Any, length: int, vision: int = 0) -> list[PackedBin]:
         """Add one sample (``length`` = expanded tokens); return the bins this emitted (often none)."""
-        lv = self._validate(key, length, vision)
+        checked = self._validate(key, length, vision)
         self.stats.samples_seen += 1
         out: list[PackedBin] = []
-        if lv is not None:
-            self._place(key, lv[0], lv[1], out)
+        if checked is not None:
+            self._place(key, checked[0], checked[1], out)
         return out
 
     def add_many(
@@ -283,11 +285,11 @@ class StreamPacker:
         stats = self.stats
         validate = self._validate
         place = self._place
-        for key, length, v in zip(keys, lengths, visions, strict=True):
-            lv = validate(key, length, v)
+        for key, length, vision in zip(keys, lengths, visions, strict=True):
+            checked = validate(key, length, vision)
             stats.samples_seen += 1
-            if lv is not None:
-                place(key, lv[0], lv[1], out)
+            if checked is not None:
+                place(key, checked[0], checked[1], out)
         return out
 
     def _add_plain(self, keys: Iterable[Any], lengths: Iterable[int], out: list[PackedBin]) -> None:
@@ -295,61 +297,61 @@ class StreamPacker:
         index = self._index
         opened = self._open
         capacity = self.capacity
-        thr = self._threshold
+        threshold = self._threshold
         buffer_size = self.buffer_size
         validate = self._validate
         bisect_left = bisect.bisect_left
         stats = self.stats
         clock = self._clock
-        seen = emitted = nbins = tokens = 0
+        seen = emitted = bins_out = tokens = 0
         try:
             for key, length in zip(keys, lengths, strict=True):
                 if type(length) is not int or not 0 < length <= capacity:
-                    lv = validate(key, length, 0)
-                    if lv is None:
+                    checked = validate(key, length, 0)
+                    if checked is None:
                         seen += 1
                         continue
-                    length = lv[0]
+                    length = checked[0]
                 seen += 1
                 clock += 1
                 pos = bisect_left(index, length << _MT_BITS)
                 if pos < len(index):
-                    b = opened.pop(index.pop(pos))
-                    b.keys.append(key)
-                    b.lengths.append(length)
-                    total = b.total + length
-                    b.total = total
-                elif length >= thr or length == capacity:
+                    packed = opened.pop(index.pop(pos))
+                    packed.keys.append(key)
+                    packed.lengths.append(length)
+                    total = packed.total + length
+                    packed.total = total
+                elif length >= threshold or length == capacity:
                     out.append(PackedBin([key], [length], length))
                     emitted += 1
-                    nbins += 1
+                    bins_out += 1
                     tokens += length
                     continue
                 else:
                     if len(index) >= buffer_size:  # buffer full: emit the fullest bin
-                        f = opened.pop(index.pop(0))
-                        out.append(f)
-                        emitted += len(f.keys)
-                        nbins += 1
-                        tokens += f.total
-                    b = PackedBin([key], [length], length)
+                        fullest = opened.pop(index.pop(0))
+                        out.append(fullest)
+                        emitted += len(fullest.keys)
+                        bins_out += 1
+                        tokens += fullest.total
+                    packed = PackedBin([key], [length], length)
                     total = length
-                if total >= thr or total == capacity:
-                    out.append(b)
-                    emitted += len(b.keys)
-                    nbins += 1
+                if total >= threshold or total == capacity:
+                    out.append(packed)
+                    emitted += len(packed.keys)
+                    bins_out += 1
                     tokens += total
                     continue
-                b._mtime = clock
-                k = ((capacity - total) << _MT_BITS) | (_MT_MASK - clock)
-                pos = bisect_left(index, k)
-                index.insert(pos, k)
-                opened[k] = b
+                packed._mtime = clock
+                index_key = ((capacity - total) << _MT_BITS) | (_MT_MASK - clock)
+                pos = bisect_left(index, index_key)
+                index.insert(pos, index_key)
+                opened[index_key] = packed
         finally:  # also on a bad sample: the state stays consistent with the samples before it
             self._clock = clock
             stats.samples_seen += seen
             stats.samples_emitted += emitted
-            stats.bins_emitted += nbins
+            stats.bins_emitted += bins_out
             stats.tokens_emitted += tokens
 
     def flush(self) -> list[PackedBin]:
@@ -360,18 +362,18 @@ class StreamPacker:
         the samples are accounted for (train on them next epoch or log them).
         """
         out: list[PackedBin] = []
-        opened = [self._open[k] for k in self._index]
+        opened = [self._open[index_key] for index_key in self._index]
         self._open = {}
         self._index = []
-        st = self.stats
-        for b in opened:
-            if self.drop_last and b.total < self._threshold:
-                st.bins_dropped += 1
-                st.samples_dropped += len(b.keys)
-                st.tokens_dropped += b.total
-                self.dropped.append(b)
+        stats = self.stats
+        for packed in opened:
+            if self.drop_last and packed.total < self._threshold:
+                stats.bins_dropped += 1
+                stats.samples_dropped += len(packed.keys)
+                stats.tokens_dropped += packed.total
+                self.dropped.append(packed)
             else:
-                self._emit(b, out)
+                self._emit(packed, out)
         return out
 
     # -- state
@@ -389,7 +391,7 @@ class StreamPacker:
             "clock": self._clock,
             "open": [
                 {**_bin_state(packed), "mtime": packed._mtime}
-                for packed in (self._open[k] for k in self._index)
+                for packed in (self._open[index_key] for index_key in self._index)
             ],
             "stats": {
                 **{name: getattr(stats, name) for name in _COUNTERS},
