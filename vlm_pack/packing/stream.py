@@ -78,6 +78,12 @@ class StreamPacker:
     is plain Python data: ``state_dict()`` / ``load_state_dict()`` resume mid-epoch and emit exactly
     the bins an uninterrupted run would (JSON-serialisable as long as the sample keys are: str, int,
     or tuples of them, which come back as tuples).
+
+    The knobs are those of :class:`vlm_pack.config.PackingConfig`, which validates them:
+    ``StreamPacker.from_config(cfg)`` builds one from a config shared with ``PackedWebDataset`` and
+    the CLI (its streaming-only knobs are ignored here); ``packer.config`` is the validated config.
+    ``oversized="truncate"`` clips a too-long sample to ``capacity`` and lists it in
+    ``stats.truncated`` (the caller cuts the sample itself), as :func:`pack` does.
     """
 
     def __init__(
