@@ -48,11 +48,12 @@ def _bfd_histogram(
     big_counts = counts[:num_big]
     num_big_items = num_opened = int(big_counts.sum())
     ends = np.cumsum(big_counts).tolist()
-    buckets, free_keys, new_bins, shortest = table.buckets, table.free_keys, table.new_bins, table.shortest
+    buckets, free_keys, shortest = table.buckets, table.free_keys, table.shortest
     for length, count, end in zip(distinct[:num_big].tolist(), big_counts.tolist(), ends):
         free = capacity - length
         if free >= shortest:
-            buckets[free] = [count, *new_bins(end - count, count)]
+            run = range(end - count, end)
+            buckets[free] = [count, run] if ranges else [count, *run]
             free_keys.append(free)
     lengths = distinct[num_big:].tolist()
     counts_left = counts[num_big:].tolist()
