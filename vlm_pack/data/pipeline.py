@@ -24,9 +24,10 @@ Work split. The shards of an epoch (shuffled by ``shuffle_seed`` and the epoch) 
 Resume. The state of a stream lives in its worker, so each batch carries a snapshot of its stream *after*
 that batch: the read cursor (item, sample), the positions of the samples it holds (shuffle buffer, the
 packer's open bins, bins waiting to be collated), the packer and RNG states and cumulative stats. A
-stream holds each batch back until it has made the next, so its last batch carries its final state (the
-end of its shards, bad samples after that batch included); only a stream that yields no batch at all (its
-shards unreadable, or all bad) sends a ``StreamEnd`` marker instead.
+stream holds each batch back until it has another bin to collate, so its last batch carries its final
+state (the end of its shards, bad samples after that batch included); only a stream that yields no batch
+at all (its shards unreadable, or all bad) sends a ``StreamEnd`` marker instead (or, rarely, one whose
+bins after its last yielded batch all fail to decode).
 The main process keeps the latest snapshot per stream (:meth:`PackedWebDataset.observe`, done for you by
 :class:`PackedDataLoader`); ``state_dict()`` is those snapshots. On ``load_state_dict``:
 

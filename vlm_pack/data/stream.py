@@ -3,10 +3,11 @@
 A *stream* is one (rank, DataLoader worker); :class:`StreamRunner` does its work inside the worker and
 attaches to every batch the metadata the main process tracks (:func:`stream_info`), including a
 :class:`~vlm_pack.data.state.StreamSnapshot` of the stream *after* that batch. Each batch is held back until
-the next one is made, so the last batch carries the stream's final state (``done``, and the bad samples
-read after it). Only a stream that yields no batch at all (an unreadable shard, only bad samples) ends
-with a :class:`StreamEnd` marker, so the main process always learns that the stream is done and what it
-counted; a plain ``DataLoader`` over streams that each yield a batch never sees one.
+the stream has another bin to collate, so the last batch carries the stream's final state (``done``, and
+the bad samples read after it). Only a stream that yields no batch at all (an unreadable shard, only bad
+samples) ends with a :class:`StreamEnd` marker, so the main process always learns that the stream is done
+and what it counted; a plain ``DataLoader`` over streams that each yield a batch never sees one (unless
+every sample of the bins after a stream's last yielded batch fails to decode).
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ class StreamRunner:
         self.stats = PipelineStats(capacity=ds.config.capacity, time={p: 0.0 for p in PHASES})
         self.collate = ds._collate()
         self.snapshot = snapshot
+        self.flushed = False  # every sample read and the packer flushed: the bins left in ready are the last
 
     # -- bad data
     def _bad(self, url: str, key: str | None, reason: str, detail: str) -> None:
@@ -390,11 +392,9 @@ class StreamRunner:
             stats=stats,
         )
 
-    def _drain(self) -> Iterator[Any]:
+    def _drain(self) -> Iterator[list[int]]:
         while self.ready:
-            batch = self._make_batch(self.ready.popleft())
-            if batch is not None:
-                yield batch
+            yield self.ready.popleft()
 
     # -- reading
     def _read_item(
@@ -461,8 +461,8 @@ class StreamRunner:
                 f"{self.ds.urls[shard]}, index {index}); the shards changed since the state was saved."
             )
 
-    def _read_all(self) -> Iterator[Any]:
-        """Read the stream's plan items from the cursor on, forecasting and packing; yield ready batches."""
+    def _read_all(self) -> Iterator[list[int]]:
+        """Read the stream's plan items from the cursor on, forecasting and packing; yield ready bins."""
         times = self.stats.time
         first_item, first_sample = self.cursor.item, self.cursor.sample
         for item_number in range(first_item, len(self.items)):
@@ -485,33 +485,41 @@ class StreamRunner:
                 yield from self._drain()
             self.cursor = Cursor(item_number + 1, 0)
 
-    def _batches(self) -> Iterator[Any]:
-        """Every batch of the stream, each carrying the snapshot taken when it was made (not yet final)."""
+    def _bins(self) -> Iterator[list[int]]:
+        """The positions of every bin the stream emits, in order; ``self.flushed`` once reading is over."""
         if self.snapshot is not None:
             self._restore(self.snapshot)
             yield from self._drain()
         yield from self._read_all()
         self._flush()
+        self.flushed = True
         yield from self._drain()
 
     def run(self) -> Iterator[Any]:
         """The stream's batches; the last item yielded carries its final state (``snapshot.done``).
 
-        Each batch is held back until the next one is made (or the stream ends), so the last batch can
-        carry the state after the stream's end, bad samples read after it included: a :class:`StreamEnd`
-        is yielded only by a stream that yields no batch at all. A held-back batch's snapshot, taken when
-        it was made, still describes the state after the consumer received it: resuming from it makes the
-        next batch again.
+        Each batch is held back until the stream has another bin to collate (or has ended), so the last
+        batch carries the state after the stream's end, bad samples read after it included. A held batch
+        goes out before the next bin is preprocessed (a stream keeps at most one batch), except before the
+        stream's last bin: if all of that bin's samples fail to decode, the held batch is the last one.
+        Only a stream that yields no batch at all (or, rarely, whose bins after its last yielded batch all
+        fail to decode) ends with a :class:`StreamEnd`. A held batch's snapshot, taken when it was made,
+        still describes the state after the consumer received it: resuming from it makes the next again.
         """
         if self.snapshot is not None and self.snapshot.done:
             return  # delivered to its end before the checkpoint
         if self.snapshot is None and not self.items:
             return  # more streams than shards: nothing to do, nothing to report
         held = None
-        for batch in self._batches():
-            if held is not None:
+        for positions in self._bins():
+            if held is not None and not (self.flushed and not self.ready):
                 yield held
-            held = batch
+                held = None
+            batch = self._make_batch(positions)
+            if batch is not None:
+                if held is not None:
+                    yield held
+                held = batch
         if held is None:
             yield StreamEnd(self._meta([], [], done=True))
             return
