@@ -13,14 +13,14 @@ import pytest
 
 pytest.importorskip("megatron.energon", reason="needs the [energon] extra")
 
-from megatron.energon import WorkerConfig, get_savable_loader  # noqa: E402
-from megatron.energon.errors import reraise_exception  # noqa: E402
+from megatron.energon import WorkerConfig, get_savable_loader
+from megatron.energon.errors import reraise_exception
 
-from vlm_pack import process_sample  # noqa: E402
-from vlm_pack.data import write_shards  # noqa: E402
-from vlm_pack.demo import demo_records  # noqa: E402
-from vlm_pack.integrations.energon import VLMPackingTaskEncoder, packed_train_dataset  # noqa: E402
-from vlm_pack.offline import build_tokenizer, image_processor  # noqa: E402
+from vlm_pack import process_sample
+from vlm_pack.data import write_shards
+from vlm_pack.demo import demo_records
+from vlm_pack.integrations.energon import VLMPackingTaskEncoder, packed_train_dataset
+from vlm_pack.offline import build_tokenizer, image_processor
 
 NUM = 16
 CAPACITY = 2048

@@ -213,14 +213,18 @@ def packed_train_dataset(
     num_workers: int = 0,
     packing_buffer_size: int = 32,
     shuffle_buffer_size: int | None = None,
-    repeat: bool = False,
+    repeat: bool = True,
     worker_config: WorkerConfig | None = None,
     **kwargs: Any,
 ) -> Any:
     """``get_train_dataset`` for packs: one item per pack (``batch_size=None``); ``repeat=False`` is one epoch.
 
     Wrap it with ``megatron.energon.get_savable_loader`` to save (``save_state_rank``) and restore
-    (``restore_state_rank``, before iterating) mid-epoch.
+    (``restore_state_rank``, before iterating) mid-run: with ``repeat=True`` (Energon's training default) the
+    restored loader yields exactly the packs of an uninterrupted run. With ``repeat=False``, Energon 7.4.1
+    resets a worker's epoch state as soon as its last sample has entered the packing buffer, so a state saved
+    during the last ``packing_buffer_size`` samples of a worker's share restores into a fresh pass (samples
+    repeat): restore one-epoch runs only from states saved before that point.
     """
     if worker_config is None:
         worker_config = WorkerConfig(rank=rank, world_size=world_size, num_workers=num_workers)
