@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -112,3 +115,11 @@ def test_streaming_dataset_trains_and_num_tokens_is_the_real_count(parts):
     real = [sum(len(s["input_ids"]) for s in collator.samples([r])) for r in rows]
     assert [h["num_tokens"] for h in logs] == [real[0], real[0] + real[1]]
     assert all(0 <= h["mean_token_accuracy"] <= 1 and h["entropy"] > 0 for h in logs)
+
+
+def test_importing_vlm_pack_and_integrations_imports_neither_trainer_library():
+    code = (
+        "import sys, vlm_pack, vlm_pack.integrations; "
+        "assert 'trl' not in sys.modules and 'megatron.energon' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -178,10 +178,14 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
             for s in samples
         ]
         for s, p in zip(samples, processed):
-            if self.layout == "expanded" and len(p["input_ids"]) != s.length:
+            tpi = p.get("tokens_per_image")
+            n = len(p["input_ids"])
+            if self.layout == "collapsed" and tpi is not None:  # one placeholder per image
+                n += int(tpi.sum()) - len(tpi)
+            if n != s.length:
                 raise RuntimeError(
-                    f"sample {s.__key__!r}: forecast {s.length} tokens, processed {len(p['input_ids'])}: the "
-                    "vision spec does not match the image processor"
+                    f"sample {s.__key__!r}: forecast {s.length} tokens, processed {n}: the vision spec does "
+                    "not match the image processor (build both from the same checkpoint)"
                 )
         batch = self.collator.collate(processed)
         if batch.num_rows != 1:
