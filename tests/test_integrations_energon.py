@@ -55,7 +55,17 @@ def _loader(setup, rank, world, workers, encoder=None, repeat=False):
     # would hold the same sample twice.
     ds = packed_train_dataset(str(setup[0]), encoder or _encoder(setup), worker_config=wc, packing_buffer_size=3,
                               repeat=repeat)
-    return get_savable_loader(ds)
+    return get_savable_loader(ds, watchdog_timeout_seconds=None)
+
+
+def _take(loader, n):
+    """The keys of the next ``n`` packs; then stop the loader's worker processes now (an abandoned persistent
+    iterator is otherwise shut down by a later garbage collection, stalling whatever runs then)."""
+    keys = [p.keys for p in itertools.islice(loader, n)]
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        iterator._shutdown_workers()
+    return keys
 
 
 def test_packs_hold_the_processed_samples_within_capacity(setup):
@@ -85,13 +95,14 @@ def test_restart_mid_epoch_resumes_the_same_packs(setup, workers):
     """Saved after 2 packs and restored in a new loader, each rank yields exactly the packs (hence samples) of
     the uninterrupted run: none repeated, none lost."""
     for rank in range(2):
-        full = [p.keys for p in itertools.islice(_loader(setup, rank, 2, workers, repeat=True), 6)]
+        full = _take(_loader(setup, rank, 2, workers, repeat=True), 6)
         loader = _loader(setup, rank, 2, workers, repeat=True)
         head = [p.keys for p in itertools.islice(loader, 2)]
         state = loader.save_state_rank()
+        _take(loader, 0)
         restored = _loader(setup, rank, 2, workers, repeat=True)
         restored.restore_state_rank(state)
-        tail = [p.keys for p in itertools.islice(restored, 4)]
+        tail = _take(restored, 4)
         assert head + tail == full, f"rank {rank}, {workers} workers: the restart changed the packs"
 
 
