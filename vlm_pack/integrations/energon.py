@@ -30,7 +30,6 @@ and load it with :func:`packed_train_dataset` (``batch_size=None``: every item i
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 try:
@@ -48,11 +47,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "vlm_pack.integrations.energon needs Megatron-Energon: pip install 'vlm-pack[energon]'"
     ) from exc
 
-from ..collate import PackedBatch, PackingCollator
-from ..data.reader import read_header
-from ..packing import pack
-from ..processing import forecast_length, process_sample
-from ..vision import vision_spec_from_processor
+from .. import PackedBatch, PackingCollator, forecast_length, pack, process_sample, vision_spec_from_processor
+from ..data import read_header
 
 __all__ = ["PackedVLMSample", "VLMPackingTaskEncoder", "VLMSample", "packed_train_dataset"]
 
@@ -244,7 +240,3 @@ def packed_train_dataset(
         **kwargs,
     )
 
-
-def pack_keys(packs: Sequence[PackedVLMSample]) -> list[str]:
-    """The sample keys of ``packs``, in order (for exactly-once checks)."""
-    return [key for p in packs for key in p.keys]

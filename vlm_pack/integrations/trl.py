@@ -27,7 +27,6 @@ it is set up by hand. Four pieces do that::
 from __future__ import annotations
 
 import json
-import logging
 import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -41,12 +40,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import torch
 
-from ..collate import IGNORE_INDEX, PackingCollator
-from ..data.reader import read_header, stream_tar_samples
-from ..packing import pack
-from ..processing import forecast_length, process_sample
+from .. import PackingCollator, forecast_length, pack, process_sample, vision_spec_from_processor
+from ..data import SampleError, read_header, stream_tar_samples
 from ..testing import pad_samples
-from ..vision import vision_spec_from_processor
 
 __all__ = [
     "NUM_TOKENS_KEY",
@@ -56,8 +52,6 @@ __all__ = [
     "packed_dataset",
     "packed_sft_config",
 ]
-
-logger = logging.getLogger(__name__)
 
 #: The batch key carrying the real token count of a packed micro-batch (popped by PackedSFTTrainer).
 NUM_TOKENS_KEY = "num_real_tokens"
@@ -122,7 +116,10 @@ def _read_shards(urls: Sequence[str]) -> Iterator[tuple[str, list[bytes], Any, l
     """(key, image bytes, conversation, image (width, height) from the headers) of every sample."""
     for url in urls:
         for raw in stream_tar_samples(url):
-            header = read_header(raw)
+            try:
+                header = read_header(raw)
+            except SampleError as exc:
+                raise ValueError(f"{url}: sample {raw.get('__key__')!r}: {exc}") from exc
             images = [raw[name] for name in header.image_names]
             yield raw["__key__"], images, header.conversation, header.image_sizes
 
@@ -265,7 +262,7 @@ def _padded_inputs(samples: list[dict[str, torch.Tensor]], pad_token_id: int) ->
     """One sample per row, right-padded, with an attention mask; labels padded with -100."""
     inputs = pad_samples(samples, pad_token_id=pad_token_id)
     inputs["labels"] = torch.nn.utils.rnn.pad_sequence(
-        [s["labels"] for s in samples], batch_first=True, padding_value=IGNORE_INDEX
+        [s["labels"] for s in samples], batch_first=True, padding_value=-100
     )
     return inputs
 
