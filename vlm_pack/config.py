@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 _OVERSIZED = ("raise", "skip", "truncate")
+#: Default ``max_image_pixels``: Pillow's own default ``Image.MAX_IMAGE_PIXELS`` (1024**3 // 4 // 3), fixed
+#: here so that a training script that switches Pillow's check off (``Image.MAX_IMAGE_PIXELS = None``)
+#: does not switch this one off too.
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 _VISION_COST = ("patches", "images")
 
 
@@ -44,14 +48,16 @@ class PackingConfig:
         max_samples_per_bin: at most this many samples per pack (None: no cap).
         vision_capacity: at most this much vision cost per pack (None: no cap); see ``vision_cost``.
         vision_cost: what ``vision_capacity`` counts: ViT "patches" or "images".
-        oversized: a sample longer than ``capacity``: "raise", "skip" (reported) or "truncate" (offline only).
+        oversized: a sample longer than ``capacity``: "raise", "skip" (reported) or "truncate" (clipped and
+            reported by ``pack`` and ``StreamPacker``; ``PackedWebDataset`` refuses it: it cannot cut a sample).
         pad_to_multiple_of: each sample is padded to this multiple (context parallelism: ``pad_multiple_for``).
     Streaming:
         shuffle_seed: shuffle shards and samples with this seed per epoch (None: keep the order).
         shuffle_buffer: samples held for shuffling (ignored without ``shuffle_seed``).
         on_error: a sample that cannot be read: "warn" (skip, count, warn) or "raise".
         exif_transpose: apply EXIF orientation, as ``ImageOps.exif_transpose`` and the forecast do.
-        max_image_pixels: refuse an image whose header declares more pixels, before decoding (None: no cap).
+        max_image_pixels: refuse an image whose header declares more pixels, before decoding, counted as
+            ``image_too_large`` (default: Pillow's default limit, ``DEFAULT_MAX_IMAGE_PIXELS``; None: no cap).
     """
 
     capacity: int
@@ -67,7 +73,7 @@ class PackingConfig:
     shuffle_buffer: int = 256
     on_error: str = "warn"
     exif_transpose: bool = True
-    max_image_pixels: int | None = None
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once
