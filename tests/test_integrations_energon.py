@@ -116,6 +116,11 @@ def test_oversized_samples_are_reported_not_lost(setup, caplog):
     assert all(reason.endswith("> capacity 512") for _, reason in encoder.left_out)
 
 
+def test_oversized_raise_names_the_sample(setup):
+    with pytest.raises(ValueError, match=r"sample 'demo-\d+': \d+ tokens > capacity 512"):
+        list(_loader(setup, 0, 1, 0, _encoder(setup, capacity=512, oversized="raise")))
+
+
 def test_collapsed_layout_gives_megatron_packed_seq_params(setup):
     encoder = _encoder(setup, layout="collapsed", pad_to_multiple_of=4)
     pack = next(iter(_loader(setup, 0, 1, 0, encoder)))

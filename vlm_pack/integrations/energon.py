@@ -82,7 +82,9 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         family: model family when no ``config`` is given.
         layout: ``"expanded"`` (HF models) or ``"collapsed"`` (Megatron: one placeholder per image).
         pad_to_multiple_of: per-sample padding for context/sequence parallelism (``pad_multiple_for``).
-        oversized: ``"report"`` (warn, count, leave the sample out) or ``"raise"``.
+        oversized: ``"report"`` (warn, record in :attr:`left_out`, leave the sample out) or ``"raise"``
+            (pair it with ``WorkerConfig(global_error_handler=megatron.energon.errors.reraise_exception)``:
+            Energon's default handler logs a failed selection and skips its whole buffer).
 
     Use with ``get_train_dataset(..., batch_size=None, packing_buffer_size=N, task_encoder=encoder)`` or
     :func:`packed_train_dataset`.
@@ -196,9 +198,9 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
             keys=[samples[i].__key__ for i in batch.sample_index.tolist()],
         )
 
-    def batch(self, samples: list[PackedVLMSample]) -> PackedVLMSample | list[PackedVLMSample]:
-        # batch_size=None never calls this; with a batch size, keep the packs as a list (one row each).
-        return samples[0] if len(samples) == 1 else samples
+    def batch(self, samples: list[PackedVLMSample]) -> list[PackedVLMSample]:
+        # batch_size=None never calls this; with a batch size, a batch is the list of its packs (a row each).
+        return samples
 
     def encode_batch(self, batch: Any) -> Any:
         return batch
