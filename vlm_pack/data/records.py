@@ -32,7 +32,7 @@ from typing import Any
 
 from .shards import SampleError, _llava_turns, image_fields, parse_text
 
-__all__ = ["LAYOUTS", "Sample", "detect_layout", "normalise_record"]
+__all__ = ["LAYOUTS", "Sample", "detect_layout", "normalise_record", "record_key"]
 
 #: Accepted layouts, each with one record example (shown in the error for a record that fits none).
 LAYOUTS: dict[str, str] = {
@@ -197,6 +197,15 @@ def _images(raw: Any, where: str, root: Path | None) -> tuple[Any, ...]:
     return tuple(_image(item, where, i, root) for i, item in enumerate(items))
 
 
+def record_key(record: Any, default: str) -> str:
+    """The key a record names (``key``, ``__key__`` or ``id``), else ``default``."""
+    if isinstance(record, Mapping):
+        found = next((record[k] for k in _KEY_FIELDS if record.get(k) is not None), None)
+        if found is not None:
+            return str(found)
+    return default
+
+
 def normalise_record(
     record: Mapping[str, Any],
     *,
@@ -223,8 +232,7 @@ def normalise_record(
         raise SampleError("bad_text", f"{where}: a record must be a dict, got {type(record).__name__}")
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
-    found = next((record[k] for k in _KEY_FIELDS if record.get(k) is not None), key)
-    key = str(found) if found is not None else where
+    key = record_key(record, key if key is not None else where)
     label = _label(where, key)
     chosen = layout or detect_layout(record)
     root = Path(image_root) if image_root is not None else None

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .records import Sample, normalise_record
+from .records import Sample, normalise_record, record_key
 from .shards import SampleError
 
 __all__ = [
@@ -70,13 +70,15 @@ class Source:
 @dataclass(frozen=True)
 class Chunk:
     """A piece of source ``source`` (an index into the ``open_sources`` list) that ``read_chunk`` reads:
-    rows ``[start, stop)``, parquet ``row_groups``, or ``records`` shipped with it."""
+    rows ``[start, stop)``, parquet ``row_groups``, ``records`` shipped with it, or for JSON Lines the
+    bytes ``[start, stop)`` whose first line is ``line``."""
 
     source: int
     start: int = 0
     stop: int | None = None
     row_groups: tuple[int, ...] = ()
     records: tuple[Any, ...] = ()
+    line: int = 1
 
 
 def _kind(path: Path) -> str | None:
@@ -228,8 +230,25 @@ def chunks(sources: Sequence[Source], chunk_rows: int = 1024) -> Iterator[Chunk]
                 yield Chunk(index, start, stop, records=tuple(src.ref[start:stop]))
         elif src.kind == "iterable":
             yield from _iterable_chunks(index, src.ref, chunk_rows)
-        else:  # jsonl, tar: the worker reads the whole file
+        elif src.kind == "jsonl":
+            yield from _jsonl_chunks(index, src.ref, chunk_rows)
+        else:  # a tar shard is read whole, front to back
             yield Chunk(index)
+
+
+def _jsonl_chunks(index: int, path: Path, chunk_rows: int) -> Iterator[Chunk]:
+    start = offset = rows = 0
+    first = line = 1
+    with open(path, "rb") as f:
+        for text in f:
+            offset += len(text)
+            line += 1
+            rows += bool(text.strip())
+            if rows == chunk_rows:
+                yield Chunk(index, start, offset, line=first)
+                start, first, rows = offset, line, 0
+    if rows:
+        yield Chunk(index, start, offset, line=first)
 
 
 def _parquet_chunks(index: int, path: Path, chunk_rows: int) -> Iterator[Chunk]:
@@ -296,22 +315,24 @@ def read_chunk(sources: Sequence[Source], chunk: Chunk) -> Iterator[tuple[str, s
         for row, record in enumerate(rows, chunk.start):
             yield fmt.format(src.name, row), f"{stem}-{row}", record
     elif src.kind == "jsonl":
-        yield from _jsonl_records(src.ref, stem)
+        yield from _jsonl_records(src.ref, stem, chunk)
     else:
         yield from _tar_records(src.ref)
 
 
-def _jsonl_records(path: Path, stem: str) -> Iterator[tuple[str, str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                record = SampleError("bad_text", f"{where}: not valid JSON ({e}).")
-            yield where, f"{stem}-{lineno}", record
+def _jsonl_records(path: Path, stem: str, chunk: Chunk) -> Iterator[tuple[str, str, Any]]:
+    with open(path, "rb") as f:
+        f.seek(chunk.start)
+        lines = f.read(chunk.stop - chunk.start).split(b"\n")  # not splitlines: JSON strings hold U+2028
+    for lineno, line in enumerate(lines, chunk.line):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            record = SampleError("bad_text", f"{where}: not valid JSON ({e}).")
+        yield where, f"{stem}-{lineno}", record
 
 
 def _tar_records(path: Path) -> Iterator[tuple[str, str, Any]]:
@@ -352,7 +373,7 @@ def chunk_samples(
                     record, layout=layout, key=key, where=where, image_root=src.image_root
                 )
             except SampleError as e:
-                record = e
+                key, record = record_key(record, key), e
         yield where, key, record
 
 
