@@ -195,7 +195,7 @@ def test_oversized_and_unreadable_samples_are_reported(columns, model, lengths):
         )
 
 
-def test_hf_trainer_reads_every_pack(dataset, model, tmp_path):
+def test_hf_trainer_trains_on_the_packs(dataset, model, tmp_path):
     from transformers import Trainer, TrainingArguments
 
     from vlm_pack.offline import tiny_model
@@ -204,15 +204,18 @@ def test_hf_trainer_reads_every_pack(dataset, model, tmp_path):
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=1,
-        train_sampling_strategy="sequential",
+        train_sampling_strategy="sequential",  # the plan's order (rank-interleaved under Accelerate)
         remove_unused_columns=False,
+        max_steps=2,
         report_to=[],
         use_cpu=True,
+        save_strategy="no",
     )
-    trainer = Trainer(
-        model=tiny_model("qwen2_vl"), args=args, train_dataset=ds, data_collator=ds.trainer_collator()
-    )
+    net = tiny_model("qwen2_vl", model[0]).train()
+    trainer = Trainer(model=net, args=args, train_dataset=ds, data_collator=ds.trainer_collator("sdpa"))
     batches = list(trainer.get_train_dataloader())
     assert len(batches) == len(ds)
-    assert sum(int((b["labels"] != -100).any(-1).sum()) for b in batches) >= 1
-    assert sum(len(ds.rows_of(ds.bin_of(i)[2])) for i in range(len(ds))) == N
+    assert sorted(r for i in range(len(ds)) for r in ds.rows_of(ds.bin_of(i)[2])) == list(range(N))
+    assert all("attention_mask" not in b and b["input_ids"].shape == (1, CAPACITY) for b in batches)
+    result = trainer.train()
+    assert result.global_step == 2 and np.isfinite(result.training_loss)

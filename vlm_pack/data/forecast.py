@@ -131,12 +131,23 @@ class _ChunkResult:
     invalid: list[tuple[str, str, str]] = field(default_factory=list)
 
 
-def _forecast_one(f: _Forecaster, sample: Sample, out: _ChunkResult) -> None:
-    from ..processing import tokenize_conversation
+@dataclass
+class _Pending:
+    """A sample read, sized and rendered, waiting for its chunk's one tokenizer call."""
+
+    ordinal: int
+    sample: Sample
+    counts: list[int]
+    patches: int
+    prompt: str
+
+
+def _prepare(f: _Forecaster, sample: Sample, ordinal: int) -> _Pending:
+    from ..processing import render_prompt
 
     sizes = image_sizes(sample, exif_transpose=f.exif_transpose)
     try:
-        ids, _ = tokenize_conversation(
+        _, texts = render_prompt(
             sample.conversation,
             tokenizer=f.tokenizer,
             family=f.family,
@@ -149,37 +160,75 @@ def _forecast_one(f: _Forecaster, sample: Sample, out: _ChunkResult) -> None:
     except (ValueError, TypeError) as e:
         message = str(e) if sample.key in str(e) else f"sample {sample.key!r}: {e}"
         raise SampleError("bad_text", f"{sample.label}: {message}") from None
-    if counts:
+    return _Pending(ordinal, sample, counts, patches, "".join(texts))
+
+
+def _token_ids(f: _Forecaster, pending: list[_Pending]) -> list[list[int]]:
+    """The ids ``tokenize_conversation`` gives each prompt: one batched call for a fast tokenizer."""
+    from ..processing import tokenize_conversation
+
+    if not pending:
+        return []
+    if getattr(f.tokenizer, "is_fast", False):  # the whole prompt in one piece, as tokenize_conversation
+        return list(f.tokenizer([p.prompt for p in pending], add_special_tokens=False)["input_ids"])
+    return [  # a slow tokenizer is run segment by segment there: do exactly that
+        tokenize_conversation(
+            p.sample.conversation,
+            tokenizer=f.tokenizer,
+            family=f.family,
+            num_images=len(p.counts),
+            template=f.template,
+            key=p.sample.key,
+        )[0]
+        for p in pending
+    ]
+
+
+def _add(f: _Forecaster, p: _Pending, ids: list[int], out: _ChunkResult) -> None:
+    ids_a = np.asarray(ids)
+    pos = np.flatnonzero(ids_a == f.image_id)
+    if pos.size != len(p.counts):
+        raise SampleError(
+            "bad_text",
+            f"{p.sample.label}: {len(p.counts)} image(s) became {pos.size} image token(s); the tokenizer must "
+            "keep the image token as one special token.",
+        )
+    if p.counts:
         # Collapsed placeholder positions -> expanded starts: shift by the earlier images' extra tokens.
-        pos = np.flatnonzero(np.asarray(ids) == f.image_id)
-        extra = np.concatenate([[0], np.cumsum(np.asarray(counts) - 1)[:-1]])
+        extra = np.concatenate([[0], np.cumsum(np.asarray(p.counts) - 1)[:-1]])
         out.starts.extend((pos + extra).tolist())
-    out.keys.append(sample.key)
-    out.wheres.append(sample.where)
-    out.text.append(len(ids) - len(counts))
-    out.patches.append(patches)
-    out.num_images.append(len(counts))
-    out.counts.extend(counts)
+    out.ordinals.append(p.ordinal)
+    out.keys.append(p.sample.key)
+    out.wheres.append(p.sample.where)
+    out.text.append(len(ids) - len(p.counts))
+    out.patches.append(p.patches)
+    out.num_images.append(len(p.counts))
+    out.counts.extend(p.counts)
 
 
 def _forecast_chunk(chunk: Chunk) -> _ChunkResult:
     f = _WORKER
     assert f is not None, "forecast worker not initialised"
     out = _ChunkResult()
+    pending: list[_Pending] = []
+    failed: list[tuple[int, str, str, SampleError]] = []  # (ordinal, key, where, error)
     for where, key, sample in chunk_samples(f.sources, chunk, layout=f.layout):
-        ordinal = out.records
         out.records += 1
         try:
             if isinstance(sample, SampleError):
                 raise sample
-            key = sample.key
-            _forecast_one(f, sample, out)
+            pending.append(_prepare(f, sample, out.records - 1))
         except SampleError as e:
-            if f.on_error == "raise":
-                raise
-            out.invalid.append((key, where, str(e)))
-            continue
-        out.ordinals.append(ordinal)
+            failed.append((out.records - 1, key, where, e))
+    for p, ids in zip(pending, _token_ids(f, pending)):
+        try:
+            _add(f, p, ids, out)
+        except SampleError as e:
+            failed.append((p.ordinal, p.sample.key, p.sample.where, e))
+    failed.sort(key=lambda item: item[0])  # source order, whichever step found the fault
+    if failed and f.on_error == "raise":
+        raise failed[0][3]
+    out.invalid = [(key, where, str(e)) for _, key, where, e in failed]
     return out
 
 

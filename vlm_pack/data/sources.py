@@ -1,7 +1,7 @@
 """Read records where users keep them: HF ``datasets``, parquet, LLaVA / ShareGPT JSON, JSONL, WebDataset.
 
-Every source is cut into *chunks* a worker process can read on its own (a parquet file's row groups, a
-range of a dataset's rows, a shard, a slice of a JSON array), so a forecast runs over ``num_workers``
+Every source is cut into *chunks* a worker process reads (a range of a dataset's rows or of a JSONL file's
+bytes, a shard; parquet batches, JSON slices shipped to it), so a forecast runs over ``num_workers``
 processes and still yields the records in source order::
 
     sources ──> open_sources() ──> Source ──> chunks() ──> read_chunk() ──> (where, key, record) ──>
@@ -12,7 +12,7 @@ processes and still yields the records in source order::
     dataset    datasets.Dataset, or a save_to_disk folder   rows [a, b)       dataset[17] / "17"
     iterable   datasets.IterableDataset                     records (read     dataset[17] / "17"
                                                             in order here)
-    parquet    *.parquet (HF Image columns: bytes or path)  row groups        f.parquet:17 / f-17
+    parquet    *.parquet (HF Image columns: bytes or path)  Arrow batches     f.parquet:17 / f-17
     json       one JSON array (LLaVA-Instruct, ShareGPT,    a slice           f.json[17] / f-17
                LLaMA-Factory)
     jsonl      one JSON object a line                       lines             f.jsonl:18 / f-18
@@ -70,13 +70,14 @@ class Source:
 @dataclass(frozen=True)
 class Chunk:
     """A piece of source ``source`` (an index into the ``open_sources`` list) that ``read_chunk`` reads:
-    rows ``[start, stop)``, parquet ``row_groups``, ``records`` shipped with it, or for JSON Lines the
-    bytes ``[start, stop)`` whose first line is ``line``."""
+    rows ``[start, stop)`` (of a dataset, by reference; of parquet, shipped as the Arrow ``batch``; of
+    JSON or an iterable dataset, shipped as ``records``), or for JSON Lines the bytes ``[start, stop)``
+    whose first line is ``line``."""
 
     source: int
     start: int = 0
     stop: int | None = None
-    row_groups: tuple[int, ...] = ()
+    batch: Any = None
     records: tuple[Any, ...] = ()
     line: int = 1
 
@@ -252,16 +253,21 @@ def _jsonl_chunks(index: int, path: Path, chunk_rows: int) -> Iterator[Chunk]:
 
 
 def _parquet_chunks(index: int, path: Path, chunk_rows: int) -> Iterator[Chunk]:
+    # Streamed here and shipped as Arrow batches: a parquet row group (often the whole file) cannot be
+    # read from the middle, and decompressing it costs far less than forecasting its rows.
     import pyarrow.parquet as pq
 
-    meta = pq.ParquetFile(path).metadata
-    start, groups, rows = 0, [], 0
-    for g in range(meta.num_row_groups):
-        groups.append(g)
-        rows += meta.row_group(g).num_rows
-        if rows >= chunk_rows or g == meta.num_row_groups - 1:
-            yield Chunk(index, start, start + rows, row_groups=tuple(groups))
-            start, groups, rows = start + rows, [], 0
+    start = 0
+    batches = pq.ParquetFile(path).iter_batches(batch_size=chunk_rows)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as e:  # pyarrow's errors for a damaged file
+            raise ValueError(f"{path}: unreadable parquet data after row {start} ({e}).") from None
+        yield Chunk(index, start, start + batch.num_rows, batch=batch)
+        start += batch.num_rows
 
 
 def _iterable_chunks(index: int, ds: Any, chunk_rows: int) -> Iterator[Chunk]:
@@ -276,14 +282,8 @@ def _iterable_chunks(index: int, ds: Any, chunk_rows: int) -> Iterator[Chunk]:
         yield Chunk(index, start, start + len(batch), records=tuple(batch))
 
 
-def _arrow_rows(src: Source, chunk: Chunk) -> list[dict[str, Any]]:
-    # One handle per source and process: a worker reads many chunks of the same source.
-    if src.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        if src.handle is None:
-            src.handle = pq.ParquetFile(src.ref)
-        return src.handle.read_row_groups(list(chunk.row_groups)).to_pylist()
+def _dataset_rows(src: Source, chunk: Chunk) -> list[dict[str, Any]]:
+    # One handle per source and process: a worker reads many chunks of the same dataset.
     if src.handle is None:  # Arrow format: Image columns stay {"bytes", "path"}, nothing is decoded
         src.handle = src.ref.with_format("arrow")
     return src.handle[chunk.start : chunk.stop].to_pylist()
@@ -298,19 +298,11 @@ def read_chunk(sources: Sequence[Source], chunk: Chunk) -> Iterator[tuple[str, s
     src = sources[chunk.source]
     stem = Path(src.name).name.split(".")[0]
     if src.kind in ("dataset", "iterable"):
-        rows = _arrow_rows(src, chunk) if src.kind == "dataset" else chunk.records
+        rows = _dataset_rows(src, chunk) if src.kind == "dataset" else chunk.records
         for row, record in enumerate(rows, chunk.start):
             yield f"{src.name}[{row}]", str(row), record
     elif src.kind in ("parquet", "json"):
-        if src.kind == "parquet":
-            try:
-                rows = _arrow_rows(src, chunk)
-            except Exception as e:  # pyarrow's errors for a damaged file
-                raise ValueError(
-                    f"{src.name}: unreadable parquet row groups {chunk.row_groups} ({e})."
-                ) from None
-        else:
-            rows = chunk.records
+        rows = chunk.batch.to_pylist() if src.kind == "parquet" else chunk.records
         fmt = "{}:{}" if src.kind == "parquet" else "{}[{}]"
         for row, record in enumerate(rows, chunk.start):
             yield fmt.format(src.name, row), f"{stem}-{row}", record
