@@ -16,6 +16,7 @@ displayed size either way.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import re
@@ -305,6 +306,24 @@ def _webp(r: _Reader, want_exif: bool) -> tuple[int, int, int]:
     raise _Corrupt(f"WebP has an unknown first chunk {fourcc!r}")
 
 
+@functools.cache
+def _tiff_reader_orients() -> bool:
+    """Whether this Pillow's TIFF reader reports (and loads) the displayed size itself.
+
+    Recent Pillow releases apply a TIFF's Orientation tag when opening it; older ones leave it to
+    ``ImageOps.exif_transpose``. Probed once on a 2x1 TIFF tagged orientation 6 (90 degrees).
+    """
+    from PIL import Image
+
+    buf = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.new("L", (2, 1)).save(buf, format="TIFF", exif=exif)
+    buf.seek(0)
+    with Image.open(buf) as im:
+        return im.size == (1, 2)
+
+
 def _pillow(r: _Reader, want_exif: bool) -> tuple[int, int, int]:
     from PIL import Image, TiffImagePlugin, UnidentifiedImageError
 
@@ -323,7 +342,7 @@ def _pillow(r: _Reader, want_exif: bool) -> tuple[int, int, int]:
             width, height = im.size
             # Pillow's TIFF reader already reports the displayed size (and transposes the pixels on load,
             # whether or not the caller asks for exif_transpose): swapping again would undo it.
-            oriented_by_reader = isinstance(im, TiffImagePlugin.TiffImageFile)
+            oriented_by_reader = isinstance(im, TiffImagePlugin.TiffImageFile) and _tiff_reader_orients()
             orientation = im.getexif().get(0x0112, 1) if want_exif and not oriented_by_reader else 1
     except UnidentifiedImageError:
         raise _Corrupt("not an image format Pillow can identify") from None
