@@ -13,12 +13,14 @@ decoded), tokenizes the conversation with the family's chat format and counts th
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -72,10 +74,13 @@ class LengthTable:
         return len(self.keys)
 
 
-def image_sizes(sample: Sample, *, exif_transpose: bool = True) -> list[tuple[int, int]]:
+def image_sizes(
+    sample: Sample, *, exif_transpose: bool = True, verify: bool = False
+) -> list[tuple[int, int]]:
     """``(width, height)`` of each image of ``sample`` as the processor will see it, from headers only.
 
-    Raises :class:`SampleError` (``"corrupt_image"``) naming the sample and image for an unreadable header.
+    ``verify=True`` also decodes every image's pixels (catches a file cut short after its header).
+    Raises :class:`SampleError` (``"corrupt_image"``) naming the sample and image for an unreadable one.
     """
     from ..vision import image_size
 
@@ -87,9 +92,30 @@ def image_sizes(sample: Sample, *, exif_transpose: bool = True) -> list[tuple[in
         name = f"{sample.label}, image {i}"
         try:
             sizes.append(image_size(image, exif_transpose=exif_transpose, name=name))
+            if verify:
+                _decode_fully(image, name)
         except ValueError as e:
             raise SampleError("corrupt_image", str(e)) from None
     return sizes
+
+
+def _decode_fully(image: Any, name: str) -> None:
+    """Decode every pixel of ``image`` (bytes, a path or a seekable binary file; left where it was)."""
+    from PIL import Image
+
+    try:
+        if hasattr(image, "read"):
+            at = image.tell()
+            data = image.read()
+            image.seek(at)
+        else:
+            data = image if isinstance(image, bytes) else Path(image).read_bytes()
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ValueError(
+            f"{name}: the header reads but the pixels do not decode ({e}): the file is truncated or corrupt."
+        ) from None
 
 
 @dataclass
@@ -104,6 +130,7 @@ class _Forecaster:
     layout: str | None
     exif_transpose: bool
     on_error: str
+    verify: bool = False
     image_id: int = -1
 
 
@@ -145,7 +172,7 @@ class _Pending:
 def _prepare(f: _Forecaster, sample: Sample, ordinal: int) -> _Pending:
     from ..processing import render_prompt
 
-    sizes = image_sizes(sample, exif_transpose=f.exif_transpose)
+    sizes = image_sizes(sample, exif_transpose=f.exif_transpose, verify=f.verify)
     try:
         _, texts = render_prompt(
             sample.conversation,
@@ -292,6 +319,7 @@ def forecast_sources(
     layout: str | None = None,
     image_root: str | os.PathLike[str] | None = None,
     exif_transpose: bool = True,
+    verify: bool = False,
     on_error: str = "raise",
     num_workers: int = 1,
     progress: bool | None = None,
@@ -306,6 +334,8 @@ def forecast_sources(
         template: a callable replacing the family's chat format (see ``processing.tokenize_conversation``).
         layout: force one record layout (``records.LAYOUTS``); default: detected per record.
         image_root: folder relative image paths resolve against (default: the source file's folder).
+        exif_transpose: size images as ``ImageOps.exif_transpose`` shows them (as ``load_image`` does).
+        verify: also decode every image's pixels (slower; catches files cut short after their header).
         on_error: ``"raise"`` (a ``SampleError`` naming where the record lives and its key) or ``"skip"``
             (listed in ``LengthTable.invalid``).
         num_workers: processes reading and forecasting chunks (1: this process).
@@ -322,7 +352,9 @@ def forecast_sources(
         raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
     opened = open_sources(sources, image_root=image_root)
     family = family or getattr(tokenizer, "vlm_pack_family", None) or spec.family
-    forecaster = _Forecaster(opened, tokenizer, spec, family, template, layout, exif_transpose, on_error)
+    forecaster = _Forecaster(
+        opened, tokenizer, spec, family, template, layout, exif_transpose, on_error, verify
+    )
     forecaster.image_id = _image_token_id(tokenizer, family)
     totals = [s.num_rows for s in opened]
     total = None if None in totals else sum(t for t in totals if t is not None)

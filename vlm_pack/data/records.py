@@ -24,6 +24,7 @@ A record that fits no layout raises :class:`SampleError` listing its keys and th
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -122,6 +123,15 @@ def _no_layout(record: Mapping[str, Any], where: str, layout: str | None) -> Sam
         f"{where}: the record {head}; its keys are {keys}. Accepted layouts:\n{accepted}\n"
         "Rename its fields to one of these (or pass layout= / --layout to choose one).",
     )
+
+
+def _json_object(data: Any) -> dict[str, Any] | None:
+    try:
+        payload = json.loads(data) if isinstance(data, (bytes, str)) else None
+    except (ValueError, TypeError):
+        return None
+    text_fields = {f for fields in _TEXT_FIELDS.values() for f in fields}
+    return payload if isinstance(payload, dict) and not text_fields & set(payload) else None
 
 
 def _turns(turns: Any, where: str) -> list[dict[str, Any]]:
@@ -242,6 +252,9 @@ def normalise_record(
         try:
             conversation = parse_text(record)
         except SampleError as e:
+            payload = _json_object(record.get("json"))
+            if payload is not None and e.reason == "bad_text":  # JSON in no layout: name its own keys
+                raise _no_layout(payload, label, layout) from None
             raise SampleError(e.reason, f"{label}: {e}") from None
         return Sample(
             key, conversation, _images([record[n] for n in image_fields(record)], label, root), where

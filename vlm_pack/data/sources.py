@@ -90,6 +90,16 @@ def _kind(path: Path) -> str | None:
     return None
 
 
+def _stem(path: Path) -> str:
+    """The file name without its source suffix (``a.b.jsonl`` -> ``a.b``, ``s.tar.gz`` -> ``s``)."""
+    name = path.name
+    for suffixes in SOURCE_SUFFIXES.values():
+        for suffix in suffixes:
+            if name.lower().endswith(suffix):
+                return name[: -len(suffix)]
+    return name
+
+
 def _is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and (
         all((path / n).is_file() for n in _SAVED_DATASET) or (path / "dataset_dict.json").is_file()
@@ -181,7 +191,8 @@ def _expand_path(text: str) -> list[Path]:
     for path in matched:
         if not path.is_dir() and _kind(path) is None:
             raise ValueError(
-                f"{str(path)!r} is not a source: give {_suffix_list()} or a save_to_disk folder."
+                f"{str(path)!r} is not a source vlm-pack reads: give WebDataset shards, JSONL, JSON or "
+                f"parquet files ({_suffix_list()}) or a save_to_disk folder."
             )
     return matched
 
@@ -296,7 +307,7 @@ def read_chunk(sources: Sequence[Source], chunk: Chunk) -> Iterator[tuple[str, s
     yielded as it is, for :func:`normalise_record` to report.
     """
     src = sources[chunk.source]
-    stem = Path(src.name).name.split(".")[0]
+    stem = _stem(Path(src.name))
     if src.kind in ("dataset", "iterable"):
         rows = _dataset_rows(src, chunk) if src.kind == "dataset" else chunk.records
         for row, record in enumerate(rows, chunk.start):
@@ -345,9 +356,9 @@ def _tar_records(path: Path) -> Iterator[tuple[str, str, Any]]:
             except StopIteration:
                 break
             except (tarfile.TarError, ValueError) as e:  # ValueError: a field twice in one sample
-                raise ValueError(
-                    f"{where}: corrupt tar shard after sample {key!r} ({e.args[0] if e.args else e})."
-                ) from None
+                detail = e.args[0] if e.args else e
+                at = "its first sample could not be read" if key is None else f"after sample {key!r}"
+                raise ValueError(f"{where}: corrupt tar shard: {at} ({detail}).") from None
             key = sample["__key__"]
             yield where, key, sample
 
