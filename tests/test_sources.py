@@ -293,3 +293,30 @@ def test_sources_accept_folders_globs_and_reject_others(model, data, tmp_path):
         forecast_sources(str(tmp_path / "notes.txt"), tokenizer=tok, spec=spec)
     with pytest.raises(ValueError, match="does not exist"):
         forecast_sources(str(tmp_path / "absent.parquet"), tokenizer=tok, spec=spec)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "save_to_disk", "llava", "sharegpt-jsonl", "own-jsonl"])
+def test_cli_analyze_and_pack_read_every_source(kind, data, oracle, tmp_path, capsys):
+    from vlm_pack.cli import main
+
+    root, samples = data
+    source = str(_write_source(kind, root, samples, tmp_path))
+    lengths, vision = oracle
+    extra = ["--workers", "2"] if kind == "parquet" else []
+    if kind == "llava":
+        extra = ["--layout", "llava", "--image-root", str(root)]
+    out = tmp_path / "report"
+    argv = ["analyze", source, "--capacity", "512", "--no-plots", "--no-progress", "--out", str(out), *extra]
+    assert main(argv) == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())["dataset"]
+    assert report["samples"] == len(SAMPLES) and not report["invalid"]
+    assert report["vision_tokens"] == int(vision.sum())
+    assert report["text_tokens"] + report["vision_tokens"] == int(lengths.sum())
+
+    plan = tmp_path / "plan.jsonl"
+    argv = ["pack", source, "--capacity", "512", "--no-progress", "--out", str(plan), *extra]
+    assert main(argv) == 0, capsys.readouterr().err
+    packs = [json.loads(line) for line in plan.read_text().splitlines()]
+    keys = [k for p in packs for k in p["keys"]]
+    assert len(keys) == len(set(keys)) == len(SAMPLES)  # every sample once
+    assert sorted(n for p in packs for n in p["lengths"]) == sorted(lengths.tolist())
