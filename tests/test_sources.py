@@ -240,6 +240,9 @@ def test_layouts_are_detected_and_normalised(data):
     assert normalise_record(cases["messages"]).images == tuple(s["blobs"])
     # the key comes from the record (LLaVA's "id") before the default
     assert normalise_record(_llava(s), key="x", image_root=root).key == s["key"]
+    # LLaMA-Factory's system column is the first turn
+    with_system = normalise_record({**_sharegpt(s), "system": "Be brief."}, image_root=root).conversation
+    assert with_system == [{"role": "system", "content": "Be brief."}, *s["conversation"]]
     # an override picks the fields: this record has both a caption and messages
     both = {"caption": "short", "messages": _messages_parts(samples[2])}
     assert normalise_record(both).conversation[0]["role"] == "user"

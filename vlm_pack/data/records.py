@@ -8,7 +8,8 @@ the images. The layout is detected from the record (``layout=`` overrides it)::
     llava        conversations [{"from", "value"}]            image (a path     LLaVA-Instruct JSON
                                                                or a list)
     sharegpt     messages | conversations, content a string   images            ShareGPT, LLaMA-Factory
-                 with <image> markers (or from/value turns)
+                 with <image> markers (or from/value turns),
+                 + an optional "system" prompt
     messages     messages | conversation, content parts       images | image    TRL / HF hub datasets,
                  [{"type": "image"}, {"type": "text", ...}]                     vlm-pack JSONL
     caption      caption | text                                images | image    image-caption pairs
@@ -271,6 +272,15 @@ def normalise_record(
         conversation: str | list[dict[str, Any]] = text
     else:
         conversation = _turns(text, label)
+        system = record.get("system")
+        if (
+            chosen == "sharegpt"
+            and isinstance(system, str)
+            and system
+            and conversation[0]["role"] != "system"
+        ):
+            # LLaMA-Factory keeps the system prompt in its own column; it is part of the sample's length
+            conversation = [{"role": "system", "content": system}, *conversation]
     image_field = next((f for f in _IMAGE_FIELDS[chosen] if f in record), None)
     images = _images(record[image_field], label, root) if image_field else ()
     return Sample(key, conversation, images, where)
