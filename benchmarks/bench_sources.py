@@ -10,9 +10,11 @@ Rows per second, all in the same run:
 - floor: ``datasets`` reading the same columns into Python rows, images left encoded
   (``Dataset.from_parquet`` once, untimed; then ``ds.iter(batch_size=1024)`` with ``Image(decode=False)``);
 - decode: ``datasets`` as most loaders use it, images decoded to PIL (on ``--decode-rows`` rows only);
-- vlm-pack ``forecast_sources(path, num_workers=N)`` for each N of ``--workers``: read the parquet row
-  groups, normalise each record, read each image's size from its header bytes, tokenize the conversation
-  with the chat format (offline Qwen2-VL tokenizer) and count vision tokens with the Qwen2-VL spec.
+- vlm-pack ``forecast_sources(source, num_workers=N)`` for each N of ``--workers``, on the parquet file
+  (streamed as Arrow batches to the workers) and on the ``Dataset`` above (workers read its memory-mapped
+  rows themselves): read the rows, normalise each record, read each image's size from its header bytes,
+  tokenize the conversation with the chat format (offline Qwen2-VL tokenizer, one batched call per chunk)
+  and count vision tokens with the Qwen2-VL spec.
 
 Run: ``.venv/bin/python benchmarks/bench_sources.py [--rows 100000] [--workers 1 2]``
 """
@@ -134,14 +136,17 @@ def main() -> None:
         (f"datasets, images decoded ({min(args.decode_rows, n):,} rows)", min(args.decode_rows, n) / t)
     )
     tokens = None
-    for w in args.workers:
-        t, table = timed(
-            lambda w=w: forecast_sources(str(path), tokenizer=tok, spec=spec, num_workers=w, progress=False)
-        )
-        assert len(table) == n and not table.invalid
-        tokens = table.lengths if tokens is None else tokens
-        assert np.array_equal(tokens, table.lengths), "the forecast depends on the number of workers"
-        rows.append((f"vlm-pack forecast_sources, {w} process{'es' if w > 1 else ''}", n / t))
+    for label, source in (("parquet file", str(path)), ("the Dataset", ds)):
+        for w in args.workers:
+            t, table = timed(
+                lambda w=w, source=source: forecast_sources(
+                    source, tokenizer=tok, spec=spec, num_workers=w, progress=False
+                )
+            )
+            assert len(table) == n and not table.invalid
+            tokens = table.lengths if tokens is None else tokens
+            assert np.array_equal(tokens, table.lengths), "the forecast depends on the source or the workers"
+            rows.append((f"vlm-pack forecast, {label}, {w} process{'es' if w > 1 else ''}", n / t))
     floor_rate = rows[0][1]
     print(
         f"\n{n:,} rows, {path.stat().st_size / 2**20:.0f} MiB parquet, {os.cpu_count()} CPUs, "
