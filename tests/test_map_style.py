@@ -219,3 +219,23 @@ def test_hf_trainer_trains_on_the_packs(dataset, model, tmp_path):
     assert all("attention_mask" not in b and b["input_ids"].shape == (1, CAPACITY) for b in batches)
     result = trainer.train()
     assert result.global_step == 2 and np.isfinite(result.training_loss)
+
+
+def test_an_image_that_fails_to_decode_is_warned_about_and_left_out(columns, model):
+    from vlm_pack.data.stats import BadSampleWarning
+
+    buf = io.BytesIO()
+    Image.effect_noise((64, 48), 50).convert("RGB").save(buf, format="JPEG")
+    cut = buf.getvalue()[: len(buf.getvalue()) // 2]  # the header reads (the plan has it), the pixels do not
+    broken = dict(columns)
+    broken["images"] = [[cut], *list(columns["images"][1:])]
+    broken["messages"] = [_conversation(0, 1), *list(columns["messages"][1:])]
+    ds = datasets.Dataset.from_dict(broken).cast_column("images", datasets.List(datasets.Image(decode=False)))
+    packed = _packed(ds, model, None, config=PackingConfig(capacity=CAPACITY))
+    (item,) = [i for i in range(len(packed)) if 0 in packed.rows_of(packed.bin_of(i)[2])]
+    with pytest.warns(BadSampleWarning, match="dataset row 0 left out of its pack"):
+        info = plan_info(packed[item])
+    assert 0 not in info["rows"] and len(info["rows"]) == len(packed.rows_of(info["bin"])) - 1
+    strict = _packed(ds, model, None, config=PackingConfig(capacity=CAPACITY, on_error="raise"))
+    with pytest.raises(OSError):
+        strict[item]

@@ -49,6 +49,7 @@ from ..config import PackingConfig
 from .records import normalise_record
 from .shards import SampleError
 from .sources import open_sources
+from .stats import BadSampleWarning
 
 __all__ = ["PackedMapDataset", "PackedSampler", "plan_info"]
 
@@ -95,7 +96,8 @@ def _callable_id(fn: Callable[..., Any] | None) -> str | None:
 def plan_info(batch: Any) -> dict[str, Any] | None:
     """The plan metadata a :class:`PackedMapDataset` batch carries (None for other batches): ``epoch``,
     ``rank``, ``step``, ``index`` (the item), ``bin`` (its pack in the plan), ``rows`` (dataset rows,
-    in the pack's order), ``lengths`` (processed) and ``plan`` (the plan's digest)."""
+    in the pack's order; a row that failed to load under ``on_error="warn"`` is missing, with a
+    ``BadSampleWarning``), ``lengths`` (processed) and ``plan`` (the plan's digest)."""
     metadata = getattr(batch, "metadata", None)
     if isinstance(metadata, Mapping) and _META in metadata:
         return metadata[_META]
@@ -339,7 +341,16 @@ class PackedMapDataset(torch.utils.data.Dataset):
         rank, step, b = self.bin_of(int(index), int(epoch))
         rows = self.rows_of(b)
         forecast = self._forecast[self._bin_ptr[b] : self._bin_ptr[b + 1]]
-        processed = [self._process(int(r), int(f)) for r, f in zip(rows, forecast)]
+        processed, kept = [], []
+        for row, length in zip(rows.tolist(), forecast.tolist()):
+            out = self._load(row, length)
+            if out is not None:
+                processed.append(out)
+                kept.append(row)
+        if not processed:
+            raise ValueError(
+                f"pack {b}: none of its samples {rows.tolist()} could be loaded (see the warnings)"
+            )
         batch = self._collator(processed)
         info = {
             "epoch": int(epoch),
@@ -347,12 +358,26 @@ class PackedMapDataset(torch.utils.data.Dataset):
             "step": step,
             "index": int(index),
             "bin": b,
-            "rows": rows.tolist(),
+            "rows": kept,
             "lengths": [int(p["input_ids"].shape[0]) for p in processed],
             "plan": self.plan_digest,
         }
         batch.metadata[_META] = info  # a dataclass field: survives .to(device) and pin_memory()
         return batch
+
+    def _load(self, row: int, forecast: int) -> dict[str, Any] | None:
+        """``_process``; under ``on_error="warn"`` a sample that fails to load is warned about and left out."""
+        try:
+            return self._process(row, forecast)
+        except Exception as e:
+            if self.config.on_error == "raise":
+                raise
+            warnings.warn(
+                f"vlm-pack: dataset row {row} left out of its pack: {type(e).__name__}: {e}",
+                BadSampleWarning,
+                stacklevel=3,
+            )
+            return None
 
     def _process(self, row: int, forecast: int) -> dict[str, Any]:
         from ..processing import process_sample
