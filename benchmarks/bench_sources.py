@@ -16,6 +16,10 @@ Rows per second, all in the same run:
   tokenize the conversation with the chat format (offline Qwen2-VL tokenizer, one batched call per chunk)
   and count vision tokens with the Qwen2-VL spec.
 
+Also printed: rows per CPU-second (this process and its worker processes), which a loaded machine does not
+distort the way it distorts wall-clock rates: N processes scale wall-clock throughput by up to N only while
+their rows per CPU-second stay those of one process.
+
 Run: ``.venv/bin/python benchmarks/bench_sources.py [--rows 100000] [--workers 1 2]``
 """
 
@@ -88,10 +92,16 @@ def make_parquet(path: Path, rows: int) -> None:
     os.replace(tmp, path)
 
 
-def timed(fn) -> tuple[float, object]:
-    start = time.perf_counter()
+def _cpu() -> float:
+    t = os.times()  # children: the forecast's worker processes, counted once they have been joined
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def timed(fn) -> tuple[float, float, object]:
+    """(wall seconds, CPU seconds of this process and its joined children, result) of ``fn()``."""
+    wall, cpu = time.perf_counter(), _cpu()
     out = fn()
-    return time.perf_counter() - start, out
+    return time.perf_counter() - wall, _cpu() - cpu, out
 
 
 def main() -> None:
@@ -113,7 +123,7 @@ def main() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"train-{args.rows}.parquet"
     if not path.exists():
-        seconds, _ = timed(lambda: make_parquet(path, args.rows))
+        seconds, _, _ = timed(lambda: make_parquet(path, args.rows))
         print(f"wrote {path} ({path.stat().st_size / 2**20:.0f} MiB) in {seconds:.0f}s")
     ds = datasets.Dataset.from_parquet(str(path), cache_dir=str(folder / "hf-cache"))
     raw = ds.cast_column("images", datasets.List(datasets.Image(decode=False)))
@@ -128,17 +138,16 @@ def main() -> None:
 
     tok = build_tokenizer("qwen2_vl")
     spec = vision_spec_from_processor(image_processor("qwen2_vl"))
-    rows: list[tuple[str, float]] = []
-    t, _ = timed(floor)
-    rows.append(("datasets, images encoded (floor)", n / t))
-    t, _ = timed(decode)
-    rows.append(
-        (f"datasets, images decoded ({min(args.decode_rows, n):,} rows)", min(args.decode_rows, n) / t)
-    )
+    rows: list[tuple[str, float, float]] = []  # (reader, rows per wall second, rows per CPU second)
+    t, c, _ = timed(floor)
+    rows.append(("datasets, images encoded (floor)", n / t, n / c))
+    m = min(args.decode_rows, n)
+    t, c, _ = timed(decode)
+    rows.append((f"datasets, images decoded ({m:,} rows)", m / t, m / c))
     tokens = None
     for label, source in (("parquet file", str(path)), ("the Dataset", ds)):
         for w in args.workers:
-            t, table = timed(
+            t, c, table = timed(
                 lambda w=w, source=source: forecast_sources(
                     source, tokenizer=tok, spec=spec, num_workers=w, progress=False
                 )
@@ -146,16 +155,16 @@ def main() -> None:
             assert len(table) == n and not table.invalid
             tokens = table.lengths if tokens is None else tokens
             assert np.array_equal(tokens, table.lengths), "the forecast depends on the source or the workers"
-            rows.append((f"vlm-pack forecast, {label}, {w} process{'es' if w > 1 else ''}", n / t))
+            rows.append((f"vlm-pack forecast, {label}, {w} process{'es' if w > 1 else ''}", n / t, n / c))
     floor_rate = rows[0][1]
     print(
-        f"\n{n:,} rows, {path.stat().st_size / 2**20:.0f} MiB parquet, {os.cpu_count()} CPUs, "
-        f"load average {os.getloadavg()[0]:.1f}; mean length {tokens.mean():.0f} tokens"
+        f"\n{n:,} rows, {path.stat().st_size / 2**20:.0f} MiB parquet, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}; mean length {tokens.mean():.0f} tokens"
     )
-    print(f"{'reader':48s} {'rows/s':>10s} {'vs floor':>9s}")
-    print("-" * 69)
-    for name, r in rows:
-        print(f"{name:48s} {r:10,.0f} {r / floor_rate:8.2f}x")
+    print(f"{'reader':48s} {'rows/s':>9s} {'vs floor':>9s} {'rows/CPU-s':>11s}")
+    print("-" * 80)
+    for name, rate, per_cpu in rows:
+        print(f"{name:48s} {rate:9,.0f} {rate / floor_rate:8.3f}x {per_cpu:11,.0f}")
 
 
 if __name__ == "__main__":
