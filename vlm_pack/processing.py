@@ -46,6 +46,7 @@ __all__ = [
     "forecast_length",
     "load_image",
     "process_sample",
+    "render_prompt",
     "tokenize_conversation",
 ]
 
@@ -198,6 +199,39 @@ def _image_token_id(tokenizer: Any, family: str | None = None) -> int:
     return _image_token(tokenizer, family)[1]
 
 
+def render_prompt(
+    conversation: Conversation,
+    *,
+    tokenizer: Any,
+    family: str | None = None,
+    num_images: int = 0,
+    template: Callable[[Conversation, int], list[Segment]] | None = None,
+    key: Any = None,
+) -> tuple[list[Segment], list[str]]:
+    """The rendered segments of ``conversation`` and their texts with ``<image>`` replaced by the
+    tokenizer's image token: ``"".join(texts)`` is the prompt :func:`tokenize_conversation` tokenizes
+    (so a batch of prompts can be tokenized in one call with the same ids). Raises as it does."""
+    if template is None:
+        if family is None:
+            family = getattr(tokenizer, "vlm_pack_family", None)
+        segments = chat_format(family or "qwen2_vl").render(conversation, num_images)
+    else:
+        segments = template(conversation, num_images)
+    image_token, _ = _image_token(tokenizer, family)
+    n_markers = sum(text.count(IMAGE_MARKER) for text, _ in segments)
+    if n_markers != num_images:
+        raise ValueError(
+            f"sample {key!r}: the text has {n_markers} image placeholder(s) but {num_images} image(s) were "
+            "given; give one image per placeholder (or no placeholder at all to put the images first)."
+        )
+    if image_token != IMAGE_MARKER and any(image_token in text for text, _ in segments):
+        raise ValueError(
+            f"sample {key!r}: the text contains the image token {image_token!r} itself; write "
+            f"{IMAGE_MARKER!r} where an image goes (or remove the token from the text)."
+        )
+    return segments, [text.replace(IMAGE_MARKER, image_token) for text, _ in segments]
+
+
 def tokenize_conversation(
     conversation: Conversation,
     *,
@@ -219,25 +253,10 @@ def tokenize_conversation(
     Raises ``ValueError`` naming ``key`` when the text has a different number of image places than
     ``num_images``, or contains the image token itself.
     """
-    if template is None:
-        if family is None:
-            family = getattr(tokenizer, "vlm_pack_family", None)
-        segments = chat_format(family or "qwen2_vl").render(conversation, num_images)
-    else:
-        segments = template(conversation, num_images)
+    segments, texts = render_prompt(
+        conversation, tokenizer=tokenizer, family=family, num_images=num_images, template=template, key=key
+    )
     image_token, image_id = _image_token(tokenizer, family)
-    n_markers = sum(text.count(IMAGE_MARKER) for text, _ in segments)
-    if n_markers != num_images:
-        raise ValueError(
-            f"sample {key!r}: the text has {n_markers} image placeholder(s) but {num_images} image(s) were "
-            "given; give one image per placeholder (or no placeholder at all to put the images first)."
-        )
-    if image_token != IMAGE_MARKER and any(image_token in text for text, _ in segments):
-        raise ValueError(
-            f"sample {key!r}: the text contains the image token {image_token!r} itself; write "
-            f"{IMAGE_MARKER!r} where an image goes (or remove the token from the text)."
-        )
-    texts = [text.replace(IMAGE_MARKER, image_token) for text, _ in segments]
     full = "".join(texts)
     try:
         enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
