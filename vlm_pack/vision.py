@@ -1030,7 +1030,7 @@ class PixtralSpec(_ResizedSpec):
                 f"capped at {self.longest_edge}; the processor cannot resize it. Crop or pad it "
                 "(max(h, w) / min(h, w) must stay <= longest_edge)."
             )
-        p = self.patch_size
+        p = self.patch_size * self.spatial_merge_size  # the processor resizes to multiples of patch * merge
         return ((width - 1) // p + 1) * p, ((height - 1) // p + 1) * p
 
     def token_grid(self, width: int, height: int) -> tuple[int, int]:
