@@ -197,19 +197,31 @@ def _render(template: str, messages: list[dict[str, Any]], env: dict[str, Any], 
 
 
 @functools.lru_cache(maxsize=64)
-def _takes_parts(template: str, env_items: tuple[tuple[str, Any], ...]) -> bool:
-    """Whether ``template`` renders list-of-parts content (VLM templates) or only strings (text templates)."""
-    probe = [{"role": "user", "content": [{"type": "text", "text": _SENTINEL.format(0)}]}]
-    try:
-        return _SENTINEL.format(0) in _render(template, probe, dict(env_items))
-    except Exception:  # a template that cannot take parts may raise anything
-        return False
+def _string_roles(template: str, env_items: tuple[tuple[str, Any], ...]) -> frozenset[str]:
+    """Roles whose content ``template`` renders only as a string (text templates; some assistant branches).
+
+    Probed once per template: a role takes parts when its sentinel text appears and no part dict is printed.
+    """
+    env = dict(env_items)
+    probe = [{"role": r, "content": [{"type": "text", "text": _SENTINEL.format(k)}]} for k, r in enumerate(_ROLES)]
+    for start in (0, 1):  # with, then without a system turn (some templates refuse one)
+        try:
+            text = _render(template, probe[start:], env)
+        except Exception:  # a template that cannot take parts may raise anything
+            continue
+        sentinels = [_SENTINEL.format(k) for k in range(len(_ROLES))]
+        lost = [k >= start and (x not in text or f"'text': '{x}'" in text) for k, x in enumerate(sentinels)]
+        return frozenset(role for role, bad in zip(_ROLES, lost) if bad)
+    return frozenset(_ROLES)
 
 
-def _as_strings(messages: list[dict[str, Any]], placeholder: str) -> list[dict[str, Any]]:
-    """For string-only templates: parts joined, images as the placeholder token."""
+_ROLES = ("system", "user", "assistant")
+
+
+def _as_strings(messages: list[dict[str, Any]], placeholder: str, roles: frozenset[str]) -> list[dict[str, Any]]:
+    """For string-only roles: parts joined, images as the placeholder token."""
     join = lambda parts: "".join(placeholder if p["type"] == "image" else p["text"] for p in parts)  # noqa: E731
-    return [{**m, "content": join(m["content"])} for m in messages]
+    return [{**m, "content": join(m["content"])} if m.get("role") in roles else m for m in messages]
 
 
 def _env(tokenizer: Any) -> dict[str, Any]:
@@ -349,8 +361,7 @@ def _render_template(
     template: str, messages: list[dict[str, Any]], tokenizer: Any, placeholder: str, key: Any
 ) -> Rendering:
     env = _env(tokenizer)
-    takes_parts = _takes_parts(template, tuple(sorted(env.items())))
-    inputs = messages if takes_parts else _as_strings(messages, placeholder)
+    inputs = _as_strings(messages, placeholder, _string_roles(template, tuple(sorted(env.items()))))
     try:
         turns = _Turns(template, messages, inputs, env, key)
         full = turns.prefix(len(messages))
