@@ -37,7 +37,9 @@ END_OF_TURN = {
     "mistral3": "</s>",  # mistralai/Mistral-Small-3.1-24B-Instruct-2503
 }
 # Checkpoint image-processor parameters everywhere, except Qwen's pixel cap (fewer tokens, same rule).
-OVERRIDES = {f: dict(size={"shortest_edge": 3136, "longest_edge": 200704}) for f in ("qwen2_vl", "qwen2_5_vl")}
+OVERRIDES = {
+    f: dict(size={"shortest_edge": 3136, "longest_edge": 200704}) for f in ("qwen2_vl", "qwen2_5_vl")
+}
 _CACHE: dict[str, object] = {}
 
 
@@ -76,7 +78,12 @@ def _oracle(proc, conversation, images):
         if isinstance(content, str):
             pieces = content.split("<image>")
             content = [{"type": "image"}] * (len(pieces) - 1) + [{"type": "text", "text": pieces[-1]}]
-        messages.append({"role": m["role"], "content": [dict(p, image=next(it)) if p["type"] == "image" else p for p in content]})
+        messages.append(
+            {
+                "role": m["role"],
+                "content": [dict(p, image=next(it)) if p["type"] == "image" else p for p in content],
+            }
+        )
     text = ProcessorMixin.apply_chat_template(proc, messages)
     bos = proc.tokenizer.bos_token
     enc = proc(text=[text], images=[images], add_special_tokens=not (bos and text.startswith(bos)))
@@ -94,7 +101,9 @@ def _expected_labels(tok, ids, conversation, end_of_turn):
         text = m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]
         for variant in (text, " " + text):  # the space before the text merges into its first token
             needle = tok(variant, add_special_tokens=False)["input_ids"] + eot
-            hit = next((i for i in range(at, len(ids) - len(needle) + 1) if ids[i : i + len(needle)] == needle), None)
+            hit = next(
+                (i for i in range(at, len(ids) - len(needle) + 1) if ids[i : i + len(needle)] == needle), None
+            )
             if hit is not None:
                 break
         assert hit is not None, f"assistant text {text!r} not found in the oracle ids"
@@ -116,7 +125,9 @@ def test_released_template_gives_the_processors_ids_spans_and_forecast(family):
         s = process_sample(images, conversation, processor=proc, key="shard-0/k")
         assert s["input_ids"].tolist() == ref
         assert s["labels"].tolist() == _expected_labels(tok, ref, conversation, END_OF_TURN[family])
-        length, counts = forecast_length(conversation, [im.size for im in images], processor=proc, key="shard-0/k")
+        length, counts = forecast_length(
+            conversation, [im.size for im in images], processor=proc, key="shard-0/k"
+        )
         assert length == len(ref)
         assert counts == s["tokens_per_image"].tolist()
         if family in ("qwen2_vl", "qwen2_5_vl") and conversation is SINGLE:
@@ -132,7 +143,9 @@ def test_qwen_tokenizer_template_with_image_processor_equals_the_processor_path(
     a = process_sample(IMAGES, MULTI, processor=proc)
     b = process_sample(IMAGES, MULTI, tokenizer=tok, image_processor=proc.image_processor)
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
-    n, _ = forecast_length(MULTI, [im.size for im in IMAGES], tokenizer=tok, image_processor=proc.image_processor)
+    n, _ = forecast_length(
+        MULTI, [im.size for im in IMAGES], tokenizer=tok, image_processor=proc.image_processor
+    )
     assert n == len(b["input_ids"])
 
 
@@ -208,10 +221,16 @@ def test_offline_tiny_model_runs_a_processed_sample(family):
     tok = offline.build_tokenizer(family)
     proc = offline.processor(family, tok, chat_template=template, **OVERRIDES.get(family, {}))
     model = offline.tiny_model(family, tok)
-    conv = [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "a red square"}]
+    conv = [
+        {"role": "user", "content": "<image>What is it?"},
+        {"role": "assistant", "content": "a red square"},
+    ]
     s = process_sample([_img(100, 75)], conv, processor=proc)
     inputs = {k: v for k, v in s.items() if k not in ("labels", "tokens_per_image")}
-    inputs = {k: v.unsqueeze(0) if k in ("input_ids", "mm_token_type_ids", "token_type_ids") else v for k, v in inputs.items()}
+    inputs = {
+        k: v.unsqueeze(0) if k in ("input_ids", "mm_token_type_ids", "token_type_ids") else v
+        for k, v in inputs.items()
+    }
     with torch.no_grad():
         out = model(**inputs, labels=s["labels"].unsqueeze(0))
     assert out.logits.shape[:2] == (1, len(s["input_ids"]))

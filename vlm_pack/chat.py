@@ -76,7 +76,9 @@ class ChatFormat:
             role = turn.get("role")
             if role not in ("system", "user", "assistant"):
                 raise ValueError(f"turn role must be system/user/assistant, got {role!r}")
-            body = "".join(self.image if p["type"] == "image" else p["text"] for p in _parts(turn.get("content")))
+            body = "".join(
+                self.image if p["type"] == "image" else p["text"] for p in _parts(turn.get("content"))
+            )
             if pending and role == "user":
                 body, pending = self.image * pending + body, 0
             segments.append((self.turn_start.format(role=role, ROLE=role.upper()), False))
@@ -172,7 +174,9 @@ def _normalise(conversation: Conversation, num_images: int, key: Any) -> list[di
         # A caption trains like a one-turn chat: the images are the prompt, the caption the answer.
         conversation = [{"role": "user", "content": []}, {"role": "assistant", "content": conversation}]
     if not isinstance(conversation, Sequence) or not conversation:
-        raise ValueError(f"sample {key!r}: a conversation must be a caption string or a non-empty list of turns")
+        raise ValueError(
+            f"sample {key!r}: a conversation must be a caption string or a non-empty list of turns"
+        )
     messages = [{**turn, "content": _parts(turn.get("content"))} for turn in conversation]
     if num_images and not any(p["type"] == "image" for m in messages for p in m["content"]):
         first_user = next((m for m in messages if m.get("role") == "user"), None)
@@ -187,7 +191,9 @@ def _normalise(conversation: Conversation, num_images: int, key: Any) -> list[di
 # ------------------------------------------------------------------------------------------------------
 
 
-def _render(template: str, messages: list[dict[str, Any]], env: dict[str, Any], generation: bool = False) -> Any:
+def _render(
+    template: str, messages: list[dict[str, Any]], env: dict[str, Any], generation: bool = False
+) -> Any:
     from transformers.utils.chat_template_utils import render_jinja_template
 
     texts, indices = render_jinja_template(
@@ -203,7 +209,9 @@ def _string_roles(template: str, env_items: tuple[tuple[str, Any], ...]) -> froz
     Probed once per template: a role takes parts when its sentinel text appears and no part dict is printed.
     """
     env = dict(env_items)
-    probe = [{"role": r, "content": [{"type": "text", "text": _SENTINEL.format(k)}]} for k, r in enumerate(_ROLES)]
+    probe = [
+        {"role": r, "content": [{"type": "text", "text": _SENTINEL.format(k)}]} for k, r in enumerate(_ROLES)
+    ]
     for start in (0, 1):  # with, then without a system turn (some templates refuse one)
         try:
             text = _render(template, probe[start:], env)
@@ -218,7 +226,9 @@ def _string_roles(template: str, env_items: tuple[tuple[str, Any], ...]) -> froz
 _ROLES = ("system", "user", "assistant")
 
 
-def _as_strings(messages: list[dict[str, Any]], placeholder: str, roles: frozenset[str]) -> list[dict[str, Any]]:
+def _as_strings(
+    messages: list[dict[str, Any]], placeholder: str, roles: frozenset[str]
+) -> list[dict[str, Any]]:
     """For string-only roles: parts joined, images as the placeholder token."""
     join = lambda parts: "".join(placeholder if p["type"] == "image" else p["text"] for p in parts)  # noqa: E731
     return [{**m, "content": join(m["content"])} if m.get("role") in roles else m for m in messages]
@@ -229,17 +239,12 @@ def _env(tokenizer: Any) -> dict[str, Any]:
     return {k: v for k, v in env.items() if isinstance(v, str)}
 
 
-@functools.lru_cache(maxsize=16)
-def _special_strings(tokenizer_key: tuple[int, int], specials: frozenset[str]) -> tuple[str, ...]:
-    return tuple(sorted(specials, key=len, reverse=True))
-
-
 def _specials(tokenizer: Any) -> tuple[str, ...]:
     """The tokenizer's special tokens, longest first (candidates for an end-of-turn token)."""
     found = set(getattr(tokenizer, "all_special_tokens", []) or [])
     decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     found.update(t.content for t in decoder.values() if getattr(t, "special", False))
-    return _special_strings((id(tokenizer), len(found)), frozenset(t for t in found if t))
+    return tuple(sorted((t for t in found if t), key=len, reverse=True))
 
 
 def _texts(message: dict[str, Any]) -> list[str]:
@@ -358,7 +363,7 @@ def _assistant_spans(turns: _Turns, full: str, specials: tuple[str, ...]) -> lis
 
 
 def _render_template(
-    template: str, messages: list[dict[str, Any]], tokenizer: Any, placeholder: str, key: Any
+    template: str, messages: list[dict[str, Any]], tokenizer: Any, placeholder: str, key: Any, spans: bool
 ) -> Rendering:
     env = _env(tokenizer)
     inputs = _as_strings(messages, placeholder, _string_roles(template, tuple(sorted(env.items()))))
@@ -366,13 +371,13 @@ def _render_template(
         turns = _Turns(template, messages, inputs, env, key)
         full = turns.prefix(len(messages))
         _check_nothing_lost(full, messages, key)
-        spans = _assistant_spans(turns, full, _specials(tokenizer))
+        found = _assistant_spans(turns, full, _specials(tokenizer)) if spans else []
     except ValueError:
         raise
     except Exception as e:  # jinja2 errors, raise_exception() in templates
         raise ValueError(f"sample {key!r}: the chat template failed: {type(e).__name__}: {e}") from None
     bos = getattr(tokenizer, "bos_token", None)
-    return Rendering(full, tuple(spans), placeholder, not (bos and full.startswith(bos)))
+    return Rendering(full, tuple(found), placeholder, not (bos and full.startswith(bos)))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -400,6 +405,7 @@ def render_conversation(
     family: str | None = None,
     template: str | ChatFormat | Template | None = None,
     key: Any = None,
+    spans: bool = True,
 ) -> Rendering:
     """Render ``conversation`` with ``num_images`` images: the prompt text and its trained character spans.
 
@@ -407,13 +413,14 @@ def render_conversation(
     ``[(text, trained), ...]`` with ``<image>`` where images go. Without it: the processor's, else the
     tokenizer's ``chat_template``, else the own format of ``family``. Raises ``ValueError`` naming ``key`` when
     the text holds a different number of images, contains ``placeholder`` itself, when the template drops
-    text, or rewrites earlier turns so that assistant spans cannot be located.
+    text, or rewrites earlier turns so that assistant spans cannot be located. ``spans=False`` skips locating
+    the trained spans (a forecast needs only the text).
     """
     if isinstance(template, str) or (template is None and _checkpoint_template(tokenizer, processor)):
         jinja = template if isinstance(template, str) else _checkpoint_template(tokenizer, processor)
         messages = _normalise(conversation, num_images, key)
         _check_placeholder_free([p.get("text", "") for m in messages for p in m["content"]], placeholder, key)
-        rendering = _render_template(jinja, messages, tokenizer, placeholder, key)  # type: ignore[arg-type]
+        rendering = _render_template(jinja, messages, tokenizer, placeholder, key, spans)  # type: ignore[arg-type]
         found = rendering.text.count(placeholder)
         if found != num_images:
             raise ValueError(

@@ -129,7 +129,14 @@ def _embedding_token_id(processor: Any) -> int:
 
 
 def _render(
-    conversation: Conversation, tokenizer: Any, processor: Any, family: str | None, template: Any, n: int, key: Any
+    conversation: Conversation,
+    tokenizer: Any,
+    processor: Any,
+    family: str | None,
+    template: Any,
+    n: int,
+    key: Any,
+    spans: bool = True,
 ) -> Rendering:
     placeholder = _placeholder(tokenizer, processor, family)
     return render_conversation(
@@ -141,6 +148,7 @@ def _render(
         family=family or getattr(tokenizer, "vlm_pack_family", None),
         template=template,
         key=key,
+        spans=spans,
     )
 
 
@@ -206,7 +214,9 @@ def tokenize_conversation(
     return ids, mask
 
 
-def _skeleton(spec: Any, sizes: list[tuple[int, int]], placeholder: str, tokenizer: Any) -> list[tuple[str, int]]:
+def _skeleton(
+    spec: Any, sizes: list[tuple[int, int]], placeholder: str, tokenizer: Any
+) -> list[tuple[str, int]]:
     """Per image: text standing in for its expansion in the prompt, and the tokens that text leaves out.
 
     Every expansion starts and ends with special tokens, which tokenize alone, so one placeholder stands in
@@ -262,7 +272,7 @@ def forecast_length(
         if source is None:
             raise TypeError("forecast_length with images needs processor=, image_processor= or spec=")
         spec = vision_spec_from_processor(source)
-    rendering = _render(conversation, tokenizer, processor, family, template, len(sizes), key)
+    rendering = _render(conversation, tokenizer, processor, family, template, len(sizes), key, spans=False)
     if not sizes:
         return len(_tokenize(tokenizer, rendering)[0]), []
     skeletons = _skeleton(spec, sizes, rendering.placeholder, tokenizer)
@@ -325,17 +335,23 @@ def _with_processor(processor: Any, rendering: Rendering, images: list[Any], key
         starts = torch.tensor([r["new_span"][0] for r in replacements], dtype=torch.long)
         ends = torch.tensor([r["new_span"][1] for r in replacements], dtype=torch.long)
         image_of = torch.searchsorted(starts, offsets[:, 0].contiguous(), right=True) - 1
-        inside = (image_of >= 0) & (offsets[:, 0] < ends[image_of.clamp(min=0)]) & (offsets[:, 1] > offsets[:, 0])
+        inside = (
+            (image_of >= 0) & (offsets[:, 0] < ends[image_of.clamp(min=0)]) & (offsets[:, 1] > offsets[:, 0])
+        )
         trained &= ~inside
         emb = ids == _embedding_token_id(processor)
         counts = torch.bincount(image_of[emb & inside], minlength=len(images))
         if int(counts.sum()) != int(emb.sum()):
-            raise ValueError(f"sample {key!r}: image tokens outside the images' expansions; remove them from the text")
+            raise ValueError(
+                f"sample {key!r}: image tokens outside the images' expansions; remove them from the text"
+            )
     out = {k: v for k, v in enc.items() if k not in _TEXT_KEYS}
     for name in ("mm_token_type_ids", "token_type_ids"):
         if name in out:
             out[name] = out[name][0]
-    out.update(input_ids=ids, labels=torch.where(trained, ids, torch.full_like(ids, -100)), tokens_per_image=counts)
+    out.update(
+        input_ids=ids, labels=torch.where(trained, ids, torch.full_like(ids, -100)), tokens_per_image=counts
+    )
     return out
 
 
@@ -412,7 +428,10 @@ def _with_image_processor(
     if counts:
         repeats = torch.ones_like(input_ids)
         repeats[input_ids == image_id] = torch.tensor(counts, dtype=torch.long)
-        out["input_ids"], out["labels"] = input_ids.repeat_interleave(repeats), out["labels"].repeat_interleave(repeats)
+        out["input_ids"], out["labels"] = (
+            input_ids.repeat_interleave(repeats),
+            out["labels"].repeat_interleave(repeats),
+        )
     return out
 
 
@@ -455,7 +474,9 @@ def process_sample(
     else:
         out = _with_image_processor(image_processor, tokenizer, rendering, pil, key)
         image_id = tokenizer.convert_tokens_to_ids(rendering.placeholder)
-        if "image_grid_thw" in out or (family or getattr(tokenizer, "vlm_pack_family", "") or "").startswith("qwen"):
+        if "image_grid_thw" in out or (family or getattr(tokenizer, "vlm_pack_family", "") or "").startswith(
+            "qwen"
+        ):
             out["mm_token_type_ids"] = (out["input_ids"] == image_id).long()
     if layout == "collapsed" and len(pil):
         out = _collapse(out, image_id, key)

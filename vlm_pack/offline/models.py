@@ -36,18 +36,30 @@ class _Dims:
     init: float
 
     def vision_tower(self, model_type: str | None, **kw: Any) -> dict[str, Any]:
-        out = dict(hidden_size=self.vision, intermediate_size=2 * self.vision, num_hidden_layers=self.vision_layers)
+        out = dict(
+            hidden_size=self.vision, intermediate_size=2 * self.vision, num_hidden_layers=self.vision_layers
+        )
         out.update(num_attention_heads=2, initializer_range=self.init, **kw)
         return dict(out, model_type=model_type) if model_type else out
 
 
 def _qwen_like(family: str, d: _Dims, text: dict[str, Any], ids: Any) -> dict[str, Any]:
     """Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4.1V: mRoPE over (t, h, w), patch 14 (16 for Qwen3) merged 2x2."""
-    half = (d.hidden // d.heads) // 2 if family != "glm4v" else (d.hidden // d.heads) // 4  # GLM: partial rotary 0.5
+    half = (
+        (d.hidden // d.heads) // 2 if family != "glm4v" else (d.hidden // d.heads) // 4
+    )  # GLM: partial rotary 0.5
     section = [half - 2 * (half // 4), half // 4, half // 4]
     text["rope_parameters"] = {"rope_type": "default", "mrope_section": section, "rope_theta": 10000.0}
-    vision = dict(depth=d.vision_layers, num_heads=2, spatial_merge_size=2, temporal_patch_size=2, initializer_range=d.init)
-    vision.update(patch_size=16 if family == "qwen3_vl" else 14, out_hidden_size=d.hidden, hidden_size=d.vision)
+    vision = dict(
+        depth=d.vision_layers,
+        num_heads=2,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        initializer_range=d.init,
+    )
+    vision.update(
+        patch_size=16 if family == "qwen3_vl" else 14, out_hidden_size=d.hidden, hidden_size=d.vision
+    )
     vision["intermediate_size"] = 2 * d.vision
     if family == "qwen2_vl":
         vision.update(embed_dim=d.vision, hidden_size=d.hidden, mlp_ratio=2)
@@ -85,7 +97,9 @@ def _family_parts(family: str, d: _Dims, text: dict[str, Any], ids: Any, tok: An
     if family == "llava_onevision":  # SigLIP 384 -> 27 x 27 = 729 features per crop
         text["model_type"] = "qwen2"
         out = dict(vision_config=d.vision_tower("siglip_vision_model", image_size=384, patch_size=14))
-        out.update(image_token_index=ids("<image>"), video_token_index=ids("<video>"), vision_feature_layer=-1)
+        out.update(
+            image_token_index=ids("<image>"), video_token_index=ids("<video>"), vision_feature_layer=-1
+        )
         out["image_grid_pinpoints"] = _IMAGE_PROCESSOR_PARAMS["llava_onevision"]["image_grid_pinpoints"]
         return out
     if family == "internvl":  # InternViT 448, pixel shuffle 0.5 -> 256 tokens per tile
@@ -99,17 +113,21 @@ def _family_parts(family: str, d: _Dims, text: dict[str, Any], ids: Any, tok: An
         return dict(vision_config=vision, image_token_id=ids("<image>"), scale_factor=scale)
     if family == "gemma3":  # SigLIP 896 -> 64 x 64 patches pooled to 256; text layers alternate sliding/full
         head_dim = d.hidden // d.heads
-        text.update(model_type="gemma3_text", head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=8)
-        text["layer_types"] = ["sliding_attention", "full_attention"] * (d.layers // 2) + ["sliding_attention"] * (
-            d.layers % 2
+        text.update(
+            model_type="gemma3_text", head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=8
         )
+        text["layer_types"] = ["sliding_attention", "full_attention"] * (d.layers // 2) + [
+            "sliding_attention"
+        ] * (d.layers % 2)
         out = dict(vision_config=d.vision_tower("siglip_vision_model", image_size=896, patch_size=14))
         out.update(mm_tokens_per_image=256, image_token_index=tok.image_token_id)
         return dict(out, boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id)
     # mistral3: Pixtral tower, 14 px patches merged 2 x 2
     text["model_type"] = "mistral"
     vision = d.vision_tower("pixtral", image_size=1540, patch_size=14, head_dim=d.vision // 2)
-    return dict(vision_config=vision, image_token_index=ids("[IMG]"), spatial_merge_size=2, vision_feature_layer=-1)
+    return dict(
+        vision_config=vision, image_token_index=ids("[IMG]"), spatial_merge_size=2, vision_feature_layer=-1
+    )
 
 
 def tiny_model_config(
@@ -134,7 +152,9 @@ def tiny_model_config(
     family_tokens(family)  # validates the name
     tok = tokenizer if tokenizer is not None else build_tokenizer(family)
     ids = tok.convert_tokens_to_ids
-    d = _Dims(hidden_size, num_layers, num_heads, num_kv_heads, vision_hidden_size, vision_layers, initializer_range)
+    d = _Dims(
+        hidden_size, num_layers, num_heads, num_kv_heads, vision_hidden_size, vision_layers, initializer_range
+    )
     text = dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size)
     text.update(num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads)
     text.update(max_position_embeddings=32768, initializer_range=initializer_range)

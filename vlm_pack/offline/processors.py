@@ -25,35 +25,51 @@ _QWEN2 = dict(
     image_mean=_CLIP_MEAN,
     image_std=_CLIP_STD,
 )
+_LLAVA = dict(
+    cls="LlavaImageProcessorPil",
+    size={"shortest_edge": 336},
+    crop_size={"height": 336, "width": 336},
+    do_center_crop=True,
+    image_mean=_CLIP_MEAN,
+    image_std=_CLIP_STD,
+)
+
+
+def _idefics3(crop: int, cls: str) -> dict[str, Any]:
+    return dict(
+        cls=cls,
+        size={"longest_edge": 4 * crop},
+        max_image_size={"longest_edge": crop},
+        do_image_splitting=True,
+        image_mean=_HALF,
+        image_std=_HALF,
+    )
+
+
 _IMAGE_PROCESSOR_PARAMS: dict[str, dict[str, Any]] = {
     # Qwen/Qwen2-VL-7B-Instruct, Qwen/Qwen2.5-VL-7B-Instruct
     "qwen2_vl": _QWEN2,
     "qwen2_5_vl": _QWEN2,
     # Qwen/Qwen3-VL-*-Instruct
     "qwen3_vl": dict(
-        _QWEN2, patch_size=16, size={"shortest_edge": 65536, "longest_edge": 16777216}, image_mean=_HALF, image_std=_HALF
+        _QWEN2,
+        patch_size=16,
+        size={"shortest_edge": 65536, "longest_edge": 16777216},
+        image_mean=_HALF,
+        image_std=_HALF,
     ),
     # zai-org/GLM-4.1V-9B-Thinking
-    "glm4v": dict(_QWEN2, cls="Glm4vImageProcessorPil", size={"shortest_edge": 12544, "longest_edge": 9633792}),
-    # llava-hf/llava-1.5-7b-hf
-    "llava": dict(
-        cls="LlavaImageProcessorPil",
-        size={"shortest_edge": 336},
-        crop_size={"height": 336, "width": 336},
-        do_center_crop=True,
-        image_mean=_CLIP_MEAN,
-        image_std=_CLIP_STD,
+    "glm4v": dict(
+        _QWEN2, cls="Glm4vImageProcessorPil", size={"shortest_edge": 12544, "longest_edge": 9633792}
     ),
+    # llava-hf/llava-1.5-7b-hf
+    "llava": _LLAVA,
     # llava-hf/llava-v1.6-mistral-7b-hf
     "llava_next": dict(
+        _LLAVA,
         cls="LlavaNextImageProcessorPil",
-        size={"shortest_edge": 336},
-        crop_size={"height": 336, "width": 336},
-        do_center_crop=True,
         do_pad=True,
         image_grid_pinpoints=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
-        image_mean=_CLIP_MEAN,
-        image_std=_CLIP_STD,
     ),
     # llava-hf/llava-onevision-qwen2-7b-ov-hf
     "llava_onevision": dict(
@@ -74,26 +90,14 @@ _IMAGE_PROCESSOR_PARAMS: dict[str, dict[str, Any]] = {
         image_mean=[0.485, 0.456, 0.406],
         image_std=[0.229, 0.224, 0.225],
     ),
-    # HuggingFaceM4/Idefics3-8B-Llama3
-    "idefics3": dict(
-        cls="Idefics3ImageProcessorPil",
-        size={"longest_edge": 4 * 364},
-        max_image_size={"longest_edge": 364},
-        do_image_splitting=True,
-        image_mean=_HALF,
-        image_std=_HALF,
-    ),
-    # HuggingFaceTB/SmolVLM-Instruct
-    "smolvlm": dict(
-        cls="SmolVLMImageProcessorPil",
-        size={"longest_edge": 4 * 384},
-        max_image_size={"longest_edge": 384},
-        do_image_splitting=True,
-        image_mean=_HALF,
-        image_std=_HALF,
-    ),
+    # HuggingFaceM4/Idefics3-8B-Llama3: 364 px crops, longest side 4 crops
+    "idefics3": _idefics3(364, "Idefics3ImageProcessorPil"),
+    # HuggingFaceTB/SmolVLM-Instruct: 384 px crops
+    "smolvlm": _idefics3(384, "SmolVLMImageProcessorPil"),
     # google/gemma-3-4b-it
-    "gemma3": dict(cls="Gemma3ImageProcessorPil", size={"height": 896, "width": 896}, image_mean=_HALF, image_std=_HALF),
+    "gemma3": dict(
+        cls="Gemma3ImageProcessorPil", size={"height": 896, "width": 896}, image_mean=_HALF, image_std=_HALF
+    ),
     # mistralai/Mistral-Small-3.1-24B-Instruct-2503 (Pixtral tower: 14 px patches merged 2x2)
     "mistral3": dict(
         cls="PixtralImageProcessorPil",
@@ -194,7 +198,9 @@ def _pixtral_processor_class() -> type:
     except ImportError:
         from transformers.models.pixtral import image_processing_pil_pixtral as pil
 
-        sys.modules[name] = types.SimpleNamespace(get_resize_output_image_size=pil.get_resize_output_image_size)  # type: ignore[assignment]
+        sys.modules[name] = types.SimpleNamespace(
+            get_resize_output_image_size=pil.get_resize_output_image_size
+        )  # type: ignore[assignment]
         try:
             import transformers.models.pixtral.processing_pixtral as mod
         finally:
@@ -217,7 +223,9 @@ def processor(
     family_tokens(family)  # validates the name
     name, params = _PROCESSOR_PARAMS[family]
     cls = _pixtral_processor_class() if name == "PixtralProcessor" else getattr(transformers, name)
-    kwargs: dict[str, Any] = dict(image_processor=image_processor(family, **overrides), tokenizer=tok, **params)
+    kwargs: dict[str, Any] = dict(
+        image_processor=image_processor(family, **overrides), tokenizer=tok, **params
+    )
     if "video_processor" in cls.get_attributes():
         cls, kwargs["video_processor"] = _without_video(cls), None
     with _smolvlm_without_num2words() if name == "SmolVLMProcessor" else contextlib.nullcontext():

@@ -81,7 +81,9 @@ def _family_tokens() -> dict[str, dict[str, Any]]:
         ),
         # HuggingFaceM4/Idefics3-8B-Llama3 (Llama 3 vocabulary)
         "idefics3": dict(
-            core=dict(bos_token="<|begin_of_text|>", eos_token="<end_of_utterance>", pad_token="<|finetune_pad|>"),
+            core=dict(
+                bos_token="<|begin_of_text|>", eos_token="<end_of_utterance>", pad_token="<|finetune_pad|>"
+            ),
             roles=_IDEFICS3_ROLES,
             extra=["<|begin_of_text|>", "<|finetune_pad|>", *_IDEFICS3_TOKENS],
         ),
@@ -94,7 +96,9 @@ def _family_tokens() -> dict[str, dict[str, Any]]:
         # google/gemma-3-4b-it
         "gemma3": dict(
             core=dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"),
-            roles=dict(boi_token="<start_of_image>", eoi_token="<end_of_image>", image_token="<image_soft_token>"),
+            roles=dict(
+                boi_token="<start_of_image>", eoi_token="<end_of_image>", image_token="<image_soft_token>"
+            ),
             extra=[
                 "<bos>",
                 "<eos>",
@@ -109,7 +113,15 @@ def _family_tokens() -> dict[str, dict[str, Any]]:
         "mistral3": dict(
             core=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"),
             roles=dict(image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]"),
-            extra=["[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"],
+            extra=[
+                "[INST]",
+                "[/INST]",
+                "[SYSTEM_PROMPT]",
+                "[/SYSTEM_PROMPT]",
+                "[IMG]",
+                "[IMG_BREAK]",
+                "[IMG_END]",
+            ],
         ),
         # zai-org/GLM-4.1V-9B-Thinking
         "glm4v": dict(
@@ -184,10 +196,14 @@ def family_tokens(family: str) -> dict[str, Any]:
     try:
         return _family_tokens()[family]
     except KeyError:
-        raise ValueError(f"Unknown family {family!r}: vlm_pack.offline supports {', '.join(FAMILIES)}.") from None
+        raise ValueError(
+            f"Unknown family {family!r}: vlm_pack.offline supports {', '.join(FAMILIES)}."
+        ) from None
 
 
-def build_tokenizer(family: str = "qwen2_vl", vocab_size: int = 1024, chat_template: str | None = None) -> Any:
+def build_tokenizer(
+    family: str = "qwen2_vl", vocab_size: int = 1024, chat_template: str | None = None
+) -> Any:
     """A locally trained fast tokenizer with ``family``'s special tokens (no download).
 
     The returned ``PreTrainedTokenizerFast`` carries the released tokenizer's named tokens as attributes with
