@@ -44,108 +44,104 @@ _IDEFICS3_ROLES = dict(
 )
 
 
-@functools.cache
-def _family_tokens() -> dict[str, dict[str, Any]]:
-    """Per family: ``core`` (bos/eos/pad/unk), ``roles`` (named tokens set as attributes), ``extra`` tokens.
-
-    The tokens and their roles are those of the released checkpoints' tokenizers (named in comments).
-    """
-    qwen = dict(core=dict(pad_token="<|endoftext|>", eos_token="<|im_end|>"), roles=_QWEN_ROLES, extra=[])
-    llava = dict(
-        core=dict(pad_token="<pad>", eos_token="</s>", bos_token="<s>", unk_token="<unk>"),
-        roles=dict(image_token="<image>"),
-        extra=[],
-    )
-    return {
-        "qwen2_vl": qwen,  # Qwen/Qwen2-VL-7B-Instruct
-        "qwen2_5_vl": qwen,  # Qwen/Qwen2.5-VL-7B-Instruct
-        "qwen3_vl": qwen,  # Qwen/Qwen3-VL-*-Instruct
-        "llava": llava,  # llava-hf/llava-1.5-7b-hf
-        "llava_next": llava,  # llava-hf/llava-v1.6-mistral-7b-hf
-        # llava-hf/llava-onevision-qwen2-7b-ov-hf (a Qwen2 vocabulary with <image> and <video> added)
-        "llava_onevision": dict(
-            core=dict(pad_token="<|endoftext|>", eos_token="<|im_end|>"),
-            roles=dict(image_token="<image>", video_token="<video>"),
-            extra=["<video>"],
+_QWEN = dict(core=dict(pad_token="<|endoftext|>", eos_token="<|im_end|>"), roles=_QWEN_ROLES, extra=[])
+_LLAVA = dict(
+    core=dict(pad_token="<pad>", eos_token="</s>", bos_token="<s>", unk_token="<unk>"),
+    roles=dict(image_token="<image>"),
+    extra=[],
+)
+# Per family: ``core`` (bos/eos/pad/unk), ``roles`` (named tokens set as tokenizer attributes), ``extra`` tokens;
+# those of the released checkpoints' tokenizers (named in comments).
+_FAMILY_TOKENS: dict[str, dict[str, Any]] = {
+    "qwen2_vl": _QWEN,  # Qwen/Qwen2-VL-7B-Instruct
+    "qwen2_5_vl": _QWEN,  # Qwen/Qwen2.5-VL-7B-Instruct
+    "qwen3_vl": _QWEN,  # Qwen/Qwen3-VL-*-Instruct
+    "llava": _LLAVA,  # llava-hf/llava-1.5-7b-hf
+    "llava_next": _LLAVA,  # llava-hf/llava-v1.6-mistral-7b-hf
+    # llava-hf/llava-onevision-qwen2-7b-ov-hf (a Qwen2 vocabulary with <image> and <video> added)
+    "llava_onevision": dict(
+        core=dict(pad_token="<|endoftext|>", eos_token="<|im_end|>"),
+        roles=dict(image_token="<image>", video_token="<video>"),
+        extra=["<video>"],
+    ),
+    # OpenGVLab/InternVL3-1B-hf (Qwen2.5 vocabulary)
+    "internvl": dict(
+        core=dict(pad_token="<|endoftext|>", eos_token="<|im_end|>"),
+        roles=dict(
+            start_image_token="<img>",
+            end_image_token="</img>",
+            context_image_token="<IMG_CONTEXT>",
+            video_token="<video>",
         ),
-        # OpenGVLab/InternVL3-1B-hf (Qwen2.5 vocabulary)
-        "internvl": dict(
-            core=dict(pad_token="<|endoftext|>", eos_token="<|im_end|>"),
-            roles=dict(
-                start_image_token="<img>",
-                end_image_token="</img>",
-                context_image_token="<IMG_CONTEXT>",
-                video_token="<video>",
-            ),
-            extra=["<video>"],
+        extra=["<video>"],
+    ),
+    # HuggingFaceM4/Idefics3-8B-Llama3 (Llama 3 vocabulary)
+    "idefics3": dict(
+        core=dict(
+            bos_token="<|begin_of_text|>", eos_token="<end_of_utterance>", pad_token="<|finetune_pad|>"
         ),
-        # HuggingFaceM4/Idefics3-8B-Llama3 (Llama 3 vocabulary)
-        "idefics3": dict(
-            core=dict(
-                bos_token="<|begin_of_text|>", eos_token="<end_of_utterance>", pad_token="<|finetune_pad|>"
-            ),
-            roles=_IDEFICS3_ROLES,
-            extra=["<|begin_of_text|>", "<|finetune_pad|>", *_IDEFICS3_TOKENS],
+        roles=_IDEFICS3_ROLES,
+        extra=["<|begin_of_text|>", "<|finetune_pad|>", *_IDEFICS3_TOKENS],
+    ),
+    # HuggingFaceTB/SmolVLM-Instruct (SmolLM2 vocabulary: <|im_start|> is its BOS)
+    "smolvlm": dict(
+        core=dict(bos_token="<|im_start|>", eos_token="<end_of_utterance>", pad_token="<|im_end|>"),
+        roles=_IDEFICS3_ROLES,
+        extra=list(_IDEFICS3_TOKENS),
+    ),
+    # google/gemma-3-4b-it
+    "gemma3": dict(
+        core=dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"),
+        roles=dict(
+            boi_token="<start_of_image>", eoi_token="<end_of_image>", image_token="<image_soft_token>"
         ),
-        # HuggingFaceTB/SmolVLM-Instruct (SmolLM2 vocabulary: <|im_start|> is its BOS)
-        "smolvlm": dict(
-            core=dict(bos_token="<|im_start|>", eos_token="<end_of_utterance>", pad_token="<|im_end|>"),
-            roles=_IDEFICS3_ROLES,
-            extra=list(_IDEFICS3_TOKENS),
-        ),
-        # google/gemma-3-4b-it
-        "gemma3": dict(
-            core=dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"),
-            roles=dict(
-                boi_token="<start_of_image>", eoi_token="<end_of_image>", image_token="<image_soft_token>"
-            ),
-            extra=[
-                "<bos>",
-                "<eos>",
-                "<start_of_turn>",
-                "<end_of_turn>",
-                "<start_of_image>",
-                "<end_of_image>",
-                "<image_soft_token>",
-            ],
-        ),
-        # mistralai/Mistral-Small-3.1-24B-Instruct-2503 (Tekken vocabulary; Pixtral image tokens)
-        "mistral3": dict(
-            core=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"),
-            roles=dict(image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]"),
-            extra=[
-                "[INST]",
-                "[/INST]",
-                "[SYSTEM_PROMPT]",
-                "[/SYSTEM_PROMPT]",
-                "[IMG]",
-                "[IMG_BREAK]",
-                "[IMG_END]",
-            ],
-        ),
-        # zai-org/GLM-4.1V-9B-Thinking
-        "glm4v": dict(
-            core=dict(pad_token="<|endoftext|>", eos_token="<|endoftext|>"),
-            roles=dict(image_token="<|image|>", video_token="<|video|>"),
-            extra=[
-                "[gMASK]",
-                "<sop>",
-                "<|system|>",
-                "<|user|>",
-                "<|assistant|>",
-                "<|begin_of_image|>",
-                "<|end_of_image|>",
-                "<|image|>",
-                "<|begin_of_video|>",
-                "<|end_of_video|>",
-                "<|video|>",
-            ],
-        ),
-    }
+        extra=[
+            "<bos>",
+            "<eos>",
+            "<start_of_turn>",
+            "<end_of_turn>",
+            "<start_of_image>",
+            "<end_of_image>",
+            "<image_soft_token>",
+        ],
+    ),
+    # mistralai/Mistral-Small-3.1-24B-Instruct-2503 (Tekken vocabulary; Pixtral image tokens)
+    "mistral3": dict(
+        core=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"),
+        roles=dict(image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]"),
+        extra=[
+            "[INST]",
+            "[/INST]",
+            "[SYSTEM_PROMPT]",
+            "[/SYSTEM_PROMPT]",
+            "[IMG]",
+            "[IMG_BREAK]",
+            "[IMG_END]",
+        ],
+    ),
+    # zai-org/GLM-4.1V-9B-Thinking
+    "glm4v": dict(
+        core=dict(pad_token="<|endoftext|>", eos_token="<|endoftext|>"),
+        roles=dict(image_token="<|image|>", video_token="<|video|>"),
+        extra=[
+            "[gMASK]",
+            "<sop>",
+            "<|system|>",
+            "<|user|>",
+            "<|assistant|>",
+            "<|begin_of_image|>",
+            "<|end_of_image|>",
+            "<|image|>",
+            "<|begin_of_video|>",
+            "<|end_of_video|>",
+            "<|video|>",
+        ],
+    ),
+}
 
 
 #: Families with an offline tokenizer, image processor, processor and tiny model.
-FAMILIES = tuple(_family_tokens())
+FAMILIES = tuple(_FAMILY_TOKENS)
 
 _CORPUS_WORDS = (
     "the a an of to in and is are was were be been on at by for with from this that these those it its "
@@ -194,7 +190,7 @@ def _tokenizer_json(vocab_size: int) -> str:
 def family_tokens(family: str) -> dict[str, Any]:
     """The special-token layout of ``family`` (``core``, ``roles``, ``extra``); ``ValueError`` if unknown."""
     try:
-        return _family_tokens()[family]
+        return _FAMILY_TOKENS[family]
     except KeyError:
         raise ValueError(
             f"Unknown family {family!r}: vlm_pack.offline supports {', '.join(FAMILIES)}."
