@@ -177,7 +177,13 @@ def _normalise(conversation: Conversation, num_images: int, key: Any) -> list[di
         raise ValueError(
             f"sample {key!r}: a conversation must be a caption string or a non-empty list of turns"
         )
-    messages = [{**turn, "content": _parts(turn.get("content"))} for turn in conversation]
+    try:  # keys set to None are dropped, as apply_chat_template does (templates would print "None")
+        messages = [
+            {**{k: v for k, v in t.items() if v is not None}, "content": _parts(t.get("content"))}
+            for t in conversation
+        ]
+    except (ValueError, AttributeError, TypeError) as e:
+        raise ValueError(f"sample {key!r}: {e}") from None
     if num_images and not any(p["type"] == "image" for m in messages for p in m["content"]):
         first_user = next((m for m in messages if m.get("role") == "user"), None)
         if first_user is None:
