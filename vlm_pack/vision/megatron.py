@@ -1,0 +1,62 @@
+"""Megatron-LM / NeMo LLaVA: a fixed number of embeddings per tile, one placeholder per image in the ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .spec import VisionSpec, _check_size
+from .tiles import InternVLSpec
+
+
+@dataclass(frozen=True)
+class MegatronSpec(VisionSpec):
+    """Megatron-LM / NeMo LLaVA (``clip_vit_model.get_num_image_embeddings``): a fixed count per tile.
+
+    ``per_tile = (img_h // patch) * (img_w // patch) + class_token_len`` (CLIP 1, SigLIP 0, 0 when
+    ``--disable-vision-class-token``), times 0.25 with pixel shuffle; ``tokens = tiles * per_tile``.
+    Tiles follow InternVL's dynamic tiling when ``max_tiles > 1`` (``use_tiling``), with a thumbnail.
+    The input ids hold ONE placeholder (-200) per image, expanded to ``tokens`` embeddings in the model:
+    see ``vlm_pack.remap`` for the collapsed -> expanded ``cu_seqlens`` mapping.
+    """
+
+    family: ClassVar[str] = "megatron"
+
+    img_h: int = 336
+    img_w: int = 336
+    patch_dim: int = 14
+    class_token_len: int = 1
+    disable_vision_class_token: bool = False
+    pixel_shuffle: bool = False
+    max_tiles: int = 1
+    min_tiles: int = 1
+    use_thumbnail: bool = True
+    wrapper_tokens: int = 0
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """``get_num_image_embeddings`` for one tile."""
+        n = (self.img_h // self.patch_dim) * (self.img_w // self.patch_dim)
+        if not self.disable_vision_class_token:
+            n += self.class_token_len
+        if self.pixel_shuffle:
+            n = int(n * 0.25)
+        return n
+
+    def tiles(self, width: int, height: int) -> int:
+        if self.max_tiles <= 1:
+            _check_size(self.family, width, height)
+            return 1
+        tiler = InternVLSpec(
+            tile_size=self.img_h,
+            min_tiles=self.min_tiles,
+            max_tiles=self.max_tiles,
+            use_thumbnail=self.use_thumbnail,
+        )
+        return tiler.tiles(width, height)
+
+    def num_tokens(self, width: int, height: int) -> int:
+        return self.tiles(width, height) * self.tokens_per_tile
+
+    def num_patches(self, width: int, height: int) -> int:
+        return self.tiles(width, height) * (self.img_h // self.patch_dim) * (self.img_w // self.patch_dim)
