@@ -45,6 +45,7 @@ from .chat import (
     ChatFormat,
     Conversation,
     Rendering,
+    Segment,
     Template,
     chat_format,
     render_conversation,
@@ -57,6 +58,7 @@ __all__ = [
     "forecast_length",
     "load_image",
     "process_sample",
+    "render_prompt",
     "tokenize_conversation",
 ]
 
@@ -179,6 +181,37 @@ def _tokenize(tokenizer: Any, rendering: Rendering) -> tuple[list[int], list[boo
         return ids, mask
     offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
     return list(enc["input_ids"]), _trained_tokens(rendering.spans, offsets, len(text)).tolist()
+
+
+def render_prompt(
+    conversation: Conversation,
+    *,
+    tokenizer: Any,
+    family: str | None = None,
+    num_images: int = 0,
+    template: str | ChatFormat | Template | None = None,
+    key: Any = None,
+    processor: Any = None,
+) -> tuple[list[Segment], list[str]]:
+    """The rendered prompt as ``(text, trained)`` segments and their texts (images as the placeholder token).
+
+    ``tokenizer("".join(texts), add_special_tokens=False)`` gives the ids :func:`tokenize_conversation` gives
+    (a BOS the tokenizer would add is written out), so many prompts can be tokenized in one batched call.
+    Raises as :func:`tokenize_conversation` does.
+    """
+    rendering = _render(conversation, tokenizer, processor, family, template, num_images, key)
+    text = rendering.text
+    cuts = sorted({0, len(text), *(c for span in rendering.spans for c in span)})
+    starts = {start for start, _ in rendering.spans}
+    texts = [text[a:b] for a, b in itertools.pairwise(cuts)]
+    trained = [a in starts for a, _ in itertools.pairwise(cuts)]
+    bos = getattr(tokenizer, "bos_token", None)
+    if rendering.add_special_tokens and bos and texts:
+        added = tokenizer("", add_special_tokens=True)["input_ids"]
+        if added[:1] == [tokenizer.convert_tokens_to_ids(bos)]:
+            texts[0] = bos + texts[0]
+    segments = [(t.replace(rendering.placeholder, IMAGE_MARKER), m) for t, m in zip(texts, trained)]
+    return segments, texts
 
 
 def tokenize_conversation(
