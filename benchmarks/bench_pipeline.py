@@ -36,8 +36,9 @@ from PIL import Image, ImageDraw, ImageFilter
 
 import vlm_pack.collate as vlm_collate
 from vlm_pack.collate import PackingCollator
-from vlm_pack.data.pipeline import OWN_PHASES, PHASES, PackedDataLoader, PackedWebDataset
+from vlm_pack.data.pipeline import PackedDataLoader, PackedWebDataset
 from vlm_pack.data.shards import image_fields, parse_text, write_shards
+from vlm_pack.data.stats import OWN_PHASES, PHASES
 from vlm_pack.offline import build_tokenizer, image_processor
 from vlm_pack.processing import process_sample
 

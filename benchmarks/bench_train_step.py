@@ -35,6 +35,7 @@ are left out of both modes and reported).
     python benchmarks/bench_train_step.py --device cpu --capacity 4096 --kernels   # attention alone
     python benchmarks/bench_train_step.py --device cuda --backend torch_varlen --capacity 8192
     python benchmarks/bench_train_step.py --device cuda --backend flash_attn --capacity 8192 --max-pixels checkpoint
+    python benchmarks/bench_train_step.py --device cuda --backend torch_varlen --sync-debug --layers 2   # and 8
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import torch
 import torch.nn.functional as F
 import webdataset as wds
 
-from vlm_pack.attention import available_backends, select_backend, use_varlen_attention, varlen_attention
+from vlm_pack.attention import available_backends, resolve_backend, use_varlen_attention, varlen_attention
 from vlm_pack.collate import PackingCollator
 from vlm_pack.data import image_fields, parse_text
 from vlm_pack.demo import demo_shards
@@ -242,7 +243,7 @@ class Trainer:
                 q = torch.empty(
                     1, args.heads, head_dim, device=self.device, dtype=self.dtype, requires_grad=True
                 )
-                backend = select_backend(q)
+                backend = resolve_backend("auto", q)
             self.attention = f"vlm_pack_varlen/{backend}"
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=False)
@@ -252,15 +253,15 @@ class Trainer:
         n_items = sum(b[1] for b in batches)
         self.sync()
         t0 = time.perf_counter()
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         for inputs, *_ in batches:
             loss = self.model(**inputs, num_items_in_batch=n_items).loss
             loss.backward()
-            loss_sum += float(loss.detach())
+            loss_sum += loss.detach()  # on the device: no host sync per micro-batch
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.sync()
-        return time.perf_counter() - t0, loss_sum
+        return time.perf_counter() - t0, float(loss_sum)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -339,6 +340,31 @@ def run_timing(args, all_batches: dict, tokenizer) -> dict:
         )
         for m, st in stats.items()
     }
+
+
+def report_cuda_syncs(args, step_batches: list, tokenizer) -> None:
+    """Host syncs CUDA reports (``torch.cuda.set_sync_debug_mode("warn")``) during one packed optimizer
+    step, after a warm-up step. Run with two --layers values: the count must not change with the depth
+    (the step's own two: reading the loss back and the timing synchronize)."""
+    if torch.device(args.device).type != "cuda":
+        sys.exit("--sync-debug needs --device cuda (CPU tensors never sync)")
+    trainer = Trainer("packed", args, tokenizer)
+    batches = [(to_device(i, trainer.device, trainer.dtype), *rest) for i, *rest in step_batches]
+    trainer.step(batches)  # warm-up: kernel selection, allocator, caches
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.step(batches)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    print(
+        f"{trainer.attention}, {args.layers} layers: {len(syncs)} host syncs in one optimizer step of "
+        f"{len(batches)} micro-batches ({len(syncs) / len(batches):.1f} per micro-batch)"
+    )
+    for where in sorted(set(syncs)):
+        print(f"  {syncs.count(where)} x {where.splitlines()[0][:160]}")
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -448,6 +474,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init-std", type=float, default=0.02, help="initializer_range of the model")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--kernels", action="store_true", help="time the attention backends alone and exit")
+    p.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="CUDA: count the host syncs of one packed optimizer step (torch.cuda.set_sync_debug_mode) and exit",
+    )
     p.add_argument("--mode", choices=["padded", "packed"], help=argparse.SUPPRESS)
     p.add_argument("--batches-file", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -498,6 +529,9 @@ def main(argv: list[str] | None = None) -> None:
         vision_layers=args.vision_layers,
     )
     all_batches = build_batches(args, steps, tokenizer, config)
+    if args.sync_debug:
+        report_cuda_syncs(args, all_batches["packed"][0], tokenizer)
+        return
     results = run_timing(args, all_batches, tokenizer)
 
     with tempfile.TemporaryDirectory() as tmp:  # memory: each mode alone in a fresh process

@@ -4,6 +4,7 @@ real models (LLaMA, Qwen2-VL with real image tokens) against per-sample and sdpa
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -19,7 +20,6 @@ from vlm_pack.attention import (
     document_block_mask,
     register_hf_attention,
     resolve_backend,
-    select_backend,
     use_varlen_attention,
     varlen_attention,
 )
@@ -136,7 +136,7 @@ def test_cuda_backends_match_reference_in_bf16(causal):
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad_out.double())
     backends = available_backends(device, torch.bfloat16, 64, requires_grad=True)
     if torch.cuda.get_device_capability(device) >= (8, 0):
-        assert "torch_varlen" in backends and select_backend(q) in ("flash_attn", "torch_varlen")
+        assert "torch_varlen" in backends and resolve_backend("auto", q) in ("flash_attn", "torch_varlen")
     for backend in backends:
         out = varlen_attention(q, k, v, cu, max(lengths), causal=causal, backend=backend)
         torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=backend)
@@ -170,7 +170,7 @@ def test_backend_availability_and_selection_on_cpu():
     assert CPU_GRAD_BACKENDS == ["sdpa_per_sample", "sdpa_masked"]
     q, k, v = qkv(10, 2, 2)
     # CPU auto: per-sample SDPA (flex has no CPU backward and is slower uncompiled).
-    assert select_backend(q) == "sdpa_per_sample"
+    assert resolve_backend("auto", q) == "sdpa_per_sample"
     assert resolve_backend("auto", q.requires_grad_(), k, v) == "sdpa_per_sample"
     assert "CUDA" in backend_unavailable_reason("torch_varlen", "cpu")
     assert backend_unavailable_reason("sdpa_masked", "cpu") is None
@@ -532,3 +532,135 @@ def test_qwen2_5_vl_windowed_vision_ignores_inherited_boundaries_and_switches_ba
     assert model.config.vision_config._attn_implementation == "sdpa"
     for out in (got, back):
         torch.testing.assert_close(torch.cat(list(out)), torch.cat(list(want)), atol=2e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Packed rows that also carry a padding mask
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_packed_right_padded_rows_with_a_mask_equal_each_sample_alone():
+    """Two packed rows right-padded to one length, with a padding attention_mask AND per-sample
+    position_ids: the mask only drops the padding; the positions keep every sample to itself."""
+    from vlm_pack.testing import token_mult_prob_error
+
+    model = tiny_llama()
+    rows = [[7, 12], [3, 9, 6]]  # sample lengths per row
+    width = 24
+    g = torch.Generator().manual_seed(5)
+    samples = [[torch.randint(0, 128, (n,), generator=g) for n in row] for row in rows]
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    pos = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, row in enumerate(samples):
+        used = sum(len(s) for s in row)
+        ids[r, :used] = torch.cat(row)
+        pos[r, :used] = torch.cat([torch.arange(len(s)) for s in row])
+        mask[r, :used] = 1
+    with torch.no_grad():
+        alone = torch.cat(
+            [token_logprobs(model(input_ids=s[None]).logits[0], s) for row in samples for s in row]
+        )
+        use_varlen_attention(model)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        # the same rows with a running position: samples then see each other (the test can fail)
+        running = torch.arange(width).expand(len(rows), -1)
+        leaky_logits = model(input_ids=ids, attention_mask=mask, position_ids=running, use_cache=False).logits
+
+    def per_sample(out):
+        return torch.cat(
+            [packed_row_logprobs(row, out[r : r + 1], ids[r : r + 1]) for r, row in enumerate(rows)]
+        )
+
+    err = float(token_mult_prob_error(per_sample(logits), alone))
+    leak = float(token_mult_prob_error(per_sample(leaky_logits), alone))
+    print(f"packed+padding-mask vs alone: token_mult_prob_error {err:.7f} (running positions: {leak:.4f})")
+    assert err <= 1.0001
+    assert leak > 1.01
+
+
+# ------------------------------------------------------------------------------------------------------
+# torch varlen_attn signature adapter
+# ------------------------------------------------------------------------------------------------------
+
+
+def _stand_in_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """A CPU stand-in for the CUDA kernel: float64 per-sample reference; refuses GQA like the kernel does
+    without enable_gqa."""
+    assert q.shape[1] == k.shape[1], "kv heads must be repeated for a varlen_attn without enable_gqa"
+    assert cu_q is cu_k
+    return reference_attention(q, k, v, cu_q, causal, scale).to(q.dtype)
+
+
+def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.10's signature: is_causal, no scale, no window_size, no enable_gqa."""
+    return _stand_in_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, None)
+
+
+def varlen_attn_no_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
+    return _stand_in_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, False, None)
+
+
+@pytest.fixture
+def torch_varlen_as(monkeypatch):
+    """Install ``fn`` as torch's varlen_attn (and let the backend run on CPU tensors)."""
+    from vlm_pack import attention
+
+    real_reason = attention.backend_unavailable_reason
+
+    def install(fn):
+        monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: fn)
+        attention._torch_varlen_keywords.cache_clear()
+        monkeypatch.setattr(
+            attention,
+            "backend_unavailable_reason",
+            lambda name, *a, **kw: None if name == "torch_varlen" else real_reason(name, *a, **kw),
+        )
+
+    yield install
+    attention._torch_varlen_keywords.cache_clear()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_torch_varlen_with_the_2_10_signature_gets_is_causal_and_repeated_kv(torch_varlen_as, causal):
+    torch_varlen_as(varlen_attn_2_10)
+    lengths = [5, 1, 12]
+    cu = cu_from_lengths(lengths)
+    q, k, v = qkv(sum(lengths), 4, 2)
+    got = varlen_attention(q, k, v, cu, causal=causal, backend="torch_varlen")
+    torch.testing.assert_close(got, reference_attention(q, k, v, cu, causal).float(), atol=1e-5, rtol=0)
+
+
+def test_torch_varlen_missing_arguments_raise_naming_the_torch_version(torch_varlen_as):
+    torch_varlen_as(varlen_attn_2_10)
+    cu = cu_from_lengths([4, 4])
+    q, k, v = qkv(8, 2, 2)
+    with pytest.raises(
+        NotImplementedError, match=re.escape(f"torch {torch.__version__}'s varlen_attn has no scale")
+    ):
+        varlen_attention(q, k, v, cu, softmax_scale=0.1, backend="torch_varlen")
+    torch_varlen_as(varlen_attn_no_causal)
+    with pytest.raises(
+        NotImplementedError, match=re.escape(f"torch {torch.__version__}'s varlen_attn takes neither")
+    ):
+        varlen_attention(q, k, v, cu, causal=True, backend="torch_varlen")
+
+
+@pytest.mark.skipif(
+    backend_unavailable_reason("torch_varlen", "cpu") is not None
+    and "no torch.nn.attention.varlen" in backend_unavailable_reason("torch_varlen", "cpu"),
+    reason="this torch has no varlen_attn",
+)
+def test_installed_torch_varlen_signature_gets_its_keywords():
+    """The keywords chosen for the installed torch are ones its varlen_attn declares."""
+    import inspect
+
+    from vlm_pack import attention
+
+    attention._torch_varlen_keywords.cache_clear()
+    declared = inspect.signature(attention._torch_varlen_attn()).parameters
+    for causal, gqa in itertools.product([True, False], [True, False]):
+        kwargs = attention._torch_varlen_kwargs(causal, 0.25, 16, gqa)
+        assert set(kwargs) <= set(declared)
+        if "window_size" in declared:
+            assert kwargs["window_size"] == ((-1, 0) if causal else (-1, -1))

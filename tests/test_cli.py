@@ -103,12 +103,19 @@ def test_demo_command_prints_the_table_and_writes_the_report(demo_run, capsys):
         assert c["padded"]["random"]["waste"] > 0.3 > 0.05 > pk["waste"]
         ga = c["grad_accum"]["packed"]
         per_step = pk["samples_per_pack"]["mean"] * b["world_size"] * b["packs_per_device"]
-        assert ga["grad_accum"] == math.ceil(b["samples_per_update"] / per_step)
-        assert ga["samples_per_update"] >= b["samples_per_update"]
+        target = b["samples_per_update"]
+        miss = [abs(g * per_step - target) for g in range(1, ga["grad_accum"] + 3)]
+        assert miss[ga["grad_accum"] - 1] == min(miss)  # the recommendation is closest to the target
+        assert ga["min_grad_accum_reaching_target"] == math.ceil(target / per_step)
+        assert ga["min_reaching_samples_per_update"] >= target
+        # The padded run has no capacity: every sample at full length, the same in every column.
+        assert c["padded"] == report["capacities"][0]["padded"]
+        assert c["padded"]["random"]["real_tokens"] == d["text_tokens"] + d["vision_tokens"]
     oversized = [len(c["oversized_skipped"]) for c in report["capacities"]]
     assert oversized[0] >= oversized[1] >= oversized[2]
     text = (out / "report.txt").read_text()
-    for row in ("padding waste, random order", "efficiency", "samples/pack mean p50 p95", "GRAD ACCUM"):
+    for row in ("padding waste, random order", "efficiency", "samples/pack mean p50 p95", "GRAD ACCUM",
+                "(1) recommended: samples per update closest to", "(2) the fewest steps"):  # fmt: skip
         assert row in text
     assert set(report["plots"]) == {"lengths.png", "efficiency.png", "packs.png"}
     for name in report["plots"]:
@@ -392,3 +399,150 @@ def test_table_shows_per_pack_numbers_exactly(demo_run):
     rows = [r for r in (out / "report.txt").read_text().splitlines() if r.startswith("  largest micro-batch")]
     # The packed micro-batch is one pack: the capacities themselves, not "12.3k".
     assert rows[1].split()[-3:] == ["8,192", "12,288", "16,384"]
+
+
+# ------------------------------------------------------------------------------------------------ issue 13 / 18
+
+
+def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _hand_table(lengths: list[int]):
+    from vlm_pack.report import LengthTable
+
+    n = len(lengths)
+    zeros = np.zeros(n, np.int64)
+    return LengthTable([f"s{i}" for i in range(n)], ["hand"] * n, np.asarray(lengths, np.int64), zeros,
+                       zeros, np.zeros(n + 1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))  # fmt: skip
+
+
+def test_help_is_lazy_and_every_option_says_what_it_does():
+    probe = (
+        "import sys\nfrom vlm_pack.cli import main\ntry:\n    main(['analyze', '--help'])\nexcept SystemExit:\n"
+        "    pass\nprint([m for m in ('torch', 'transformers', 'megatron', 'matplotlib', 'numpy') if m in sys.modules])"
+    )
+    proc = subprocess.run([sys.executable, "-W", "default", "-c", probe], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("[]") and "Warning" not in proc.stderr
+    from vlm_pack.cli import build_parser
+
+    for sub in build_parser()._subparsers._group_actions[0].choices.values():
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help and len(action.help) > 10, (sub.prog, action.option_strings)
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["analyze"].format_help().split())
+    assert "The folder that the image paths in JSONL manifests are relative to" in help_text
+    assert "header-only" in help_text and "--verify" in help_text
+
+
+def test_family_is_case_insensitive(tmp_path, shards, capsys):
+    outs = []
+    for name in ("QWEN2_VL", "qwen2-vl"):
+        code, out, _ = _run(capsys, ["analyze", str(shards[0]), "--family", name, "--capacity", "8192",
+                                     "--json", "--no-plots", "--out", str(tmp_path / name)])  # fmt: skip
+        assert code == 0
+        outs.append(json.loads(out))
+    assert outs[0]["family"] == outs[1]["family"] == "qwen2_vl"
+    assert outs[0]["capacities"] == outs[1]["capacities"]
+
+
+def test_padded_baseline_does_not_depend_on_capacity():
+    from vlm_pack.report import analyze, plot_efficiency
+
+    table = _hand_table([100, 200, 300, 5000, 9000, 150, 120, 7000])
+    report, _ = analyze(table, [4096, 8192, 16384], baseline=Baseline(batch_size=2))
+    padded = [c["padded"] for c in report["capacities"]]
+    assert padded[0] == padded[1] == padded[2]
+    assert [c["packed_samples"] for c in report["capacities"]] == [5, 7, 8]  # packing does change
+    assert padded[0]["random"]["real_tokens"] == 21870  # every sample, at full length
+    fig = plot_efficiency(table, [4096, 8192], baseline=Baseline(batch_size=2), points=6)
+    flat = [line for line in fig.axes[0].lines if str(line.get_label()).startswith("padded")]
+    assert len(flat) == 2 and all(len(set(line.get_ydata())) == 1 for line in flat)
+
+
+def test_grad_accum_recommends_the_closest_to_the_target():
+    from vlm_pack.report import analyze_capacity, format_report
+
+    # 26 samples of 100 tokens, 13 per pack of 1300: one micro step is 13 samples, the target 4 x 1 x 4 = 16.
+    metrics, _ = analyze_capacity(_hand_table([100] * 26), 1300, baseline=Baseline(4, 1, 4))
+    ga = metrics["grad_accum"]["packed"]
+    assert (ga["grad_accum"], ga["samples_per_update"]) == (1, 13.0)  # |13 - 16| < |26 - 16|
+    assert (ga["min_grad_accum_reaching_target"], ga["min_reaching_samples_per_update"]) == (2, 26.0)
+    report = {"dataset": {"samples": 26, "images": 0, "text_only_samples": 26, "invalid": [],
+                          **{k: dict(mean=100, p50=100, p95=100, max=100) for k in (
+                              "text_tokens_per_sample", "vision_tokens_per_sample", "length_per_sample")}},
+              "baseline": {"batch_size": 4, "world_size": 1, "grad_accum": 4, "packs_per_device": 1,
+                           "samples_per_update": 16}, "capacities": [metrics]}  # fmt: skip
+    text = format_report(report)
+    assert "1 (13.0)" in text and "2 (26.0)" in text and "closest to 16" in text
+
+
+def test_packs_png_shows_every_capacity(shards):
+    from vlm_pack.report import analyze, forecast_lengths, plot_packs
+
+    table = forecast_lengths(scan_samples([shards[0]]), tokenizer=build_tokenizer("qwen2_vl"),
+                             spec=_qwen2_spec(), progress=False)  # fmt: skip
+    _, results = analyze(table, [8192, 12288, 16384])
+    fig = plot_packs(table, results, num_packs=3)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert [t.split(":")[0] for t in titles] == ["capacity 8,192", "capacity 12,288", "capacity 16,384"]
+
+
+def test_error_messages_name_the_thing_and_the_fix(tmp_path, shards, capsys):
+    # A tar whose first sample is broken (one field twice): the shard is named and the first sample blamed.
+    bad = _tar(tmp_path / "dup.tar", [("a.txt", b"x"), ("a.txt", b"y")])
+    code, _, err = _run(capsys, ["analyze", str(bad), "--no-plots", "--out", str(tmp_path / "r0")])
+    assert code == 1 and "dup.tar" in err and "first sample" in err and "None" not in err
+    # A JSON record in no layout vlm-pack reads: its own keys and the accepted ones.
+    odd = _tar(tmp_path / "odd.tar", [("k.json", json.dumps({"prompt": "hi", "answer": "yo"}).encode())])
+    code, _, err = _run(capsys, ["analyze", str(odd), "--no-plots", "--out", str(tmp_path / "r1")])
+    assert code == 1 and "['answer', 'prompt']" in err and '"messages"' in err and "'k'" in err
+    # --spec with a key the spec lacks: the valid keys, not a TypeError's text.
+    code, _, err = _run(capsys, ["analyze", str(shards[0]), "--spec", "foo=1", "--out", str(tmp_path / "r2")])
+    assert code == 1 and "--spec foo=..." in err and "max_pixels" in err and "unexpected keyword" not in err
+    # An --out that cannot be written: named as --out with its path, before any work.
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder")
+    for argv in (["analyze", str(shards[0])], ["pack", str(shards[0]), "--capacity", "8192"]):
+        target = str(blocker / "sub" / ("plan.jsonl" if argv[0] == "pack" else "report"))
+        code, _, err = _run(capsys, [*argv, "--out", target])
+        assert code == 1 and "--out" in err and target in err and "writable" in err
+
+
+def test_pack_without_processor_says_it_uses_the_stand_in_tokenizer(tmp_path, shards, capsys):
+    code, _, err = _run(capsys, ["pack", str(shards[0]), "--capacity", "16384", "--out", str(tmp_path / "p.jsonl")])
+    assert code == 0 and "stand-in tokenizer" in err and "--processor" in err
+    meta = json.loads((tmp_path / "p.meta.json").read_text())
+    assert meta["tokenizer"] == "vlm-pack offline stand-in" and meta["packing_config"]["capacity"] == 16384
+
+
+def test_verify_decodes_images_and_catches_truncated_ones(tmp_path, capsys):
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(0).integers(0, 255, (240, 320, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+    whole = buf.getvalue()
+    cut = whole[: len(whole) // 2]  # header intact, scan data cut short
+    with Image.open(io.BytesIO(cut)) as im:
+        assert im.size == (320, 240)  # Pillow itself reads the header fine ...
+        with pytest.raises(OSError):
+            im.load()  # ... and fails on the pixels
+    text = json.dumps({"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]},
+                                    {"role": "assistant", "content": "a"}]}).encode()  # fmt: skip
+    shard = _tar(tmp_path / "cut.tar", [("good.json", text), ("good.jpg", whole), ("bad.json", text), ("bad.jpg", cut)])
+    base = [str(shard), "--capacity", "4096", "--no-plots"]
+    code, out, _ = _run(capsys, ["analyze", *base, "--out", str(tmp_path / "r0")])
+    assert code == 0 and "2 samples" in out  # header-only: the truncated image passes
+    code, _, err = _run(capsys, ["analyze", *base, "--verify", "--out", str(tmp_path / "r1")])
+    assert code == 1 and "cut.tar" in err and "'bad'" in err and "truncated" in err
+    code, _, _ = _run(capsys, ["analyze", *base, "--verify", "--on-error", "skip", "--out", str(tmp_path / "r2")])
+    report = json.loads((tmp_path / "r2" / "report.json").read_text())
+    assert code == 0 and [i["key"] for i in report["dataset"]["invalid"]] == ["bad"]
+    assert report["images_checked"] == "decoded (--verify)" and report["dataset"]["samples"] == 1
+    plan = tmp_path / "plan.jsonl"
+    code, _, err = _run(capsys, ["pack", str(shard), "--capacity", "4096", "--verify", "--out", str(plan)])
+    assert code == 1 and "'bad'" in err and not plan.exists()

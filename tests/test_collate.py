@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pickle
 
 import pytest
@@ -123,7 +124,7 @@ def test_packed_forward_matches_each_sample_alone(qwen):
     tok, model, samples, _ = qwen
     b = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=4)(samples)
     with torch.no_grad():
-        out = model(**b)  # mapping protocol: the sdpa-style model inputs
+        out = model(**b.model_inputs("sdpa"))
         logp = out.logits.log_softmax(-1)
         loss_sum, n_targets = 0.0, 0
         for k, i in enumerate(b.sample_index.tolist()):
@@ -168,6 +169,23 @@ def test_strategies_keep_every_sample(qwen):
     assert bfd.num_rows == -(-sum(lens) // 64)  # as few rows as the lengths allow here
     one = PackingCollator(64, tokenizer=tok, family="qwen2_vl", max_samples_per_row=1)(samples)
     assert one.num_rows == len(samples)
+
+
+def test_sample_keys_follow_the_packed_order(qwen):
+    """batch.sample_keys: each packed sample's own key (WebDataset __key__, else key/id), in packed order;
+    every other non-tensor field is in batch.metadata; model_input_names() are the model inputs."""
+    tok, _, samples, _ = qwen
+    names = [f"shard-0/{i:06d}" for i in range(len(samples))]
+    keyed = [dict(s, __key__=name, source="demo") for s, name in zip(samples, names)]
+    b = PackingCollator(64, tokenizer=tok, family="qwen2_vl")(keyed)
+    order = b.sample_index.tolist()
+    assert order != sorted(order)  # bfd reorders these samples: the keys must follow them
+    assert b.sample_keys == [names[i] for i in order]
+    assert b.metadata["source"] == ["demo"] * len(samples)
+    assert "__key__" not in b.model_input_names() and "input_ids" in b.model_input_names()
+    by_id = PackingCollator(64, tokenizer=tok, family="qwen2_vl")([dict(s, id=i * 10) for i, s in enumerate(samples)])
+    assert by_id.sample_keys == [i * 10 for i in by_id.sample_index.tolist()]
+    assert PackingCollator(64, tokenizer=tok, family="qwen2_vl")(samples).sample_keys is None
 
 
 # ----------------------------------------------------------------------------------- collapsed layout
@@ -244,7 +262,7 @@ def test_model_input_styles(qwen):
     R, T = b.input_ids.shape
     sdpa = b.model_inputs("sdpa")
     assert "attention_mask" not in sdpa and sdpa["use_cache"] is False
-    assert set(b.keys()) == set(sdpa) and b["input_ids"] is b.input_ids and len(b) == len(sdpa)
+    assert b.model_input_names() == list(sdpa) and b["input_ids"] is b.input_ids and "use_cache" in b
     flash = b.model_inputs("flash_attention_2")
     assert "cu_seqlens" not in flash  # would reach the vision tower
     assert flash["input_ids"].shape == (1, R * T) and flash["position_ids"].shape == (4, 1, R * T)
@@ -544,15 +562,67 @@ def test_pad_multiple_for():
         pad_multiple_for(cp=0)
 
 
-def test_pad_multiple_for_always_passes_the_parallel_config_check():
+# Hand-computed from the rule (Megatron Bridge; Megatron-LM multimodal ``get_padding``): with CP > 1 each
+# sample is cut into 2*CP chunks, so its length must divide by 2*CP; sequence parallelism splits every chunk
+# again over the TP ranks (times TP); TP without sequence parallelism never splits the sequence. FP8 GEMMs
+# also need each rank's share (length / (CP * TP_sp)) divisible by 16.
+#   tp, cp, sequence_parallel, fp8 -> multiple
+_PAD_RULE_TABLE = [
+    (1, 1, False, False, 1),
+    (8, 1, False, False, 1),
+    (2, 1, True, False, 2),
+    (8, 1, True, False, 8),
+    (1, 2, False, False, 4),
+    (4, 2, False, False, 4),
+    (4, 2, True, False, 16),
+    (1, 3, False, False, 6),
+    (2, 3, True, False, 12),
+    (8, 3, True, False, 48),
+    (1, 4, False, False, 8),
+    (4, 4, True, False, 32),
+    (2, 8, False, False, 16),
+    (8, 8, True, False, 128),
+    (1, 1, False, True, 16),
+    (1, 2, False, True, 32),
+    (1, 3, False, True, 48),
+    (2, 1, True, True, 32),
+    (4, 2, True, True, 128),
+]
+
+
+def _smallest_length_that_splits(tp: int, cp: int, sequence_parallel: bool, fp8: bool) -> int:
+    """Brute force over lengths: the first that cuts into 2*CP equal chunks (CP > 1), each chunk into TP
+    equal parts under sequence parallelism, with (FP8) each rank's share a multiple of 16."""
+    chunks = 2 * cp if cp > 1 else 1
+    parts = tp if sequence_parallel else 1
+    for length in range(1, 10_000):
+        if length % chunks or (length // chunks) % parts:
+            continue
+        if fp8 and (length % (cp * parts) or (length // (cp * parts)) % 16):
+            continue
+        return length
+    raise AssertionError("no length found")
+
+
+def test_pad_multiple_for_is_the_parallel_padding_rule():
     from vlm_pack.parallel import check_parallel_config
 
-    for cp in (1, 2, 3, 4, 8):
-        for tp in (1, 2, 4, 8):
-            for sp in (False, True):
-                multiple = pad_multiple_for(tp=tp, cp=cp, sequence_parallel=sp)
-                required = check_parallel_config(cp, tp, sequence_parallel=sp, pad_to_multiple_of=multiple)
-                assert multiple % required == 0
+    for tp, cp, sp, fp8, want in _PAD_RULE_TABLE:
+        case = f"tp={tp} cp={cp} sequence_parallel={sp} fp8={fp8}"
+        assert _smallest_length_that_splits(tp, cp, sp, fp8) == want, case  # the table is the rule
+        assert pad_multiple_for(tp=tp, cp=cp, sequence_parallel=sp, fp8=fp8) == want, case
+        if fp8:
+            continue  # the configuration check knows nothing of FP8
+        # the configuration check asks for exactly this multiple, accepts it, and rejects half of it
+        assert check_parallel_config(cp, tp, sequence_parallel=sp, pad_to_multiple_of=want) == want, case
+        if want > 1:
+            with pytest.raises(ValueError, match="is not a multiple of"):
+                check_parallel_config(cp, tp, sequence_parallel=sp, pad_to_multiple_of=want // 2)
+    # beyond the table: every combination is the brute-forced rule and passes the configuration check
+    for cp, tp, sp, fp8 in itertools.product((1, 2, 3, 4, 8), (1, 2, 4, 8), (False, True), (False, True)):
+        multiple = pad_multiple_for(tp=tp, cp=cp, sequence_parallel=sp, fp8=fp8)
+        assert multiple == _smallest_length_that_splits(tp, cp, sp, fp8), (tp, cp, sp, fp8)
+        assert check_parallel_config(cp, tp, sequence_parallel=sp, pad_to_multiple_of=multiple) >= 1
 
 
 # ------------------------------------------------------------------------------------ data loaders
@@ -594,3 +664,42 @@ def test_hf_trainer_step(qwen, tmp_path):
     result = Trainer(model=model, args=args, train_dataset=samples, data_collator=collator).train()
     assert result.global_step == 1 and torch.isfinite(torch.tensor(result.training_loss))
     assert not torch.equal(before, model.lm_head.weight.detach())
+
+
+_LAZY_MEGATRON = """
+import importlib.abc, pathlib, sys, types
+attempts = []
+
+class Spy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "megatron":
+            attempts.append(name)
+        return None
+
+sys.meta_path.insert(0, Spy())
+# vlm_pack without its __init__: what importing the collate module itself pulls in.
+package = types.ModuleType("vlm_pack")
+package.__path__ = [sys.argv[1]]
+sys.modules["vlm_pack"] = package
+import vlm_pack.collate as collate
+assert not attempts, f"import vlm_pack.collate imported {attempts}"
+cls = collate.PackedSeqParams
+assert "megatron.core" in attempts or "megatron" in attempts, attempts
+params = cls(qkv_format="thd")
+assert type(params).__name__ == "PackedSeqParams" and params.qkv_format == "thd"
+print("ok")
+"""
+
+
+def test_megatron_core_is_imported_only_when_packed_seq_params_are_asked_for():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import vlm_pack
+
+    package_dir = str(Path(vlm_pack.__file__).parent)
+    out = subprocess.run(
+        [sys.executable, "-c", _LAZY_MEGATRON, package_dir], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

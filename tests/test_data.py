@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import re
 import tarfile
@@ -316,7 +317,7 @@ def _pipeline(corpus, qwen, **overrides) -> PackedWebDataset:
 def _summary(batch) -> tuple:
     """What identifies a pack: its stream, its samples in packed order and its tokens."""
     return (
-        stream_info(batch)["snapshot"]["stream"],
+        stream_info(batch)["snapshot"].stream,
         tuple(batch.metadata["__key__"]),
         tuple(batch.seq_lens.tolist()),
         batch.input_ids.sum().item(),
@@ -346,7 +347,7 @@ def test_two_workers_every_good_sample_in_exactly_one_pack(corpus, reference):
     ds, batches = reference
     keys = [k for b in batches for k in b.metadata["__key__"]]
     assert sorted(keys) == corpus["good"]  # each good sample once, no bad one
-    assert {stream_info(b)["snapshot"]["stream"] for b in batches} == {0, 1}  # both workers produced packs
+    assert {stream_info(b)["snapshot"].stream for b in batches} == {0, 1}  # both workers produced packs
     for b in batches:
         assert b.num_rows == 1 and b.input_ids.shape == (1, CAPACITY)
         assert int(b.seq_lens.sum()) <= CAPACITY
@@ -493,7 +494,7 @@ def test_split_by_node_and_worker_then_resume_on_fewer_ranks(corpus, qwen, monke
                 if len(batches) == 2:  # each rank checkpoints after its 2nd batch
                     states.append(loader.state_dict())
                     heads.append(list(batches))
-        assert {stream_info(b)["snapshot"]["stream"] % 2 for b in batches} == {rank}
+        assert {stream_info(b)["snapshot"].stream % 2 for b in batches} == {rank}
         for b in batches:
             spans = b.cu_seqlens_padded.diff()
             assert bool((spans % 8 == 0).all()) and int(spans.sum()) == CAPACITY
@@ -604,7 +605,7 @@ def test_url_forms_and_more_workers_than_shards(tmp_path, qwen):
         warnings.simplefilter("ignore")  # DataLoader: 3 workers on 2 cores
         batches = list(PackedDataLoader(ds, num_workers=3))
     assert sorted(_keys_of(batches)) == ["cap", "llava", "noph", "txt"]
-    assert {stream_info(b)["snapshot"]["stream"] for b in batches} == {0, 1}
+    assert {stream_info(b)["snapshot"].stream for b in batches} == {0, 1}
     assert ds.stats.samples_read == ds.stats.samples_packed == 4 and ds.stats.samples_bad == 0
     assert all(_forecast_matches(b) for b in batches)
     texts = {}
@@ -706,3 +707,192 @@ def test_resume_in_a_new_process_from_a_json_file(corpus, qwen, reference, tmp_p
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [[list(b.metadata["__key__"]), b.seq_lens.tolist()] for b in head] + result["batches"] == ref
     assert result["read"] == corpus["n_read"]
+
+
+# -- typed, versioned resume state; PackingConfig -----------------------------------------------------
+
+from vlm_pack.config import PackingConfig  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _solid_png(width: int, height: int, shade: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (shade, 255 - shade, 40)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _legacy_shards(root: Path) -> list[str]:
+    """The shards the version-1 fixture was saved on, as relative URLs (the state digests the URL list)."""
+    words = "red dog sky the car two".split()
+    records = []
+    for i in range(10):
+        text = " ".join(words[(i + j) % 6] for j in range(5 + 7 * (i % 4)))
+        images = [_solid_png(28 * (1 + i % 3), 28 * (1 + (i + 1) % 4), 20 * i)] if i % 3 else []
+        records.append({"key": f"L{i:02d}", "images": images, "caption": text})
+    records.insert(4, {"key": "Lbad", "images": _solid_png(30, 30, 1)})  # no text: missing_text
+    urls = [os.path.relpath(u, root) for u in write_shards(records, root, maxcount=4)]
+    (root / "garbage.tar").write_bytes(b"not a tar" * 100)
+    return [urls[0], "garbage.tar", *urls[1:]]
+
+
+def _legacy_pipeline(urls, qwen, **knobs) -> PackedWebDataset:
+    tok, ip = qwen
+    config = PackingConfig(capacity=48, shuffle_seed=3, shuffle_buffer=3, buffer_size=3, min_fill_ratio=0.9)
+    return PackedWebDataset(urls, config, tokenizer=tok, image_processor=ip, oversized="skip", **knobs)
+
+
+@pytest.mark.filterwarnings("ignore::vlm_pack.data.BadSampleWarning")
+def test_a_state_saved_by_the_untyped_version_1_still_resumes(tmp_path, qwen, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    urls = _legacy_shards(tmp_path)
+    saved = json.loads((FIXTURES / "pipeline_state_v1.json").read_text())
+    assert saved["state"]["version"] == 1 and saved["state"]["progress"]["plan"][0] == [3, 0, []]
+    epoch = saved["epoch"]  # the packs the version-1 code made in one uninterrupted epoch
+    assert [list(b.metadata["__key__"]) for b in _legacy_pipeline(urls, qwen)] == epoch  # behaviour unchanged
+
+    resumed = _legacy_pipeline(urls, qwen)
+    resumed.load_state_dict(saved["state"])
+    assert [list(b.metadata["__key__"]) for b in resumed] == epoch[2:]
+    assert resumed.stats.reasons == {"missing_text": 1, "unreadable_shard": 1}
+    assert resumed.stats.samples_read == 11 and resumed.stats.samples_packed == 10
+
+    # the state is now written as version 2, named fields instead of positional lists, and reads back
+    again = _legacy_pipeline(urls, qwen)
+    again.load_state_dict(saved["state"])
+    state = again.state_dict()
+    assert state["version"] == 2 and state["progress"]["plan"][0] == {"shard": 3, "start": 0, "pending": []}
+    assert state["progress"]["streams"][0]["cursor"] == {"item": 3, "sample": 1}
+    assert json.loads(json.dumps(state)) == state
+    from vlm_pack.data.state import PipelineState
+
+    assert PipelineState.from_json(json.loads(json.dumps(state))).to_json() == state
+    third = _legacy_pipeline(urls, qwen)
+    third.load_state_dict(json.loads(json.dumps(state)))
+    assert [list(b.metadata["__key__"]) for b in third] == epoch[2:]
+
+
+def test_a_state_of_an_unknown_version_is_refused_naming_both_versions(tmp_path, qwen, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ds = _legacy_pipeline(_legacy_shards(tmp_path), qwen)
+    state = ds.state_dict()
+    for bad in (3, None):
+        with pytest.raises(ValueError, match=rf"state version {bad}: this vlm-pack reads versions 1, 2"):
+            ds.load_state_dict({**state, "version": bad})
+    with pytest.raises(ValueError, match="another shard list"):
+        _legacy_pipeline(["garbage.tar"], qwen).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"another configuration .*'shuffle_seed': \(3, 4\)"):
+        _legacy_pipeline(_legacy_shards(tmp_path), qwen, shuffle_seed=4).load_state_dict(state)
+
+
+def test_packing_config_or_keyword_knobs(tmp_path, qwen):
+    tok, ip = qwen
+    urls = _small_shards(tmp_path / "s")
+    by_keywords = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, buffer_size=8)
+    config = PackingConfig(capacity=256, buffer_size=8, oversized="skip")
+    assert by_keywords.config == config
+    by_config = PackedWebDataset(urls, config, tokenizer=tok, image_processor=ip)
+    assert [list(b.metadata["__key__"]) for b in by_config] == [list(b.metadata["__key__"]) for b in by_keywords]
+    # keywords over a config; validation is PackingConfig's
+    assert PackedWebDataset(urls, config, tokenizer=tok, image_processor=ip, capacity=512).capacity == 512
+    with pytest.raises(ValueError, match="min_fill_ratio must be a float in"):
+        PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=2)
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) \['capcity'\]; packing knobs: \["):
+        PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capcity=256)
+    with pytest.raises(TypeError, match="needs capacity="):
+        PackedWebDataset(urls, tokenizer=tok, image_processor=ip)
+    with pytest.raises(ValueError, match="'truncate' is for offline packing"):
+        PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, oversized="truncate")
+
+
+# -- issue 18: streams that yield nothing, lost counts, unreadable shard lists, huge headers ------------
+
+
+def _good_and_garbage(root: Path) -> list[str]:
+    """Two shards: one good (4 samples), one unreadable. With 2 workers, stream 1 gets only the bad one."""
+    good = _small_shards(root / "good")
+    (root / "garbage.tar").write_bytes(b"this is not a tar file" * 50)
+    return [*good[:1], str(root / "garbage.tar")]
+
+
+@pytest.mark.filterwarnings("ignore::vlm_pack.data.BadSampleWarning")
+def test_a_stream_that_yields_no_batch_still_completes_the_epoch_with_a_plain_dataloader(tmp_path, qwen):
+    tok, ip = qwen
+    urls = _good_and_garbage(tmp_path)
+    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=1.0)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    passes = []
+    for _ in range(2):
+        observed = [ds.observe(item) for item in loader]  # what the docs ask of a plain DataLoader user
+        passes.append([b for b in observed if b is not None])
+        assert ds.state_dict()["progress"]["complete"]
+    assert [{stream_info(b)["epoch"] for b in batches} for batches in passes] == [{0}, {1}]
+    assert [sorted(_keys_of(batches)) for batches in passes] == [["llava", "noph"]] * 2
+    assert ds.stats.reasons == {"unreadable_shard": 2}  # once per epoch
+
+
+@pytest.mark.filterwarnings("ignore::vlm_pack.data.BadSampleWarning")
+def test_an_unreadable_shard_is_counted_with_any_worker_count(tmp_path, qwen):
+    tok, ip = qwen
+    urls = _good_and_garbage(tmp_path)
+    reasons = {}
+    for workers in (0, 2):
+        ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256)
+        batches = list(PackedDataLoader(ds, num_workers=workers))
+        assert sorted(_keys_of(batches)) == ["llava", "noph"]
+        reasons[workers] = ds.stats.reasons
+        assert ds.stats.samples_read == 2 and [b.shard for b in ds.stats.bad] == [urls[1]]
+    assert reasons == {0: {"unreadable_shard": 1}, 2: {"unreadable_shard": 1}}
+
+
+@pytest.mark.filterwarnings("ignore::vlm_pack.data.BadSampleWarning")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_all_shards_unreadable_is_an_error_naming_them(tmp_path, qwen, workers):
+    tok, ip = qwen
+    pattern = str(tmp_path / "shrad-{000000..000001}.tar")  # a typo: no such files
+    ds = PackedWebDataset(pattern, tokenizer=tok, image_processor=ip, capacity=256)
+    with pytest.raises(ValueError, match=r"none of the 2 shard\(s\) this epoch could be read") as exc:
+        list(PackedDataLoader(ds, num_workers=workers))
+    assert "shrad-000000.tar" in str(exc.value) and "Check the paths" in str(exc.value)
+
+
+def _png_declaring(width: int, height: int) -> bytes:
+    """A real small PNG whose IHDR is rewritten to declare ``width`` x ``height`` (valid CRC)."""
+    import struct
+    import zlib
+
+    data = bytearray(_solid_png(8, 8, 3))
+    ihdr = data[12:29]  # chunk type "IHDR" + its 13 data bytes (width, height first), what the CRC covers
+    ihdr[4:12] = struct.pack(">II", width, height)
+    data[12:29] = ihdr
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(ihdr)))
+    return bytes(data)
+
+
+def test_an_image_header_over_max_image_pixels_is_refused_before_decoding(tmp_path, qwen, monkeypatch):
+    from vlm_pack.vision import image_size
+
+    tok, ip = qwen
+    bomb = _png_declaring(30000, 30000)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)  # as many training scripts do
+    assert image_size(bomb) == (30000, 30000) == Image.open(io.BytesIO(bomb)).size
+    records = [
+        {"key": "bomb", "images": (bomb, "png"), "caption": "huge"},
+        {"key": "photo", "images": _encoded((120, 90), "JPEG"), "caption": "fine"},
+        {"key": "small", "images": _encoded((60, 50), "PNG"), "caption": "fine"},
+    ]
+    urls = write_shards(records, tmp_path / "s")
+    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=4096)
+    with pytest.warns(BadSampleWarning) as caught:
+        keys = sorted(_keys_of(list(ds)))
+    assert keys == ["photo", "small"] and ds.stats.reasons == {"image_too_large": 1}
+    (message,) = [str(w.message) for w in caught]
+    assert "key 'bomb'" in message and "30000x30000 = 900,000,000 pixels > max_image_pixels 89,478,485" in message
+    assert "PackingConfig.max_image_pixels" in message
+
+    # the limit is a knob: 100x100 pixels refuses the 120x90 photo and keeps the 60x50 one
+    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=4096, max_image_pixels=100 * 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BadSampleWarning)
+        assert sorted(_keys_of(list(ds))) == ["small"]
+    assert ds.stats.reasons == {"image_too_large": 2}

@@ -413,6 +413,18 @@ def test_collapsed_model_is_the_hf_model():
             assert torch.equal(e["input_ids"][out.token_index[0]], c["input_ids"])
 
 
+def _expanded_length_by_loop(ids: list[int], tokens_per_image: list[int], image_token_id: int) -> int:
+    length, image = 0, 0
+    for token in ids:
+        if token == image_token_id:
+            length += tokens_per_image[image]
+            image += 1
+        else:
+            length += 1
+    assert image == len(tokens_per_image)
+    return length
+
+
 @pytest.mark.parametrize("per_pack", [1, 4, 16])
 def test_collapsed_model_needs_remapped_cu_seqlens(per_pack):
     """Megatron's LLaVA bug (seed 004): collapsed cu_seqlens after expansion are wrong; remapped are exact.
@@ -435,11 +447,33 @@ def test_collapsed_model_needs_remapped_cu_seqlens(per_pack):
         model, samples, None, packed_forward=collapsed_packed_forward(), **kwargs
     )
     assert right.passed and right.metric <= TOL, str(right)
-    # the collator's own expanded boundaries are the remapped ones
+    # Independent oracle: each sample expanded by a plain loop over its collapsed ids (every placeholder
+    # becomes its image's embeddings, a count the vision tower confirmed in the harness run above); a
+    # pack of `capacity` expanded tokens holds its samples back to back, the last owning the pack's tail.
+    # The collator's boundaries and remap_cu_seqlens must both land there.
+    lengths = [
+        _expanded_length_by_loop(
+            s["input_ids"].tolist(), s["tokens_per_image"].tolist(), model.image_token_id
+        )
+        for s in samples
+    ]
+    hf_expanded = _collapsed_samples(3, "expanded")  # the HF processor's own expansion agrees
+    assert lengths[:3] == [len(e["input_ids"]) for e in hf_expanded]
+    want_real, want_padded, offset = [0], [0], 0
+    order, rows = batch.sample_index.tolist(), batch.row_of_sample.tolist()
+    for k, (i, row) in enumerate(zip(order, rows)):
+        offset += lengths[i]
+        want_real.append(want_real[-1] + lengths[i])
+        row_ends = k + 1 == len(order) or rows[k + 1] != row
+        want_padded.append((row + 1) * collator.capacity if row_ends else offset)
+        if row_ends:
+            offset = (row + 1) * collator.capacity
+    assert batch.cu_seqlens_expanded.tolist() == want_real
+    assert batch.cu_seqlens_padded_expanded.tolist() == want_padded
     remapped = remap_cu_seqlens(
         batch.cu_seqlens_padded, batch.input_ids, model.image_token_id, batch.tokens_per_image
     )
-    assert torch.equal(remapped, batch.cu_seqlens_padded_expanded)
+    assert remapped.tolist() == want_padded
     wrong = check_packed_equivalence(
         model, samples, None, packed_forward=collapsed_packed_forward("collapsed"), **kwargs
     )

@@ -55,11 +55,27 @@ def test_notebook_executes(tmp_path, monkeypatch):
         nbformat.write(nb, NOTEBOOK)
 
 
-def test_prose_token_counts_are_the_real_ones():
-    from vlm_pack.vision import vision_spec
+def test_prose_token_counts_are_the_hf_processors():
+    """The prose's Qwen2-VL counts are what the HF image processor makes of real images of those sizes."""
+    import re
 
-    spec = vision_spec("qwen2_vl")
-    text = "".join(c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "markdown")
-    assert f"a 1024x768 photo is {spec.num_tokens(1024, 768):,} Qwen2-VL tokens" in text
-    assert f"about {round(spec.num_tokens(1240, 1754), -2):,}" in text  # A4 at 150 dpi
-    assert f"full-resolution phone photo {spec.num_tokens(4032, 3024):,}" in text
+    import transformers
+    from PIL import Image
+
+    # Qwen/Qwen2-VL-7B-Instruct preprocessor_config.json
+    hf = transformers.Qwen2VLImageProcessorPil(
+        patch_size=14, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 3136, "longest_edge": 12845056}
+    )
+
+    def tokens(width: int, height: int) -> int:
+        grid = hf(images=[Image.new("RGB", (width, height), (120, 90, 60))], return_tensors="pt")["image_grid_thw"]
+        return int(grid.prod()) // 4  # merge_size**2 patches per token
+
+    text = " ".join("".join(c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "markdown").split())
+    quoted = re.search(r"a 1024x768 photo is ([\d,]+) Qwen2-VL tokens, an A4 page at 150 dpi about ([\d,]+), a "
+                       r"full-resolution phone photo ([\d,]+)", text)  # fmt: skip
+    assert quoted, "the notebook's token-count sentence moved"
+    photo, a4, phone = (int(g.replace(",", "")) for g in quoted.groups())
+    assert photo == tokens(1024, 768)
+    assert a4 == round(tokens(1240, 1754), -2)  # "about": rounded to hundreds
+    assert phone == tokens(4032, 3024)

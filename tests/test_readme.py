@@ -1,7 +1,17 @@
-"""The README's code runs as written: its snippets are executed against real shards, images and a tiny model."""
+"""README.md runs as pasted: every python block, in order, in an empty folder; its numbers and formats are real.
 
+Oracles: the Hugging Face image processors' own outputs (grids, expanded placeholders) on real Pillow images,
+the keys written into the shards, and a collapsed -> expanded remap computed here by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
 import io
+import json
+import math
 import re
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -10,100 +20,192 @@ from PIL import Image
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def _python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), flags=re.S)
 
 
-def _jpeg(w: int, h: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (w, h), (90, 140, 200)).save(buf, format="JPEG")
-    return buf.getvalue()
+def _runnable() -> list[str]:
+    return [b for b in _blocks("python") if not b.startswith("# not run:")]
+
+
+def _hf_qwen_tokens(image: Image.Image, patch_size: int, min_pixels: int, max_pixels: int) -> int:
+    import transformers
+
+    ip = transformers.Qwen2VLImageProcessorPil(
+        patch_size=patch_size, merge_size=2, temporal_patch_size=2,
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+    )  # fmt: skip
+    return int(ip(images=[image], return_tensors="pt")["image_grid_thw"].prod()) // 4
+
+
+def test_not_run_blocks_say_why():
+    skipped = [b for b in _blocks("python") if "not run" in b.splitlines()[0]]
+    assert all(re.match(r"# not run: \w+.{20,}", b.splitlines()[0]) for b in skipped)
+    assert len(_runnable()) >= 4
 
 
 @pytest.fixture(scope="module")
-def namespace():
-    from vlm_pack.offline import build_tokenizer, tiny_model
+def readme_run(tmp_path_factory):
+    """Every runnable block, in order, in one namespace, with an empty folder as the working directory."""
+    import os
 
-    tok = build_tokenizer("qwen2_vl")
-    conv = [{"role": "user", "content": "<image>What is this?"}, {"role": "assistant", "content": "A sky."}]
-    return {
-        "conversation": conv,
-        "jpeg_bytes": [_jpeg(200, 150)],
-        "lengths": [300, 1200, 5000, 16000, 40],
-        "data": [([_jpeg(120, 90)], conv), ([], [{"role": "user", "content": "Hi"}, conv[1]])],
-        "model": tiny_model("qwen2_vl", tok, initializer_range=0.2),
-    }
-
-
-def test_api_tour_runs(namespace, capsys):
-    exec(_python_blocks()[0], namespace)
-    assert namespace["length"] == len(
-        namespace["vp"].process_sample(
-            [namespace["jpeg_bytes"][0]],
-            namespace["conversation"],
-            tokenizer=namespace["tok"],
-            image_processor=namespace["ip"],
-        )["input_ids"]
-    )
-    assert sorted(i for b in namespace["plan"].bins for i in b) == list(range(5))
-    assert namespace["batch"].input_ids.shape == (1, 16384)
-    assert namespace["report"].passed
-    assert "1.0000" in capsys.readouterr().out
+    folder = tmp_path_factory.mktemp("empty")
+    assert not any(folder.iterdir())
+    ns: dict = {"__name__": "__readme__"}
+    after, outputs = [], []  # the namespace and the printed text after each block (later blocks reuse names)
+    old = os.getcwd()
+    os.chdir(folder)
+    try:
+        for block in _runnable():
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                exec(compile(block, "README.md", "exec"), ns)
+            after.append(dict(ns))
+            outputs.append(buf.getvalue())
+    finally:
+        os.chdir(old)
+    return after, outputs, folder
 
 
-def test_streaming_snippet_runs(tmp_path, namespace, monkeypatch):
-    import vlm_pack as vp
+def test_api_tour(readme_run):
+    from PIL import ImageOps
 
-    records = [
-        {"key": f"s{i:03d}", "images": [_jpeg(64 + 16 * i, 64)], "conversation": namespace["conversation"]}
-        for i in range(6)
-    ]
-    (tmp_path / "shards").mkdir()
-    vp.write_shards(records, str(tmp_path / "shards" / "%03d.tar"), maxcount=3)
-    monkeypatch.chdir(tmp_path)
-    code = _python_blocks()[1].replace("num_workers=4", "num_workers=0").replace("{000..099}", "{000..001}")
-    code = code.replace("    ...", "    packs.append(batch)")
-    namespace["packs"] = []
-    exec(code, namespace)
-    assert sum(len(b.sample_index) for b in namespace["packs"]) == 6
-    assert namespace["state"]
+    after, outputs, _ = readme_run
+    ns = after[0]
+    records, samples, lengths, tok = ns["records"], ns["samples"], ns["lengths"], ns["tok"]
+    # Each sample's image placeholders are what the HF processor's grids say (4 patches per token).
+    for record, sample in zip(records, samples):
+        images = [ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB") for data, _ in record["images"]]
+        want = 0
+        if images:
+            want = int(ns["ip"](images=images, return_tensors="pt")["image_grid_thw"].prod(-1).sum()) // 4
+        assert int((sample["input_ids"] == tok.image_token_id).sum()) == want, record["key"]
+    assert any(len(r["images"]) > 1 for r in records) and any(not r["images"] for r in records)
+    assert outputs[0].splitlines()[0] == "True"  # the forecast equals the processed lengths
+    plan = ns["plan"]
+    assert sorted(i for b in plan.bins for i in b) == list(range(len(records)))
+    assert all(sum(lengths[i] for i in b) <= 4096 for b in plan.bins)
+    batch = ns["batch"]
+    assert batch.input_ids.shape == (1, 4096)
+    assert batch.cu_seqlens.diff().tolist() == [lengths[i] for i in plan.bins[0]]
+    assert math.isfinite(ns["loss"].item()) and ns["report"].passed and "PASS" in outputs[0]
 
 
-def test_token_counts_quoted_in_the_readme_are_the_forecasts():
-    import vlm_pack as vp
+def test_streaming_resumes_exactly_once(readme_run):
+    after, outputs, folder = readme_run
+    ns = after[1]
+    from vlm_pack.demo import demo_records
+
+    written = sorted(r["key"] for r in demo_records(40))
+    assert sorted(ns["seen"]) == written  # every sample of the shards, none twice, across the resume
+    assert len(sorted((folder / "shards").glob("*.tar"))) == 3
+    stats = ns["resumed"].stats
+    assert (stats.samples_read, stats.samples_packed, stats.samples_bad) == (40, 40, 0)
+    assert outputs[1].splitlines()[0] == "40 40"
+
+
+def test_what_a_batch_carries(readme_run):
+    after, outputs, _ = readme_run
+    ns = after[2]
+    batch, inputs, info = ns["batch"], ns["inputs"], ns["info"]
+    assert {"input_ids", "cu_seq_lens_q", "pixel_values", "image_grid_thw"} <= set(inputs)
+    assert inputs["input_ids"].shape == (1, 4096) and inputs["cu_seq_lens_q"][-1] == 4096
+    # The keys name real samples of the shards, one per packed sample, and the stream info agrees.
+    keys = batch.metadata["__key__"]
+    assert len(keys) == len(batch.seq_lens) == len(set(keys)) and set(keys) <= set(after[1]["seen"])
+    assert sorted(key for _, key in info["samples"]) == sorted(keys)
+    assert all(url.startswith("shards/") and url.endswith(".tar") for url, _ in info["samples"])
+    assert info["epoch"] == 0 and outputs[2].splitlines()[1] == str(keys)
+
+
+def test_megatron_remap_matches_a_hand_count(readme_run):
+    after, outputs, _ = readme_run
+    ns = after[3]
+    batch, params, llava = ns["batch"], ns["params"], ns["llava"]
+    image_id = llava.tokenizer.image_token_id
+    # Expanded offset of a collapsed offset: add (tokens - 1) for every image placeholder before it.
+    placeholders = (batch.input_ids[0] == image_id).nonzero().flatten().tolist()
+    extra = (batch.tokens_per_image - 1).tolist()
+    hand = [c + sum(e for p, e in zip(placeholders, extra) if p < c) for c in batch.cu_seqlens_padded.tolist()]
+    assert len(placeholders) == len(extra) >= 3
+    assert params.cu_seqlens_q_padded.tolist() == params.cu_seqlens_kv_padded.tolist() == hand
+    # tokens per image: what the HF LLaVA-NeXT processor expands each image into.
+    for record in ns["records"][:3]:
+        for data, _ in record["images"]:
+            im = Image.open(io.BytesIO(data))
+            out = llava(images=[im.convert("RGB")], text="<image>", return_tensors="pt")["input_ids"][0]
+            assert int((out == image_id).sum()) in batch.tokens_per_image.tolist()
+    assert outputs[-1].splitlines()[-1] == "True"
+
+
+def test_token_counts_quoted_in_the_readme_are_the_hf_processors():
+    """1920x1080: Qwen2-VL 2691, Qwen3-VL 2040, LLaVA-NeXT 1948, as the HF processors expand a real image."""
+    import transformers
+
+    from vlm_pack.offline import build_tokenizer
 
     text = README.read_text()
-    for family, n in (("qwen2_vl", 2691), ("qwen3_vl", 2040), ("llava_next", 1948)):
-        assert f"{n}" in text
-        assert vp.vision_spec(family).num_tokens(1920, 1080) == n
-
-
-def test_megatron_snippet_runs():
-    import vlm_pack as vp
-    from vlm_pack.offline import build_tokenizer, processor
-
+    image = Image.new("RGB", (1920, 1080), (90, 140, 200))
+    quoted = re.search(r"1920x1080 photo is (\d+) tokens for Qwen2-VL,\s+(\d+) for Qwen3-VL, (\d+) for LLaVA-NeXT", text)
+    assert quoted, "the README's 1920x1080 sentence moved"
+    qwen2, qwen3, llava_next = map(int, quoted.groups())
+    # Qwen/Qwen2-VL-7B-Instruct and Qwen/Qwen3-VL preprocessor_config.json
+    assert _hf_qwen_tokens(image, 14, 3136, 12845056) == qwen2
+    assert _hf_qwen_tokens(image, 16, 65536, 16777216) == qwen3
+    # llava-hf/llava-v1.6-mistral-7b-hf preprocessor_config.json + processor_config.json
+    ip = transformers.LlavaNextImageProcessorPil(
+        size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}, do_center_crop=True, do_pad=True,
+        image_grid_pinpoints=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+    )  # fmt: skip
     tok = build_tokenizer("llava_next")
-    proc = processor("llava_next", tok)
-    conv = [{"role": "user", "content": "<image>What is this?"}, {"role": "assistant", "content": "A sky."}]
-    samples = [
-        vp.process_sample([_jpeg(300 + 100 * i, 200)], conv, processor=proc, layout="collapsed")
-        for i in range(3)
-    ]
-    ns = {"vp": vp, "tok": tok, "samples": samples}
-    code = _python_blocks()[2]
-    exec(code.split("vp.remap_cu_seqlens")[0], ns)  # the collator part, then the remap with real inputs
-    batch = ns["batch"]
-    # A Megatron-style cu_seqlens partitions the collapsed row: the padded offsets.
-    ns.update(
-        cu_seqlens=batch.cu_seqlens_padded,
-        input_ids=batch.input_ids[0],
-        image_token_id=tok.image_token_id,
-        tokens_per_image=batch.tokens_per_image,
-    )
-    exec(code, ns)
-    expanded = vp.remap_cu_seqlens(
-        batch.cu_seqlens_padded, batch.input_ids[0], tok.image_token_id, batch.tokens_per_image
-    )
-    assert expanded.tolist() == batch.cu_seqlens_padded_expanded.tolist()
-    assert ns["params"].qkv_format == "thd"
-    assert ns["params"].cu_seqlens_q_padded.tolist() == expanded.tolist()
+    proc = transformers.LlavaNextProcessor(
+        image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, image_token="<image>",
+    )  # fmt: skip
+    ids = proc(images=[image], text="<image>", return_tensors="pt")["input_ids"][0]
+    assert int((ids == tok.convert_tokens_to_ids("<image>")).sum()) == llava_next
+
+
+def _image_file(path: Path, size: tuple[int, int]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, (200, 80, 40)).save(path)
+
+
+def test_data_format_examples_are_accepted(tmp_path, capsys):
+    from vlm_pack.cli import main
+
+    (record,) = _blocks("json")
+    shard = tmp_path / "shard.tar"
+    buf = io.BytesIO()
+    Image.new("RGB", (640, 480), (1, 2, 3)).save(buf, format="JPEG")
+    with tarfile.open(shard, "w") as tar:
+        for name, data in (("k1.json", record.encode()), ("k1.jpg", buf.getvalue())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    manifests = _blocks("jsonl")
+    assert len(manifests) == 3  # own JSONL, ShareGPT-style, LLaVA
+    sources, want_samples, want_images = [str(shard)], 1, 1
+    for i, block in enumerate(manifests):
+        lines = [json.loads(line) for line in block.splitlines() if line.strip()]
+        manifest = tmp_path / f"m{i}" / "data.jsonl"
+        for line in lines:
+            paths = line.get("images", line.get("image", []))
+            for path in [paths] if isinstance(paths, str) else paths:
+                _image_file(manifest.parent / path, (640, 480))
+        manifest.write_text(block)
+        sources.append(str(manifest))
+        want_samples += len(lines)
+        want_images += sum(len(p) if isinstance(p, list) else 1 for p in (x.get("images", x.get("image", [])) for x in lines))
+    for source in sources:  # each on its own: the manifests' image folders differ
+        code = main(["analyze", source, "--out", str(tmp_path / "r"), "--no-plots", "--json", "--verify"])
+        out = capsys.readouterr().out
+        assert code == 0, source
+        report = json.loads(out)
+        assert report["dataset"]["invalid"] == []
+        want_samples -= report["dataset"]["samples"]
+        want_images -= report["dataset"]["images"]
+        # Each 640x480 image is what the HF Qwen2-VL processor makes of it (the default family).
+        per_image = _hf_qwen_tokens(Image.new("RGB", (640, 480)), 14, 3136, 12845056)
+        assert report["dataset"]["vision_tokens"] == per_image * report["dataset"]["images"]
+    assert want_samples == 0 and want_images == 0

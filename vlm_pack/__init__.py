@@ -2,6 +2,7 @@
 
 The public API, stage by stage (README.md draws the picture):
 
+- configure: ``PackingConfig`` (the packing and streaming knobs, shared by every stage and the CLI)
 - forecast: ``vision_spec``, ``vision_spec_from_processor``, ``image_size`` (header only)
 - plan: ``pack`` (offline), ``StreamPacker`` (online, resumable), ``balance_bins`` (data-parallel ranks)
 - load: ``process_sample``, ``forecast_length``; WebDataset streaming: ``PackedWebDataset``, ``write_shards``
@@ -10,45 +11,39 @@ The public API, stage by stage (README.md draws the picture):
 - scale out: ``shard_for_context_parallel``, ``roll_packed_context_parallel``, ``PerTokenLoss``
 - prove: ``vlm_pack.testing`` (``token_mult_prob_error``, ``check_packed_equivalence``)
 - offline stand-ins for hub checkpoints: ``vlm_pack.offline``
+
+Every name is imported on first use (PEP 562): ``import vlm_pack`` loads none of the submodules, so the
+command line, spawned DataLoader workers and ``import vlm_pack`` in a training script pay only for the
+stages they touch (Megatron-Core, matplotlib and the test harness are never imported unless asked for).
 """
 
-from . import offline, testing
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .attention import (
-    available_backends,
-    register_hf_attention,
-    resolve_backend,
-    select_backend,
-    use_varlen_attention,
-    varlen_attention,
-)
-from .collate import PackedBatch, PackedSeqParams, PackingCollator, pad_multiple_for
-from .data import (
-    PackedDataLoader,
-    PackedWebDataset,
-    PipelineStats,
-    build_packed_pipeline,
-    stream_info,
-    write_shards,
-    write_shards_from_folder,
-)
-from .packing import PackedBin, PackResult, StreamPacker, balance_bins, pack
-from .parallel import (
-    ContextParallelShard,
-    PerTokenLoss,
-    all_gather_from_context_parallel,
-    check_parallel_config,
-    context_parallel_index,
-    gather_from_context_parallel,
-    reduce_token_loss,
-    roll_packed_context_parallel,
-    shard_for_context_parallel,
-    token_cross_entropy,
-)
-from .positions import mrope_position_ids, packed_position_ids
-from .processing import forecast_length, process_sample, tokenize_conversation
-from .remap import collapse_cu_seqlens, remap_cu_seqlens, remap_cu_seqlens_padded, roll_packed
-from .vision import VisionSpec, image_size, vision_spec, vision_spec_from_processor
+
+# public name -> the submodule that defines it (relative to vlm_pack)
+_SOURCES: dict[str, tuple[str, ...]] = {
+    "attention": ("available_backends", "register_hf_attention", "resolve_backend", "use_varlen_attention",
+                  "varlen_attention"),
+    "collate": ("PackedBatch", "PackedSeqParams", "PackingCollator", "pad_multiple_for"),
+    "config": ("PackingConfig",),
+    "data": ("PackedDataLoader", "PackedWebDataset", "PipelineStats", "stream_info", "write_shards",
+             "write_shards_from_folder"),
+    "packing": ("PackedBin", "PackResult", "StreamPacker", "balance_bins", "pack"),
+    "parallel": ("ContextParallelShard", "PerTokenLoss", "all_gather_from_context_parallel",
+                 "check_parallel_config", "context_parallel_index", "gather_from_context_parallel",
+                 "reduce_token_loss", "roll_packed_context_parallel", "shard_for_context_parallel",
+                 "token_cross_entropy"),
+    "positions": ("mrope_position_ids", "packed_position_ids"),
+    "processing": ("forecast_length", "process_sample", "tokenize_conversation"),
+    "remap": ("collapse_cu_seqlens", "remap_cu_seqlens", "remap_cu_seqlens_padded", "roll_packed"),
+    "vision": ("VisionSpec", "image_size", "vision_spec", "vision_spec_from_processor"),
+}  # fmt: skip
+_WHERE = {name: module for module, names in _SOURCES.items() for name in names}
+_SUBMODULES = ("offline", "testing")  # public as modules: vp.offline.build_tokenizer, vp.testing...
 
 __all__ = [
     "ContextParallelShard",
@@ -59,6 +54,7 @@ __all__ = [
     "PackedSeqParams",
     "PackedWebDataset",
     "PackingCollator",
+    "PackingConfig",
     "PerTokenLoss",
     "PipelineStats",
     "StreamPacker",
@@ -67,7 +63,6 @@ __all__ = [
     "all_gather_from_context_parallel",
     "available_backends",
     "balance_bins",
-    "build_packed_pipeline",
     "check_parallel_config",
     "collapse_cu_seqlens",
     "context_parallel_index",
@@ -87,7 +82,6 @@ __all__ = [
     "resolve_backend",
     "roll_packed",
     "roll_packed_context_parallel",
-    "select_backend",
     "shard_for_context_parallel",
     "stream_info",
     "testing",
@@ -100,3 +94,56 @@ __all__ = [
     "write_shards",
     "write_shards_from_folder",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later look-ups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
+    from . import offline, testing
+    from .attention import (
+        available_backends,
+        register_hf_attention,
+        resolve_backend,
+        use_varlen_attention,
+        varlen_attention,
+    )
+    from .collate import PackedBatch, PackedSeqParams, PackingCollator, pad_multiple_for
+    from .config import PackingConfig
+    from .data import (
+        PackedDataLoader,
+        PackedWebDataset,
+        PipelineStats,
+        stream_info,
+        write_shards,
+        write_shards_from_folder,
+    )
+    from .packing import PackedBin, PackResult, StreamPacker, balance_bins, pack
+    from .parallel import (
+        ContextParallelShard,
+        PerTokenLoss,
+        all_gather_from_context_parallel,
+        check_parallel_config,
+        context_parallel_index,
+        gather_from_context_parallel,
+        reduce_token_loss,
+        roll_packed_context_parallel,
+        shard_for_context_parallel,
+        token_cross_entropy,
+    )
+    from .positions import mrope_position_ids, packed_position_ids
+    from .processing import forecast_length, process_sample, tokenize_conversation
+    from .remap import collapse_cu_seqlens, remap_cu_seqlens, remap_cu_seqlens_padded, roll_packed
+    from .vision import VisionSpec, image_size, vision_spec, vision_spec_from_processor

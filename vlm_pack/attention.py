@@ -49,7 +49,7 @@ Hugging Face models: ``use_varlen_attention(model)`` (or ``register_hf_attention
 of ``position_ids`` (the same rule transformers uses to detect packed rows). Usage::
 
     out = varlen_attention(q, k, v, cu_seqlens, max_seqlen)      # q (T, H, D), k/v (T, Hkv, D)
-    select_backend(q)                                             # which backend "auto" runs here
+    resolve_backend("auto", q)                                    # which backend "auto" runs here
 
     model = use_varlen_attention(model)                           # any transformers 5.x model
     model(input_ids=row, position_ids=pos, use_cache=False)       # row (1, T), pos restarts per sample
@@ -63,14 +63,26 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import itertools
 import math
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from .boundaries import (
+    IdentityCache,
+    Packing,
+    check_cu_seqlens,
+    covers,
+    cu_seqlens_from_position_ids,
+    host_copy,
+    packing_from_cu,
+    packing_from_mask,
+    packing_from_positions,
+)
 
 __all__ = [
     "BACKENDS",
@@ -82,7 +94,6 @@ __all__ = [
     "hf_varlen_attention_forward",
     "register_hf_attention",
     "resolve_backend",
-    "select_backend",
     "use_varlen_attention",
     "varlen_attention",
 ]
@@ -95,102 +106,12 @@ HF_ATTN_IMPLEMENTATION = "vlm_pack_varlen"
 
 _HALF = (torch.float16, torch.bfloat16)
 _FLEX_BLOCK = 128  # FlexAttention's default sparse block size
+_BLOCK_MASKS = IdentityCache()
 
 
 # --------------------------------------------------------------------------------------------------------
-# cu_seqlens checks and helpers
+# q/k/v checks and helpers (the boundaries live in boundaries.py)
 # --------------------------------------------------------------------------------------------------------
-
-
-class _IdentityCache:
-    """Tiny cache keyed by a tensor's identity and version (the same ``cu_seqlens`` / ``position_ids``
-    object reaches every layer of a forward; recomputing from it per layer would cost a host sync each).
-
-    The version counter makes an in-place edit of the key a miss. Inference tensors have no version
-    counter (an in-place edit could not be seen), so they are never cached.
-    """
-
-    def __init__(self, size: int = 8) -> None:
-        self.size = size
-        self.entries: list[tuple[weakref.ref, int, Any, Any]] = []
-
-    def get(self, tensor: torch.Tensor, key: Any) -> Any:
-        if tensor.is_inference():
-            return None
-        for ref, version, k, value in self.entries:
-            if ref() is tensor and version == tensor._version and k == key:
-                return value
-        return None
-
-    def put(self, tensor: torch.Tensor, key: Any, value: Any) -> Any:
-        if tensor.is_inference():
-            return value
-        self.entries = [e for e in self.entries if e[0]() is not None][-(self.size - 1) :]
-        self.entries.append((weakref.ref(tensor), tensor._version, key, value))
-        return value
-
-
-_CHECKED = _IdentityCache()
-_BLOCK_MASKS = _IdentityCache()
-_FROM_POSITIONS = _IdentityCache()
-
-
-def _check_cu_seqlens(cu_seqlens: Any, total_tokens: int, max_seqlen: Any) -> tuple[torch.Tensor, int]:
-    """Validate ``cu_seqlens`` (N+1,) against ``total_tokens``; return it as int32 and the max length.
-
-    Raises ValueError/TypeError that say what is wrong and how to build a correct one. The result is
-    cached per tensor object, so the host sync happens once per forward, not once per layer.
-    """
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(
-            f"cu_seqlens must be a torch.Tensor of shape (num_samples + 1,), got {type(cu_seqlens).__name__}; "
-            "build it with torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)."
-        )
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(
-            f"cu_seqlens must be an integer tensor (int32), got dtype {cu_seqlens.dtype}; "
-            "convert it with cu_seqlens.to(torch.int32)."
-        )
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(
-            f"cu_seqlens must be 1-D with num_samples + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}; "
-            "for one row of samples with lengths L_i it is [0, L_0, L_0+L_1, ..., total_tokens]."
-        )
-    key = (total_tokens, None if isinstance(max_seqlen, torch.Tensor) else max_seqlen)
-    cached = _CHECKED.get(cu_seqlens, key)
-    if cached is not None:
-        return cached
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0:
-        raise ValueError(
-            f"cu_seqlens must start at 0, got cu_seqlens[0] = {bounds[0]}; prepend a 0 "
-            "(cu_seqlens = [0, *cumsum(lengths)])."
-        )
-    lengths = [b - a for a, b in itertools.pairwise(bounds)]
-    bad = next((i for i, n in enumerate(lengths) if n < 0), None)
-    if bad is not None:
-        raise ValueError(
-            f"cu_seqlens must be non-decreasing, but cu_seqlens[{bad + 1}] = {bounds[bad + 1]} < "
-            f"cu_seqlens[{bad}] = {bounds[bad]} (sample {bad} has negative length); build it as a cumulative "
-            "sum of the sample lengths."
-        )
-    if bounds[-1] != total_tokens:
-        raise ValueError(
-            f"cu_seqlens[-1] = {bounds[-1]} must equal the number of packed tokens q.shape[0] = {total_tokens}; "
-            "cu_seqlens and q/k/v must describe the same packed row (pad the row with a last sample "
-            "of padding tokens instead of leaving tokens outside cu_seqlens)."
-        )
-    longest = max(lengths)
-    if max_seqlen is None:
-        max_seqlen = longest
-    else:
-        max_seqlen = int(max_seqlen)
-        if max_seqlen < longest:
-            raise ValueError(
-                f"max_seqlen = {max_seqlen} is smaller than the longest sample ({longest} tokens, sample "
-                f"{lengths.index(longest)}); pass max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max())."
-            )
-    return _CHECKED.put(cu_seqlens, key, (cu_seqlens.to(torch.int32), max_seqlen))
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -225,39 +146,6 @@ def _doc_ids(cu_seqlens: torch.Tensor, total_tokens: int, length: int | None = N
     pos = torch.arange(length, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     doc = torch.searchsorted(cu_seqlens[1:].contiguous(), pos, right=True).to(torch.int32)
     return doc.masked_fill_(pos >= total_tokens, -1) if length > total_tokens else doc
-
-
-def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Sample boundaries of packed rows from their position ids: a sample starts wherever a position does
-    not follow its predecessor by exactly 1, and at the start of every row.
-
-    position_ids: (B, T), or (4, B, T) with row 0 the text positions (Qwen2-VL's packed layout).
-    Returns cu_seqlens (N+1,) int32 over the B*T flattened tokens and max_seqlen (int). This is the rule
-    ``transformers.masking_utils.find_packed_sequence_indices`` uses, so sdpa packed and varlen agree::
-
-        position_ids  [[0 1 2 0 1 0 1 2 3]]  ->  cu_seqlens [0 3 5 9], max_seqlen 4
-
-    The bare (3, B, T) mRoPE rows are refused: their rows stand still over an image, which would read as
-    one sample per image token.
-    """
-    if position_ids.dim() == 3:
-        if position_ids.shape[0] != 4:
-            raise ValueError(
-                f"position_ids of shape {tuple(position_ids.shape)}: a 3-D input must be Qwen-VL's (4, B, T) "
-                "layout with the text positions (arange per sample) in row 0; the (3, B, T) mRoPE rows "
-                "cannot mark sample starts. Prepend the text row or pass the (B, T) text positions."
-            )
-        position_ids = position_ids[0]
-    if position_ids.dim() == 1:
-        position_ids = position_ids[None]
-    if position_ids.dim() != 2:
-        raise ValueError(f"position_ids must be (B, T) or (R, B, T), got shape {tuple(position_ids.shape)}.")
-    b, t = position_ids.shape
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
-    idx = starts.flatten().nonzero().flatten()
-    cu = torch.cat([idx, idx.new_tensor([b * t])]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -399,11 +287,6 @@ def resolve_backend(
     return backend
 
 
-def select_backend(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> str:
-    """The backend "auto" picks for these tensors (``resolve_backend("auto", q, k, v)``)."""
-    return resolve_backend("auto", q, k, v)
-
-
 # --------------------------------------------------------------------------------------------------------
 # backends: all take packed (T, H, D) q and (T, Hkv, D) k/v, int32 cu_seqlens, and return (T, H, D)
 # --------------------------------------------------------------------------------------------------------
@@ -415,21 +298,49 @@ def _run_flash_attn(q, k, v, cu, max_seqlen, causal, scale):
     )
 
 
+@functools.lru_cache(maxsize=1)
+def _torch_varlen_keywords() -> frozenset[str]:
+    """Keyword names the installed ``varlen_attn`` takes (its signature changed between torch releases:
+    2.10 took ``is_causal``, later ones ``window_size``/``scale``/``enable_gqa``). Read once."""
+    return frozenset(inspect.signature(_torch_varlen_attn()).parameters)
+
+
+def _torch_varlen_kwargs(causal: bool, scale: float, head_dim: int, gqa: bool) -> dict[str, Any]:
+    """The keyword arguments for this call that the installed ``varlen_attn`` accepts.
+
+    Raises NotImplementedError naming the torch version when it lacks an argument the call needs.
+    GQA without ``enable_gqa`` is not an error: the caller repeats the kv heads.
+    """
+    names = _torch_varlen_keywords()
+    kwargs: dict[str, Any] = {}
+    if "window_size" in names:  # varlen_attn derives is_causal from window_size == (-1, 0): a tuple
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif "is_causal" in names:
+        kwargs["is_causal"] = causal
+    elif causal:
+        raise NotImplementedError(
+            f"torch {torch.__version__}'s varlen_attn takes neither window_size nor is_causal, so it cannot run "
+            "causal attention; use backend='flash_attn' or 'flex', or upgrade torch."
+        )
+    if "scale" in names:
+        kwargs["scale"] = scale
+    elif not math.isclose(scale, head_dim**-0.5, rel_tol=1e-6):
+        raise NotImplementedError(
+            f"torch {torch.__version__}'s varlen_attn has no scale argument and this call needs "
+            f"softmax_scale={scale} (not head_dim ** -0.5); use backend='flash_attn' or 'flex', or upgrade torch."
+        )
+    if gqa and "enable_gqa" in names:
+        kwargs["enable_gqa"] = True
+    return kwargs
+
+
 def _run_torch_varlen(q, k, v, cu, max_seqlen, causal, scale):
-    # varlen_attn derives is_causal from window_size == (-1, 0): it must be a tuple.
-    window = (-1, 0) if causal else (-1, -1)
-    return _torch_varlen_attn()(
-        q,
-        k,
-        v,
-        cu,
-        cu,
-        max_seqlen,
-        max_seqlen,
-        scale=scale,
-        window_size=window,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
+    gqa = q.shape[1] != k.shape[1]
+    kwargs = _torch_varlen_kwargs(causal, scale, q.shape[-1], gqa)
+    if gqa and "enable_gqa" not in kwargs:  # older varlen_attn: every query head needs its own kv head
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return _torch_varlen_attn()(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
 def document_block_mask(
@@ -530,7 +441,7 @@ def _sdpa(q, k, v, causal, scale, mask=None):
 
 
 def _run_sdpa_per_sample(q, k, v, cu, max_seqlen, causal, scale):
-    bounds = cu.tolist()
+    bounds = host_copy(cu).tolist()
     spans = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
     if len(spans) == 1:
         return _sdpa(q, k, v, causal, scale)
@@ -575,9 +486,14 @@ def varlen_attention(
     Returns (total_tokens, heads, head_dim) in q's dtype.
     """
     _check_qkv(q, k, v)
-    cu, max_seqlen = _check_cu_seqlens(cu_seqlens, q.shape[0], max_seqlen)
+    cu, max_seqlen = check_cu_seqlens(cu_seqlens, q.shape[0], max_seqlen)
     if cu.device != q.device:
         raise ValueError(f"cu_seqlens is on {cu.device} but q on {q.device}; move it with .to(q.device).")
+    return _run_checked(q, k, v, cu, max_seqlen, causal, softmax_scale, backend)
+
+
+def _run_checked(q, k, v, cu, max_seqlen: int, causal: bool, softmax_scale: float | None, backend: str):
+    """``varlen_attention`` once ``cu`` (int32, on q's device) and ``max_seqlen`` (int) are validated."""
     name = resolve_backend(backend, q, k, v)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if q.shape[0] == 0:
@@ -590,22 +506,23 @@ def varlen_attention(
 # --------------------------------------------------------------------------------------------------------
 
 
-def _boundaries_from_positions(position_ids: torch.Tensor, batch: int) -> tuple[torch.Tensor, int, int]:
-    """(cu_seqlens, max_seqlen, total) for ``batch`` rows, cached per position_ids object (one per forward)."""
-    cached = _FROM_POSITIONS.get(position_ids, batch)
-    if cached is None:
-        pos = position_ids[0] if position_ids.dim() == 3 and position_ids.shape[0] == 4 else position_ids
-        if pos.dim() == 2 and pos.shape[0] == 1 and batch > 1:  # (1, T) positions shared by every row
-            pos = pos.expand(batch, -1)
-        cu, max_len = cu_seqlens_from_position_ids(pos)
-        cached = _FROM_POSITIONS.put(position_ids, batch, (cu, max_len, int(cu[-1])))
-    return cached
-
-
-def _covers(cu_seqlens: Any, total: int) -> bool:
-    """Whether ``cu_seqlens`` spans exactly ``total`` tokens (a non-causal call's own boundaries, not the
-    text's boundaries handed on to a vision tower through ``**kwargs``)."""
-    return isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.numel() >= 2 and int(cu_seqlens[-1]) == total
+def _hf_packing(
+    module, query, causal, attention_mask, position_ids, cu_q, cu_k, max_length
+) -> Packing | None:
+    """Where the samples of this HF attention call lie (see ``hf_varlen_attention_forward``), or None
+    when the call is not packed (each of the B rows is one sequence)."""
+    b, _, t, _ = query.shape
+    if cu_q is not None and (
+        causal
+        or position_ids is not None
+        or (not getattr(module, "_vlm_pack_encoder", False) and covers(cu_q, b * t))
+    ):
+        return packing_from_cu(cu_q, cu_k, max_length, b * t, query.device)
+    if attention_mask is not None:
+        return packing_from_mask(attention_mask, position_ids, b, t, query.device)
+    if position_ids is not None:
+        return packing_from_positions(position_ids, b, t, query.device)
+    return None
 
 
 def _sdpa_fallback(query, key, value, mask, is_causal, scaling):
@@ -617,6 +534,32 @@ def _sdpa_fallback(query, key, value, mask, is_causal, scaling):
         query, key, value, attn_mask=mask, is_causal=is_causal and mask is None, scale=scaling
     )
     return out.transpose(1, 2).contiguous()
+
+
+def _decode_attention(query, key, value, attention_mask, causal, scaling):
+    """Fewer queries than keys (decoding with a KV cache) or a 4-D mask: SDPA with the mask, causal
+    bottom-right aligned (query i sits at key position i + T_k - T_q)."""
+    t_q, t_k = query.shape[2], key.shape[2]
+    mask = attention_mask
+    if mask is not None and mask.dim() == 2:  # (B, T_k) padding mask from the flash mask function
+        mask = mask[:, None, None, :].bool()
+    if causal and t_q > 1:
+        rows = torch.arange(t_q, device=query.device)[:, None] + (t_k - t_q)
+        tri = rows >= torch.arange(t_k, device=query.device)[None, :]
+        mask = tri if mask is None else mask & tri
+    return _sdpa_fallback(query, key, value, mask, False, scaling)
+
+
+def _run_packing(query, key, value, packing: Packing, causal, scaling, backend) -> torch.Tensor:
+    """(B, H, T, D) query, (B, Hkv, T, D) key/value -> (B, T, H, D), attention within each sample."""
+    b, h, t, d = query.shape
+    q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value))
+    if packing.index is not None:
+        q, k, v = (x.index_select(0, packing.index) for x in (q, k, v))
+    out = _run_checked(q, k, v, packing.cu, packing.max_seqlen, causal, scaling, backend)
+    if packing.index is not None:
+        out = out.new_zeros(b * t, h, d).index_copy(0, packing.index, out)
+    return out.view(b, t, h, d)
 
 
 def hf_varlen_attention_forward(
@@ -644,15 +587,19 @@ def hf_varlen_attention_forward(
 
     1. ``cu_seq_lens_q``/``cu_seq_lens_k`` (+ ``max_length_q``/``_k``) kwargs over the B*T tokens, as the
        flash-attention path of transformers takes them (never pass a kwarg named ``cu_seqlens`` to a HF VLM:
-       the vision tower takes it as its own). Vision towers also receive the text's kwargs through
+       the vision tower takes it as its own). They may stay on the host (CPU) while the model runs on a
+       GPU: then no layer copies anything back. Vision towers also receive the text's kwargs through
        ``**kwargs``; a non-causal call without ``position_ids`` therefore uses them only when they cover
        exactly its B*T tokens and the module is not part of a vision/audio encoder (which
        ``use_varlen_attention`` marks), and otherwise ignores them.
-    2. a 2-D padding ``attention_mask`` (B, T): padded batch, real tokens are unpadded and run as samples.
+    2. a 2-D padding ``attention_mask`` (B, T): padding tokens are dropped; ``position_ids``, when given,
+       still split each row into its packed samples (without them each row's real tokens are one sample).
     3. restarts in ``position_ids`` (a sample starts where a position is not its predecessor + 1).
     4. none: each of the B rows is one sequence (plain SDPA), e.g. the Qwen2-VL vision tower's per-image
        calls.
 
+    The boundaries are computed once per forward, by the first layer, on host copies of these tensors (one
+    device-to-host copy per tensor object, none for host tensors) and cached for the other layers.
     Calls with fewer queries than keys (decoding with a KV cache) use SDPA with the padding mask.
     """
     if dropout:
@@ -666,87 +613,15 @@ def hf_varlen_attention_forward(
             f"sliding_window={sliding_window}); use attn_implementation='flash_attention_2' or 'sdpa'."
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if query.shape[2] != key.shape[2] or (attention_mask is not None and attention_mask.dim() == 4):
+        return _decode_attention(query, key, value, attention_mask, causal, scaling), None
+    packing = _hf_packing(
+        module, query, causal, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k, max_length_q
+    )
+    if packing is None:
+        return _sdpa_fallback(query, key, value, None, causal and query.shape[2] > 1, scaling), None
     backend = getattr(module, "_vlm_pack_backend", "auto")
-    b, h, t_q, d = query.shape
-    t_k = key.shape[2]
-
-    if t_q != t_k or (attention_mask is not None and attention_mask.dim() == 4):
-        mask = attention_mask
-        if mask is not None and mask.dim() == 2:  # (B, T_k) padding mask from the flash mask function
-            mask = mask[:, None, None, :].bool()
-        if causal and t_q > 1:
-            # bottom-right aligned causal mask: query i sits at key position i + t_k - t_q
-            rows = torch.arange(t_q, device=query.device)[:, None] + (t_k - t_q)
-            tri = rows >= torch.arange(t_k, device=query.device)[None, :]
-            mask = tri if mask is None else mask & tri
-        return _sdpa_fallback(query, key, value, mask, False, scaling), None
-
-    def flat(x: torch.Tensor) -> torch.Tensor:  # (B, H, T, D) -> (B*T, H, D)
-        return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
-
-    if cu_seq_lens_q is not None and (
-        causal
-        or position_ids is not None
-        or (not getattr(module, "_vlm_pack_encoder", False) and _covers(cu_seq_lens_q, b * t_q))
-    ):
-        if (
-            cu_seq_lens_k is not None
-            and cu_seq_lens_k is not cu_seq_lens_q
-            and not torch.equal(cu_seq_lens_k, cu_seq_lens_q)
-        ):
-            raise NotImplementedError(
-                f"{HF_ATTN_IMPLEMENTATION} handles self-attention only: cu_seq_lens_k must equal cu_seq_lens_q."
-            )
-        out = varlen_attention(
-            flat(query),
-            flat(key),
-            flat(value),
-            cu_seq_lens_q,
-            max_length_q,
-            causal=causal,
-            softmax_scale=scaling,
-            backend=backend,
-        )
-        return out.view(b, t_q, h, d), None
-
-    if attention_mask is not None:  # padded batch: unpad real tokens, one sample per row
-        real = attention_mask.bool().reshape(-1)
-        index = real.nonzero().flatten()
-        counts = attention_mask.bool().sum(-1, dtype=torch.int32)
-        cu = F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
-        out_real = varlen_attention(
-            flat(query)[index],
-            flat(key)[index],
-            flat(value)[index],
-            cu,
-            None,
-            causal=causal,
-            softmax_scale=scaling,
-            backend=backend,
-        )
-        out = out_real.new_zeros(b * t_q, h, d).index_copy(0, index, out_real)
-        return out.view(b, t_q, h, d), None
-
-    if position_ids is not None:
-        cu, max_len, total = _boundaries_from_positions(position_ids, b)
-        if total != b * t_q:
-            raise ValueError(
-                f"position_ids {tuple(position_ids.shape)} cover {total} tokens but attention got {b} rows "
-                f"of {t_q}; pass position ids of shape (B, T) (Qwen-VL: (4, B, T)) for the packed rows."
-            )
-        out = varlen_attention(
-            flat(query),
-            flat(key),
-            flat(value),
-            cu,
-            max_len,
-            causal=causal,
-            softmax_scale=scaling,
-            backend=backend,
-        )
-        return out.view(b, t_q, h, d), None
-
-    return _sdpa_fallback(query, key, value, None, causal and t_q > 1, scaling), None
+    return _run_packing(query, key, value, packing, causal, scaling, backend), None
 
 
 def register_hf_attention() -> str:

@@ -9,9 +9,9 @@
     vlm-pack pack shards/ --processor ./ckpt --capacity 16384 --out plan.jsonl
 
 ``analyze`` reads WebDataset shards or a JSONL manifest, forecasts every sample's expanded length from the
-text and the image *headers* (no pixel decoded), packs at each capacity, prints one column per capacity
-(padding waste of plain padded batches vs packed, samples per pack, the grad-accumulation that keeps samples
-per optimizer update close to the padded run) and writes ``report.json``, ``report.txt`` and PNG plots to
+text and the image *headers* (no pixel decoded; ``--verify`` decodes every image too), packs at each
+capacity, prints one column per capacity (padding waste of plain padded batches vs packed, samples per pack,
+the grad-accumulation whose samples per optimizer update are closest to the padded run's) and writes ``report.json``, ``report.txt`` and PNG plots to
 ``--out`` (default ``./vlm-pack-report``). ``pack`` writes the bins as JSONL, one pack per line, for
 offline pre-packing. ``python -m vlm_pack`` is the same command.
 """
@@ -26,8 +26,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 __all__ = ["build_parser", "load_forecaster", "main"]
 
 _CHAT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next")
@@ -41,6 +39,11 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _family_name(text: str) -> str:
+    # QWEN2_VL, qwen2-vl and qwen2_vl name one family
+    return text.strip().lower().replace("-", "_")
 
 
 def _key_value(text: str) -> tuple[str, Any]:
@@ -58,8 +61,9 @@ def _add_forecast_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (what a sample's length is)")
     g.add_argument(
         "--family",
+        type=_family_name,
         help="VLM family: its chat format and its released checkpoint's image rules "
-        f"({', '.join(_CHAT_FAMILIES)}). Default qwen2_vl, or the one --processor names.",
+        f"({', '.join(_CHAT_FAMILIES)}; any case). Default qwen2_vl, or the one --processor names.",
     )
     g.add_argument(
         "--processor",
@@ -78,7 +82,8 @@ def _add_forecast_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a vision-spec parameter (e.g. max_num_tiles=6); repeatable",
+        help="override a vision-spec parameter (e.g. max_num_tiles=6); repeatable; an unknown KEY lists the "
+        "valid ones",
     )
     g.add_argument(
         "--no-exif-transpose",
@@ -87,12 +92,24 @@ def _add_forecast_args(p: argparse.ArgumentParser) -> None:
         "stored, ignoring their EXIF orientation",
     )
     d = p.add_argument_group("data")
-    d.add_argument("--image-root", metavar="DIR", help="JSONL manifests: folder image paths are relative to")
+    d.add_argument(
+        "--image-root",
+        metavar="DIR",
+        help="The folder that the image paths in JSONL manifests are relative to (default: each manifest's "
+        "own folder).",
+    )
     d.add_argument(
         "--on-error",
         choices=("raise", "skip"),
         default="raise",
         help="a sample that cannot be read or forecast: stop (default) or skip it and list it in the report",
+    )
+    d.add_argument(
+        "--verify",
+        action="store_true",
+        help="decode every image's pixels too. Without it the check is header-only: the text parses, each "
+        "placeholder has an image, and each image header gives a format and a size (no pixel read), so an "
+        "image cut short after its header passes. --verify catches those, reading every image byte (slower).",
     )
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -117,9 +134,19 @@ def _add_pack_args(p: argparse.ArgumentParser, *, multi: bool) -> None:
         help="a sample longer than the capacity: skip it (default) or count it cut to the capacity; both are "
         "reported",
     )
-    g.add_argument("--max-samples-per-pack", type=_positive_int, metavar="N")
+    g.add_argument(
+        "--max-samples-per-pack",
+        type=_positive_int,
+        metavar="N",
+        help="at most N samples per pack (default: no cap); caps the attention blocks a pack holds",
+    )
     v = g.add_mutually_exclusive_group()
-    v.add_argument("--max-images-per-pack", type=_positive_int, metavar="N")
+    v.add_argument(
+        "--max-images-per-pack",
+        type=_positive_int,
+        metavar="N",
+        help="at most N images per pack (default: no cap); a sample with more images is skipped and reported",
+    )
     v.add_argument(
         "--max-patches-per-pack",
         type=_positive_int,
@@ -246,6 +273,7 @@ def load_forecaster(args: argparse.Namespace) -> tuple[Any, Any, str, bool]:
         if overrides:
             from dataclasses import replace
 
+            _check_spec_keys(spec, overrides)
             spec = replace(spec, **overrides)
         if family is None:
             family = getattr(spec, "variant", None) or spec.family
@@ -256,6 +284,7 @@ def load_forecaster(args: argparse.Namespace) -> tuple[Any, Any, str, bool]:
                 )
     family = family or "qwen2_vl"
     if spec is None:
+        _check_spec_keys(vision_spec(family), overrides)
         spec = vision_spec(family, **overrides)
     tok_dir = args.tokenizer or args.processor
     if tok_dir is not None:
@@ -269,6 +298,58 @@ def load_forecaster(args: argparse.Namespace) -> tuple[Any, Any, str, bool]:
     from vlm_pack.offline import build_tokenizer
 
     return build_tokenizer(family), spec, family, False
+
+
+def _check_spec_keys(spec: Any, overrides: dict[str, Any]) -> None:
+    """Refuse ``--spec KEY=...`` for a KEY ``spec`` does not have, listing the ones it has."""
+    import dataclasses
+
+    valid = sorted(f.name for f in dataclasses.fields(spec) if f.init and f.name not in ("family", "variant"))
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        flags = ", ".join(f"--spec {k}=..." for k in unknown)
+        raise ValueError(
+            f"{flags}: the {spec.family} vision spec has no such parameter; valid keys: {', '.join(valid)}."
+        )
+
+
+def _packing_config(args: argparse.Namespace, capacity: int) -> Any:
+    """The one :class:`~vlm_pack.config.PackingConfig` the packing flags describe (at ``capacity``)."""
+    from vlm_pack.config import PackingConfig
+
+    images = args.max_images_per_pack is not None
+    return PackingConfig(
+        capacity=capacity,
+        max_samples_per_bin=args.max_samples_per_pack,
+        vision_capacity=args.max_images_per_pack if images else args.max_patches_per_pack,
+        vision_cost="images" if images else "patches",
+        oversized=args.oversized,
+        exif_transpose=not args.no_exif_transpose,
+    )
+
+
+def _check_writable(flag: str, path: Path, *, folder: bool) -> None:
+    """Fail before the (long) forecast when ``path`` cannot be written, naming ``flag`` and the path."""
+    target = path if folder else path.parent
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / f".vlm-pack-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        what = "folder" if folder else "file"
+        raise ValueError(
+            f"{flag} {str(path)!r}: cannot write there ({e.strerror or e}); give {flag} a writable {what}."
+        ) from None
+
+
+def _stand_in_note(meta: dict[str, Any]) -> None:
+    if meta["tokenizer"] != "exact":
+        print(
+            "vlm-pack: note: text tokens are counted with vlm-pack's offline stand-in tokenizer; pass "
+            "--processor (or --tokenizer) with your checkpoint's folder for exact counts.",
+            file=sys.stderr,
+        )
 
 
 def _baseline(args: argparse.Namespace) -> Any:
@@ -290,7 +371,11 @@ def _forecast(
 
     tokenizer, spec, family, exact = load_forecaster(args)
     samples = scan_samples(
-        sources, exif_transpose=not args.no_exif_transpose, image_root=args.image_root, on_error=args.on_error
+        sources,
+        exif_transpose=not args.no_exif_transpose,
+        image_root=args.image_root,
+        on_error=args.on_error,
+        verify=args.verify,
     )
     try:
         table = forecast_lengths(
@@ -322,11 +407,14 @@ def _forecast(
         "vision_spec": spec.to_dict(),
         "tokenizer": "exact" if exact else "vlm-pack offline stand-in",
         "exif_transpose": not args.no_exif_transpose,
+        "images_checked": "decoded (--verify)" if args.verify else "header only",
     }
     return table, meta
 
 
 def _too_small(table: Any, capacities: Sequence[int]) -> str:
+    import numpy as np
+
     lengths = table.lengths
     caps = ", ".join(f"{c:,}" for c in capacities)
     return (
@@ -340,19 +428,15 @@ def _run_analysis(
 ) -> int:
     from vlm_pack.report import analyze, format_report, write_report
 
-    table, meta = _forecast(args, sources)
+    config = _packing_config(args, args.capacity[0])
     baseline = _baseline(args)
-    meta = {"source": label, "sources": [str(s) for s in sources], **meta}
+    _check_writable("--out", Path(args.out), folder=True)
+    table, meta = _forecast(args, sources)
+    packing = {k: v for k, v in config.to_dict().items() if k in ("max_samples_per_bin", "vision_capacity",
+               "vision_cost", "oversized")}  # fmt: skip
+    meta = {"source": label, "sources": [str(s) for s in sources], **meta, "packing_config": packing}
     report, results = analyze(
-        table,
-        args.capacity,
-        baseline=baseline,
-        strategy=args.strategy,
-        oversized=args.oversized,
-        max_samples_per_pack=args.max_samples_per_pack,
-        max_images_per_pack=args.max_images_per_pack,
-        max_patches_per_pack=args.max_patches_per_pack,
-        meta=meta,
+        table, args.capacity, baseline=baseline, strategy=args.strategy, meta=meta, config=config
     )
     empty = [c["capacity"] for c in report["capacities"] if c["packed_samples"] == 0]
     if len(empty) == len(report["capacities"]):
@@ -361,12 +445,8 @@ def _run_analysis(
         )
     if empty:
         print(f"vlm-pack: warning: {_too_small(table, empty)}.", file=sys.stderr)
-    if meta["tokenizer"] != "exact" and not demo:
-        print(
-            "vlm-pack: note: text tokens are counted with vlm-pack's offline stand-in tokenizer; pass "
-            "--processor (or --tokenizer) with your checkpoint's folder for exact counts.",
-            file=sys.stderr,
-        )
+    if not demo:
+        _stand_in_note(meta)
     if not args.no_plots and "MPLBACKEND" not in os.environ:
         try:
             import matplotlib
@@ -375,7 +455,14 @@ def _run_analysis(
         except ImportError:
             pass  # write_report notes that the plots were skipped
     paths = write_report(
-        args.out, report, table, results, baseline=baseline, strategy=args.strategy, plots=not args.no_plots
+        args.out,
+        report,
+        table,
+        results,
+        baseline=baseline,
+        strategy=args.strategy,
+        plots=not args.no_plots,
+        config=config,
     )
     if args.json:
         print(Path(paths[0]).read_text(), end="")
@@ -410,22 +497,23 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise ValueError(f"--out {args.out!r} is a directory; give the plan's file name, e.g. plan.jsonl.")
+    config = _packing_config(args, args.capacity)
+    _check_writable("--out", out, folder=False)
     table, meta = _forecast(args, args.sources)
     if len(table) == 0:
         raise ValueError("no samples to pack: the sources are empty (or every sample was invalid).")
-    vision = vision_capacity = None
-    if args.max_images_per_pack is not None:
-        vision, vision_capacity = table.num_images, args.max_images_per_pack
-    elif args.max_patches_per_pack is not None:
-        vision, vision_capacity = table.num_patches, args.max_patches_per_pack
+    _stand_in_note(meta)
+    vision = None
+    if config.vision_capacity is not None:
+        vision = table.num_images if config.vision_cost == "images" else table.num_patches
     result = pack(
         table.lengths,
-        args.capacity,
+        config.capacity,
         strategy=args.strategy,
         vision=vision,
-        vision_capacity=vision_capacity,
-        max_samples_per_bin=args.max_samples_per_pack,
-        oversized=args.oversized,
+        vision_capacity=config.vision_capacity,
+        max_samples_per_bin=config.max_samples_per_bin,
+        oversized=config.oversized,
         seed=None if args.no_shuffle else args.seed,
     )
     if result.num_bins == 0:
@@ -433,7 +521,6 @@ def _cmd_pack(args: argparse.Namespace) -> int:
             _too_small(table, [args.capacity]) + "; raise --capacity or pass --oversized truncate. "
             "No plan written."
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
     keys, sources, vis = table.keys, table.sources, table.vision_tokens
     with open(out, "w") as f:
         for b, members in enumerate(result.bins):
@@ -459,6 +546,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         "capacity": args.capacity,
         "strategy": args.strategy,
         "oversized": args.oversized,
+        "packing_config": config.to_dict(),
         "shuffle_seed": None if args.no_shuffle else args.seed,
         "samples": len(table) + len(table.invalid),
         "packed_samples": int(result.order.size),

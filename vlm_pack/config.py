@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 _OVERSIZED = ("raise", "skip", "truncate")
+#: Default ``max_image_pixels``: Pillow's own default ``Image.MAX_IMAGE_PIXELS`` (1024**3 // 4 // 3), fixed
+#: here so that a training script that switches Pillow's check off (``Image.MAX_IMAGE_PIXELS = None``)
+#: does not switch this one off too.
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 _VISION_COST = ("patches", "images")
 
 
@@ -51,7 +55,8 @@ class PackingConfig:
         shuffle_buffer: samples held for shuffling (ignored without ``shuffle_seed``).
         on_error: a sample that cannot be read: "warn" (skip, count, warn) or "raise".
         exif_transpose: apply EXIF orientation, as ``ImageOps.exif_transpose`` and the forecast do.
-        max_image_pixels: refuse an image whose header declares more pixels, before decoding (None: no cap).
+        max_image_pixels: refuse an image whose header declares more pixels, before decoding, counted as
+            ``image_too_large`` (default: Pillow's default limit, ``DEFAULT_MAX_IMAGE_PIXELS``; None: no cap).
     """
 
     capacity: int
@@ -67,7 +72,7 @@ class PackingConfig:
     shuffle_buffer: int = 256
     on_error: str = "warn"
     exif_transpose: bool = True
-    max_image_pixels: int | None = None
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once

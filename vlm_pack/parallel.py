@@ -444,6 +444,29 @@ class _AllGatherWithGrad(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------------
 
 
+def _exchange_with_neighbours(
+    to_prev: torch.Tensor, to_next: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send ``to_prev`` to rank r - 1 and ``to_next`` to rank r + 1 of ``group`` in one
+    ``batch_isend_irecv``; return (what r - 1 sent, what r + 1 sent), each shaped like the tensor sent
+    the other way (unfilled on the first / last rank)."""
+    cp_size, cp_rank = _group_size_rank(group)
+    wire = torch.uint8 if to_prev.dtype == torch.bool else to_prev.dtype  # gloo/NCCL send no bool
+    to_prev, to_next = to_prev.to(wire).contiguous(), to_next.to(wire).contiguous()
+    from_next, from_prev = torch.empty_like(to_prev), torch.empty_like(to_next)
+    world = group if group is not None else dist.group.WORLD
+    ops = []
+    if cp_rank > 0:
+        prev = dist.get_global_rank(world, cp_rank - 1)
+        ops += [dist.P2POp(dist.isend, to_prev, prev, group), dist.P2POp(dist.irecv, from_prev, prev, group)]
+    if cp_rank < cp_size - 1:
+        nxt = dist.get_global_rank(world, cp_rank + 1)
+        ops += [dist.P2POp(dist.isend, to_next, nxt, group), dist.P2POp(dist.irecv, from_next, nxt, group)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return from_prev, from_next
+
+
 def roll_packed_context_parallel(
     tensor: torch.Tensor,
     cu_seqlens_padded: torch.Tensor,
@@ -476,7 +499,8 @@ def roll_packed_context_parallel(
     if shifts != -1:
         raise ValueError(f"roll_packed_context_parallel supports shifts=-1 (the label shift), got {shifts}")
     cp_size, cp_rank = _group_size_rank(group)
-    cu = _check_cu_seqlens_padded(cu_seqlens_padded, cp_size).to(tensor.device)
+    # Offsets are read on the host (free when the collator's CPU tensor is passed): no sync per call.
+    cu = _check_cu_seqlens_padded(cu_seqlens_padded.cpu(), cp_size)
     x = tensor.movedim(dim, -1)
     if x.shape[-1] != int(cu[-1]) // cp_size:
         raise ValueError(
@@ -485,43 +509,22 @@ def roll_packed_context_parallel(
         )
     local_cu = cu // cp_size
     chunk = (local_cu[1:] - local_cu[:-1]) // 2
-    nonempty = chunk > 0
-    front_first = local_cu[:-1][nonempty]
-    back_first = front_first + chunk[nonempty]
-    front_last = back_first - 1
-    back_last = local_cu[1:][nonempty] - 1
-
+    front_first = local_cu[:-1][chunk > 0]
+    back_first = front_first + chunk[chunk > 0]
+    front_first, back_first, back_last = (
+        t.to(x.device) for t in (front_first, back_first, local_cu[1:][chunk > 0] - 1)
+    )
     # Shift the whole local buffer; only chunk ends are then wrong, and the front chunk end of rank cp-1
     # is already right (its next chunk, cp, is its own back chunk).
     out = torch.cat([x[..., 1:], x.new_full((*x.shape[:-1], 1), fill)], dim=-1)
     if cp_size == 1:  # one chunk per sample (any length)
-        out[..., cu[1:][cu[1:] > cu[:-1]] - 1] = fill
+        out[..., (cu[1:][cu[1:] > cu[:-1]] - 1).to(x.device)] = fill
         return out.movedim(-1, dim)
     if front_first.numel() == 0:
         return out.movedim(-1, dim)
-    wire = torch.uint8 if x.dtype == torch.bool else x.dtype  # gloo/NCCL send no bool
-    send_prev = x[..., front_first].to(wire).contiguous()
-    send_next = x[..., back_first].to(wire).contiguous()
-    recv_next = torch.empty_like(send_prev)
-    recv_prev = torch.empty_like(send_next)
-    world = group if group is not None else dist.group.WORLD
-    ops = []
-    if cp_rank > 0:
-        prev = dist.get_global_rank(world, cp_rank - 1)
-        ops += [
-            dist.P2POp(dist.isend, send_prev, prev, group),
-            dist.P2POp(dist.irecv, recv_prev, prev, group),
-        ]
+    recv_prev, recv_next = _exchange_with_neighbours(x[..., front_first], x[..., back_first], group)
     if cp_rank < cp_size - 1:
-        nxt = dist.get_global_rank(world, cp_rank + 1)
-        ops += [
-            dist.P2POp(dist.isend, send_next, nxt, group),
-            dist.P2POp(dist.irecv, recv_next, nxt, group),
-        ]
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
-    if cp_rank < cp_size - 1:
-        out[..., front_last] = recv_next.to(x.dtype)
+        out[..., back_first - 1] = recv_next.to(x.dtype)
     if cp_rank > 0:
         out[..., back_last] = recv_prev.to(x.dtype)
     if cp_rank == 0:
@@ -629,8 +632,8 @@ class PerTokenLoss:
         self.grad_reduction = grad_reduction
         self._global_tokens: int | None = None
         self._expected_local: int | None = None
-        self._loss_sum = 0.0
-        self._tokens = 0
+        self._loss_sum: torch.Tensor | float = 0.0  # on the loss's device until end_step
+        self._tokens: torch.Tensor | int = 0
         self._open = False
 
     @property
@@ -654,8 +657,10 @@ class PerTokenLoss:
         """The micro-batch loss to call ``.backward()`` on; records it for :meth:`end_step`."""
         if not self._open:
             raise RuntimeError("call PerTokenLoss.begin_step() before loss_for_backward()")
-        self._loss_sum += float(loss_sum.detach())
-        self._tokens += int(num_tokens)
+        # Accumulate on the loss's device: a float()/int() here would stall the GPU once per micro-batch;
+        # end_step reads both back once per step.
+        self._loss_sum = self._loss_sum + loss_sum.detach().double()
+        self._tokens = self._tokens + num_tokens
         scale = self._factor()
         if self._global_tokens is not None:
             scale /= max(self._global_tokens, 1)
@@ -670,12 +675,18 @@ class PerTokenLoss:
         if not self._open:
             raise RuntimeError("call PerTokenLoss.begin_step() before end_step()")
         self._open = False
-        if self._expected_local is not None and self._expected_local != self._tokens:
+        device = self._loss_sum.device if isinstance(self._loss_sum, torch.Tensor) else None
+        pair = [
+            torch.as_tensor(x, dtype=torch.float64, device=device).reshape(())
+            for x in (self._loss_sum, self._tokens)
+        ]
+        stats = torch.stack(pair).cpu()  # the step's one device-to-host copy
+        local_tokens = int(stats[1])
+        if self._expected_local is not None and self._expected_local != local_tokens:
             raise ValueError(
                 f"begin_step counted {self._expected_local} loss tokens on this rank but the micro-batches "
-                f"passed to loss_for_backward had {self._tokens}: count the same (shifted) labels"
+                f"passed to loss_for_backward had {local_tokens}: count the same (shifted) labels"
             )
-        stats = torch.tensor([self._loss_sum, float(self._tokens)], dtype=torch.float64)
         total_sum, total_tokens = _all_reduce_sum(stats, self.group).unbind()
         if self._global_tokens is None:
             self._global_tokens = int(total_tokens)

@@ -38,6 +38,7 @@ tokens, runs or samples.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypedDict, Unpack
 
 import torch
 
@@ -45,6 +46,7 @@ from .remap import segment_ids
 
 __all__ = [
     "MROPE_FAMILIES",
+    "MRopeOptions",
     "is_mrope_family",
     "mrope_position_ids",
     "packed_mrope_position_ids",
@@ -59,6 +61,20 @@ MROPE_FAMILIES = {
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl",
 }
+
+
+class MRopeOptions(TypedDict, total=False):
+    """The keyword arguments that find and number a sample's vision tokens (see
+    :func:`packed_mrope_position_ids`); ``mrope_position_ids`` and ``packed_position_ids`` pass them on."""
+
+    image_token_id: int | None
+    video_token_id: int | None
+    vision_start_token_id: int | None
+    mm_token_type_ids: torch.Tensor | None
+    video_grid_thw: torch.Tensor | None
+    second_per_grid_ts: torch.Tensor | Sequence[float] | None
+    spatial_merge_size: int
+    tokens_per_second: float | None
 
 
 def is_mrope_family(family: str | None) -> bool:
@@ -192,136 +208,159 @@ def packed_mrope_position_ids(
     """
     variant = _variant(family)
     ids = input_ids.reshape(-1)
-    L = ids.numel()
+    length = ids.numel()
     device = ids.device
     if cu_seqlens is None:
-        cu_seqlens = torch.tensor([0, L], dtype=torch.int64, device=device)
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    m = int(spatial_merge_size)
-    if m < 1:
-        raise ValueError(f"spatial_merge_size must be >= 1, got {m}")
-    out = torch.zeros(3, L, dtype=torch.int64, device=device)
-    if L == 0:
-        return out
+        cu_seqlens = torch.tensor([0, length], dtype=torch.int64, device=device)
+    merge = int(spatial_merge_size)
+    if merge < 1:
+        raise ValueError(f"spatial_merge_size must be >= 1, got {merge}")
+    if length == 0:
+        return torch.zeros(3, 0, dtype=torch.int64, device=device)
     types = _token_types(ids, mm_token_type_ids, image_token_id, video_token_id)
-    seg = segment_ids(cu, L)
+    runs = _Runs.of(types, segment_ids(cu_seqlens.to(device=device, dtype=torch.int64), length))
+    images = _as_grid(image_grid_thw, "image_grid_thw", device)
+    videos = _as_grid(video_grid_thw, "video_grid_thw", device)
+    intervals = _video_intervals(variant, videos.shape[0], second_per_grid_ts, tokens_per_second, device)
+    grid = _run_grids(runs, variant, images, videos)
+    llm_grid = torch.stack([grid[:, 0], grid[:, 1] // merge, grid[:, 2] // merge], 1)
+    _check_vision_runs(runs, grid, llm_grid, merge, ids, vision_start_token_id)
+    return _run_positions(runs, llm_grid, intervals)
 
-    # Runs: maximal stretches of one modality inside one sample.
-    new_run = torch.ones(L, dtype=torch.bool, device=device)
-    new_run[1:] = (types[1:] != types[:-1]) | (seg[1:] != seg[:-1])
-    starts = torch.nonzero(new_run).squeeze(1)
-    lens = torch.diff(starts, append=torch.tensor([L], device=device))
-    rtype = types[starts]
-    rseg = seg[starts]
 
-    img = _as_grid(image_grid_thw, "image_grid_thw", device)
-    vid = _as_grid(video_grid_thw, "video_grid_thw", device)
-    intervals = _video_intervals(variant, vid.shape[0], second_per_grid_ts, tokens_per_second, device)
+class _Runs:
+    """Maximal stretches of one modality inside one sample of a packed buffer of ``L`` tokens.
+
+    ``starts`` / ``lens`` / ``kind`` (0 text, 1 image, 2 video) / ``sample`` are ``[num_runs]``;
+    ``of_token`` ``[L]`` is the run of every token.
+    """
+
+    def __init__(
+        self,
+        starts: torch.Tensor,
+        length: int,
+        kind: torch.Tensor,
+        sample: torch.Tensor,
+        of_token: torch.Tensor,
+    ) -> None:
+        self.starts, self.kind, self.sample, self.of_token = starts, kind, sample, of_token
+        self.lens = torch.diff(starts, append=torch.tensor([length], device=starts.device))
+        self.is_vision = kind > 0
+
+    @classmethod
+    def of(cls, types: torch.Tensor, seg: torch.Tensor) -> _Runs:
+        new_run = torch.ones_like(types, dtype=torch.bool)
+        new_run[1:] = (types[1:] != types[:-1]) | (seg[1:] != seg[:-1])
+        starts = torch.nonzero(new_run).squeeze(1)
+        return cls(starts, types.numel(), types[starts], seg[starts], torch.cumsum(new_run, 0) - 1)
+
+
+def _run_grids(runs: _Runs, variant: str, img: torch.Tensor, vid: torch.Tensor) -> torch.Tensor:
+    """The (t, h, w) grid of every run ``[num_runs, 3]`` (zeros for text), checked: one grid per run."""
     if variant == "qwen3_vl" and vid.numel():
         # Qwen3-VL: timestamps split a video into one run per temporal grid.
         vid = torch.repeat_interleave(vid, vid[:, 0], dim=0)
         vid[:, 0] = 1
-    is_img, is_vid = rtype == 1, rtype == 2
-    for name, runs, grids in (("image", is_img, img), ("video", is_vid, vid)):
-        n_runs = int(runs.sum())
+    grid = torch.zeros(runs.starts.numel(), 3, dtype=torch.int64, device=runs.starts.device)
+    for kind, name, grids in ((1, "image", img), (2, "video", vid)):
+        of_kind = runs.kind == kind
+        n_runs = int(of_kind.sum())
         if n_runs != grids.shape[0]:
             raise ValueError(
                 f"the token ids hold {n_runs} {name} run(s) but {grids.shape[0]} {name} grid(s) were given: "
                 f"every {name} needs its grid and its block of {name} tokens (between <|vision_start|> and "
                 "<|vision_end|>), in the same order"
             )
-    grid = torch.zeros(starts.numel(), 3, dtype=torch.int64, device=device)
-    grid[is_img] = img
-    grid[is_vid] = vid
-    gt, gh, gw = grid[:, 0], grid[:, 1] // m, grid[:, 2] // m
-    vision = rtype > 0
-    bad = vision & (lens != gt * gh * gw)
+        grid[of_kind] = grids
+    return grid
+
+
+def _check_vision_runs(
+    runs: _Runs,
+    grid: torch.Tensor,
+    llm_grid: torch.Tensor,
+    merge: int,
+    ids: torch.Tensor,
+    vision_start_token_id: int | None,
+) -> None:
+    """Every vision run holds ``t * h * w`` tokens of its llm grid and (if asked) follows <|vision_start|>."""
+    tokens = llm_grid.prod(-1)
+    bad = runs.is_vision & (runs.lens != tokens)
     if bool(bad.any()):
         r = int(torch.nonzero(bad)[0, 0])
-        kind = "image" if int(rtype[r]) == 1 else "video"
+        kind = "image" if int(runs.kind[r]) == 1 else "video"
         raise ValueError(
-            f"sample {int(rseg[r])}: an {kind} block of {int(lens[r])} tokens has grid "
-            f"{tuple(grid[r].tolist())} (merge {m}), which makes {int(gt[r] * gh[r] * gw[r])} tokens: the "
+            f"sample {int(runs.sample[r])}: an {kind} block of {int(runs.lens[r])} tokens has grid "
+            f"{tuple(grid[r].tolist())} (merge {merge}), which makes {int(tokens[r])} tokens: the "
             "placeholders were expanded for another image size or merge size"
         )
-    if vision_start_token_id is not None:
-        prev = ids[(starts - 1).clamp(min=0)]
-        bad = vision & (
-            (starts == 0) | (prev != vision_start_token_id) | (seg[(starts - 1).clamp(min=0)] != rseg)
+    if vision_start_token_id is None:
+        return
+    before = (runs.starts - 1).clamp(min=0)
+    seg = runs.sample[runs.of_token[before]]
+    bad = runs.is_vision & (
+        (runs.starts == 0) | (ids[before] != vision_start_token_id) | (seg != runs.sample)
+    )
+    if bool(bad.any()):
+        r = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"sample {int(runs.sample[r])}: a vision block at offset {int(runs.starts[r])} does not follow "
+            "<|vision_start|>; the chat template wraps every image in <|vision_start|> ... <|vision_end|>"
         )
-        if bool(bad.any()):
-            r = int(torch.nonzero(bad)[0, 0])
-            raise ValueError(
-                f"sample {int(rseg[r])}: a vision block at offset {int(starts[r])} does not follow "
-                "<|vision_start|>; the chat template wraps every image in <|vision_start|> ... <|vision_end|>"
-            )
 
+
+def _run_positions(runs: _Runs, llm_grid: torch.Tensor, intervals: torch.Tensor | None) -> torch.Tensor:
+    """Rows 1-3 ``[3, L]``: text continues the arange, a vision run numbers its grid from the run start."""
+    _, gh, gw = llm_grid.unbind(1)
     # Start position of every run, restarting at each sample.
-    advance = torch.where(vision, torch.maximum(gh, gw), lens)
-    excl = torch.cumsum(advance, 0) - advance
-    first_of_sample = torch.ones_like(new_run[: starts.numel()])
-    first_of_sample[1:] = rseg[1:] != rseg[:-1]
-    sample_base = torch.cummax(torch.where(first_of_sample, excl, 0), 0).values  # excl never decreases
-    run_pos = excl - sample_base
+    advance = torch.where(runs.is_vision, torch.maximum(gh, gw), runs.lens)
+    before = torch.cumsum(advance, 0) - advance
+    first_of_sample = torch.ones_like(runs.is_vision)
+    first_of_sample[1:] = runs.sample[1:] != runs.sample[:-1]
+    sample_base = torch.cummax(torch.where(first_of_sample, before, 0), 0).values  # `before` never decreases
+    run_pos = before - sample_base
 
-    tok_run = torch.cumsum(new_run, 0) - 1
-    j = torch.arange(L, device=device) - starts[tok_run]
+    tok_run = runs.of_token
+    j = torch.arange(tok_run.numel(), device=tok_run.device) - runs.starts[tok_run]
     base = run_pos[tok_run]
-    tok_vision = vision[tok_run]
+    tok_vision = runs.is_vision[tok_run]
     w = gw[tok_run].clamp(min=1)
     h = gh[tok_run].clamp(min=1)
     t_idx = j // (h * w)
-    if intervals is not None and bool(is_vid.any()):
+    is_video = runs.kind == 2
+    if intervals is not None and bool(is_video.any()):
         # Qwen2.5-VL videos: floor(t_index * interval) in the interval's float dtype.
-        run_iv = torch.ones(starts.numel(), dtype=intervals.dtype, device=device)
-        run_iv[is_vid] = intervals
-        tok_iv = run_iv[tok_run]
-        t_scaled = (t_idx.to(intervals.dtype) * tok_iv).long()
-        t_idx = torch.where(rtype[tok_run] == 2, t_scaled, t_idx)
+        run_iv = torch.ones(runs.starts.numel(), dtype=intervals.dtype, device=intervals.device)
+        run_iv[is_video] = intervals
+        t_scaled = (t_idx.to(intervals.dtype) * run_iv[tok_run]).long()
+        t_idx = torch.where(runs.kind[tok_run] == 2, t_scaled, t_idx)
     text = base + j
-    out[0] = torch.where(tok_vision, base + t_idx, text)
-    out[1] = torch.where(tok_vision, base + (j // w) % h, text)
-    out[2] = torch.where(tok_vision, base + j % w, text)
-    return out
+    return torch.stack(
+        [
+            torch.where(tok_vision, base + t_idx, text),
+            torch.where(tok_vision, base + (j // w) % h, text),
+            torch.where(tok_vision, base + j % w, text),
+        ]
+    )
 
 
 def mrope_position_ids(
     input_ids: torch.Tensor,
     image_grid_thw: torch.Tensor | None = None,
     *,
-    image_token_id: int | None = None,
-    video_token_id: int | None = None,
-    vision_start_token_id: int | None = None,
-    mm_token_type_ids: torch.Tensor | None = None,
-    video_grid_thw: torch.Tensor | None = None,
-    second_per_grid_ts: torch.Tensor | Sequence[float] | None = None,
-    spatial_merge_size: int = 2,
-    tokens_per_second: float | None = None,
     family: str = "qwen2_vl",
+    **options: Unpack[MRopeOptions],
 ) -> torch.Tensor:
     """mRoPE position ids of ONE sample, int64 ``[3, L]``: equal to ``model.model.get_rope_index(...)[0]``.
 
-    ``input_ids`` is ``[L]`` or ``[1, L]``; see :func:`packed_mrope_position_ids` for the arguments.
+    ``input_ids`` is ``[L]`` or ``[1, L]``; ``options`` as in :func:`packed_mrope_position_ids`.
     """
     if input_ids.dim() == 2 and input_ids.shape[0] != 1:
         raise ValueError(
             f"mrope_position_ids takes one sample ([L] or [1, L]), got {tuple(input_ids.shape)}; "
             "use packed_mrope_position_ids for a packed buffer"
         )
-    return packed_mrope_position_ids(
-        input_ids.reshape(-1),
-        None,
-        image_grid_thw,
-        image_token_id=image_token_id,
-        video_token_id=video_token_id,
-        vision_start_token_id=vision_start_token_id,
-        mm_token_type_ids=mm_token_type_ids,
-        video_grid_thw=video_grid_thw,
-        second_per_grid_ts=second_per_grid_ts,
-        spatial_merge_size=spatial_merge_size,
-        tokens_per_second=tokens_per_second,
-        family=family,
-    )
+    return packed_mrope_position_ids(input_ids.reshape(-1), None, image_grid_thw, family=family, **options)
 
 
 def packed_position_ids(
@@ -329,23 +368,24 @@ def packed_position_ids(
     cu_seqlens_padded: torch.Tensor,
     *,
     family: str | None = None,
-    **mrope_kwargs,
+    image_grid_thw: torch.Tensor | None = None,
+    **options: Unpack[MRopeOptions],
 ) -> torch.Tensor:
     """Position ids of a packed batch in the shape the model takes.
 
     ``input_ids`` ``[R, T]`` (or ``[L]``); ``cu_seqlens_padded`` ``[N + 1]`` partitions the flattened
     buffer. Returns ``[R, T]`` per-sample aranges, or for a Qwen-VL ``family`` ``[4, R, T]`` (row 0 the
-    arange, rows 1-3 :func:`packed_mrope_position_ids`, which receives ``mrope_kwargs``).
+    arange, rows 1-3 :func:`packed_mrope_position_ids` of ``image_grid_thw`` and ``options``).
     """
     shape = tuple(input_ids.shape)
     total = input_ids.numel()
     text = text_position_ids(cu_seqlens_padded.to(input_ids.device), total)
     if not is_mrope_family(family):
-        if mrope_kwargs.get("image_grid_thw") is not None:
+        if image_grid_thw is not None:
             raise ValueError(
                 f"image_grid_thw was given but family {family!r} has no multimodal RoPE: pass the Qwen-VL "
                 "family (qwen2_vl, qwen2_5_vl, qwen3_vl) to get 4-row position ids"
             )
         return text.reshape(shape)
-    rope = packed_mrope_position_ids(input_ids, cu_seqlens_padded, family=family, **mrope_kwargs)
+    rope = packed_mrope_position_ids(input_ids, cu_seqlens_padded, image_grid_thw, family=family, **options)
     return torch.cat([text[None], rope], 0).reshape((4, *shape))

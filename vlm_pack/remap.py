@@ -71,6 +71,20 @@ def _flat_ids(input_ids: torch.Tensor) -> torch.Tensor:
     return input_ids.reshape(-1)
 
 
+def _check_1d(cu: torch.Tensor, name: str) -> None:
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D tensor of num_samples + 1 offsets")
+
+
+def _ids_and_validation(
+    cu_seqlens: torch.Tensor, input_ids: torch.Tensor, validate: bool | None
+) -> tuple[torch.Tensor, bool]:
+    """The flat ids ``[L]`` and whether to validate, once ``cu_seqlens`` is known to be 1-D."""
+    _check_1d(cu_seqlens, "cu_seqlens")
+    ids = _flat_ids(input_ids)
+    return ids, _should_validate(validate, ids, cu_seqlens)
+
+
 def _check_cu(cu: torch.Tensor, total: int, name: str, what: str) -> None:
     """Host-side checks (one sync): starts at 0, never decreases, ends at ``total``."""
     if cu.numel() == 0:
@@ -208,10 +222,7 @@ def remap_cu_seqlens(
         ValueError: when ``cu_seqlens`` does not start at 0, decreases or does not end at the buffer
             length, or when the counts do not match the placeholders (with ``validate``).
     """
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
-        raise ValueError("cu_seqlens must be a 1-D tensor of num_samples + 1 offsets")
-    ids = _flat_ids(input_ids)
-    check = _should_validate(validate, ids, cu_seqlens)
+    ids, check = _ids_and_validation(cu_seqlens, input_ids, validate)
     if check:
         _check_cu(cu_seqlens, ids.numel(), "cu_seqlens", "input_ids")
     return _Expansion(ids, image_token_id, tokens_per_image, check)(cu_seqlens).to(cu_seqlens.dtype)
@@ -232,9 +243,8 @@ def remap_cu_seqlens_padded(
     the cumulative *real* lengths (sample ``i`` occupies ``cu_seqlens[i+1] - cu_seqlens[i]`` tokens from
     ``cu_seqlens_padded[i]``, the rest is its padding). Returns the expanded pair, in the dtypes given.
     """
-    for name, t in (("cu_seqlens", cu_seqlens), ("cu_seqlens_padded", cu_seqlens_padded)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1:
-            raise ValueError(f"{name} must be a 1-D tensor of num_samples + 1 entries")
+    _check_1d(cu_seqlens, "cu_seqlens")
+    _check_1d(cu_seqlens_padded, "cu_seqlens_padded")
     if cu_seqlens.numel() != cu_seqlens_padded.numel():
         raise ValueError(
             f"cu_seqlens has {cu_seqlens.numel()} entries, cu_seqlens_padded {cu_seqlens_padded.numel()}: "
@@ -277,10 +287,7 @@ def collapse_cu_seqlens(
     (one placeholder per image: adjacent images cannot be told apart once expanded). A boundary that falls
     inside an image's embeddings has no collapsed position and raises ``ValueError`` (with ``validate``).
     """
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
-        raise ValueError("cu_seqlens must be a 1-D tensor of num_samples + 1 offsets")
-    ids = _flat_ids(input_ids)
-    check = _should_validate(validate, ids, cu_seqlens)
+    ids, check = _ids_and_validation(cu_seqlens, input_ids, validate)
     emap = expansion_map(ids, image_token_id, tokens_per_image, validate=check)
     if check:
         _check_cu(cu_seqlens, int(emap[-1]), "cu_seqlens", "the expanded buffer")
@@ -324,8 +331,7 @@ def roll_packed(
     """
     if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
         raise ValueError("roll_packed needs a tensor with a sequence (last) dimension")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
-        raise ValueError("cu_seqlens must be a 1-D tensor of num_samples + 1 offsets")
+    _check_1d(cu_seqlens, "cu_seqlens")
     total = tensor.shape[-1]
     if _should_validate(None, tensor, cu_seqlens):
         _check_cu(cu_seqlens, total, "cu_seqlens", "the tensor's last dimension")

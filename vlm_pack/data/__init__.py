@@ -6,19 +6,15 @@
   lazy one leaving images unread) and ``read_header`` (text + header-only image sizes, or ``SampleError``),
   shared by the pipeline and ``vlm-pack analyze``;
 - :mod:`vlm_pack.data.pipeline`: ``PackedWebDataset`` (shards -> forecast -> pack -> preprocess -> collate,
-  split by rank and worker, resumable) and ``PackedDataLoader`` (a DataLoader that tracks it).
+  split by rank and worker, resumable; knobs from a ``PackingConfig``) and ``PackedDataLoader`` (a
+  DataLoader that tracks it);
+- :mod:`vlm_pack.data.stream`: one stream's work inside a DataLoader worker (``StreamRunner``), the metadata
+  each batch carries (``stream_info``) and the ``StreamEnd`` marker;
+- :mod:`vlm_pack.data.state`: the typed resume state (``PipelineState`` ...) and its versioned JSON;
+- :mod:`vlm_pack.data.stats`: ``PipelineStats``, ``BadSample``, the skip reasons ``BAD_REASONS``.
 """
 
-from .pipeline import (
-    BAD_REASONS,
-    BadSample,
-    BadSampleWarning,
-    PackedDataLoader,
-    PackedWebDataset,
-    PipelineStats,
-    build_packed_pipeline,
-    stream_info,
-)
+from .pipeline import PackedDataLoader, PackedWebDataset
 from .reader import SampleHeader, lazy_tar_samples, read_header, stream_tar_samples
 from .shards import (
     IMAGE_EXTENSIONS,
@@ -28,6 +24,9 @@ from .shards import (
     write_shards,
     write_shards_from_folder,
 )
+from .state import PipelineState
+from .stats import BAD_REASONS, BadSample, BadSampleWarning, PipelineStats
+from .stream import StreamEnd, stream_info
 
 __all__ = [
     "BAD_REASONS",
@@ -36,10 +35,11 @@ __all__ = [
     "BadSampleWarning",
     "PackedDataLoader",
     "PackedWebDataset",
+    "PipelineState",
     "PipelineStats",
     "SampleError",
     "SampleHeader",
-    "build_packed_pipeline",
+    "StreamEnd",
     "image_fields",
     "lazy_tar_samples",
     "parse_text",

@@ -1,0 +1,320 @@
+"""What a packed batch carries: ``PackedBatch``, and the model inputs it gives in each attention style.
+
+``PackingCollator`` (``collate.py``) builds it; the layouts are drawn there. Besides the packed rows and
+the sample boundaries, a batch tells which samples it holds and in what order::
+
+    batch.sample_index        [N] input index of each packed sample, in packed order
+    batch.row_of_sample       [N] the row it sits in
+    batch.sample_keys         [N] its key (``__key__``, ``key`` or ``id`` of the sample), or None
+    batch.metadata            every non-tensor field of the samples, by name, in packed order
+
+``batch.model_inputs(style)`` gives the keyword arguments of one model call:
+
+- ``"sdpa"`` / ``"eager"``: HF ``input_ids``, ``labels``, ``position_ids``, vision tensors,
+  ``use_cache=False`` and NO ``attention_mask`` (transformers then derives the block-diagonal mask from
+  the position restarts);
+- ``"flash_attention_2"``: the rows flattened to ``[1, R*T]`` plus ``cu_seq_lens_q/k`` (=
+  ``cu_seqlens_padded``) and ``max_length_q/k``: the names transformers' flash path reads (never
+  ``cu_seqlens``, which would reach the vision tower);
+- ``"megatron"``: ``tokens``, per-sample shifted ``labels`` and ``loss_mask``, ``position_ids`` and
+  ``packed_seq_params`` (``qkv_format="thd"``, expanded boundaries even in the collapsed layout).
+
+``PackedSeqParams`` is Megatron-Core's class, imported only when asked for (the megatron style, or the
+name itself); where megatron-core is not installed it is a dataclass with the same fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .positions import is_mrope_family
+from .remap import roll_packed
+
+__all__ = [
+    "HF_STYLES",
+    "IGNORE_INDEX",
+    "STYLES",
+    "PackedBatch",
+    "PackedSeqParams",  # noqa: F822 - resolved lazily by __getattr__
+    "packed_seq_params_class",
+]
+
+IGNORE_INDEX = -100
+HF_STYLES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+STYLES = (*HF_STYLES, "megatron")
+
+#: Vision tensors the HF models take, concatenated along dim 0 in packed order.
+VISION_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "image_sizes",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+)
+#: Where a sample's key may be, in order of preference (WebDataset's ``__key__`` first).
+SAMPLE_KEY_NAMES = ("__key__", "key", "id")
+
+
+@dataclass
+class _FallbackPackedSeqParams:
+    """Megatron-Core's ``PackedSeqParams`` fields (used when megatron.core is not installed)."""
+
+    qkv_format: str = "thd"
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_kv: torch.Tensor | None = None
+    cu_seqlens_q_padded: torch.Tensor | None = None
+    cu_seqlens_kv_padded: torch.Tensor | None = None
+    max_seqlen_q: int | None = None
+    max_seqlen_kv: int | None = None
+
+
+# Pickles and prints as vlm_pack.batch.PackedSeqParams, the name it is reached by.
+_FallbackPackedSeqParams.__name__ = _FallbackPackedSeqParams.__qualname__ = "PackedSeqParams"
+
+
+@functools.cache
+def packed_seq_params_class() -> type:
+    """Megatron-Core's ``PackedSeqParams`` when importable, else a dataclass with its fields.
+
+    Imported on first use only: ``import vlm_pack.collate`` never loads megatron-core.
+    """
+    try:
+        from megatron.core.packed_seq_params import PackedSeqParams  # type: ignore[import-not-found]
+    except ImportError:
+        return _FallbackPackedSeqParams
+    return PackedSeqParams
+
+
+def __getattr__(name: str) -> Any:
+    # ``from vlm_pack.batch import PackedSeqParams`` resolves (and imports megatron-core) only here.
+    if name == "PackedSeqParams":
+        return packed_seq_params_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _apply(value: Any, fn: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _apply(v, fn) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class PackedBatch:
+    """Packed rows and everything a model needs to keep the samples apart. See the module docstring.
+
+    Shapes (``R`` rows of ``T`` tokens, ``N`` samples; collapsed layout: one row of ``Tc`` collapsed tokens
+    holding ``R`` packs of ``T`` expanded tokens each):
+
+    - ``input_ids``, ``labels``: ``[R, T]`` long (collapsed ``[1, Tc]``); ``labels`` unshifted (HF).
+    - ``position_ids``: ``[R, T]`` or ``[4, R, T]`` (Qwen-VL); collapsed: expanded space ``[1, R*T]`` /
+      ``[4, 1, R*T]``.
+    - ``seq_lens`` ``[N]``, ``cu_seqlens`` / ``cu_seqlens_padded`` ``[N + 1]``: int32, in the layout's own
+      space; the ``*_expanded`` ones always in expanded space (the same tensors in the expanded layout).
+    - ``sample_index`` ``[N]``: the input index of each packed sample; ``row_of_sample`` ``[N]``: its row.
+    - vision tensors in packed order; ``mm_token_type_ids`` shaped like ``input_ids``;
+      ``tokens_per_image`` ``[num_images]`` embeddings per image.
+    - ``extra``: other per-sample tensors (concatenated along dim 0, or packed like ``input_ids`` when
+      they have one entry per token); ``metadata``: non-tensor values (e.g. ``__key__``) in packed order.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+    sample_index: torch.Tensor
+    row_of_sample: torch.Tensor
+    seq_lens_expanded: torch.Tensor
+    cu_seqlens_expanded: torch.Tensor
+    cu_seqlens_padded_expanded: torch.Tensor
+    max_seqlen_expanded: int
+    max_seqlen_padded_expanded: int
+    num_rows: int
+    row_length: int
+    layout: str = "expanded"
+    family: str | None = None
+    pad_to_multiple_of: int = 1
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    image_sizes: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None
+    mm_token_type_ids: torch.Tensor | None = None
+    tokens_per_image: torch.Tensor | None = None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    metadata: dict[str, list[Any]] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ conveniences
+    @property
+    def num_samples(self) -> int:
+        return int(self.seq_lens.numel())
+
+    @property
+    def num_real_tokens(self) -> int:
+        """Real (expanded) tokens: what the language model runs on, padding excluded."""
+        return int(self.seq_lens_expanded.sum())
+
+    @property
+    def num_label_tokens(self) -> int:
+        """Tokens that carry a loss (labels != -100): the denominator of a per-token loss."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def _apply(self, fn: Any) -> PackedBatch:
+        changes = {
+            f.name: _apply(getattr(self, f.name), fn)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), (torch.Tensor, dict))
+        }
+        return dataclasses.replace(self, **changes)
+
+    def to(self, device: Any, non_blocking: bool = False) -> PackedBatch:
+        """A copy with every tensor on ``device``."""
+        return self._apply(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> PackedBatch:
+        """A copy in pinned memory (``DataLoader(pin_memory=True)`` calls this)."""
+        return self._apply(lambda t: t.pin_memory())
+
+    def _flat_positions(self) -> torch.Tensor:
+        """``position_ids`` of the rows flattened into one: ``[1, R*T]`` or ``[4, 1, R*T]``."""
+        flat = self.num_rows * self.row_length
+        if self.position_ids.dim() == 3:
+            return self.position_ids.reshape(4, 1, flat)
+        return self.position_ids.reshape(1, flat)
+
+    def _vision_inputs(self) -> dict[str, torch.Tensor]:
+        out = {k: getattr(self, k) for k in VISION_KEYS if getattr(self, k) is not None}
+        # Only the Qwen-VL models read mm_token_type_ids (and require it with image_grid_thw).
+        if self.mm_token_type_ids is not None and is_mrope_family(self.family):
+            out["mm_token_type_ids"] = self.mm_token_type_ids
+        return out
+
+    def model_inputs(self, style: str = "sdpa") -> dict[str, Any]:
+        """Keyword arguments for one forward call; ``style`` is one of :data:`STYLES`.
+
+        - ``"sdpa"`` / ``"eager"``: ``[R, T]`` rows, no ``attention_mask``, ``use_cache=False``.
+        - ``"flash_attention_2"`` / ``"flash_attention_3"``: rows flattened to ``[1, R*T]`` with
+          ``cu_seq_lens_q/k`` and ``max_length_q/k`` from ``cu_seqlens_padded``.
+        - ``"megatron"``: ``tokens`` / ``labels`` / ``loss_mask`` ``[1, ...]``, labels already shifted per
+          sample (``labels[t]`` is the target of token ``t``), ``position_ids`` and a ``PackedSeqParams``
+          with the expanded ``cu_seqlens_q/kv`` (real) and ``cu_seqlens_q/kv_padded``; vision tensors
+          under their HF names.
+        """
+        if style not in STYLES:
+            raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+        if style == "megatron":
+            return self._megatron_inputs()
+        if self.layout != "expanded":
+            raise ValueError(
+                f"model_inputs({style!r}) needs the expanded layout (HF models expect one token per vision "
+                "embedding); build the collator with layout='expanded', or use style='megatron'"
+            )
+        vision = self._vision_inputs()
+        if style in ("sdpa", "eager"):
+            return {
+                "input_ids": self.input_ids,
+                "labels": self.labels,
+                "position_ids": self.position_ids,
+                **vision,
+                "use_cache": False,
+            }
+        flat = self.num_rows * self.row_length
+        pos = self._flat_positions()
+        if "mm_token_type_ids" in vision:
+            vision["mm_token_type_ids"] = vision["mm_token_type_ids"].reshape(1, flat)
+        cu = self.cu_seqlens_padded
+        return {
+            "input_ids": self.input_ids.reshape(1, flat),
+            "labels": self.labels.reshape(1, flat),
+            "position_ids": pos,
+            **vision,
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": self.max_seqlen_padded_expanded,
+            "max_length_k": self.max_seqlen_padded_expanded,
+            "use_cache": False,
+        }
+
+    def _megatron_inputs(self) -> dict[str, Any]:
+        tokens = self.input_ids.reshape(1, -1)
+        # Shift inside each (padded) sample: the last token of a sample gets -100, never the next one's
+        # first token; loss_mask follows.
+        labels = roll_packed(self.labels.reshape(1, -1), self.cu_seqlens_padded, shifts=-1, fill=IGNORE_INDEX)
+        loss_mask = (labels != IGNORE_INDEX).to(torch.float32)
+        # The collapsed layout's positions are already one expanded row.
+        pos = self._flat_positions() if self.layout == "expanded" else self.position_ids
+        params = packed_seq_params_class()(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens_expanded,
+            cu_seqlens_kv=self.cu_seqlens_expanded,
+            cu_seqlens_q_padded=self.cu_seqlens_padded_expanded,
+            cu_seqlens_kv_padded=self.cu_seqlens_padded_expanded,
+            max_seqlen_q=self.max_seqlen_padded_expanded,
+            max_seqlen_kv=self.max_seqlen_padded_expanded,
+        )
+        out: dict[str, Any] = {
+            "tokens": tokens,
+            "labels": labels,
+            "loss_mask": loss_mask,
+            "position_ids": pos,
+            "attention_mask": None,
+            "packed_seq_params": params,
+        }
+        out.update(self._vision_inputs())
+        if "mm_token_type_ids" in out:
+            out["mm_token_type_ids"] = out["mm_token_type_ids"].reshape(1, -1)  # like tokens
+        if self.layout == "collapsed" and self.tokens_per_image is not None:
+            out["tokens_per_image"] = self.tokens_per_image
+        return out
+
+    # ------------------------------------------------------------------ access by name
+    @property
+    def sample_keys(self) -> list[Any] | None:
+        """Each packed sample's key (``__key__``, else ``key`` or ``id`` of the input sample), in packed order.
+
+        ``batch.sample_keys[k]`` belongs to input sample ``batch.sample_index[k]``; None when the samples
+        carried no key. Every other non-tensor field of the samples is in ``batch.metadata`` by its name.
+        """
+        for name in SAMPLE_KEY_NAMES:
+            if name in self.metadata:
+                return self.metadata[name]
+        return None
+
+    def _default_inputs(self) -> dict[str, Any]:
+        return self.model_inputs("sdpa" if self.layout == "expanded" else "megatron")
+
+    def model_input_names(self) -> list[str]:
+        """The names of ``model_inputs()``: sdpa style, megatron style in the collapsed layout."""
+        return list(self._default_inputs())
+
+    def __getitem__(self, name: str) -> Any:
+        """``batch[name]``: the default model input of that name (e.g. megatron's shifted ``labels`` in the
+        collapsed layout), else the field of that name; attribute access (``batch.labels``) always gives
+        the field."""
+        inputs = self._default_inputs()
+        if name in inputs:
+            return inputs[name]
+        if name in {f.name for f in dataclasses.fields(self)}:
+            return getattr(self, name)
+        raise KeyError(name)
+
+    def __contains__(self, name: object) -> bool:
+        fields = {f.name for f in dataclasses.fields(self)}
+        return isinstance(name, str) and (name in fields or name in self.model_input_names())
+
+    def get(self, name: str, default: Any = None) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            return default

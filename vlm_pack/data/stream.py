@@ -1,0 +1,509 @@
+"""One stream of the pipeline: read its shards, forecast each sample from headers, pack, preprocess, collate.
+
+A *stream* is one (rank, DataLoader worker); :class:`StreamRunner` does its work inside the worker and
+attaches to every batch the metadata the main process tracks (:func:`stream_info`), including a
+:class:`~vlm_pack.data.state.StreamSnapshot` of the stream *after* that batch. A stream whose final state
+no batch carries (it yielded nothing: an unreadable shard, only bad samples) ends with a
+:class:`StreamEnd` marker, so the main process always learns that the stream is done and what it counted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..packing import StreamPacker
+from ..processing import IMAGE_MARKER, forecast_length, process_sample
+from .reader import read_header, stream_tar_samples
+from .shards import SampleError
+from .state import Cursor, EpochProgress, PlanItem, StreamSnapshot, position, split_position
+from .stats import PHASES, BadSample, BadSampleWarning, PipelineStats
+
+if TYPE_CHECKING:
+    from .pipeline import PackedWebDataset
+
+__all__ = ["StreamEnd", "StreamRunner", "stream_info"]
+
+_META = "__stream__"  # where a yielded batch carries its stream metadata (see stream_info)
+
+
+class StreamEnd:
+    """Yielded by a stream instead of a batch when no batch carried its final state (see the module doc).
+
+    :class:`~vlm_pack.data.PackedDataLoader` and single-process iteration consume it; with a plain
+    ``DataLoader``, ``dataset.observe(item)`` records it and returns None: skip such items.
+    """
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        self.metadata = {_META: meta}
+
+    def __repr__(self) -> str:
+        return f"StreamEnd(stream={self.metadata[_META]['snapshot'].stream})"
+
+
+def _attach(batch: Any, meta: dict[str, Any]) -> None:
+    # In PackedBatch.metadata: a dataclass field, so it survives .to(device) and pin_memory().
+    metadata = getattr(batch, "metadata", None)
+    if isinstance(metadata, dict):
+        metadata[_META] = meta
+    elif isinstance(batch, dict):
+        batch[_META] = meta
+    else:
+        try:
+            setattr(batch, _META, meta)
+        except AttributeError:
+            raise TypeError(
+                f"the collator returned a {type(batch).__name__}, which cannot carry the stream metadata: "
+                "return a PackedBatch, a dict, or an object with a 'metadata' dict."
+            ) from None
+
+
+def stream_info(batch: Any) -> dict[str, Any] | None:
+    """The stream metadata a batch of :class:`PackedWebDataset` carries (None for other batches).
+
+    Keys: ``epoch``, ``generation`` (re-deals after a layout change), ``layout`` ([world, workers]),
+    ``samples`` ([shard URL, key] per sample, in the order given to the collator), ``lengths`` (processed
+    lengths), ``forecast`` (forecast lengths, equal unless reported), ``snapshot`` (a
+    :class:`~vlm_pack.data.state.StreamSnapshot`: the stream's state after this batch, ``.stream``,
+    ``.seq``, ``.done``, ``.cursor``, buffers, packer and RNG states, ``.stats``). The per-sample keys in
+    packed order are ``batch.metadata["__key__"]`` / ``["__url__"]``.
+    """
+    metadata = getattr(batch, "metadata", None)
+    if isinstance(metadata, dict) and _META in metadata:
+        return metadata[_META]
+    if isinstance(batch, dict):
+        return batch.get(_META)
+    return getattr(batch, _META, None)
+
+
+def _read_shard(url: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(index in shard, raw sample dict) for each sample of one tar shard."""
+    samples = stream_tar_samples(url)
+    try:
+        yield from enumerate(samples)
+    finally:
+        samples.close()  # closes the shard's stream now, also when the reader stops early
+
+
+def _count_markers(conversation: Any) -> int:
+    if isinstance(conversation, str):
+        return conversation.count(IMAGE_MARKER)
+    count = 0
+    for turn in conversation:
+        content = turn.get("content") if isinstance(turn, dict) else None
+        if isinstance(content, str):
+            count += content.count(IMAGE_MARKER)
+        elif isinstance(content, list):
+            count += sum(1 for part in content if isinstance(part, dict) and part.get("type") == "image")
+    return count
+
+
+@dataclass(slots=True)
+class _Sample:
+    """A forecast sample waiting in a buffer: raw image bytes, its text, its forecast."""
+
+    url: str
+    key: str
+    images: list[bytes]
+    conversation: Any
+    length: int  # forecast tokens
+    vision: int  # vision cost (PackingConfig.vision_cost)
+
+
+class _Skip(Exception):
+    """A sample the forecast refuses: ``reason`` and ``detail`` go to :meth:`StreamRunner._bad`."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class StreamRunner:
+    """One stream's reading, forecasting, packing and collation (runs in a DataLoader worker)."""
+
+    def __init__(
+        self,
+        ds: PackedWebDataset,
+        stream: int,
+        items: list[PlanItem],
+        progress: EpochProgress,
+        snapshot: StreamSnapshot | None,
+    ) -> None:
+        self.ds = ds
+        self.config = ds.config
+        self.stream = stream
+        self.items = items
+        self.epoch = progress.epoch
+        self.generation = progress.generation
+        self.layout = progress.layout
+        self.packer = StreamPacker(**ds.packer_config)
+        self.rng = (
+            np.random.default_rng([ds.config.shuffle_seed, self.epoch, self.generation, stream])
+            if ds.shuffle_buffer
+            else None
+        )
+        self.shuffle: list[int] = []
+        self.samples: dict[int, _Sample] = {}
+        self.ready: deque[list[int]] = deque()
+        self.cursor = Cursor()
+        self.seq = 0
+        self.stats = PipelineStats(capacity=ds.config.capacity, time={p: 0.0 for p in PHASES})
+        self.collate = ds._collate()
+        self.snapshot = snapshot
+        self.final_delivered = False  # a yielded item carried the stream's final state
+
+    # -- bad data
+    def _bad(self, url: str, key: str | None, reason: str, detail: str) -> None:
+        bad = BadSample(url, key, reason, detail)
+        if self.config.on_error == "raise":
+            raise ValueError(f"bad sample: {bad} (on_error='warn' skips such samples and counts them)")
+        warnings.warn(f"vlm-pack: skipping {bad}", BadSampleWarning, stacklevel=3)
+        self.stats.count_bad(bad, self.ds.max_examples)
+
+    # -- per sample: header-only forecast
+    def _check_images(self, names: list[str], sizes: list[tuple[int, int]]) -> None:
+        limit = self.config.max_image_pixels
+        for (width, height), name in zip(sizes, names):
+            if limit is not None and width * height > limit:
+                raise _Skip(
+                    "image_too_large",
+                    f"{name}: its header declares {width}x{height} = {width * height:,} pixels > "
+                    f"max_image_pixels {limit:,}; refused before decoding (a decompression bomb or an "
+                    "oversized scan). Downscale it in the shard, or raise PackingConfig.max_image_pixels "
+                    "(None: no cap) if such images are expected.",
+                )
+            try:
+                self.ds.spec.num_tokens(width, height)
+            except ValueError as exc:
+                raise _Skip("image_rejected", f"{name} {width}x{height}: {exc}") from None
+
+    def _check_length(self, url: str, key: str | None, length: int) -> None:
+        config = self.config
+        span = -(-length // config.pad_to_multiple_of) * config.pad_to_multiple_of
+        if span > config.capacity:
+            what = f"{length} tokens" + (f" (padded to {span})" if span != length else "")
+            if config.oversized == "raise":
+                raise ValueError(
+                    f"sample {key!r} in {url}: {what} > capacity {config.capacity}; raise capacity, cap the "
+                    "image processor's max_pixels, or pass oversized='skip'."
+                )
+            raise _Skip("too_long", f"{what} > capacity {config.capacity}")
+
+    def _vision_cost(self, sizes: list[tuple[int, int]]) -> int:
+        config = self.config
+        if config.vision_capacity is None:
+            return 0
+        if config.vision_cost == "images":
+            cost = len(sizes)
+        else:
+            cost = sum(self.ds.spec.num_patches(width, height) for width, height in sizes)
+        if cost > config.vision_capacity:
+            raise _Skip("vision_too_large", f"vision cost {cost} > vision_capacity {config.vision_capacity}")
+        return cost
+
+    def _forecast_sample(self, url: str, raw: dict[str, Any]) -> _Sample:
+        ds = self.ds
+        key = raw.get("__key__")
+        try:
+            conversation, names, sizes = read_header(raw, exif_transpose=self.config.exif_transpose)
+        except SampleError as exc:
+            raise _Skip(exc.reason, str(exc)) from None
+        images = [raw[name] for name in names]
+        n_markers = _count_markers(conversation) if ds.template is None else None
+        if n_markers and n_markers != len(images):
+            raise _Skip(
+                "placeholder_mismatch",
+                f"the text has {n_markers} image placeholder(s) but the sample has {len(images)} image(s) "
+                f"({', '.join(names) or 'none'})",
+            )
+        self._check_images(names, sizes)
+        try:
+            length, _ = forecast_length(
+                conversation,
+                sizes,
+                tokenizer=ds.tokenizer,
+                spec=ds.spec,
+                family=ds.family,
+                template=ds.template,
+                key=key,
+            )
+        except (ValueError, TypeError, AttributeError) as exc:
+            reason = "placeholder_mismatch" if "placeholder" in str(exc) else "bad_text"
+            raise _Skip(reason, str(exc)) from None
+        self._check_length(url, key, length)
+        return _Sample(url, key, images, conversation, length, self._vision_cost(sizes))
+
+    def _forecast(self, url: str, raw: dict[str, Any]) -> _Sample | None:
+        """The sample with its forecast, or None after reporting why it is skipped (timed as "forecast")."""
+        started = time.thread_time()
+        try:
+            return self._forecast_sample(url, raw)
+        except _Skip as skip:
+            self._bad(url, raw.get("__key__"), skip.reason, str(skip))
+            return None
+        finally:
+            self.stats.time["forecast"] += time.thread_time() - started
+
+    # -- packing
+    def _padded(self, length: int) -> int:
+        multiple = self.config.pad_to_multiple_of
+        return -(-length // multiple) * multiple
+
+    def _push(self, pos: int) -> None:
+        if self.rng is None:
+            self._pack(pos)
+            return
+        self.shuffle.append(pos)
+        if len(self.shuffle) > self.ds.shuffle_buffer:
+            self._pack(self._draw())
+
+    def _draw(self) -> int:
+        buf = self.shuffle
+        drawn = int(self.rng.integers(len(buf)))  # type: ignore[union-attr]
+        buf[drawn], buf[-1] = buf[-1], buf[drawn]
+        return buf.pop()
+
+    def _pack(self, pos: int) -> None:
+        sample = self.samples[pos]
+        for packed_bin in self.packer.add(pos, self._padded(sample.length), sample.vision):
+            self.ready.append(list(packed_bin.keys))
+
+    def _flush(self) -> None:
+        """End of the stream's reading: empty the shuffle buffer and the packer into ``ready``."""
+        started = time.thread_time()
+        while self.shuffle:
+            self._pack(self._draw())
+        for packed_bin in self.packer.flush():
+            self.ready.append(list(packed_bin.keys))
+        for packed_bin in self.packer.dropped:
+            for pos in packed_bin.keys:
+                self.samples.pop(pos, None)
+            self.stats.samples_dropped += len(packed_bin.keys)
+        self.packer.dropped.clear()
+        self.stats.time["pack"] += time.thread_time() - started
+
+    # -- collation
+    def _process(self, sample: _Sample) -> dict[str, Any] | None:
+        """``process_sample`` of one packed sample (timed as "preprocess"); None after a decode error."""
+        ds = self.ds
+        started = time.thread_time()
+        try:
+            return process_sample(
+                sample.images,
+                sample.conversation,
+                tokenizer=ds.tokenizer,
+                image_processor=ds.image_processor,
+                processor=ds.processor,
+                family=ds.family,
+                template=ds.template,
+                key=sample.key,
+            )
+        except Exception as exc:
+            self._bad(sample.url, sample.key, "decode_error", f"{type(exc).__name__}: {exc}")
+            return None
+        finally:
+            self.stats.time["preprocess"] += time.thread_time() - started
+
+    def _warn_mismatch(self, sample: _Sample, processed_length: int) -> None:
+        self.stats.forecast_mismatches += 1
+        warnings.warn(
+            f"vlm-pack: FORECAST MISMATCH for key {sample.key!r} in {sample.url}: forecast {sample.length} "
+            f"tokens, processed {processed_length}. The vision spec does not match the image processor; "
+            "please report it.",
+            BadSampleWarning,
+            stacklevel=3,
+        )
+        if self.config.on_error == "raise":
+            raise ValueError(
+                f"forecast {sample.length} != processed length {processed_length} for key {sample.key!r} "
+                f"in {sample.url}"
+            )
+
+    def _make_batch(self, positions: list[int], done: bool) -> Any:
+        processed, picked, lengths, mismatched = [], [], [], []
+        for pos in positions:
+            sample = self.samples.pop(pos)
+            out = self._process(sample)
+            if out is None:
+                continue
+            length = int(out["input_ids"].shape[0])
+            if length != sample.length:
+                self._warn_mismatch(sample, length)
+                mismatched.append(len(processed))
+            out["__key__"] = sample.key
+            out["__url__"] = sample.url
+            processed.append(out)
+            picked.append(sample)
+            lengths.append(length)
+        # A longer-than-forecast sample may overflow the bin: drop mismatched samples until it fits.
+        while sum(map(self._padded, lengths)) > self.config.capacity and mismatched:
+            j = mismatched.pop()
+            sample = picked[j]
+            self._bad(sample.url, sample.key, "forecast_mismatch", f"processed {lengths[j]} tokens overflow the bin")
+            del processed[j], picked[j], lengths[j]
+        if not processed:
+            return None
+        started = time.thread_time()
+        batch = self.collate(processed)
+        self.stats.time["collate"] += time.thread_time() - started
+        self.stats.bins += 1
+        self.stats.samples_packed += len(processed)
+        self.stats.tokens += sum(lengths)
+        _attach(batch, self._meta(picked, lengths, done))
+        return batch
+
+    def _meta(self, picked: list[_Sample], lengths: list[int], done: bool) -> dict[str, Any]:
+        """The metadata of the next yielded item (a batch of ``picked``, or a :class:`StreamEnd`)."""
+        started = time.thread_time()
+        self.seq += 1
+        self.final_delivered = done
+        meta = {
+            "epoch": self.epoch,
+            "generation": self.generation,
+            "layout": list(self.layout or ()),
+            "samples": [[sample.url, sample.key] for sample in picked],
+            "lengths": lengths,
+            "forecast": [sample.length for sample in picked],
+        }
+        meta["snapshot"] = self._snapshot(done)
+        self.stats.time["state"] += time.thread_time() - started  # counted in the next snapshot
+        return meta
+
+    def _snapshot(self, done: bool) -> StreamSnapshot:
+        stats = PipelineStats.from_dict(self.stats.to_dict())  # a copy: the stream keeps counting
+        return StreamSnapshot(
+            stream=self.stream,
+            seq=self.seq,
+            done=done,
+            cursor=Cursor(self.cursor.item, self.cursor.sample),
+            shuffle=list(self.shuffle),
+            rng=None if self.rng is None else self.rng.bit_generator.state,
+            packer=self.packer.state_dict(),
+            ready=[list(keys) for keys in self.ready],
+            stats=stats,
+        )
+
+    def _drain(self, final: bool) -> Iterator[Any]:
+        while self.ready:
+            positions = self.ready.popleft()
+            batch = self._make_batch(positions, final and not self.ready)
+            if batch is not None:
+                yield batch
+
+    # -- reading
+    def _read_item(
+        self, item: PlanItem, first: int, collect: set[int] | None = None
+    ) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Samples of a plan item with index >= ``first`` (or only those in ``collect``), timing the reads.
+
+        Shard errors are reported as ``unreadable_shard`` and end the item.
+        """
+        url = self.ds.urls[item.shard]
+        wanted = set(item.pending) if collect is None else collect
+        everything_from_start = collect is None and item.start is not None
+        last = math.inf if everything_from_start else max(wanted, default=-1)
+        if last < first:
+            return
+        times = self.stats.time
+        samples = _read_shard(url)
+        key = None
+        try:
+            while True:
+                started = time.thread_time()
+                try:
+                    index, raw = next(samples)
+                except StopIteration:
+                    break
+                except Exception as exc:
+                    self._bad(url, key, "unreadable_shard", f"{type(exc).__name__}: {exc} (after key {key!r})")
+                    break
+                finally:
+                    times["read"] += time.thread_time() - started
+                key = raw.get("__key__")
+                if index < first:
+                    continue
+                if index in wanted or (everything_from_start and index >= item.start):  # type: ignore[operator]
+                    yield index, raw
+                if index >= last:
+                    break
+        finally:
+            samples.close()
+
+    def _restore(self, snapshot: StreamSnapshot) -> None:
+        self.cursor = Cursor(snapshot.cursor.item, snapshot.cursor.sample)
+        self.seq = snapshot.seq
+        self.stats = PipelineStats.from_dict(snapshot.stats.to_dict())
+        for phase in PHASES:
+            self.stats.time.setdefault(phase, 0.0)
+        self.packer.load_state_dict(snapshot.packer)
+        self.shuffle = list(snapshot.shuffle)
+        if self.rng is not None and snapshot.rng is not None:
+            self.rng.bit_generator.state = snapshot.rng
+        self.ready = deque(list(keys) for keys in snapshot.ready)
+        # Re-read the samples the stream held: they were forecast before, so forecasting again is exact.
+        item_of_shard = {item.shard: item for item in self.items}
+        for shard, indices in sorted(snapshot.held_by_shard().items()):
+            for index, raw in self._read_item(item_of_shard[shard], 0, collect=indices):
+                sample = self._forecast(self.ds.urls[shard], raw)
+                if sample is not None:
+                    self.samples[position(shard, index)] = sample
+        missing = [pos for pos in snapshot.held_positions() if pos not in self.samples]
+        if missing:
+            shard, index = split_position(missing[0])
+            raise RuntimeError(
+                f"resume: {len(missing)} buffered sample(s) could not be read again (first: shard "
+                f"{self.ds.urls[shard]}, index {index}); the shards changed since the state was saved."
+            )
+
+    def _read_all(self) -> Iterator[Any]:
+        """Read the stream's plan items from the cursor on, forecasting and packing; yield ready batches."""
+        times = self.stats.time
+        first_item, first_sample = self.cursor.item, self.cursor.sample
+        for item_number in range(first_item, len(self.items)):
+            item = self.items[item_number]
+            url = self.ds.urls[item.shard]
+            pending = set(item.pending)
+            start = first_sample if item_number == first_item else 0
+            for index, raw in self._read_item(item, start):
+                self.cursor = Cursor(item_number, index + 1)
+                if index not in pending:  # re-dealt buffered samples were counted when first read
+                    self.stats.samples_read += 1
+                sample = self._forecast(url, raw)
+                if sample is None:
+                    continue
+                started = time.thread_time()
+                pos = position(item.shard, index)
+                self.samples[pos] = sample
+                self._push(pos)
+                times["pack"] += time.thread_time() - started
+                yield from self._drain(final=False)
+            self.cursor = Cursor(item_number + 1, 0)
+
+    def run(self) -> Iterator[Any]:
+        """The stream's batches; the last item yielded carries its final state (``snapshot.done``)."""
+        if self.snapshot is not None:
+            if self.snapshot.done:
+                return  # delivered to its end before the checkpoint
+            self._restore(self.snapshot)
+            if self.cursor.item < len(self.items):  # else the final drain below yields them, flagging the last
+                yield from self._drain(final=False)
+        elif not self.items:
+            return  # more streams than shards: nothing to do, nothing to report
+        yield from self._read_all()
+        self._flush()
+        yield from self._drain(final=True)
+        if not self.final_delivered:
+            yield StreamEnd(self._meta([], [], done=True))
+
+
+def identity(x: Any) -> Any:
+    """The DataLoader's ``collate_fn``: the dataset yields whole batches."""
+    return x
+

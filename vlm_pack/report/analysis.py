@@ -1,0 +1,320 @@
+"""Analysis: :class:`LengthTable` -> per-capacity metrics, packed against the padded baseline."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from vlm_pack._version import __version__
+from vlm_pack.config import PackingConfig
+from vlm_pack.packing import PackResult, pack
+
+from .lengths import LengthTable
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The padded run to compare with, and how packed micro-batches are laid out.
+
+    ``target_samples_per_update`` defaults to ``batch_size * world_size * grad_accum``.
+    """
+
+    batch_size: int = 4
+    world_size: int = 1
+    grad_accum: int = 4
+    packs_per_device: int = 1
+    target_samples_per_update: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "world_size", "grad_accum", "packs_per_device"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        t = self.target_samples_per_update
+        if t is not None and (not isinstance(t, int) or t < 1):
+            raise ValueError(f"target_samples_per_update must be a positive integer, got {t!r}")
+
+    @property
+    def samples_per_update(self) -> int:
+        if self.target_samples_per_update is not None:
+            return self.target_samples_per_update
+        return self.batch_size * self.world_size * self.grad_accum
+
+
+def padded_batches(
+    lengths: np.ndarray, batch_size: int, *, order: str = "random", seed: int = 0
+) -> dict[str, Any]:
+    """Padding cost of micro-batches of ``batch_size`` samples, each padded to its longest (last one partial).
+
+    ``order``: ``"random"`` (a shuffled epoch) or ``"grouped"`` (HF ``group_by_length``: shuffled, then
+    mega-batches of ``50 * batch_size`` sorted longest first). Returns ``batches``, ``real_tokens``,
+    ``padded_tokens`` (tokens computed, padding included), ``waste`` (padding share of ``padded_tokens``) and
+    ``max_batch_tokens`` (the largest ``batch_size * longest``, what memory must hold).
+    """
+    lens = np.asarray(lengths, dtype=np.int64)
+    n = lens.size
+    if n == 0:
+        return dict(batches=0, real_tokens=0, padded_tokens=0, waste=0.0, max_batch_tokens=0)
+    perm = np.random.default_rng(seed).permutation(n)
+    x = lens[perm]
+    if order == "grouped":
+        mega = 50 * batch_size
+        pad = -n % mega
+        m = np.concatenate([x, np.full(pad, -1, np.int64)]).reshape(-1, mega)
+        m = -np.sort(-m, axis=1)  # longest first; -1 fillers sink to the end of the last mega-batch
+        x = m.reshape(-1)[: n + pad]
+        x = x[x >= 0]
+    elif order != "random":
+        raise ValueError(f"order must be 'random' or 'grouped', got {order!r}")
+    pad = -n % batch_size
+    rows = np.concatenate([x, np.zeros(pad, np.int64)]).reshape(-1, batch_size)
+    count = np.full(rows.shape[0], batch_size, np.int64)
+    count[-1] = batch_size - pad
+    padded = rows.max(axis=1) * count
+    real, total = int(lens.sum()), int(padded.sum())
+    return dict(
+        batches=int(rows.shape[0]),
+        real_tokens=real,
+        padded_tokens=total,
+        waste=1.0 - real / total,
+        max_batch_tokens=int(rows.max(axis=1).max() * batch_size),
+    )
+
+
+def _stats(a: np.ndarray) -> dict[str, float]:
+    if a.size == 0:
+        return dict(mean=0.0, p50=0.0, p95=0.0, max=0.0, min=0.0)
+    p50, p95 = np.percentile(a, [50, 95])
+    return dict(mean=float(a.mean()), p50=float(p50), p95=float(p95), max=float(a.max()), min=float(a.min()))
+
+
+def _grad_accum(target: int, per_micro: float) -> tuple[int, int]:
+    """``(recommended, smallest reaching target)`` grad-accum steps for ``per_micro`` samples per micro step.
+
+    Recommended: the one whose samples per update are closest to ``target`` (a tie goes to the larger, which
+    does not undershoot). ``13`` samples per micro step, target ``16``: recommended 1 (13 samples), smallest
+    reaching the target 2 (26 samples).
+    """
+    if per_micro <= 0:
+        return 0, 0
+    low = max(1, math.floor(target / per_micro))
+    high = max(1, math.ceil(target / per_micro))
+    closest = low if abs(low * per_micro - target) < abs(high * per_micro - target) else high
+    return closest, high
+
+
+def _grad_accum_metrics(
+    b: Baseline, per_micro: float, micro_padded: int, micro_packed: int
+) -> dict[str, Any]:
+    """The padded run's updates and the packed run's two grad-accum choices (see :func:`_grad_accum`)."""
+    target = b.samples_per_update
+    best, reach = _grad_accum(target, per_micro)
+    return {
+        "target_samples_per_update": target,
+        "padded": {
+            "batch_size": b.batch_size,
+            "world_size": b.world_size,
+            "grad_accum": b.grad_accum,
+            "samples_per_update": b.batch_size * b.world_size * b.grad_accum,
+            "optimizer_steps_per_epoch": math.ceil(micro_padded / b.grad_accum),
+        },
+        "packed": {
+            "packs_per_device": b.packs_per_device,
+            "world_size": b.world_size,
+            "grad_accum": best,  # samples per update closest to the target
+            "samples_per_update": per_micro * best,
+            "optimizer_steps_per_epoch": math.ceil(micro_packed / best) if best else 0,
+            "min_grad_accum_reaching_target": reach,  # never fewer samples per update than the target
+            "min_reaching_samples_per_update": per_micro * reach,
+        },
+    }
+
+
+def _pack_table(table: LengthTable, config: PackingConfig, strategy: str) -> PackResult:
+    """:func:`vlm_pack.packing.pack` with ``config``'s knobs, its vision budget counted as ``config.vision_cost``."""
+    vision = None
+    if config.vision_capacity is not None:
+        vision = table.num_images if config.vision_cost == "images" else table.num_patches
+    return pack(
+        table.lengths,
+        config.capacity,
+        strategy=strategy,
+        vision=vision,
+        vision_capacity=config.vision_capacity,
+        max_samples_per_bin=config.max_samples_per_bin,
+        oversized=config.oversized,
+    )
+
+
+def _analysis_config(
+    capacity: int,
+    config: PackingConfig | None,
+    oversized: str,
+    max_samples_per_pack: int | None,
+    max_images_per_pack: int | None,
+    max_patches_per_pack: int | None,
+) -> PackingConfig:
+    if config is not None:
+        config = config.replace(capacity=int(capacity))
+    else:
+        if max_images_per_pack is not None and max_patches_per_pack is not None:
+            raise ValueError("give at most one of max_images_per_pack and max_patches_per_pack")
+        images = max_images_per_pack is not None
+        config = PackingConfig(
+            capacity=int(capacity),
+            max_samples_per_bin=max_samples_per_pack,
+            vision_capacity=max_images_per_pack if images else max_patches_per_pack,
+            vision_cost="images" if images else "patches",
+            oversized=oversized,
+        )
+    if config.oversized not in ("skip", "truncate"):
+        raise ValueError(f"oversized must be 'skip' or 'truncate' for an analysis, got {config.oversized!r}")
+    return config
+
+
+def analyze_capacity(
+    table: LengthTable,
+    capacity: int,
+    *,
+    baseline: Baseline = Baseline(),
+    strategy: str = "bfd",
+    oversized: str = "skip",
+    max_samples_per_pack: int | None = None,
+    max_images_per_pack: int | None = None,
+    max_patches_per_pack: int | None = None,
+    seed: int = 0,
+    config: PackingConfig | None = None,
+) -> tuple[dict[str, Any], PackResult]:
+    """Pack ``table`` at ``capacity`` and compare with the padded ``baseline``.
+
+    ``config`` (a :class:`vlm_pack.config.PackingConfig`; its ``capacity`` is replaced by ``capacity``) gives
+    the packing knobs; without it they come from ``oversized`` and the ``max_*_per_pack`` arguments.
+    Samples longer than ``capacity`` are skipped (``oversized="skip"``) or counted at ``capacity``
+    (``"truncate"``, as a padded run with ``max_length=capacity`` would cut them); both are reported.
+    The padded baseline is the same at every capacity: a padded run has no capacity, so it batches every
+    sample of ``table`` at its full length, in one fixed random order (``seed``).
+    Returns ``(metrics, PackResult)``.
+    """
+    config = _analysis_config(
+        capacity, config, oversized, max_samples_per_pack, max_images_per_pack, max_patches_per_pack
+    )
+    capacity = config.capacity
+    lengths = table.lengths
+    if lengths.size and lengths.min() < 1:
+        i = int(np.argmin(lengths))
+        raise ValueError(f"sample {table.keys[i]!r} has length 0: nothing to train on; drop it.")
+    result = _pack_table(table, config, strategy)
+    kept = result.order
+    kept_lens = result.lengths[kept]
+    sizes = result.bin_sizes
+    b = baseline
+    padded = {
+        order: padded_batches(lengths, b.batch_size, order=order, seed=seed)
+        for order in ("random", "grouped")
+    }
+    n, nb = int(kept.size), result.num_bins
+    mean_spp = n / nb if nb else 0.0
+    per_micro = mean_spp * b.world_size * b.packs_per_device
+    micro_padded = math.ceil(lengths.size / (b.batch_size * b.world_size))
+    micro_packed = math.ceil(nb / (b.world_size * b.packs_per_device))
+    seg = lambda v: np.add.reduceat(v[kept], result.bin_offsets[:-1]) if nb else np.zeros(0, np.int64)  # noqa: E731
+    vision_kept = np.minimum(table.vision_tokens, result.lengths)  # a truncated sample keeps <= capacity
+    metrics: dict[str, Any] = {
+        "capacity": int(capacity),
+        "samples": int(table.lengths.size),
+        "packed_samples": n,
+        "oversized_skipped": [
+            {"key": table.keys[u.index], "source": table.sources[u.index], "reason": u.reason}
+            for u in result.unpacked
+        ],
+        "truncated": [
+            {"key": table.keys[i], "source": table.sources[i], "length": int(L)}
+            for i, L in result.truncated.items()
+        ],
+        "text_tokens": int(np.minimum(table.text_tokens[kept], kept_lens).sum()),
+        "vision_tokens": int(vision_kept[kept].sum()),
+        "tokens": int(kept_lens.sum()),
+        "padded": {
+            order: {**v, "micro_steps_per_epoch": micro_padded, "batch_size": b.batch_size}
+            for order, v in padded.items()
+        },
+        "packed": {
+            "strategy": strategy,
+            "bins": nb,
+            "lower_bound": result.lower_bound,
+            "efficiency": result.efficiency,
+            "waste": 1.0 - result.efficiency if nb else 0.0,
+            "padded_tokens": nb * int(capacity),
+            "samples_per_pack": _stats(sizes.astype(np.float64)),
+            "images_per_pack": _stats(seg(table.num_images).astype(np.float64)),
+            "vision_tokens_per_pack": _stats(seg(vision_kept).astype(np.float64)),
+            "micro_steps_per_epoch": micro_packed,
+        },
+        "grad_accum": _grad_accum_metrics(b, per_micro, micro_padded, micro_packed),
+    }
+    return metrics, result
+
+
+def analyze(
+    table: LengthTable,
+    capacities: Sequence[int],
+    *,
+    baseline: Baseline = Baseline(),
+    strategy: str = "bfd",
+    oversized: str = "skip",
+    max_samples_per_pack: int | None = None,
+    max_images_per_pack: int | None = None,
+    max_patches_per_pack: int | None = None,
+    seed: int = 0,
+    meta: dict[str, Any] | None = None,
+    config: PackingConfig | None = None,
+) -> tuple[dict[str, Any], list[PackResult]]:
+    """:func:`analyze_capacity` for each capacity, plus dataset statistics: ``(report, pack results)``.
+
+    ``config``: the packing knobs as one :class:`vlm_pack.config.PackingConfig` (its capacity is replaced by
+    each of ``capacities``), instead of ``oversized`` and the ``max_*_per_pack`` arguments.
+    """
+    if not capacities:
+        raise ValueError("give at least one capacity")
+    if len(table) == 0:
+        raise ValueError("no samples to analyze: the sources are empty (or every sample was invalid)")
+    per_cap, results = [], []
+    for cap in capacities:
+        m, r = analyze_capacity(
+            table,
+            int(cap),
+            baseline=baseline,
+            strategy=strategy,
+            oversized=oversized,
+            max_samples_per_pack=max_samples_per_pack,
+            max_images_per_pack=max_images_per_pack,
+            max_patches_per_pack=max_patches_per_pack,
+            seed=seed,
+            config=config,
+        )
+        per_cap.append(m)
+        results.append(r)
+    n_img = table.num_images
+    report = {
+        "vlm_pack_version": __version__,
+        **(meta or {}),
+        "baseline": asdict(baseline) | {"samples_per_update": baseline.samples_per_update},
+        "dataset": {
+            "samples": len(table),
+            "images": int(n_img.sum()),
+            "text_only_samples": int((n_img == 0).sum()),
+            "images_per_sample": {str(k): int(v) for k, v in zip(*np.unique(n_img, return_counts=True))},
+            "text_tokens": int(table.text_tokens.sum()),
+            "vision_tokens": int(table.vision_tokens.sum()),
+            "text_tokens_per_sample": _stats(table.text_tokens.astype(np.float64)),
+            "vision_tokens_per_sample": _stats(table.vision_tokens.astype(np.float64)),
+            "length_per_sample": _stats(table.lengths.astype(np.float64)),
+            "invalid": [{"key": k, "source": s, "reason": r} for k, s, r in table.invalid],
+        },
+        "capacities": per_cap,
+    }
+    return report, results

@@ -1,0 +1,176 @@
+"""Output of an analysis: the plain-text table, ``report.json`` / ``report.txt`` and the plots' files."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vlm_pack.config import PackingConfig
+from vlm_pack.packing import PackResult
+
+from .analysis import Baseline
+from .lengths import LengthTable
+from .plots import _pyplot, plot_efficiency, plot_lengths, plot_packs
+
+
+def _n(x: float) -> str:
+    # Exact below 100k (capacities, per-pack counts stay comparable digit for digit), k / M / G above.
+    x = float(x)
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e5)):
+        if abs(x) >= scale:
+            scale = 1e3 if unit == "k" else scale
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:,.0f}"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a plain-text table: one column per capacity."""
+    d, b, caps = report["dataset"], report["baseline"], report["capacities"]
+    t, v, L = d["text_tokens_per_sample"], d["vision_tokens_per_sample"], d["length_per_sample"]
+    lines = [
+        f"vlm-pack analyze: {d['samples']:,} samples ({d['images']:,} images, {d['text_only_samples']:,} text-only)"
+        + (f" | {report['family']}" if report.get("family") else "")
+        + (f" | {report['source']}" if report.get("source") else ""),
+        f"tokens per sample   text   mean {t['mean']:>7,.0f}  p50 {t['p50']:>7,.0f}  p95 {t['p95']:>7,.0f}  max {t['max']:>7,.0f}",
+        f"                    vision mean {v['mean']:>7,.0f}  p50 {v['p50']:>7,.0f}  p95 {v['p95']:>7,.0f}  max {v['max']:>7,.0f}",
+        f"                    total  mean {L['mean']:>7,.0f}  p50 {L['p50']:>7,.0f}  p95 {L['p95']:>7,.0f}  max {L['max']:>7,.0f}",
+    ]
+    if d["invalid"]:
+        lines.append(f"invalid samples skipped: {len(d['invalid'])} (listed in report.json)")
+    lines.append(
+        f"padded baseline: {b['batch_size']} samples/device x {b['world_size']} device(s) x grad-accum "
+        f"{b['grad_accum']}; target {b['samples_per_update']} samples per optimizer update"
+    )
+    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("samples packed", lambda c: f"{c['packed_samples']:,}"),
+        ("  oversized, skipped", lambda c: f"{len(c['oversized_skipped']):,}"),
+        ("  truncated to capacity", lambda c: f"{len(c['truncated']):,}"),
+        ("tokens text + vision", lambda c: f"{_n(c['text_tokens'])} + {_n(c['vision_tokens'])}"),
+        ("PADDED (same at every capacity)", lambda c: ""),
+        ("  micro-batches", lambda c: f"{c['padded']['random']['batches']:,}"),
+        ("  padding waste, random order", lambda c: f"{c['padded']['random']['waste']:.1%}"),
+        ("  padding waste, length-grouped", lambda c: f"{c['padded']['grouped']['waste']:.1%}"),
+        ("  tokens computed (random)", lambda c: _n(c["padded"]["random"]["padded_tokens"])),
+        ("  largest micro-batch, tokens", lambda c: _n(c["padded"]["random"]["max_batch_tokens"])),
+        ("PACKED: packs", lambda c: f"{c['packed']['bins']:,} (>= {c['packed']['lower_bound']:,})"),
+        ("  efficiency", lambda c: f"{c['packed']['efficiency']:.1%}"),
+        ("  padding waste", lambda c: f"{c['packed']['waste']:.1%}"),
+        ("  tokens computed", lambda c: _n(c["packed"]["padded_tokens"])),
+        (
+            "  largest micro-batch, tokens",
+            lambda c: _n(c["capacity"] * report["baseline"]["packs_per_device"]),
+        ),
+        (
+            "  samples/pack mean p50 p95",
+            lambda c: "{mean:.2f} {p50:.0f} {p95:.0f}".format(**c["packed"]["samples_per_pack"]),
+        ),
+        ("  images/pack mean max", lambda c: "{mean:.2f} {max:.0f}".format(**c["packed"]["images_per_pack"])),
+        (
+            "  vision tokens/pack mean max",
+            lambda c: "{} {}".format(
+                _n(c["packed"]["vision_tokens_per_pack"]["mean"]),
+                _n(c["packed"]["vision_tokens_per_pack"]["max"]),
+            ),
+        ),
+        (
+            "GRAD ACCUM packed, recommended (1)",
+            lambda c: (
+                f"{c['grad_accum']['packed']['grad_accum']} ({c['grad_accum']['packed']['samples_per_update']:.1f})"
+            ),
+        ),
+        (
+            "  smallest reaching target (2)",
+            lambda c: (
+                f"{c['grad_accum']['packed']['min_grad_accum_reaching_target']} "
+                f"({c['grad_accum']['packed']['min_reaching_samples_per_update']:.1f})"
+            ),
+        ),
+        (
+            "  optimizer steps/epoch pad->pack",
+            lambda c: (
+                f"{c['grad_accum']['padded']['optimizer_steps_per_epoch']:,} -> "
+                f"{c['grad_accum']['packed']['optimizer_steps_per_epoch']:,}"
+            ),
+        ),
+        (
+            "  micro steps/epoch pad->pack",
+            lambda c: (
+                f"{c['padded']['random']['micro_steps_per_epoch']:,} -> {c['packed']['micro_steps_per_epoch']:,}"
+            ),
+        ),
+    ]
+    head = ["capacity"] + [f"{c['capacity']:,}" for c in caps]
+    body = [[label] + [fmt(c) for c in caps] for label, fmt in rows]
+    w0 = max(len(r[0]) for r in [head, *body])
+    ws = [max(len(r[i]) for r in [head, *body]) for i in range(1, len(head))]
+    fmt_row = lambda r: "  ".join([r[0].ljust(w0)] + [x.rjust(w) for x, w in zip(r[1:], ws)])  # noqa: E731
+    lines += ["", fmt_row(head), "-" * (w0 + sum(w + 2 for w in ws))]
+    lines += [fmt_row(r) for r in body]
+    target = b["samples_per_update"]
+    lines += [
+        "",
+        f"grad-accum rows: micro steps per optimizer update (samples per update); target {target} samples.",
+        f"  (1) recommended: samples per update closest to {target}.",
+        f"  (2) the fewest steps that never give fewer than {target} samples per update.",
+        "padded columns repeat: a padded run has no capacity (every sample at full length, one random order).",
+    ]
+    return "\n".join(lines)
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.floating):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def write_report(
+    out_dir: str | os.PathLike[str],
+    report: dict[str, Any],
+    table: LengthTable,
+    results: Sequence[PackResult],
+    *,
+    baseline: Baseline | None = None,
+    strategy: str = "bfd",
+    plots: bool = True,
+    config: PackingConfig | None = None,
+) -> list[Path]:
+    """Write ``report.json``, ``report.txt`` and (with matplotlib) ``lengths.png``, ``efficiency.png`` and
+    ``packs.png`` (a few packs of every capacity that packed any sample) into ``out_dir``; return the paths.
+
+    Raises ``ValueError`` naming ``out_dir`` when it cannot be created or written.
+    """
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"report folder {str(out)!r} cannot be created: {e.strerror or e}.") from None
+    written = []
+    caps = [c["capacity"] for c in report["capacities"]]
+    if plots:
+        try:
+            _pyplot()
+        except ImportError:
+            plots = False
+            report = {**report, "plots_skipped": "matplotlib is not installed: pip install 'vlm-pack[plot]'"}
+    if plots:
+        plot_lengths(table, caps, out / "lengths.png")
+        plot_efficiency(
+            table, caps, baseline=baseline, strategy=strategy, path=out / "efficiency.png", config=config
+        )
+        written += [out / "lengths.png", out / "efficiency.png"]
+        if any(r.num_bins for r in results):  # one panel per capacity that packed anything
+            plot_packs(table, results, path=out / "packs.png")
+            written.append(out / "packs.png")
+        report = {**report, "plots": [p.name for p in written]}
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+    (out / "report.txt").write_text(format_report(report) + "\n")
+    return [out / "report.json", out / "report.txt", *written]
