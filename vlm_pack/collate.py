@@ -71,6 +71,7 @@ from .batch import (
 )
 from .positions import MRopeOptions, is_mrope_family, packed_position_ids
 from .remap import remap_cu_seqlens_padded
+from .vision_inputs import join_vision
 
 __all__ = [
     "HF_STYLES",
@@ -230,6 +231,8 @@ class PackingCollator:
         tps = tokens_per_second if tokens_per_second is not None else _attr(vision_cfg, "tokens_per_second")
         self.tokens_per_second = tps
         self.image_seq_length = _first_int(image_seq_length, _attr(config, "image_seq_length"))
+        # Gemma 3's sliding-window layers: its packed masks (batch.attention_masks) need the window.
+        self.sliding_window = _first_int(_attr(text_cfg, "sliding_window"), _attr(config, "sliding_window"))
         self.layout = layout
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pad_to_capacity = bool(pad_to_capacity)
@@ -416,7 +419,7 @@ class PackingCollator:
             flat_types = plan.scatter(
                 [s.types if s.types is not None else torch.zeros_like(s.ids) for s in ordered], 0
             )
-        vision = _concat_vision(ordered)
+        vision = join_vision([s.vision for s in ordered])
         tpi_parts = [s.tokens_per_image for s in ordered if s.tokens_per_image is not None]
         tokens_per_image = torch.cat(tpi_parts) if tpi_parts else None
         shape = (plan.num_rows, plan.row_length) if self.layout == "expanded" else (1, plan.total)
@@ -445,6 +448,7 @@ class PackingCollator:
             layout=self.layout,
             family=self.family,
             pad_to_multiple_of=self.pad_to_multiple_of,
+            sliding_window=self.sliding_window,
             mm_token_type_ids=flat_types.reshape(shape) if flat_types is not None else None,
             tokens_per_image=tokens_per_image,
             extra=_packed_extras(ordered, plan, shape),
@@ -737,41 +741,6 @@ def _num_images(vision: dict[str, torch.Tensor], tpi: torch.Tensor | None) -> in
         # LLaVA-1.5: [n, C, H, W]; a single [C, H, W] image is one.
         return int(pv.shape[0]) if pv.dim() == 4 else 1
     return 0
-
-
-def _cat_for_worker(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(parts, 0)``; inside a DataLoader worker, straight into shared memory.
-
-    The DataLoader moves a worker's batch to the main process through shared memory: concatenating into
-    it directly (as ``default_collate`` does) saves a second copy of ``pixel_values``, the largest tensor
-    of a batch.
-    """
-    if torch.utils.data.get_worker_info() is None or parts[0].device.type != "cpu":
-        return torch.cat(parts, 0)
-    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-    numel = math.prod(shape)
-    storage = parts[0]._typed_storage()._new_shared(numel, device=parts[0].device)
-    out = parts[0].new(storage).resize_(*shape)
-    return torch.cat(parts, 0, out=out)
-
-
-def _concat_vision(ordered: list[_Sample]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for k in VISION_KEYS:
-        parts = [s.vision[k] for s in ordered if k in s.vision]
-        if not parts:
-            continue
-        if k == "pixel_values" and parts[0].dim() == 3 and all(p.dim() == 3 for p in parts):
-            parts = [p[None] for p in parts]  # single [C, H, W] images
-        if k == "pixel_values" and any(p.dim() == 5 for p in parts):
-            # LLaVA-NeXT: [n, patches, C, H, W]; pad every image to the most patches (image_sizes slices).
-            most = max(p.shape[1] for p in parts)
-            parts = [F.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
-        try:
-            out[k] = _cat_for_worker(parts)
-        except RuntimeError as e:
-            raise ValueError(f"cannot concatenate the samples' {k!r} along dim 0: {e}") from None
-    return out
 
 
 def _rename_samples(message: str, order: list[int]) -> str:

@@ -60,6 +60,8 @@ MROPE_FAMILIES = {
     "qwen2_5_vl": "qwen2_5_vl",
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl",
+    # GLM-4.1V numbers images as Qwen2-VL and splits videos into one-frame grids as Qwen3-VL.
+    "glm4v": "qwen3_vl",
 }
 
 
