@@ -1,14 +1,16 @@
 """Benchmark vlm_pack.packing against seqpacker (Rust) and binpacking on the same data, same run.
 
-    .venv/bin/python benchmarks/bench_packing.py                      # 10k, 100k, 1M
-    .venv/bin/python benchmarks/bench_packing.py --sizes 10000 --repeats 20
-    .venv/bin/python benchmarks/bench_packing.py --install-seqpacker /tmp/seqpacker
+    python benchmarks/bench_packing.py                      # 10k, 100k, 1M (from the repository root)
+    python benchmarks/bench_packing.py --sizes 10000 --repeats 20
+    python benchmarks/bench_packing.py --install-seqpacker /tmp/seqpacker
 
-seqpacker 0.1.3 ships only a ``cp38`` manylinux wheel that is really an abi3 build; it is never a
+seqpacker 0.1.3 ships only a ``cp38`` manylinux wheel that is really an abi3 build (its extension
+uses only the stable ABI, so newer CPythons load it once it carries the abi3 name); it is never a
 dependency of vlm-pack. ``--install-seqpacker DIR`` downloads that wheel with pip, unpacks it into
-DIR and renames its extension to ``_core.abi3.so`` (see shared/REFERENCE.md section 5); the benchmark
-then imports it from DIR only (``--seqpacker-dir``, default /tmp/seqpacker). If it cannot be had,
-the benchmark says why and checks against our own exact per-item BFD instead.
+DIR and renames its extension to ``_core.abi3.so`` (``install_seqpacker`` below does exactly this);
+the benchmark then imports it from DIR only (``--seqpacker-dir``, default /tmp/seqpacker). If it
+cannot be had, the benchmark says why, leaves its columns as "-" and checks against our own exact
+per-item BFD instead.
 
 Distributions (seeded): uniform 1..2048 into 2048; lognormal (median 600, sigma 0.8, clipped)
 into 8192; a VLM mix (text 50-1500 tokens plus 0-3 images of 64-1280 vision tokens) into 16384.

@@ -16,12 +16,12 @@ from vlm_pack.packing import (
     PackResult,
     StreamPacker,
     Unpacked,
-    _bfd_histogram,
     balance_bins,
     bin_costs,
     pack,
     partition_imbalance,
 )
+from vlm_pack.packing.histogram import _bfd_histogram
 
 settings.register_profile(
     "packing", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -682,3 +682,89 @@ def test_balance_more_ranks_than_bins_and_one_rank():
     assert balance_bins([5, 3, 2], 1) == [[0, 1, 2]]
     with pytest.raises(ValueError, match="2 bins for 4 ranks"):
         balance_bins([5, 3], 4, equal_count=True)
+
+
+# ----------------------------------------------------------------------------- shared config and saved states
+
+# written by StreamPacker.state_dict() of the release before vlm_pack/packing/ became a package, after
+# add(("s", i), length, vision) for (40, 10), (130, 0), (30, 45), (20, 5), (70, 0) with the knobs below
+SAVED_BY_PREVIOUS_RELEASE = (
+    '{"version": 1, "config": {"capacity": 100, "buffer_size": 4, "min_fill_ratio": 0.9, "drop_last": true, '
+    '"vision_capacity": 50, "max_samples_per_bin": 3, "oversized": "truncate"}, "clock": 5, "open": '
+    '[{"keys": [["s", 0], ["s", 3]], "lengths": [40, 20], "visions": [10, 5], "mtime": 4}], "stats": '
+    '{"samples_seen": 5, "samples_emitted": 3, "bins_emitted": 2, "tokens_emitted": 200, "samples_dropped": 0, '
+    '"bins_dropped": 0, "tokens_dropped": 0, "skipped": [], "truncated": [[["s", 1], 130]]}, "dropped": []}'
+)
+SAVED_KNOBS = dict(
+    capacity=100,
+    buffer_size=4,
+    min_fill_ratio=0.9,
+    drop_last=True,
+    vision_capacity=50,
+    max_samples_per_bin=3,
+    oversized="truncate",
+)
+
+
+def _feed(sp):
+    out = []
+    for i, (length, vision) in enumerate([(40, 10), (130, 0), (30, 45), (20, 5), (70, 0)]):
+        out += sp.add(("s", i), length, vision)
+    return out
+
+
+def test_stream_state_of_the_previous_release_loads_and_keeps_its_format():
+    saved = json.loads(SAVED_BY_PREVIOUS_RELEASE)
+    sp = StreamPacker(**SAVED_KNOBS)
+    sp.load_state_dict(saved)
+    assert json.loads(json.dumps(sp.state_dict())) == saved  # same JSON format, nothing lost
+    assert [b.keys for b in sp.open_bins()] == [[("s", 0), ("s", 3)]]
+    assert sp.stats.truncated == [(("s", 1), 130)]
+    # the open bin holds 60 < ceil(0.9 * 100) tokens: drop_last drops it and reports it
+    assert sp.flush() == []
+    assert [(b.keys, b.lengths, b.visions) for b in sp.dropped] == [([("s", 0), ("s", 3)], [40, 20], [10, 5])]
+    assert (sp.stats.samples_dropped, sp.stats.bins_dropped, sp.stats.tokens_dropped) == (2, 1, 60)
+    # and today's packer, fed the same samples, writes exactly that state
+    fresh = StreamPacker(**SAVED_KNOBS)
+    emitted = _feed(fresh)
+    assert [(b.keys, b.lengths) for b in emitted] == [([("s", 1)], [100]), ([("s", 2), ("s", 4)], [30, 70])]
+    assert json.loads(json.dumps(fresh.state_dict())) == saved
+
+
+def test_stream_packer_from_packing_config():
+    from vlm_pack.config import PackingConfig
+
+    cfg = PackingConfig(**SAVED_KNOBS, shuffle_seed=3, pad_to_multiple_of=4)  # streaming knobs are ignored
+    sp = StreamPacker.from_config(cfg)
+    assert [getattr(sp, name) for name in SAVED_KNOBS] == list(SAVED_KNOBS.values())
+    assert sp.config == PackingConfig(**SAVED_KNOBS)
+    assert _feed(sp) == _feed(StreamPacker(**SAVED_KNOBS))
+    with pytest.raises(TypeError, match="PackingConfig"):
+        StreamPacker.from_config(SAVED_KNOBS)
+
+
+def test_stream_truncate_clips_and_reports():
+    sp = StreamPacker(100, oversized="truncate")
+    (only,) = sp.add("long", 130)
+    assert (only.keys, only.lengths, only.total) == (["long"], [100], 100)
+    assert sp.stats.truncated == [("long", 130)]
+
+
+@pytest.mark.parametrize(
+    ("knobs", "pattern"),
+    [
+        ({"capacity": 0}, "capacity must be a positive integer"),
+        ({"capacity": 100, "buffer_size": 0}, "buffer_size"),
+        ({"capacity": 100, "min_fill_ratio": 1.5}, r"min_fill_ratio must be a float in \(0, 1\]"),
+        ({"capacity": 100, "oversized": "clip"}, "oversized must be one of"),
+        ({"capacity": 100, "max_samples_per_bin": -1}, "max_samples_per_bin"),
+        ({"capacity": 100, "vision_capacity": 2.5}, "vision_capacity"),
+    ],
+)
+def test_stream_knobs_are_validated_like_the_config(knobs, pattern):
+    from vlm_pack.config import PackingConfig
+
+    with pytest.raises(ValueError, match=pattern):
+        StreamPacker(**knobs)
+    with pytest.raises(ValueError, match=pattern):
+        PackingConfig(**knobs)

@@ -48,7 +48,8 @@ class PackingConfig:
         max_samples_per_bin: at most this many samples per pack (None: no cap).
         vision_capacity: at most this much vision cost per pack (None: no cap); see ``vision_cost``.
         vision_cost: what ``vision_capacity`` counts: ViT "patches" or "images".
-        oversized: a sample longer than ``capacity``: "raise", "skip" (reported) or "truncate" (offline only).
+        oversized: a sample longer than ``capacity``: "raise", "skip" (reported) or "truncate" (clipped and
+            reported by ``pack`` and ``StreamPacker``; ``PackedWebDataset`` refuses it: it cannot cut a sample).
         pad_to_multiple_of: each sample is padded to this multiple (context parallelism: ``pad_multiple_for``).
     Streaming:
         shuffle_seed: shuffle shards and samples with this seed per epoch (None: keep the order).
