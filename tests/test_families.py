@@ -325,3 +325,33 @@ def test_collapsed_layout_expands_to_the_expanded_batch(family):
 def test_collapsed_layout_is_refused_where_images_interleave_with_markers(family):
     with pytest.raises(ValueError, match="layout='expanded'"):
         process_sample(list(_images(0)), _conversation(0, 2), processor=_processor(family), layout="collapsed")
+
+
+# ------------------------------------------------------------------------------ joining, errors
+
+
+def test_join_vision_shapes_by_hand():
+    from vlm_pack.vision_inputs import join_vision
+
+    a, b = torch.ones(1, 3, 2, 4), 2 * torch.ones(2, 3, 4, 2)  # Pixtral: each sample padded to its own max
+    got = join_vision([{"pixel_values": a, "image_sizes": torch.tensor([[2, 4]])}, {"pixel_values": b}])
+    want = torch.zeros(3, 3, 4, 4)
+    want[0, :, :2, :] = 1
+    want[1:, :, :, :2] = 2
+    assert torch.equal(got["pixel_values"], want) and got["image_sizes"].tolist() == [[2, 4]]
+    # Idefics3 / SmolVLM: crops of all samples along dim 1, masks alike
+    crops = [torch.ones(1, n, 3, 5, 5) for n in (2, 3)]
+    masks = [torch.ones(1, n, 5, 5, dtype=torch.long) for n in (2, 3)]
+    got = join_vision([{"pixel_values": c, "pixel_attention_mask": m} for c, m in zip(crops, masks)])
+    assert got["pixel_values"].shape == (1, 5, 3, 5, 5) and got["pixel_attention_mask"].shape == (1, 5, 5, 5)
+    # OneVision: tiles zero-padded to the most, batch_num_images kept per sample
+    tiles = [torch.ones(1, 3, 3, 2, 2), torch.ones(2, 1, 3, 2, 2)]
+    got = join_vision([{"pixel_values": t, "batch_num_images": torch.tensor([len(t)])} for t in tiles])
+    assert got["pixel_values"].shape == (3, 3, 3, 2, 2) and got["batch_num_images"].tolist() == [1, 2]
+    assert got["pixel_values"][1:, 1:].abs().sum() == 0
+
+
+def test_gemma3_collator_needs_the_sliding_window():
+    with pytest.raises(ValueError, match="sliding_window"):
+        PackingCollator(64, tokenizer=_processor("gemma3").tokenizer)
+    assert PackingCollator(64, tokenizer=_processor("gemma3").tokenizer, sliding_window=8).sliding_window == 8

@@ -12,7 +12,8 @@ the sample boundaries, a batch tells which samples it holds and in what order::
 
 - ``"sdpa"`` / ``"eager"``: HF ``input_ids``, ``labels``, ``position_ids``, vision tensors,
   ``use_cache=False`` and NO ``attention_mask`` (transformers then derives the block-diagonal mask from
-  the position restarts);
+  the position restarts), except for Gemma 3: ``token_type_ids`` and a dict of per-layer-type masks
+  (``masks.py``), since transformers' own packed mask is wrong in its sliding-window layers;
 - ``"flash_attention_2"``: the rows flattened to ``[1, R*T]`` plus ``cu_seq_lens_q/k`` (=
   ``cu_seqlens_padded``) and ``max_length_q/k``: the names transformers' flash path reads (never
   ``cu_seqlens``, which would reach the vision tower);
