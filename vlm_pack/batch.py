@@ -116,10 +116,13 @@ class PackedBatch:
     - ``seq_lens`` ``[N]``, ``cu_seqlens`` / ``cu_seqlens_padded`` ``[N + 1]``: int32, in the layout's own
       space; the ``*_expanded`` ones always in expanded space (the same tensors in the expanded layout).
     - ``sample_index`` ``[N]``: the input index of each packed sample; ``row_of_sample`` ``[N]``: its row.
-    - vision tensors in packed order; ``mm_token_type_ids`` shaped like ``input_ids``;
-      ``tokens_per_image`` ``[num_images]`` embeddings per image.
+    - vision tensors in packed order, joined as the family's model reads them (``vision_inputs.py``:
+      ``pixel_values``, Idefics3's ``pixel_attention_mask``, ``image_sizes``, OneVision's per-sample
+      ``batch_num_images`` ...); ``mm_token_type_ids`` shaped like ``input_ids``; ``tokens_per_image``
+      ``[num_images]`` embeddings per image; ``sliding_window``: the text config's (Gemma 3's masks).
     - ``extra``: other per-sample tensors (concatenated along dim 0, or packed like ``input_ids`` when
-      they have one entry per token); ``metadata``: non-tensor values (e.g. ``__key__``) in packed order.
+      they have one entry per token, e.g. Gemma 3's ``token_type_ids``); ``metadata``: non-tensor values
+      (e.g. ``__key__``) in packed order.
     """
 
     input_ids: torch.Tensor
