@@ -191,7 +191,9 @@ _CONTROLS = [(f, "positions", _positions_as_one_sequence) for f in FAMILIES if f
 _CONTROLS += [("gemma3", "hf-packed-mask", _hf_packed_path), ("glm4v", "3-row-mrope", _three_row_mrope)]
 
 
-@pytest.mark.parametrize(("family", "mistake", "forward"), _CONTROLS, ids=[f"{f}-{m}" for f, m, _ in _CONTROLS])
+@pytest.mark.parametrize(
+    ("family", "mistake", "forward"), _CONTROLS, ids=[f"{f}-{m}" for f, m, _ in _CONTROLS]
+)
 def test_negative_controls_fail(family, mistake, forward):
     report = _check(family, "sdpa", packed_forward=forward)
     assert not report.passed and report.metric > WRONG, str(report)
@@ -290,7 +292,7 @@ def test_glm4v_positions_are_the_models_get_rope_index_per_sample():
     grids = iter(batch.image_grid_thw)
     for slot, k in enumerate(batch.sample_index.tolist()):
         s = samples[k]
-        grid = torch.stack([next(grids) for _ in range(len(s["tokens_per_image"]))]) if len(SIZES[k]) else None
+        grid = torch.stack([next(grids) for _ in SIZES[k]]) if SIZES[k] else None
         rope, _ = model.model.get_rope_index(
             s["input_ids"][None], mm_token_type_ids=s["mm_token_type_ids"][None], image_grid_thw=grid
         )
@@ -324,7 +326,9 @@ def test_collapsed_layout_expands_to_the_expanded_batch(family):
 @pytest.mark.parametrize("family", ["idefics3", "smolvlm", "mistral3"])
 def test_collapsed_layout_is_refused_where_images_interleave_with_markers(family):
     with pytest.raises(ValueError, match="layout='expanded'"):
-        process_sample(list(_images(0)), _conversation(0, 2), processor=_processor(family), layout="collapsed")
+        process_sample(
+            list(_images(0)), _conversation(0, 2), processor=_processor(family), layout="collapsed"
+        )
 
 
 # ------------------------------------------------------------------------------ joining, errors

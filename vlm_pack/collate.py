@@ -157,14 +157,14 @@ class PackingCollator:
         capacity: tokens per row, counted in *expanded* length (what the language model runs on).
         family: model type (``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"``, ``"glm4v"``, ``"llava"``,
             ``"llava_next"``, ``"llava_onevision"``, ``"internvl"``, ``"idefics3"``, ``"smolvlm"``,
-            ``"gemma3"``, ``"mistral3"``): Qwen-VL and GLM-4.1V get 4-row mRoPE position ids. Defaults to ``config.model_type`` or the
-            tokenizer's ``vlm_pack_family``; without any, 1-D position ids.
+            ``"gemma3"``, ``"mistral3"``): Qwen-VL and GLM-4.1V get 4-row mRoPE position ids. Defaults
+            to ``config.model_type`` or the tokenizer's ``vlm_pack_family``; without any, 1-D position ids.
         tokenizer: a tokenizer or processor; ids not given explicitly are read from it.
         config: the model config; ids, ``spatial_merge_size``, ``tokens_per_second`` and LLaVA's
             ``image_seq_length`` not given explicitly are read from it (preferred over the tokenizer).
         image_token_id, video_token_id, vision_start_token_id, pad_token_id, spatial_merge_size,
-            tokens_per_second, image_seq_length, sliding_window: explicit values (``sliding_window``: Gemma 3's
-            text config value, which its packed masks need).
+            tokens_per_second, image_seq_length, sliding_window: explicit values (``sliding_window``:
+            Gemma 3's text config value, which its packed masks need).
         layout: ``"expanded"`` (samples hold one token per vision embedding, as HF processors make them) or
             ``"collapsed"`` (one placeholder per image; each sample gives ``tokens_per_image``, or
             ``image_grid_thw`` (Qwen) / ``image_seq_length`` (LLaVA-1.5) let the collator count).
@@ -301,7 +301,8 @@ class PackingCollator:
         if not self.mrope and ("image_grid_thw" in vision or "video_grid_thw" in vision):
             raise ValueError(
                 f"{name} has image_grid_thw/video_grid_thw (a Qwen-VL sample) but the collator's family is "
-                f"{self.family!r}: pass config=model.config or family='qwen2_vl' / 'qwen2_5_vl' / 'qwen3_vl' / 'glm4v'; "
+                f"{self.family!r}: pass config=model.config or family='qwen2_vl' / 'qwen2_5_vl' / 'qwen3_vl' "
+                "/ 'glm4v'; "
                 "without the 4-row mRoPE position_ids the packed samples would attend to each other"
             )
         tpi, n_images = self._image_counts(name, sample, vision)
@@ -434,7 +435,7 @@ class PackingCollator:
             flat_types = plan.scatter(
                 [s.types if s.types is not None else torch.zeros_like(s.ids) for s in ordered], 0
             )
-        vision = join_vision([s.vision for s in ordered])
+        vision = _concat_vision(ordered)
         tpi_parts = [s.tokens_per_image for s in ordered if s.tokens_per_image is not None]
         tokens_per_image = torch.cat(tpi_parts) if tpi_parts else None
         shape = (plan.num_rows, plan.row_length) if self.layout == "expanded" else (1, plan.total)
@@ -756,6 +757,11 @@ def _num_images(vision: dict[str, torch.Tensor], tpi: torch.Tensor | None) -> in
         # LLaVA-1.5: [n, C, H, W]; a single [C, H, W] image is one.
         return int(pv.shape[0]) if pv.dim() == 4 else 1
     return 0
+
+
+def _concat_vision(ordered: list[_Sample]) -> dict[str, torch.Tensor]:
+    """The samples' vision tensors joined in packed order as the model reads them (``vision_inputs``)."""
+    return join_vision([s.vision for s in ordered])
 
 
 def _rename_samples(message: str, order: list[int]) -> str:

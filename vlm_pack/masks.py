@@ -79,4 +79,6 @@ def gemma3_attention_masks(
     if dtype is None:
         return masks
     low = torch.finfo(dtype).min
-    return {k: torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, low) for k, m in masks.items()}
+    return {
+        k: torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, low) for k, m in masks.items()
+    }

@@ -4,16 +4,16 @@ Every HF VLM scatters its image features into the image tokens of ``input_ids`` 
 row, left to right), so the images of a packed batch only have to come in packed order. What differs is
 the *shape* each model wants the images of several samples in::
 
-    family                       per sample (processor)                 joined (N samples)
-    Qwen2/2.5/3-VL, GLM-4.1V     pixel_values [P_i, D], grid [n_i, 3]    cat dim 0
-    LLaVA-1.5, InternVL, Gemma 3 pixel_values [n_i, C, H, W]             cat dim 0 (InternVL: tiles)
-    LLaVA-NeXT, OneVision        pixel_values [n_i, tiles_i, C, H, W]    zero-pad dim 1 to max tiles, cat dim 0
-                                 image_sizes [n_i, 2]                    cat dim 0 (the model slices the tiles)
-                                 batch_num_images [1] (OneVision)        cat: one entry per *sample*
-    Idefics3, SmolVLM            pixel_values [1, N_i, C, H, W]          cat dim 1: [1, sum N_i, C, H, W]
-                                 pixel_attention_mask [1, N_i, H, W]     cat dim 1: [1, sum N_i, H, W]
-    Mistral3 / Pixtral tower     pixel_values [n_i, C, H_i, W_i]         zero-pad H, W to the max, cat dim 0
-                                 image_sizes [n_i, 2]                    cat dim 0 (the tower crops each image)
+    family                       per sample (processor)               joined (N samples)
+    Qwen2/2.5/3-VL, GLM-4.1V     pixel_values [P_i, D], grid [n_i, 3]  cat dim 0
+    LLaVA-1.5, InternVL, Gemma 3 pixel_values [n_i, C, H, W]           cat dim 0 (InternVL: tiles)
+    LLaVA-NeXT, OneVision        pixel_values [n_i, tiles_i, C, H, W]  zero-pad dim 1 to most tiles, cat dim 0
+                                 image_sizes [n_i, 2]                  cat dim 0 (the model slices the tiles)
+                                 batch_num_images [1] (OneVision)      cat: one entry per *sample*
+    Idefics3, SmolVLM            pixel_values [1, N_i, C, H, W]        cat dim 1: [1, sum N_i, C, H, W]
+                                 pixel_attention_mask [1, N_i, H, W]   cat dim 1: [1, sum N_i, H, W]
+    Mistral3 / Pixtral tower     pixel_values [n_i, C, H_i, W_i]       zero-pad H, W to the max, cat dim 0
+                                 image_sizes [n_i, 2]                  cat dim 0 (the tower crops each image)
 
 OneVision's ``batch_num_images`` must stay per sample: one sample with several images skips the anyres
 tiling of each image, a sample with one image keeps it. Summing a row into one entry switches every image
