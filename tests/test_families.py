@@ -215,7 +215,7 @@ def test_onevision_row_wide_batch_num_images_breaks_the_token_counts():
     kwargs = collator(list(samples)).model_inputs("sdpa")
     assert kwargs["batch_num_images"].tolist() == [2, 1]  # per sample (the text-only one has none)
     kwargs["batch_num_images"] = kwargs["batch_num_images"].sum().reshape(1)
-    with pytest.raises(ValueError, match="do not match"), torch.no_grad():
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"), torch.no_grad():
         _model("llava_onevision", "sdpa")(**kwargs)
 
 
