@@ -214,10 +214,16 @@ class PackedBatch:
         """
         if self.family not in TWO_WAY_IMAGE_FAMILIES:
             return None
-        types = self.extra.get("token_type_ids")
-        if types is None:
-            types = torch.zeros_like(self.input_ids)  # text only: plain causal per sample
-        return gemma3_attention_masks(types, self.cu_seqlens_padded, self.sliding_window, dtype=dtype)
+        # Built once per dtype: batch[name] and `in` go through model_inputs, and the masks are O(T^2).
+        cache = self.__dict__.setdefault("_attention_masks", {})
+        if dtype not in cache:
+            types = self.extra.get("token_type_ids")
+            if types is None:
+                types = torch.zeros_like(self.input_ids)  # text only: plain causal per sample
+            cache[dtype] = gemma3_attention_masks(
+                types, self.cu_seqlens_padded, self.sliding_window, dtype=dtype
+            )
+        return cache[dtype]
 
     def model_inputs(self, style: str = "sdpa", *, mask_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """Keyword arguments for one forward call; ``style`` is one of :data:`STYLES`.
