@@ -528,6 +528,10 @@ def test_stream_errors_name_the_key():
         sp.add("img7", 0)
     with pytest.raises(TypeError, match=r"sample 'x'.*2.5"):
         sp.add("x", 2.5)
+    with pytest.raises(TypeError, match=r"sample 'b'.*True \(bool\)"):  # a bool is a bug, not one token
+        sp.add("b", True)
+    with pytest.raises(ValueError, match=r"sample 'v'.*vision cost -1 is negative"):
+        StreamPacker(100, vision_capacity=8).add("v", 5, vision=-1)
     with pytest.raises(ValueError, match=r"sample 'y' has expanded length 101 > capacity 100.*'truncate'"):
         sp.add("y", 101)
     with pytest.raises(ValueError, match="no vision_capacity"):

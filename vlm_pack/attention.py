@@ -188,6 +188,18 @@ def _compiled_flex() -> Callable:
     return torch.compile(flex_attention)
 
 
+def _flash_kernel_refuses(kernel: str, dtype: torch.dtype | None, head_dim: int | None) -> str | None:
+    """Why FlashAttention kernels (flash-attn's and torch's) refuse this dtype / head_dim, or None.
+
+    They take fp16/bf16 only, with head_dim <= 256 and a multiple of 8; ``None`` (not given) passes.
+    """
+    if dtype is not None and dtype not in _HALF:
+        return f"{kernel} needs fp16/bf16, got {dtype}"
+    if head_dim is not None and (head_dim > 256 or head_dim % 8 != 0):
+        return f"{kernel} needs head_dim <= 256 and a multiple of 8, got {head_dim}"
+    return None
+
+
 def backend_unavailable_reason(
     backend: str,
     device: torch.device | str,
@@ -199,18 +211,12 @@ def backend_unavailable_reason(
     device = torch.device(device)
     if backend not in BACKENDS:
         return f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} or 'auto'"
-    half_ok = dtype is None or dtype in _HALF
-    dim_ok = head_dim is None or (head_dim <= 256 and head_dim % 8 == 0)
     if backend == "flash_attn":
         if _flash_attn_varlen_func() is None:
             return "flash-attn is not installed (pip install flash-attn --no-build-isolation; needs CUDA)"
         if device.type != "cuda":
             return f"flash-attn runs on CUDA only, tensors are on {device.type}"
-        if not half_ok:
-            return f"flash-attn needs fp16/bf16, got {dtype}"
-        if not dim_ok:
-            return f"flash-attn needs head_dim <= 256 and a multiple of 8, got {head_dim}"
-        return None
+        return _flash_kernel_refuses("flash-attn", dtype, head_dim)
     if backend == "torch_varlen":
         if _torch_varlen_attn() is None:
             return f"torch {torch.__version__} has no torch.nn.attention.varlen (added in torch 2.10)"
@@ -220,11 +226,7 @@ def backend_unavailable_reason(
             return "this torch build has no FlashAttention kernels"
         if torch.cuda.get_device_capability(device) < (8, 0):
             return "torch varlen_attn needs an sm80+ GPU"
-        if not half_ok:
-            return f"torch varlen_attn needs fp16/bf16, got {dtype}"
-        if not dim_ok:
-            return f"torch varlen_attn needs head_dim <= 256 and a multiple of 8, got {head_dim}"
-        return None
+        return _flash_kernel_refuses("torch varlen_attn", dtype, head_dim)
     if backend == "flex":
         if _flex() is None:
             return f"torch {torch.__version__} has no FlexAttention"

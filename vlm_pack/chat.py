@@ -337,7 +337,7 @@ class _Turns:
             f"sample {self.key!r}: the chat template renders the turns before message {i} differently once "
             "later turns are added (render(messages[:i]) is not a prefix of render(messages[:i+1])), so the "
             "assistant spans cannot be located. Pass template= (a chat template that renders earlier turns "
-            "unchanged, e.g. one with {% generation %} blocks) or fix the template."
+            "unchanged) or fix the template."
         )
 
 

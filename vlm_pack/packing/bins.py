@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -265,46 +265,24 @@ def _segment_sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return np.add.reduceat(values, offsets[:-1]).astype(np.int64, copy=False)
 
 
+@dataclass(slots=True, repr=False)
 class PackedBin:
     """One bin from a :class:`StreamPacker`: the samples' keys and lengths in placement order, and totals.
 
     ``visions`` / ``vision_total`` are the per-sample vision costs and their sum when the packer has
-    a ``vision_capacity`` (else None / 0).
+    a ``vision_capacity`` (else None / 0). Two bins are equal when they hold the same samples and totals.
     """
 
-    __slots__ = ("_mtime", "keys", "lengths", "total", "vision_total", "visions")
-
-    def __init__(
-        self,
-        keys: list[Any],
-        lengths: list[int],
-        total: int,
-        visions: list[int] | None = None,
-        vision_total: int = 0,
-        _mtime: int = 0,
-    ) -> None:
-        self.keys = keys
-        self.lengths = lengths
-        self.total = total
-        self.visions = visions
-        self.vision_total = vision_total
-        self._mtime = _mtime  # clock of the last placement (best-fit tie-break while open)
+    keys: list[Any]
+    lengths: list[int]
+    total: int
+    visions: list[int] | None = None
+    vision_total: int = 0
+    # clock of the last placement (best-fit tie-break while open): bookkeeping, not part of the bin
+    _mtime: int = field(default=0, compare=False)
 
     def __len__(self) -> int:
         return len(self.keys)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, PackedBin):
-            return NotImplemented
-        return (self.keys, self.lengths, self.total, self.visions, self.vision_total) == (
-            other.keys,
-            other.lengths,
-            other.total,
-            other.visions,
-            other.vision_total,
-        )
-
-    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         v = "" if self.visions is None else f", visions={self.visions}, vision_total={self.vision_total}"

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import bisect
 import gc
-import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
+from .._checks import checked_count
 from ..config import PackingConfig
 from .bins import PackedBin, Unpacked, _oversize_message, _vision_oversize_message
 
 _MT_BITS = 40  # low bits of an index key hold (~mtime) so equal free space sorts most-recent first
 _MT_MASK = (1 << _MT_BITS) - 1
+_LENGTH_FIX = "lengths must be positive expanded token counts. Filter such samples out before packing."
+_VISION_FIX = "vision costs must be non-negative integers (ViT patches or images)."
 # the PackingConfig fields a StreamPacker uses, in the order of its state_dict's "config"
 _PACKER_KNOBS = (
     "capacity",
@@ -97,12 +99,13 @@ class StreamPacker:
         max_samples_per_bin: int | None = None,
         oversized: str = "raise",
     ) -> None:
-        # PackingConfig is the one place that validates these knobs (same names, same messages)
+        # PackingConfig is the one place that validates these knobs (same names, same messages); its
+        # leading fields are this signature's positional ones
         config = PackingConfig(
-            capacity=capacity,
-            buffer_size=buffer_size,
-            min_fill_ratio=min_fill_ratio,
-            drop_last=drop_last,
+            capacity,
+            buffer_size,
+            min_fill_ratio,
+            drop_last,
             vision_capacity=vision_capacity,
             max_samples_per_bin=max_samples_per_bin,
             oversized=oversized,
@@ -157,21 +160,10 @@ class StreamPacker:
     # -- core
     def _validate(self, key: Any, length: Any, vision: Any) -> tuple[int, int] | None:
         """(length, vision) to place, or None if the sample is skipped (and reported)."""
-        if type(length) is not int:
-            if isinstance(length, bool | np.bool_) or not isinstance(length, numbers.Integral):
-                raise TypeError(f"sample {key!r}: length {length!r} ({type(length).__name__}) is not an int")
-            length = int(length)
-        if length <= 0:
-            raise ValueError(
-                f"sample {key!r}: length {length} is {'zero' if length == 0 else 'negative'}; lengths "
-                "must be positive expanded token counts. Filter such samples out before packing."
-            )
-        if type(vision) is not int:
-            if isinstance(vision, bool | np.bool_) or not isinstance(vision, numbers.Integral):
-                raise TypeError(f"sample {key!r}: vision {vision!r} ({type(vision).__name__}) is not an int")
-            vision = int(vision)
-        if vision < 0:
-            raise ValueError(f"sample {key!r}: vision cost {vision} is negative")
+        if type(length) is not int or length <= 0:  # the common case costs two tests
+            length = checked_count(length, f"sample {key!r}: length", _LENGTH_FIX)
+        if type(vision) is not int or vision < 0:
+            vision = checked_count(vision, f"sample {key!r}: vision cost", _VISION_FIX, allow_zero=True)
         if vision and self.vision_capacity is None:
             raise ValueError(
                 f"sample {key!r}: vision cost {vision} given but the packer has no vision_capacity; "

@@ -16,8 +16,31 @@ from typing import Any, ClassVar
 from .spec import VisionSpec, _check_size
 
 
+def _drop_cls(features: int, vision_feature_select_strategy: str) -> int:
+    """Features the language model sees: the "default" strategy drops the CLS feature."""
+    return features - 1 if vision_feature_select_strategy == "default" else features
+
+
 @dataclass(frozen=True)
-class LlavaSpec(VisionSpec):
+class _LlavaCrop(VisionSpec):
+    """The CLIP crop LLaVA-1.5 and LLaVA-NeXT share: ``crop_height x crop_width`` px in ``patch_size`` px
+    patches, plus ``num_additional_image_tokens`` (CLS) features per crop."""
+
+    crop_height: int = 336
+    crop_width: int = 336
+    patch_size: int = 14
+    num_additional_image_tokens: int = 1
+    vision_feature_select_strategy: str = "default"
+    wrapper_tokens: int = 0
+
+    @property
+    def crop_patches(self) -> int:
+        """Patch features of one crop: ``(crop_height // patch_size) * (crop_width // patch_size)``."""
+        return (self.crop_height // self.patch_size) * (self.crop_width // self.patch_size)
+
+
+@dataclass(frozen=True)
+class LlavaSpec(_LlavaCrop):
     """LLaVA-1.5: every image is resized and center-cropped to ``crop_size``: a fixed token count.
 
     ``(crop_h // patch) * (crop_w // patch) + num_additional_image_tokens``, minus one when
@@ -27,22 +50,14 @@ class LlavaSpec(VisionSpec):
 
     family: ClassVar[str] = "llava"
 
-    crop_height: int = 336
-    crop_width: int = 336
-    patch_size: int = 14
-    num_additional_image_tokens: int = 1
-    vision_feature_select_strategy: str = "default"
-    wrapper_tokens: int = 0
-
     def num_tokens(self, width: int, height: int) -> int:
         _check_size(self.family, width, height)
-        n = (self.crop_height // self.patch_size) * (self.crop_width // self.patch_size)
-        n += self.num_additional_image_tokens
-        return n - 1 if self.vision_feature_select_strategy == "default" else n
+        features = self.crop_patches + self.num_additional_image_tokens
+        return _drop_cls(features, self.vision_feature_select_strategy)
 
     def num_patches(self, width: int, height: int) -> int:
         _check_size(self.family, width, height)
-        return (self.crop_height // self.patch_size) * (self.crop_width // self.patch_size)
+        return self.crop_patches
 
     def tiles(self, width: int, height: int) -> int:
         _check_size(self.family, width, height)
@@ -114,8 +129,9 @@ _LLAVA_NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 
 _ONEVISION_PINPOINTS = tuple((h, w) for h in range(384, 2305, 384) for w in range(384, 2305, 384))
 
 
+@dataclass(frozen=True)
 class _AnyresSpec(VisionSpec):
-    """Pinpoint selection NeXT and OneVision share; subclasses are dataclasses with these fields."""
+    """Pinpoint selection NeXT and OneVision share (``image_grid_pinpoints`` is their first field)."""
 
     image_grid_pinpoints: tuple[tuple[int, int], ...]
 
@@ -131,8 +147,9 @@ class _AnyresSpec(VisionSpec):
         return w, h
 
 
+# Dataclass fields follow the reversed MRO: _AnyresSpec's pinpoints first, then the crop's fields.
 @dataclass(frozen=True)
-class LlavaNextSpec(_AnyresSpec):
+class LlavaNextSpec(_LlavaCrop, _AnyresSpec):
     """LLaVA-NeXT / 1.6 (anyres): base image + the best pinpoint's tiles, unpadded, with image newlines.
 
     ``tokens = unpadded_h * unpadded_w + unpadded_h (newlines) + base`` where the pinpoint
@@ -144,12 +161,6 @@ class LlavaNextSpec(_AnyresSpec):
     family: ClassVar[str] = "llava_next"
 
     image_grid_pinpoints: tuple[tuple[int, int], ...] = _LLAVA_NEXT_PINPOINTS
-    crop_height: int = 336
-    crop_width: int = 336
-    patch_size: int = 14
-    num_additional_image_tokens: int = 1
-    vision_feature_select_strategy: str = "default"
-    wrapper_tokens: int = 0
 
     def _features(self, width: int, height: int) -> int:
         best_w, best_h = self.best_resolution(width, height)
@@ -159,8 +170,7 @@ class LlavaNextSpec(_AnyresSpec):
         return unpadded + newlines + ph * pw + self.num_additional_image_tokens
 
     def num_tokens(self, width: int, height: int) -> int:
-        n = self._features(width, height)
-        return n - 1 if self.vision_feature_select_strategy == "default" else n
+        return _drop_cls(self._features(width, height), self.vision_feature_select_strategy)
 
     def tiles(self, width: int, height: int) -> int:
         """``pixel_values`` crops: 1 base image + the pinpoint's ``ceil(H/crop) * ceil(W/crop)`` tiles."""
@@ -168,8 +178,7 @@ class LlavaNextSpec(_AnyresSpec):
         return 1 + (-(-best_h // self.crop_height)) * (-(-best_w // self.crop_width))
 
     def num_patches(self, width: int, height: int) -> int:
-        per_tile = (self.crop_height // self.patch_size) * (self.crop_width // self.patch_size)
-        return self.tiles(width, height) * per_tile
+        return self.tiles(width, height) * self.crop_patches
 
 
 @dataclass(frozen=True)
@@ -213,7 +222,7 @@ class LlavaOnevisionSpec(_AnyresSpec):
                 height, width, side, side, scale_h, scale_w, max_num_patches=max_num_patches
             )
             n = unpadded + newlines + self.num_image_tokens
-        return n - 1 if self.vision_feature_select_strategy == "default" else n
+        return _drop_cls(n, self.vision_feature_select_strategy)
 
     def sample_tokens(self, sizes: Sequence[tuple[int, int]]) -> list[int]:
         multi = len(sizes) > 1

@@ -14,24 +14,20 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import checked_count
 
-def _as_pixels(family: str, name: str, value: Any) -> int:
-    # bool is an int subclass; a size of True is a bug upstream, not one pixel.
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{family}: image {name} must be an integer number of pixels, got {value!r}.")
-    value = int(value)
-    if value <= 0:
-        raise ValueError(
-            f"{family}: image {name} must be a positive number of pixels, got {value}; "
-            "check the image header (see vlm_pack.vision.image_size)."
-        )
-    return value
+_PIXELS_FIX = (
+    "image sizes must be positive whole pixels: check the image header (see vlm_pack.vision.image_size)."
+)
 
 
 def _check_size(family: str, width: Any, height: Any) -> tuple[int, int]:
     if type(width) is int and type(height) is int and width > 0 and height > 0:  # the common case, fast
         return width, height
-    return _as_pixels(family, "width", width), _as_pixels(family, "height", height)
+    return (
+        checked_count(width, f"{family}: image width", _PIXELS_FIX),
+        checked_count(height, f"{family}: image height", _PIXELS_FIX),
+    )
 
 
 class VisionSpec(abc.ABC):
