@@ -410,15 +410,11 @@ class PackedMapDataset(torch.utils.data.Dataset):
         return out
 
     def _make_collator(self) -> Callable[[list[dict[str, Any]]], Any]:
-        from ..collate import PackingCollator
+        from ..collate import pipeline_collator
 
-        kwargs = dict(self.collator_kwargs)
-        kwargs.setdefault("tokenizer", self.tokenizer)
-        kwargs.setdefault("family", self.family)
-        merge = getattr(self.image_processor, "merge_size", None)
-        if merge is not None:
-            kwargs.setdefault("spatial_merge_size", int(merge))
-        return PackingCollator(self.config.capacity, **kwargs)
+        return pipeline_collator(
+            self.config.capacity, self.tokenizer, self.family, self.image_processor, self.collator_kwargs
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

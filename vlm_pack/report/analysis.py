@@ -282,20 +282,12 @@ def analyze(
         raise ValueError("give at least one capacity")
     if len(table) == 0:
         raise ValueError("no samples to analyze: the sources are empty (or every sample was invalid)")
+    config = _analysis_config(
+        capacities[0], config, oversized, max_samples_per_pack, max_images_per_pack, max_patches_per_pack
+    )
     per_cap, results = [], []
     for cap in capacities:
-        m, r = analyze_capacity(
-            table,
-            int(cap),
-            baseline=baseline,
-            strategy=strategy,
-            oversized=oversized,
-            max_samples_per_pack=max_samples_per_pack,
-            max_images_per_pack=max_images_per_pack,
-            max_patches_per_pack=max_patches_per_pack,
-            seed=seed,
-            config=config,
-        )
+        m, r = analyze_capacity(table, int(cap), baseline=baseline, strategy=strategy, seed=seed, config=config)
         per_cap.append(m)
         results.append(r)
     n_img = table.num_images
