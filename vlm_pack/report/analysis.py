@@ -11,7 +11,7 @@ import numpy as np
 
 from vlm_pack._version import __version__
 from vlm_pack.config import PackingConfig
-from vlm_pack.packing import PackResult, pack
+from vlm_pack.packing import PackResult
 
 from .lengths import LengthTable
 
@@ -134,22 +134,6 @@ def _grad_accum_metrics(
     }
 
 
-def _pack_table(table: LengthTable, config: PackingConfig, strategy: str) -> PackResult:
-    """:func:`vlm_pack.packing.pack` with ``config``'s knobs, its vision budget counted as ``config.vision_cost``."""
-    vision = None
-    if config.vision_capacity is not None:
-        vision = table.num_images if config.vision_cost == "images" else table.num_patches
-    return pack(
-        table.lengths,
-        config.capacity,
-        strategy=strategy,
-        vision=vision,
-        vision_capacity=config.vision_capacity,
-        max_samples_per_bin=config.max_samples_per_bin,
-        oversized=config.oversized,
-    )
-
-
 def _analysis_config(
     capacity: int,
     config: PackingConfig | None,
@@ -207,7 +191,7 @@ def analyze_capacity(
     if lengths.size and lengths.min() < 1:
         i = int(np.argmin(lengths))
         raise ValueError(f"sample {table.keys[i]!r} has length 0: nothing to train on; drop it.")
-    result = _pack_table(table, config, strategy)
+    result = table.pack(config, strategy)
     kept = result.order
     kept_lens = result.lengths[kept]
     sizes = result.bin_sizes
