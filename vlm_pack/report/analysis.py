@@ -160,6 +160,23 @@ def _analysis_config(
     return config
 
 
+def _pack_metrics(table: LengthTable, result: PackResult, vision_kept: np.ndarray) -> dict[str, Any]:
+    """The packs' fill and what each pack holds; ``vision_kept`` ``[N]``: vision tokens each sample keeps."""
+    nb = result.num_bins
+    starts = result.bin_offsets[:-1]
+    seg = lambda v: np.add.reduceat(v[result.order], starts) if nb else np.zeros(0, np.int64)  # noqa: E731
+    return {
+        "bins": nb,
+        "lower_bound": result.lower_bound,
+        "efficiency": result.efficiency,
+        "waste": 1.0 - result.efficiency if nb else 0.0,
+        "padded_tokens": nb * int(result.capacity),
+        "samples_per_pack": _stats(result.bin_sizes.astype(np.float64)),
+        "images_per_pack": _stats(seg(table.num_images).astype(np.float64)),
+        "vision_tokens_per_pack": _stats(seg(vision_kept).astype(np.float64)),
+    }
+
+
 def analyze_capacity(
     table: LengthTable,
     capacity: int,
@@ -194,7 +211,6 @@ def analyze_capacity(
     result = table.pack(config, strategy)
     kept = result.order
     kept_lens = result.lengths[kept]
-    sizes = result.bin_sizes
     b = baseline
     padded = {
         order: padded_batches(lengths, b.batch_size, order=order, seed=seed)
@@ -205,7 +221,6 @@ def analyze_capacity(
     per_micro = mean_spp * b.world_size * b.packs_per_device
     micro_padded = math.ceil(lengths.size / (b.batch_size * b.world_size))
     micro_packed = math.ceil(nb / (b.world_size * b.packs_per_device))
-    seg = lambda v: np.add.reduceat(v[kept], result.bin_offsets[:-1]) if nb else np.zeros(0, np.int64)  # noqa: E731
     vision_kept = np.minimum(table.vision_tokens, result.lengths)  # a truncated sample keeps <= capacity
     metrics: dict[str, Any] = {
         "capacity": int(capacity),
@@ -228,14 +243,7 @@ def analyze_capacity(
         },
         "packed": {
             "strategy": strategy,
-            "bins": nb,
-            "lower_bound": result.lower_bound,
-            "efficiency": result.efficiency,
-            "waste": 1.0 - result.efficiency if nb else 0.0,
-            "padded_tokens": nb * int(capacity),
-            "samples_per_pack": _stats(sizes.astype(np.float64)),
-            "images_per_pack": _stats(seg(table.num_images).astype(np.float64)),
-            "vision_tokens_per_pack": _stats(seg(vision_kept).astype(np.float64)),
+            **_pack_metrics(table, result, vision_kept),
             "micro_steps_per_epoch": micro_packed,
         },
         "grad_accum": _grad_accum_metrics(b, per_micro, micro_padded, micro_packed),
