@@ -511,42 +511,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return _run_analysis(args, shards, f"vlm-pack demo ({n} samples)", demo=True)
 
 
-def _cmd_pack(args: argparse.Namespace) -> int:
-    from vlm_pack.packing import pack
-
-    out = Path(args.out)
-    if out.is_dir():
-        raise ValueError(f"--out {args.out!r} is a directory; give the plan's file name, e.g. plan.jsonl.")
-    config = _packing_config(args, args.capacity)
-    _check_writable("--out", out, folder=False)
-    table, meta = _forecast(args, args.sources)
-    if len(table) == 0:
-        raise ValueError("no samples to pack: the sources are empty (or every sample was invalid).")
-    _stand_in_note(meta)
-    vision = None
-    if config.vision_capacity is not None:
-        vision = table.num_images if config.vision_cost == "images" else table.num_patches
-    result = pack(
-        table.lengths,
-        config.capacity,
-        strategy=args.strategy,
-        vision=vision,
-        vision_capacity=config.vision_capacity,
-        max_samples_per_bin=config.max_samples_per_bin,
-        oversized=config.oversized,
-        seed=None if args.no_shuffle else args.seed,
-    )
-    if result.num_bins == 0:
-        raise ValueError(
-            _too_small(table, [args.capacity]) + "; raise --capacity or pass --oversized truncate. "
-            "No plan written."
-        )
+def _write_plan(out: Path, table: Any, result: Any) -> None:
+    """The plan as JSON lines, one pack a line: its tokens, and its samples' keys, lengths and sources."""
     keys, sources, vis = table.keys, table.sources, table.vision_tokens
     with open(out, "w") as f:
-        for b, members in enumerate(result.bins):
+        for pack_index, members in enumerate(result.bins):
             line: dict[str, Any] = {
-                "pack": b,
-                "tokens": int(result.bin_lengths[b]),
+                "pack": pack_index,
+                "tokens": int(result.bin_lengths[pack_index]),
                 "vision_tokens": int(vis[members].sum()),
                 "keys": [keys[i] for i in members],
                 "lengths": [int(result.lengths[i]) for i in members],
@@ -556,6 +528,26 @@ def _cmd_pack(args: argparse.Namespace) -> int:
             if cut:
                 line["truncated_from"] = cut
             f.write(json.dumps(line) + "\n")
+
+
+def _cmd_pack(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {args.out!r} is a directory; give the plan's file name, e.g. plan.jsonl.")
+    config = _packing_config(args, args.capacity)
+    _check_writable("--out", out, folder=False)
+    table, meta = _forecast(args, args.sources)
+    if len(table) == 0:
+        raise ValueError("no samples to pack: the sources are empty (or every sample was invalid).")
+    _stand_in_note(meta)
+    result = table.pack(config, args.strategy, seed=None if args.no_shuffle else args.seed)
+    if result.num_bins == 0:
+        raise ValueError(
+            _too_small(table, [args.capacity]) + "; raise --capacity or pass --oversized truncate. "
+            "No plan written."
+        )
+    _write_plan(out, table, result)
+    keys, sources = table.keys, table.sources
     skipped = [
         {"key": keys[u.index], "source": sources[u.index], "reason": u.reason} for u in result.unpacked
     ]

@@ -575,6 +575,21 @@ class PackingCollator:
             raise ValueError(_rename_samples(str(e), order)) from None
 
 
+def pipeline_collator(
+    capacity: int, tokenizer: Any, family: str | None, image_processor: Any, options: Mapping[str, Any]
+) -> PackingCollator:
+    """The :class:`PackingCollator` a data pipeline builds for itself: ``options`` (the user's collator
+    keyword arguments) win; the pipeline's tokenizer, family and the image processor's ``merge_size``
+    fill in what they leave out."""
+    kwargs = dict(options)
+    kwargs.setdefault("tokenizer", tokenizer)
+    kwargs.setdefault("family", family)
+    merge = getattr(image_processor, "merge_size", None)
+    if merge is not None:
+        kwargs.setdefault("spatial_merge_size", int(merge))
+    return PackingCollator(capacity, **kwargs)
+
+
 def _check_arguments(
     capacity: int, layout: str, pad_to_multiple_of: int, strategy: str, return_style: str | None
 ) -> None:

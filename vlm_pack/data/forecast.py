@@ -21,13 +21,17 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .records import Sample
 from .shards import SampleError
 from .sources import Chunk, Source, chunk_samples, chunks, open_sources
+
+if TYPE_CHECKING:
+    from ..config import PackingConfig
+    from ..packing import PackResult
 
 __all__ = ["LengthTable", "forecast_sources", "image_sizes"]
 
@@ -72,6 +76,28 @@ class LengthTable:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def pack(
+        self, config: PackingConfig, strategy: str = "bfd", *, lengths: np.ndarray | None = None,
+        seed: int | None = None,
+    ) -> PackResult:
+        """:func:`vlm_pack.packing.pack` of these samples with ``config``'s knobs, the vision budget counted
+        as ``config.vision_cost``. ``lengths`` ``[N]`` replaces :attr:`lengths` (e.g. padded to a multiple)."""
+        from ..packing import pack
+
+        vision = None
+        if config.vision_capacity is not None:
+            vision = self.num_images if config.vision_cost == "images" else self.num_patches
+        return pack(
+            self.lengths if lengths is None else lengths,
+            config.capacity,
+            strategy=strategy,
+            vision=vision,
+            vision_capacity=config.vision_capacity,
+            max_samples_per_bin=config.max_samples_per_bin,
+            oversized=config.oversized,
+            seed=seed,
+        )
 
 
 def image_sizes(

@@ -250,7 +250,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         }
 
     def _build_plan(self, num_proc: int, progress: bool | None) -> dict[str, Any]:
-        from ..packing import balance_bins, pack
+        from ..packing import balance_bins
         from .forecast import forecast_sources
 
         cfg = self.config
@@ -277,18 +277,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
                 f"{table.sources[i]} (key {table.keys[i]!r}): {int(table.lengths[i])} tokens exceed capacity "
                 f"{cfg.capacity}; raise capacity or pass PackingConfig(oversized='skip')."
             )
-        vision = None
-        if cfg.vision_capacity is not None:
-            vision = table.num_patches if cfg.vision_cost == "patches" else table.num_images
-        result = pack(
-            lengths,
-            cfg.capacity,
-            strategy=self.strategy,
-            vision=vision,
-            vision_capacity=cfg.vision_capacity,
-            max_samples_per_bin=cfg.max_samples_per_bin,
-            oversized="skip",
-        )
+        result = table.pack(cfg.replace(oversized="skip"), self.strategy, lengths=lengths)
         skipped += [[table.keys[u.index], table.sources[u.index], u.reason] for u in result.unpacked]
         if skipped:
             shown = "; ".join(f"{k} ({w}): {r}" for k, w, r in skipped[:3])
@@ -410,15 +399,11 @@ class PackedMapDataset(torch.utils.data.Dataset):
         return out
 
     def _make_collator(self) -> Callable[[list[dict[str, Any]]], Any]:
-        from ..collate import PackingCollator
+        from ..collate import pipeline_collator
 
-        kwargs = dict(self.collator_kwargs)
-        kwargs.setdefault("tokenizer", self.tokenizer)
-        kwargs.setdefault("family", self.family)
-        merge = getattr(self.image_processor, "merge_size", None)
-        if merge is not None:
-            kwargs.setdefault("spatial_merge_size", int(merge))
-        return PackingCollator(self.config.capacity, **kwargs)
+        return pipeline_collator(
+            self.config.capacity, self.tokenizer, self.family, self.image_processor, self.collator_kwargs
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

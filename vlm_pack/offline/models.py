@@ -8,21 +8,16 @@ from typing import Any
 from .processors import _IMAGE_PROCESSOR_PARAMS
 from .tokenizers import build_tokenizer, family_tokens
 
-# family -> (config class, model class)
-_CLASSES = {
-    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
-    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
-    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
-    "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration"),
-    "llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
-    "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration"),
-    "llava_onevision": ("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration"),
-    "internvl": ("InternVLConfig", "InternVLForConditionalGeneration"),
-    "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration"),
-    "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration"),
-    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
-    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
-}
+
+def _transformers_class(family: str, kind: str) -> Any:
+    """The genuine ``transformers`` config (``kind="config"``) or ``*ForConditionalGeneration`` class of
+    ``family``, looked up in transformers' own auto mappings (every family's model type is its name)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    names = CONFIG_MAPPING_NAMES if kind == "config" else MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    return getattr(transformers, names[family])
 
 
 @dataclass(frozen=True)
@@ -147,7 +142,6 @@ def tiny_model_config(
     Patch, merge and crop sizes equal the released checkpoint's, so ``image_processor(family)`` outputs feed
     the model unchanged; only widths and depths shrink.
     """
-    import transformers
 
     family_tokens(family)  # validates the name
     tok = tokenizer if tokenizer is not None else build_tokenizer(family)
@@ -160,7 +154,7 @@ def tiny_model_config(
     text.update(max_position_embeddings=32768, initializer_range=initializer_range)
     text.update({k: tok.convert_tokens_to_ids(v) for k, v in _special_ids(tok).items()})
     parts = _family_parts(family, d, text, ids, tok)
-    return getattr(transformers, _CLASSES[family][0])(text_config=text, **parts)
+    return _transformers_class(family, "config")(text_config=text, **parts)
 
 
 def _special_ids(tok: Any) -> dict[str, str]:
@@ -184,10 +178,9 @@ def tiny_model(
     log-prob comparisons (with 0.02 every token attends almost uniformly and errors hide).
     """
     import torch
-    import transformers
 
     config = tiny_model_config(family, tokenizer, initializer_range=initializer_range, **config_kwargs)
-    cls = getattr(transformers, _CLASSES[family][1])
+    cls = _transformers_class(family, "model")
     torch.manual_seed(seed)
     model = cls._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     return model.eval()
