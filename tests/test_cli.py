@@ -294,7 +294,7 @@ def test_clear_errors(tmp_path, shards, capsys):
     assert code == 1 and "missing.tar" in err and "does not exist" in err
     (tmp_path / "notes.txt").write_text("hi")
     code, _, err = _run(capsys, ["analyze", str(tmp_path / "notes.txt")])
-    assert code == 1 and "neither a WebDataset shard" in err
+    assert code == 1 and "is not a source vlm-pack reads" in err
     code, _, err = _run(capsys, ["analyze", str(shards[0]), "--family", "internvl"])
     assert code == 1 and "--family 'internvl'" in err
     code, _, err = _run(capsys, ["analyze", str(shards[0]), "--processor", str(tmp_path / "nope")])

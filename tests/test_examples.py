@@ -54,3 +54,17 @@ def test_megatron_collapsed(capsys):
     # LLaVA-NeXT images expand to thousands of embeddings: expanded boundaries lie far beyond collapsed ones.
     assert all(e > c for c, e in zip(collapsed[1:], expanded[1:]))
     assert all(e % 4 == 0 for e in expanded)  # 2 * CP padding, in expanded space
+
+
+def test_trl_sft_packed_matches_unpacked(capsys):
+    pytest.importorskip("trl", reason="needs the [trl] extra")
+    result = _load("train_trl_sft").main(["--steps", "1", "--max-samples", "8"])
+    assert "PASS" in capsys.readouterr().out and result["ok"]
+    assert result["diffs"]["loss"] <= 1e-5 and result["num_tokens"][0] == result["num_tokens"][1] > 0
+
+
+def test_energon_restart_gives_every_sample_once(capsys):
+    pytest.importorskip("megatron.energon", reason="needs the [energon] extra")
+    result = _load("train_energon").main(["--samples", "8", "--ranks", "2", "--workers", "0"])
+    assert "PASS" in capsys.readouterr().out and result["ok"]
+    assert sorted(result["seen"]) == [f"demo-{i:06d}" for i in range(8)]

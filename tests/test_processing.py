@@ -251,3 +251,15 @@ def test_offline_tokenizer_is_identical_across_processes():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()
     assert other == hashlib.sha256(_tokenizer_json(1024).encode()).hexdigest()
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next"])
+def test_forecast_takes_the_processor(family):
+    """forecast_length(processor=...) shares process_sample's rendering: the same length and counts."""
+    from vlm_pack.processing import forecast_length
+
+    proc = processor(family, build_tokenizer(family))
+    imgs = [_img(300, 200), _img(640, 480), _img(120, 700)]
+    s = process_sample(imgs, MULTI, processor=proc)
+    n, counts = forecast_length(MULTI, [im.size for im in imgs], processor=proc)
+    assert n == len(s["input_ids"]) and counts == s["tokens_per_image"].tolist()

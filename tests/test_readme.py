@@ -135,7 +135,22 @@ def test_megatron_remap_matches_a_hand_count(readme_run):
             im = Image.open(io.BytesIO(data))
             out = llava(images=[im.convert("RGB")], text="<image>", return_tensors="pt")["input_ids"][0]
             assert int((out == image_id).sum()) in batch.tokens_per_image.tolist()
-    assert outputs[-1].splitlines()[-1] == "True"
+    assert outputs[3].splitlines()[-1] == "True"
+
+
+def test_map_style_dataset_covers_every_row_once(readme_run):
+    """The map-style block: rank 0's packs plus rank 1's (from the same cached plan) hold every row once."""
+    after, outputs, folder = readme_run
+    ns = after[4]
+    ds, hf, batch = ns["ds"], ns["hf"], ns["batch"]
+    other = type(ds)(hf, config=ns["config"], tokenizer=ns["tok"], image_processor=ns["ip"], world_size=2,
+                     rank=1, cache=str(folder / "plans"), num_proc=1)
+    assert other.from_cache  # the plan was forecast once, by the README's block
+    rows = [int(r) for d in (ds, other) for i in range(len(d)) for r in d.rows_of(d.bin_of(i)[2])]
+    assert sorted(rows) == list(range(len(hf))) == list(range(24))
+    assert abs(len(ds) - len(other)) <= 1 and outputs[4].split() == [str(len(ds)), "1"]
+    # The pack the loader gave is one of rank 0's, and its samples are real rows of the dataset.
+    assert batch.input_ids.shape[0] == 1 and len(batch.seq_lens) >= 1
 
 
 def test_token_counts_quoted_in_the_readme_are_the_hf_processors():

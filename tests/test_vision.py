@@ -48,6 +48,7 @@ from vlm_pack.offline import build_tokenizer
 from vlm_pack.vision import (
     FAMILIES,
     Gemma3Spec,
+    Idefics3Spec,
     InternVLSpec,
     MegatronSpec,
     Qwen2VLSpec,
@@ -673,3 +674,20 @@ def test_batch_forecasts_equal_the_processors():
     ov = vision_spec_from_processor(ov_proc)
     expected = [ov_proc._get_number_of_features(b, a, 384, 384) for a, b in ok[:80]]
     assert ov.num_tokens_batch(w[:80], h[:80]).tolist() == expected
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: Qwen2VLSpec(merge_size=0), "merge_size"),
+        (lambda: Qwen3VLSpec(patch_size=16.0), "patch_size"),
+        (lambda: MegatronSpec(patch_dim=0), "patch_dim"),
+        (lambda: MegatronSpec(img_h=True), "img_h"),
+        (lambda: InternVLSpec(max_tiles=-1), "max_tiles"),
+        (lambda: Idefics3Spec(image_seq_len=0), "image_seq_len"),
+    ],
+)
+def test_a_spec_with_a_count_that_is_not_a_positive_integer_names_the_field(make, field):
+    # A zero patch or tile count would divide by zero (or forecast zero tokens) at the first image.
+    with pytest.raises(ValueError, match=rf": {field} must be a positive integer, got "):
+        make()

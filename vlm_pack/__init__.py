@@ -5,7 +5,8 @@ The public API, stage by stage (README.md draws the picture):
 - configure: ``PackingConfig`` (the packing and streaming knobs, shared by every stage and the CLI)
 - forecast: ``vision_spec``, ``vision_spec_from_processor``, ``image_size`` (header only)
 - plan: ``pack`` (offline), ``StreamPacker`` (online, resumable), ``balance_bins`` (data-parallel ranks)
-- load: ``process_sample``, ``forecast_length``; WebDataset streaming: ``PackedWebDataset``, ``write_shards``
+- load: ``process_sample``, ``forecast_length``; WebDataset streaming: ``PackedWebDataset``, ``write_shards``;
+  HF datasets, parquet, LLaVA/ShareGPT JSON: ``forecast_sources``, ``PackedMapDataset`` (a cached plan)
 - collate: ``PackingCollator`` -> ``PackedBatch``; ``remap_cu_seqlens``, ``roll_packed``, ``pad_multiple_for``
 - attend: ``varlen_attention``, ``use_varlen_attention`` (HF models)
 - scale out: ``shard_for_context_parallel``, ``roll_packed_context_parallel``, ``PerTokenLoss``
@@ -30,8 +31,8 @@ _SOURCES: dict[str, tuple[str, ...]] = {
                   "varlen_attention"),
     "collate": ("PackedBatch", "PackedSeqParams", "PackingCollator", "pad_multiple_for"),
     "config": ("PackingConfig",),
-    "data": ("PackedDataLoader", "PackedWebDataset", "PipelineStats", "stream_info", "write_shards",
-             "write_shards_from_folder"),
+    "data": ("PackedDataLoader", "PackedMapDataset", "PackedSampler", "PackedWebDataset", "PipelineStats",
+             "forecast_sources", "stream_info", "write_shards", "write_shards_from_folder"),
     "packing": ("PackedBin", "PackResult", "StreamPacker", "balance_bins", "pack"),
     "parallel": ("ContextParallelShard", "PerTokenLoss", "all_gather_from_context_parallel",
                  "check_parallel_config", "context_parallel_index", "gather_from_context_parallel",
@@ -51,6 +52,8 @@ __all__ = [
     "PackedBatch",
     "PackedBin",
     "PackedDataLoader",
+    "PackedMapDataset",
+    "PackedSampler",
     "PackedSeqParams",
     "PackedWebDataset",
     "PackingCollator",
@@ -67,6 +70,7 @@ __all__ = [
     "collapse_cu_seqlens",
     "context_parallel_index",
     "forecast_length",
+    "forecast_sources",
     "gather_from_context_parallel",
     "image_size",
     "mrope_position_ids",
@@ -124,8 +128,11 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
     from .config import PackingConfig
     from .data import (
         PackedDataLoader,
+        PackedMapDataset,
+        PackedSampler,
         PackedWebDataset,
         PipelineStats,
+        forecast_sources,
         stream_info,
         write_shards,
         write_shards_from_folder,

@@ -12,7 +12,8 @@ the sample boundaries, a batch tells which samples it holds and in what order::
 
 - ``"sdpa"`` / ``"eager"``: HF ``input_ids``, ``labels``, ``position_ids``, vision tensors,
   ``use_cache=False`` and NO ``attention_mask`` (transformers then derives the block-diagonal mask from
-  the position restarts);
+  the position restarts), except for Gemma 3: ``token_type_ids`` and a dict of per-layer-type masks
+  (``masks.py``), since transformers' own packed mask is wrong in its sliding-window layers;
 - ``"flash_attention_2"``: the rows flattened to ``[1, R*T]`` plus ``cu_seq_lens_q/k`` (=
   ``cu_seqlens_padded``) and ``max_length_q/k``: the names transformers' flash path reads (never
   ``cu_seqlens``, which would reach the vision tower);
@@ -32,13 +33,16 @@ from typing import Any
 
 import torch
 
+from .masks import gemma3_attention_masks
 from .positions import is_mrope_family
 from .remap import roll_packed
+from .vision_inputs import VISION_KEYS
 
 __all__ = [
     "HF_STYLES",
     "IGNORE_INDEX",
     "STYLES",
+    "VISION_KEYS",
     "PackedBatch",
     "PackedSeqParams",  # noqa: F822 - resolved lazily by __getattr__
     "packed_seq_params_class",
@@ -47,16 +51,9 @@ __all__ = [
 IGNORE_INDEX = -100
 HF_STYLES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 STYLES = (*HF_STYLES, "megatron")
+#: Model types whose image tokens attend both ways inside an image (``token_type_ids``): they get masks.
+TWO_WAY_IMAGE_FAMILIES = ("gemma3",)
 
-#: Vision tensors the HF models take, concatenated along dim 0 in packed order.
-VISION_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "image_sizes",
-    "pixel_values_videos",
-    "video_grid_thw",
-    "second_per_grid_ts",
-)
 #: Where a sample's key may be, in order of preference (WebDataset's ``__key__`` first).
 SAMPLE_KEY_NAMES = ("__key__", "key", "id")
 
@@ -119,10 +116,13 @@ class PackedBatch:
     - ``seq_lens`` ``[N]``, ``cu_seqlens`` / ``cu_seqlens_padded`` ``[N + 1]``: int32, in the layout's own
       space; the ``*_expanded`` ones always in expanded space (the same tensors in the expanded layout).
     - ``sample_index`` ``[N]``: the input index of each packed sample; ``row_of_sample`` ``[N]``: its row.
-    - vision tensors in packed order; ``mm_token_type_ids`` shaped like ``input_ids``;
-      ``tokens_per_image`` ``[num_images]`` embeddings per image.
+    - vision tensors in packed order, joined as the family's model reads them (``vision_inputs.py``:
+      ``pixel_values``, Idefics3's ``pixel_attention_mask``, ``image_sizes``, OneVision's per-sample
+      ``batch_num_images`` ...); ``mm_token_type_ids`` shaped like ``input_ids``; ``tokens_per_image``
+      ``[num_images]`` embeddings per image; ``sliding_window``: the text config's (Gemma 3's masks).
     - ``extra``: other per-sample tensors (concatenated along dim 0, or packed like ``input_ids`` when
-      they have one entry per token); ``metadata``: non-tensor values (e.g. ``__key__``) in packed order.
+      they have one entry per token, e.g. Gemma 3's ``token_type_ids``); ``metadata``: non-tensor values
+      (e.g. ``__key__``) in packed order.
     """
 
     input_ids: torch.Tensor
@@ -145,13 +145,16 @@ class PackedBatch:
     family: str | None = None
     pad_to_multiple_of: int = 1
     pixel_values: torch.Tensor | None = None
+    pixel_attention_mask: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     image_sizes: torch.Tensor | None = None
+    batch_num_images: torch.Tensor | None = None
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None
     mm_token_type_ids: torch.Tensor | None = None
     tokens_per_image: torch.Tensor | None = None
+    sliding_window: int | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     metadata: dict[str, list[Any]] = field(default_factory=dict)
 
@@ -195,17 +198,43 @@ class PackedBatch:
 
     def _vision_inputs(self) -> dict[str, torch.Tensor]:
         out = {k: getattr(self, k) for k in VISION_KEYS if getattr(self, k) is not None}
-        # Only the Qwen-VL models read mm_token_type_ids (and require it with image_grid_thw).
+        # Only the Qwen-VL / GLM-4.1V models read mm_token_type_ids (and require it with image_grid_thw).
         if self.mm_token_type_ids is not None and is_mrope_family(self.family):
             out["mm_token_type_ids"] = self.mm_token_type_ids
+        # Gemma 3 reads token_type_ids (its images' two-way attention); other models may refuse them.
+        if self.family in TWO_WAY_IMAGE_FAMILIES and "token_type_ids" in self.extra:
+            out["token_type_ids"] = self.extra["token_type_ids"]
         return out
 
-    def model_inputs(self, style: str = "sdpa") -> dict[str, Any]:
+    def attention_masks(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+        """The per-layer-type masks of models whose packed rows need one (Gemma 3), else None.
+
+        ``{"full_attention": [R, 1, T, T], "sliding_attention": [R, 1, T, T]}`` (see ``masks.py``): bool
+        for ``dtype=None`` (sdpa), additive in ``dtype`` otherwise (eager).
+        """
+        if self.family not in TWO_WAY_IMAGE_FAMILIES:
+            return None
+        # Built once per dtype: batch[name] and `in` go through model_inputs, and the masks are O(T^2).
+        cache = self.__dict__.setdefault("_attention_masks", {})
+        if dtype not in cache:
+            types = self.extra.get("token_type_ids")
+            if types is None:
+                types = torch.zeros_like(self.input_ids)  # text only: plain causal per sample
+            cache[dtype] = gemma3_attention_masks(
+                types, self.cu_seqlens_padded, self.sliding_window, dtype=dtype
+            )
+        return cache[dtype]
+
+    def model_inputs(self, style: str = "sdpa", *, mask_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """Keyword arguments for one forward call; ``style`` is one of :data:`STYLES`.
 
-        - ``"sdpa"`` / ``"eager"``: ``[R, T]`` rows, no ``attention_mask``, ``use_cache=False``.
+        - ``"sdpa"`` / ``"eager"``: ``[R, T]`` rows, no ``attention_mask``, ``use_cache=False``. Gemma 3
+          gets ``token_type_ids`` and an ``attention_mask`` dict of its two layer types' masks (bool for
+          sdpa, additive in ``mask_dtype`` for eager: use the model's dtype), which keep each image's
+          two-way attention inside its sample (transformers' own packed path gets the sliding layers wrong).
         - ``"flash_attention_2"`` / ``"flash_attention_3"``: rows flattened to ``[1, R*T]`` with
-          ``cu_seq_lens_q/k`` and ``max_length_q/k`` from ``cu_seqlens_padded``.
+          ``cu_seq_lens_q/k`` and ``max_length_q/k`` from ``cu_seqlens_padded``. (transformers' flash path
+          of Gemma 3 attends causally inside images, alone as packed: it cannot express the two-way blocks.)
         - ``"megatron"``: ``tokens`` / ``labels`` / ``loss_mask`` ``[1, ...]``, labels already shifted per
           sample (``labels[t]`` is the target of token ``t``), ``position_ids`` and a ``PackedSeqParams``
           with the expanded ``cu_seqlens_q/kv`` (real) and ``cu_seqlens_q/kv_padded``; vision tensors
@@ -222,17 +251,16 @@ class PackedBatch:
             )
         vision = self._vision_inputs()
         if style in ("sdpa", "eager"):
-            return {
-                "input_ids": self.input_ids,
-                "labels": self.labels,
-                "position_ids": self.position_ids,
-                **vision,
-                "use_cache": False,
-            }
+            out = {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids}
+            masks = self.attention_masks(None if style == "sdpa" else mask_dtype)
+            if masks is not None:
+                out["attention_mask"] = masks
+            return {**out, **vision, "use_cache": False}
         flat = self.num_rows * self.row_length
         pos = self._flat_positions()
-        if "mm_token_type_ids" in vision:
-            vision["mm_token_type_ids"] = vision["mm_token_type_ids"].reshape(1, flat)
+        for name in ("mm_token_type_ids", "token_type_ids"):
+            if name in vision:
+                vision[name] = vision[name].reshape(1, flat)
         cu = self.cu_seqlens_padded
         return {
             "input_ids": self.input_ids.reshape(1, flat),
@@ -272,8 +300,9 @@ class PackedBatch:
             "packed_seq_params": params,
         }
         out.update(self._vision_inputs())
-        if "mm_token_type_ids" in out:
-            out["mm_token_type_ids"] = out["mm_token_type_ids"].reshape(1, -1)  # like tokens
+        for name in ("mm_token_type_ids", "token_type_ids"):
+            if name in out:
+                out[name] = out[name].reshape(1, -1)  # like tokens
         if self.layout == "collapsed" and self.tokens_per_image is not None:
             out["tokens_per_image"] = self.tokens_per_image
         return out

@@ -6,10 +6,13 @@
     vlm-pack analyze shards/{000..099}.tar --processor ./Qwen2-VL-7B-Instruct --capacity 8192 16384 \\
         --batch-size 2 --world-size 8 --grad-accum 8   # the padded run to compare with
     vlm-pack analyze data/manifest.jsonl --family llava_next
+    vlm-pack analyze llava_v1_5_mix665k.json --image-root ./images --workers 8
+    vlm-pack analyze train-*.parquet --processor ./ckpt          # HF hub parquet with Image columns
     vlm-pack pack shards/ --processor ./ckpt --capacity 16384 --out plan.jsonl
 
-``analyze`` reads WebDataset shards or a JSONL manifest, forecasts every sample's expanded length from the
-text and the image *headers* (no pixel decoded; ``--verify`` decodes every image too), packs at each
+``analyze`` reads WebDataset shards, parquet, JSON / JSONL (LLaVA-Instruct, ShareGPT, vlm-pack's manifest)
+or a ``datasets`` ``save_to_disk`` folder in ``--workers N`` processes, forecasts every sample's expanded
+length from the text and the image *headers* (no pixel decoded; ``--verify`` decodes every image too), packs at each
 capacity, prints one column per capacity (padding waste of plain padded batches vs packed, samples per pack,
 the grad-accumulation whose samples per optimizer update are closest to the padded run's) and writes ``report.json``, ``report.txt`` and PNG plots to
 ``--out`` (default ``./vlm-pack-report``). ``pack`` writes the bins as JSONL, one pack per line, for
@@ -29,6 +32,10 @@ from typing import Any
 __all__ = ["build_parser", "load_forecaster", "main"]
 
 _CHAT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next")
+_SOURCES_HELP = (
+    "WebDataset .tar shards (globs, {000..009}), .parquet files (HF Image columns), .json (LLaVA-Instruct, "
+    "ShareGPT, LLaMA-Factory) and .jsonl files, save_to_disk folders, or folders of these"
+)
 
 
 def _positive_int(text: str) -> int:
@@ -95,8 +102,22 @@ def _add_forecast_args(p: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--image-root",
         metavar="DIR",
-        help="The folder that the image paths in JSONL manifests are relative to (default: each manifest's "
-        "own folder).",
+        help="The folder that the image paths in JSONL manifests are relative to (and in JSON, parquet and "
+        "dataset records; default: each file's own folder). LLaVA-Instruct: its image folder.",
+    )
+    d.add_argument(
+        "--layout",
+        choices=("webdataset", "llava", "sharegpt", "messages", "caption"),
+        help="the records' layout (default: detected per record): llava {id, image, conversations: "
+        "[{from, value}]}; sharegpt {messages | conversations, images}; messages {messages | conversation "
+        "with content parts, images}; caption {caption | text, image(s)}",
+    )
+    d.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="processes reading and forecasting the data (default 1)",
     )
     d.add_argument(
         "--on-error",
@@ -201,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         "batches. With no SOURCES, analyzes the embedded demo dataset.",
     )
     a.add_argument(
-        "sources", nargs="*", metavar="SOURCES", help="WebDataset .tar shards (globs, {000..009}) or .jsonl"
+        "sources", nargs="*", metavar="SOURCES", help=_SOURCES_HELP
     )
     _add_forecast_args(a)
     _add_pack_args(a, multi=True)
@@ -213,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a pack plan: which sample keys go together (JSONL, one pack per line)",
         description="Pack SOURCES at one capacity and write the plan for offline pre-packing.",
     )
-    k.add_argument("sources", nargs="+", metavar="SOURCES", help="WebDataset .tar shards or .jsonl manifests")
+    k.add_argument("sources", nargs="+", metavar="SOURCES", help=_SOURCES_HELP)
     _add_forecast_args(k)
     _add_pack_args(k, multi=False)
     k.add_argument("--out", metavar="FILE", required=True, help="the plan, e.g. plan.jsonl")
@@ -367,26 +388,25 @@ def _baseline(args: argparse.Namespace) -> Any:
 def _forecast(
     args: argparse.Namespace, sources: Sequence[str | os.PathLike[str]]
 ) -> tuple[Any, dict[str, Any]]:
-    from vlm_pack.report import SampleReadError, forecast_lengths, scan_samples
+    from vlm_pack.data.forecast import forecast_sources
+    from vlm_pack.data.shards import SampleError
 
     tokenizer, spec, family, exact = load_forecaster(args)
-    samples = scan_samples(
-        sources,
-        exif_transpose=not args.no_exif_transpose,
-        image_root=args.image_root,
-        on_error=args.on_error,
-        verify=args.verify,
-    )
     try:
-        table = forecast_lengths(
-            samples,
+        table = forecast_sources(
+            list(sources),
             tokenizer=tokenizer,
             spec=spec,
             family=family,
+            layout=args.layout,
+            image_root=args.image_root,
+            exif_transpose=not args.no_exif_transpose,
+            verify=args.verify,
             on_error=args.on_error,
+            num_workers=args.workers,
             progress=False if args.no_progress else None,
         )
-    except SampleReadError as e:
+    except SampleError as e:
         raise ValueError(
             f"{e}\n  Fix the sample, or pass --on-error skip to leave such samples out (they are listed in the "
             "report)."
@@ -396,7 +416,7 @@ def _forecast(
             f" (+{len(sources) - 3} more)" if len(sources) > 3 else ""
         )
         if not table.invalid:
-            raise ValueError(f"no samples in {names}: the shards / manifests are empty.")
+            raise ValueError(f"no samples in {names}: they hold no records.")
         key, where, reason = table.invalid[0]
         raise ValueError(
             f"no valid samples in {names}: all {len(table.invalid):,} were skipped; the first, {key!r} "
@@ -491,42 +511,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return _run_analysis(args, shards, f"vlm-pack demo ({n} samples)", demo=True)
 
 
-def _cmd_pack(args: argparse.Namespace) -> int:
-    from vlm_pack.packing import pack
-
-    out = Path(args.out)
-    if out.is_dir():
-        raise ValueError(f"--out {args.out!r} is a directory; give the plan's file name, e.g. plan.jsonl.")
-    config = _packing_config(args, args.capacity)
-    _check_writable("--out", out, folder=False)
-    table, meta = _forecast(args, args.sources)
-    if len(table) == 0:
-        raise ValueError("no samples to pack: the sources are empty (or every sample was invalid).")
-    _stand_in_note(meta)
-    vision = None
-    if config.vision_capacity is not None:
-        vision = table.num_images if config.vision_cost == "images" else table.num_patches
-    result = pack(
-        table.lengths,
-        config.capacity,
-        strategy=args.strategy,
-        vision=vision,
-        vision_capacity=config.vision_capacity,
-        max_samples_per_bin=config.max_samples_per_bin,
-        oversized=config.oversized,
-        seed=None if args.no_shuffle else args.seed,
-    )
-    if result.num_bins == 0:
-        raise ValueError(
-            _too_small(table, [args.capacity]) + "; raise --capacity or pass --oversized truncate. "
-            "No plan written."
-        )
+def _write_plan(out: Path, table: Any, result: Any) -> None:
+    """The plan as JSON lines, one pack a line: its tokens, and its samples' keys, lengths and sources."""
     keys, sources, vis = table.keys, table.sources, table.vision_tokens
     with open(out, "w") as f:
-        for b, members in enumerate(result.bins):
+        for pack_index, members in enumerate(result.bins):
             line: dict[str, Any] = {
-                "pack": b,
-                "tokens": int(result.bin_lengths[b]),
+                "pack": pack_index,
+                "tokens": int(result.bin_lengths[pack_index]),
                 "vision_tokens": int(vis[members].sum()),
                 "keys": [keys[i] for i in members],
                 "lengths": [int(result.lengths[i]) for i in members],
@@ -536,6 +528,26 @@ def _cmd_pack(args: argparse.Namespace) -> int:
             if cut:
                 line["truncated_from"] = cut
             f.write(json.dumps(line) + "\n")
+
+
+def _cmd_pack(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {args.out!r} is a directory; give the plan's file name, e.g. plan.jsonl.")
+    config = _packing_config(args, args.capacity)
+    _check_writable("--out", out, folder=False)
+    table, meta = _forecast(args, args.sources)
+    if len(table) == 0:
+        raise ValueError("no samples to pack: the sources are empty (or every sample was invalid).")
+    _stand_in_note(meta)
+    result = table.pack(config, args.strategy, seed=None if args.no_shuffle else args.seed)
+    if result.num_bins == 0:
+        raise ValueError(
+            _too_small(table, [args.capacity]) + "; raise --capacity or pass --oversized truncate. "
+            "No plan written."
+        )
+    _write_plan(out, table, result)
+    keys, sources = table.keys, table.sources
     skipped = [
         {"key": keys[u.index], "source": sources[u.index], "reason": u.reason} for u in result.unpacked
     ]

@@ -28,9 +28,13 @@ processor's output for one example) and returns a :class:`PackedBatch`. Expanded
   packed-sequence detection of transformers (a new sample wherever positions do not step by 1) keeps it
   inside that sample, where causal attention hides it from every real token. Qwen2/2.5/3-VL get 4 rows
   ``[4, R, T]``: the text arange, then the sample's own multimodal RoPE (``positions.py``).
-- **vision tensors** are concatenated in packed order (``pixel_values``, ``image_grid_thw``,
-  ``image_sizes``, video tensors ...); LLaVA-NeXT's 5-D ``pixel_values`` are zero-padded to the most
-  patches (the model slices each image by ``image_sizes``).
+- **vision tensors** are joined in packed order the way each model reads several samples' images
+  (``vision_inputs.py``): concatenated (``image_grid_thw``, ``image_sizes``, OneVision's per-sample
+  ``batch_num_images``, InternVL tiles ...), LLaVA-NeXT / OneVision tiles zero-padded to the most tiles,
+  Idefics3 / SmolVLM crops and ``pixel_attention_mask`` joined as ``[1, sum N, ...]``, Pixtral images
+  zero-padded to the largest height and width (the tower crops each by ``image_sizes``).
+- **Gemma 3** keeps ``token_type_ids`` (packed like ``input_ids``) and gets its attention masks from
+  ``batch.model_inputs`` (``masks.py``): each image attends to itself both ways, inside its sample only.
 
 Collapsed layout (Megatron style: one placeholder ``P`` per image, the model expands it to
 ``tokens_per_image[i]`` embeddings): the packs become consecutive segments of ONE row (Megatron's packed
@@ -65,12 +69,14 @@ from .batch import (
     IGNORE_INDEX,
     SAMPLE_KEY_NAMES,
     STYLES,
+    TWO_WAY_IMAGE_FAMILIES,
     VISION_KEYS,
     PackedBatch,
     packed_seq_params_class,
 )
 from .positions import MRopeOptions, is_mrope_family, packed_position_ids
 from .remap import remap_cu_seqlens_padded
+from .vision_inputs import join_vision
 
 __all__ = [
     "HF_STYLES",
@@ -149,14 +155,16 @@ class PackingCollator:
 
     Args:
         capacity: tokens per row, counted in *expanded* length (what the language model runs on).
-        family: model type (``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"``, ``"llava"``, ``"llava_next"``
-            ...): Qwen-VL families get 4-row mRoPE position ids. Defaults to ``config.model_type`` or the
-            tokenizer's ``vlm_pack_family``; without any, 1-D position ids.
+        family: model type (``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"``, ``"glm4v"``, ``"llava"``,
+            ``"llava_next"``, ``"llava_onevision"``, ``"internvl"``, ``"idefics3"``, ``"smolvlm"``,
+            ``"gemma3"``, ``"mistral3"``): Qwen-VL and GLM-4.1V get 4-row mRoPE position ids. Defaults
+            to ``config.model_type`` or the tokenizer's ``vlm_pack_family``; without any, 1-D position ids.
         tokenizer: a tokenizer or processor; ids not given explicitly are read from it.
         config: the model config; ids, ``spatial_merge_size``, ``tokens_per_second`` and LLaVA's
             ``image_seq_length`` not given explicitly are read from it (preferred over the tokenizer).
         image_token_id, video_token_id, vision_start_token_id, pad_token_id, spatial_merge_size,
-            tokens_per_second, image_seq_length: explicit values.
+            tokens_per_second, image_seq_length, sliding_window: explicit values (``sliding_window``:
+            Gemma 3's text config value, which its packed masks need).
         layout: ``"expanded"`` (samples hold one token per vision embedding, as HF processors make them) or
             ``"collapsed"`` (one placeholder per image; each sample gives ``tokens_per_image``, or
             ``image_grid_thw`` (Qwen) / ``image_seq_length`` (LLaVA-1.5) let the collator count).
@@ -192,6 +200,7 @@ class PackingCollator:
         spatial_merge_size: int | None = None,
         tokens_per_second: float | None = None,
         image_seq_length: int | None = None,
+        sliding_window: int | None = None,
         layout: str = "expanded",
         pad_to_multiple_of: int = 1,
         pad_to_capacity: bool = True,
@@ -230,6 +239,15 @@ class PackingCollator:
         tps = tokens_per_second if tokens_per_second is not None else _attr(vision_cfg, "tokens_per_second")
         self.tokens_per_second = tps
         self.image_seq_length = _first_int(image_seq_length, _attr(config, "image_seq_length"))
+        # Gemma 3's sliding-window layers: its packed masks (batch.attention_masks) need the window.
+        self.sliding_window = _first_int(
+            sliding_window, _attr(text_cfg, "sliding_window"), _attr(config, "sliding_window")
+        )
+        if self.family in TWO_WAY_IMAGE_FAMILIES and self.sliding_window is None:
+            raise ValueError(
+                f"family {self.family!r} builds its packed attention masks from the text config's "
+                "sliding_window: pass config=model.config (or sliding_window=)"
+            )
         self.layout = layout
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pad_to_capacity = bool(pad_to_capacity)
@@ -283,7 +301,8 @@ class PackingCollator:
         if not self.mrope and ("image_grid_thw" in vision or "video_grid_thw" in vision):
             raise ValueError(
                 f"{name} has image_grid_thw/video_grid_thw (a Qwen-VL sample) but the collator's family is "
-                f"{self.family!r}: pass config=model.config or family='qwen2_vl' / 'qwen2_5_vl' / 'qwen3_vl'; "
+                f"{self.family!r}: pass config=model.config or family='qwen2_vl' / 'qwen2_5_vl' / 'qwen3_vl' "
+                "/ 'glm4v'; "
                 "without the 4-row mRoPE position_ids the packed samples would attend to each other"
             )
         tpi, n_images = self._image_counts(name, sample, vision)
@@ -445,6 +464,7 @@ class PackingCollator:
             layout=self.layout,
             family=self.family,
             pad_to_multiple_of=self.pad_to_multiple_of,
+            sliding_window=self.sliding_window,
             mm_token_type_ids=flat_types.reshape(shape) if flat_types is not None else None,
             tokens_per_image=tokens_per_image,
             extra=_packed_extras(ordered, plan, shape),
@@ -553,6 +573,21 @@ class PackingCollator:
         except ValueError as e:
             # positions number samples in packed order; name the caller's index instead.
             raise ValueError(_rename_samples(str(e), order)) from None
+
+
+def pipeline_collator(
+    capacity: int, tokenizer: Any, family: str | None, image_processor: Any, options: Mapping[str, Any]
+) -> PackingCollator:
+    """The :class:`PackingCollator` a data pipeline builds for itself: ``options`` (the user's collator
+    keyword arguments) win; the pipeline's tokenizer, family and the image processor's ``merge_size``
+    fill in what they leave out."""
+    kwargs = dict(options)
+    kwargs.setdefault("tokenizer", tokenizer)
+    kwargs.setdefault("family", family)
+    merge = getattr(image_processor, "merge_size", None)
+    if merge is not None:
+        kwargs.setdefault("spatial_merge_size", int(merge))
+    return PackingCollator(capacity, **kwargs)
 
 
 def _check_arguments(
@@ -739,39 +774,9 @@ def _num_images(vision: dict[str, torch.Tensor], tpi: torch.Tensor | None) -> in
     return 0
 
 
-def _cat_for_worker(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(parts, 0)``; inside a DataLoader worker, straight into shared memory.
-
-    The DataLoader moves a worker's batch to the main process through shared memory: concatenating into
-    it directly (as ``default_collate`` does) saves a second copy of ``pixel_values``, the largest tensor
-    of a batch.
-    """
-    if torch.utils.data.get_worker_info() is None or parts[0].device.type != "cpu":
-        return torch.cat(parts, 0)
-    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-    numel = math.prod(shape)
-    storage = parts[0]._typed_storage()._new_shared(numel, device=parts[0].device)
-    out = parts[0].new(storage).resize_(*shape)
-    return torch.cat(parts, 0, out=out)
-
-
 def _concat_vision(ordered: list[_Sample]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for k in VISION_KEYS:
-        parts = [s.vision[k] for s in ordered if k in s.vision]
-        if not parts:
-            continue
-        if k == "pixel_values" and parts[0].dim() == 3 and all(p.dim() == 3 for p in parts):
-            parts = [p[None] for p in parts]  # single [C, H, W] images
-        if k == "pixel_values" and any(p.dim() == 5 for p in parts):
-            # LLaVA-NeXT: [n, patches, C, H, W]; pad every image to the most patches (image_sizes slices).
-            most = max(p.shape[1] for p in parts)
-            parts = [F.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
-        try:
-            out[k] = _cat_for_worker(parts)
-        except RuntimeError as e:
-            raise ValueError(f"cannot concatenate the samples' {k!r} along dim 0: {e}") from None
-    return out
+    """The samples' vision tensors joined in packed order as the model reads them (``vision_inputs``)."""
+    return join_vision([s.vision for s in ordered])
 
 
 def _rename_samples(message: str, order: list[int]) -> str:

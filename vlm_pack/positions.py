@@ -5,7 +5,7 @@ Every packed sample restarts its positions at 0. LLaVA-style models take one row
     tokens        a0 a1 a2 a3 _  | b0 b1 b2 _  _          (_ = padding of the sample before it)
     position_ids   0  1  2  3 4  |  0  1  2 3  4          [R, T]
 
-Qwen2-VL, Qwen2.5-VL and Qwen3-VL take four rows (transformers >= 5): row 0 is the plain per-sample
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4.1V take four rows (transformers >= 5): row 0 is the plain per-sample
 arange (transformers finds the sample boundaries from it: a new sample starts wherever consecutive
 positions do not step by 1), rows 1-3 are the sample's own multimodal RoPE (temporal, height, width), as
 ``model.model.get_rope_index`` computes it for that sample alone::
@@ -60,6 +60,9 @@ MROPE_FAMILIES = {
     "qwen2_5_vl": "qwen2_5_vl",
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl",
+    # GLM-4.1V numbers images as Qwen2-VL and splits videos into one-frame grids as Qwen3-VL.
+    "glm4v": "qwen3_vl",
+    "glm4v_moe": "qwen3_vl",  # transformers 5.23: the same get_rope_index as glm4v
 }
 
 

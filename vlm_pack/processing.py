@@ -1,43 +1,55 @@
 """Turn one conversation with images into the token ids a VLM trains on, and forecast that length.
 
-Two entry points share one tokenisation, so the forecast is the processed length by construction:
+Two entry points share one rendering (:func:`vlm_pack.chat.render_conversation`: the checkpoint's own chat
+template, or vlm-pack's format for tokenizers without one), so the forecast is the processed length:
 
 - ``forecast_length(conversation, image_sizes, ...)``: the expanded length from the text and the image
   *header* sizes only (no decode), for the packer;
-- ``process_sample(images, conversation, ...)``: the real thing, with the real HF image processor: token ids,
-  labels, ``pixel_values`` and the family's grid / size tensors, ready for ``PackingCollator``.
+- ``process_sample(images, conversation, ...)``: the real thing: with an HF ``processor`` its own expansion
+  and tokenization of the rendered prompt (the ids are ``processor(text=prompt, images=...)["input_ids"]``),
+  labels on the assistant spans, and the processor's vision tensors, ready for ``PackingCollator``.
 
-A conversation is rendered by the family's chat format into segments; ``<image>`` marks where an image goes.
-Qwen wraps each image in ``<|vision_start|> ... <|vision_end|>``. Only assistant turns are trained on::
+Only assistant content and its end-of-turn token are trained::
 
     conversation = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is shown?"}]},
         {"role": "assistant", "content": "A red square."},
     ]
 
-    Qwen2-VL, one image of grid (1, 4, 6) -> 6 vision tokens (merge 2):
+    Qwen2-VL's template, one image of grid (1, 4, 6) -> 6 vision tokens (merge 2):
 
-    tokens  <|im_start|> user \\n <|vision_start|> P P P P P P <|vision_end|> What is shown? <|im_end|> \\n
+    tokens  <|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n   (the template's default system turn)
+            <|im_start|> user \\n <|vision_start|> P P P P P P <|vision_end|> What is shown? <|im_end|> \\n
             <|im_start|> assistant \\n A red square. <|im_end|> \\n
-    labels  -100 ...................................................................................... -100
+    labels  -100 .............................................................................. -100
             -100 ..................... A red square. <|im_end|> -100
 
     layout="expanded":  P repeated once per vision embedding (as HF processors produce)
     layout="collapsed": P once per image (Megatron style); ``tokens_per_image`` says what it becomes
 
-A plain string is a caption: its images come first (or where ``<image>`` appears in it) and the whole
-caption is trained on.
+A plain string is a caption: the images are the prompt and the whole caption is trained on.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from .chat import (
+    IMAGE_MARKER,
+    ChatFormat,
+    Conversation,
+    Rendering,
+    Segment,
+    Template,
+    chat_format,
+    render_conversation,
+)
 
 __all__ = [
     "IMAGE_MARKER",
@@ -46,119 +58,9 @@ __all__ = [
     "forecast_length",
     "load_image",
     "process_sample",
+    "render_prompt",
     "tokenize_conversation",
 ]
-
-#: Where an image goes in a rendered conversation.
-IMAGE_MARKER = "<image>"
-
-Conversation = str | Sequence[dict[str, Any]]
-Segment = tuple[str, bool]  # (text, trained on)
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    """How one family renders a conversation: turn prefix/suffix and the text an image becomes."""
-
-    name: str
-    turn_start: str  # formatted with role=
-    turn_end: str
-    image: str  # contains IMAGE_MARKER once
-    assistant_end: str = ""  # trained: the model learns to end its turn
-    assistant_sep: str = ""  # formatting after the assistant's end token, not trained
-    bos: str = ""
-    eos_on_caption: str = ""
-
-    def render(self, conversation: Conversation, num_images: int) -> list[Segment]:
-        """Render to (text, trained) segments; images missing from the text go first in the first turn."""
-        if isinstance(conversation, str):
-            text = conversation.replace(IMAGE_MARKER, self.image)
-            missing = num_images if IMAGE_MARKER not in conversation else 0
-            prefix = self.bos + self.image * missing
-            return [(prefix, False), (text + self.eos_on_caption, True)]
-        if not isinstance(conversation, Sequence) or not conversation:
-            raise ValueError("a conversation must be a caption string or a non-empty list of turns")
-        segments: list[Segment] = [(self.bos, False)] if self.bos else []
-        n_marked = sum(_count_images(turn) for turn in conversation)
-        pending = num_images if n_marked == 0 else 0
-        for turn in conversation:
-            role = turn.get("role")
-            if role not in ("system", "user", "assistant"):
-                raise ValueError(f"turn role must be system/user/assistant, got {role!r}")
-            body = _content_text(turn.get("content"), self.image)
-            if pending and role == "user":
-                body, pending = self.image * pending + body, 0
-            segments.append((self.turn_start.format(role=role, ROLE=role.upper()), False))
-            if role == "assistant":
-                segments += [(body + self.assistant_end, True), (self.assistant_sep, False)]
-            else:
-                segments.append((body + self.turn_end, False))
-        if pending:
-            segments.insert(0, (self.image * pending, False))
-        return segments
-
-
-def _count_images(turn: dict[str, Any]) -> int:
-    content = turn.get("content")
-    if isinstance(content, str):
-        return content.count(IMAGE_MARKER)
-    return sum(1 for part in content or [] if part.get("type") == "image")
-
-
-def _content_text(content: Any, image_text: str) -> str:
-    if isinstance(content, str):
-        return content.replace(IMAGE_MARKER, image_text)
-    if content is None:
-        raise ValueError("a turn has no 'content'")
-    out = []
-    for part in content:
-        kind = part.get("type")
-        if kind == "image":
-            out.append(image_text)
-        elif kind == "text":
-            out.append(part.get("text", ""))
-        else:
-            raise ValueError(f"content part type must be 'image' or 'text', got {kind!r}")
-    return "".join(out)
-
-
-_QWEN_FORMAT = ChatFormat(
-    name="qwen",
-    turn_start="<|im_start|>{role}\n",
-    turn_end="<|im_end|>\n",
-    image="<|vision_start|>" + IMAGE_MARKER + "<|vision_end|>",
-    assistant_end="<|im_end|>",
-    assistant_sep="\n",
-    eos_on_caption="<|im_end|>",
-)
-_LLAVA_FORMAT = ChatFormat(
-    name="llava",
-    turn_start="{ROLE}: ",
-    turn_end=" ",
-    image=IMAGE_MARKER + "\n",
-    assistant_end="</s>",
-    bos="<s>",
-    eos_on_caption="</s>",
-)
-_FORMATS = {
-    "qwen2_vl": _QWEN_FORMAT,
-    "qwen2_5_vl": _QWEN_FORMAT,
-    "qwen3_vl": _QWEN_FORMAT,
-    "llava": _LLAVA_FORMAT,
-    "llava_next": _LLAVA_FORMAT,
-}
-
-
-def chat_format(family: str) -> ChatFormat:
-    """The chat format of ``family`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``, ``llava_next``)."""
-    try:
-        return _FORMATS[family]
-    except KeyError:
-        raise ValueError(
-            f"no chat format for family {family!r}; known: {', '.join(_FORMATS)}. "
-            "Pass template=callable(conversation, num_images) -> [(text, trained), ...] for others."
-        ) from None
-
 
 # The image token each family's processor expands; a vocabulary may hold several (LLaVA-OneVision's Qwen2
 # vocabulary has both), so the family decides, not the first token found.
@@ -166,9 +68,20 @@ _FAMILY_IMAGE_TOKEN = {
     "qwen2_vl": "<|image_pad|>",
     "qwen2_5_vl": "<|image_pad|>",
     "qwen3_vl": "<|image_pad|>",
+    "glm4v": "<|image|>",
     "llava": IMAGE_MARKER,
     "llava_next": IMAGE_MARKER,
+    "llava_onevision": IMAGE_MARKER,
+    "idefics3": IMAGE_MARKER,
+    "smolvlm": IMAGE_MARKER,
+    "internvl": "<IMG_CONTEXT>",
+    "mistral3": "[IMG]",
+    "pixtral": "[IMG]",
 }
+# Families whose chat template writes the wrappers around the placeholder: the processor expands only it.
+_TEMPLATE_WRAPS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v")
+# Families whose processor writes tokens around the image embeddings (spec.extra_tokens counts them).
+_PROCESSOR_WRAPS = ("internvl", "idefics3", "smolvlm", "pixtral")
 
 
 def _image_token(tokenizer: Any, family: str | None = None) -> tuple[str, int]:
@@ -190,12 +103,115 @@ def _image_token(tokenizer: Any, family: str | None = None) -> tuple[str, int]:
             return token, int(tid)
     raise ValueError(
         f"the tokenizer has none of the image tokens {candidates}: set tokenizer.image_token and "
-        "tokenizer.image_token_id (or add the token with tokenizer.add_special_tokens)."
+        "tokenizer.image_token_id (or add the token with tokenizer.add_special_tokens), or pass processor=."
     )
 
 
 def _image_token_id(tokenizer: Any, family: str | None = None) -> int:
     return _image_token(tokenizer, family)[1]
+
+
+def _placeholder(tokenizer: Any, processor: Any, family: str | None) -> str:
+    """The token a chat template writes once per image (what the processor then expands)."""
+    if processor is not None and getattr(processor, "image_token", None):
+        return str(processor.image_token)
+    for name in ("boi_token", "context_image_token"):  # Gemma 3, InternVL tokenizers
+        if getattr(tokenizer, name, None):
+            return str(getattr(tokenizer, name))
+    return _image_token(tokenizer, family)[0]
+
+
+def _embedding_token_id(processor: Any) -> int:
+    """The id the model scatters image features into (Gemma 3's placeholder ``<start_of_image>`` is not it)."""
+    tok = processor.tokenizer
+    named = getattr(tok, "image_token", None)
+    if named and named != processor.image_token and getattr(tok, "image_token_id", None) is not None:
+        return int(tok.image_token_id)
+    return int(processor.image_token_id)
+
+
+def _render(
+    conversation: Conversation,
+    tokenizer: Any,
+    processor: Any,
+    family: str | None,
+    template: Any,
+    n: int,
+    key: Any,
+    spans: bool = True,
+) -> Rendering:
+    placeholder = _placeholder(tokenizer, processor, family)
+    return render_conversation(
+        conversation,
+        tokenizer=tokenizer,
+        placeholder=placeholder,
+        num_images=n,
+        processor=processor,
+        family=family or getattr(tokenizer, "vlm_pack_family", None),
+        template=template,
+        key=key,
+        spans=spans,
+    )
+
+
+def _trained_tokens(spans: Sequence[tuple[int, int]], offsets: torch.Tensor, length: int) -> torch.Tensor:
+    """bool (L,): tokens whose characters ``offsets`` (L, 2) overlap a trained character span."""
+    char = torch.zeros(length + 1, dtype=torch.long)
+    for start, end in spans:
+        char[start + 1 : end + 1] = 1
+    cum = char.cumsum(0)  # cum[e] - cum[s]: trained characters in [s, e)
+    offsets = offsets.clamp(0, length)
+    return (cum[offsets[:, 1]] - cum[offsets[:, 0]]) > 0
+
+
+def _tokenize(tokenizer: Any, rendering: Rendering) -> tuple[list[int], list[bool]]:
+    """Ids of the whole prompt in one call (tokens merge across turns as in an HF processor) and the mask."""
+    text = rendering.text
+    try:
+        enc = tokenizer(text, add_special_tokens=rendering.add_special_tokens, return_offsets_mapping=True)
+    except NotImplementedError:  # slow (Python) tokenizers have no offsets: tokenize span by span
+        cuts = sorted({0, len(text), *(c for span in rendering.spans for c in span)})
+        trained = {s for s, _ in rendering.spans}
+        ids: list[int] = []
+        mask: list[bool] = []
+        for start, end in itertools.pairwise(cuts):
+            piece = tokenizer(text[start:end], add_special_tokens=False)["input_ids"]
+            ids += piece
+            mask += [start in trained] * len(piece)
+        return ids, mask
+    offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
+    return list(enc["input_ids"]), _trained_tokens(rendering.spans, offsets, len(text)).tolist()
+
+
+def render_prompt(
+    conversation: Conversation,
+    *,
+    tokenizer: Any,
+    family: str | None = None,
+    num_images: int = 0,
+    template: str | ChatFormat | Template | None = None,
+    key: Any = None,
+    processor: Any = None,
+) -> tuple[list[Segment], list[str]]:
+    """The rendered prompt as ``(text, trained)`` segments and their texts (images as the placeholder token).
+
+    ``tokenizer("".join(texts), add_special_tokens=False)`` gives the ids :func:`tokenize_conversation` gives
+    (a BOS the tokenizer would add is written out), so many prompts can be tokenized in one batched call.
+    Raises as :func:`tokenize_conversation` does.
+    """
+    rendering = _render(conversation, tokenizer, processor, family, template, num_images, key)
+    text = rendering.text
+    cuts = sorted({0, len(text), *(c for span in rendering.spans for c in span)})
+    starts = {start for start, _ in rendering.spans}
+    texts = [text[a:b] for a, b in itertools.pairwise(cuts)]
+    trained = [a in starts for a, _ in itertools.pairwise(cuts)]
+    bos = getattr(tokenizer, "bos_token", None)
+    if rendering.add_special_tokens and bos and texts:
+        added = tokenizer("", add_special_tokens=True)["input_ids"]
+        if added[:1] == [tokenizer.convert_tokens_to_ids(bos)]:
+            texts[0] = bos + texts[0]
+    segments = [(t.replace(rendering.placeholder, IMAGE_MARKER), m) for t, m in zip(texts, trained)]
+    return segments, texts
 
 
 def tokenize_conversation(
@@ -204,93 +220,100 @@ def tokenize_conversation(
     tokenizer: Any,
     family: str | None = None,
     num_images: int = 0,
-    template: Callable[[Conversation, int], list[Segment]] | None = None,
+    template: str | ChatFormat | Template | None = None,
     key: Any = None,
+    processor: Any = None,
 ) -> tuple[list[int], list[bool]]:
-    """Token ids of ``conversation`` in the collapsed layout (one image token per image) and a trained mask.
+    """Token ids of ``conversation`` in the collapsed layout (one placeholder per image) and a trained mask.
 
-    The conversation is rendered by ``template`` (a callable returning ``[(text, trained), ...]`` with
-    ``<image>`` where images go), else by the chat format of ``family`` (default: the tokenizer's
-    ``vlm_pack_family``, else ``qwen2_vl``); the tokenizer's own ``chat_template`` is not used. ``<image>``
-    becomes the tokenizer's image token and the whole prompt is tokenized in one call, as an HF processor
-    does, so tokens merge across turn boundaries exactly as there (``"ASSISTANT: the"`` -> ``" the"``).
-    A token is trained when any of its characters is in a trained segment; image tokens never are.
+    Rendered by ``template`` (a Jinja string, a :class:`ChatFormat`, or a callable returning ``[(text,
+    trained), ...]`` with ``<image>`` where images go), else by the processor's or tokenizer's
+    ``chat_template``, else by vlm-pack's format of ``family``. The prompt is tokenized in one call, as an HF
+    processor does, so tokens merge across turn boundaries exactly as there (``"ASSISTANT: the"`` ->
+    ``" the"``). A token is trained when any of its characters is in a trained span; placeholders never are.
 
     Raises ``ValueError`` naming ``key`` when the text has a different number of image places than
-    ``num_images``, or contains the image token itself.
+    ``num_images``, contains the image token itself, or the template loses text.
     """
-    if template is None:
-        if family is None:
-            family = getattr(tokenizer, "vlm_pack_family", None)
-        segments = chat_format(family or "qwen2_vl").render(conversation, num_images)
-    else:
-        segments = template(conversation, num_images)
-    image_token, image_id = _image_token(tokenizer, family)
-    n_markers = sum(text.count(IMAGE_MARKER) for text, _ in segments)
-    if n_markers != num_images:
-        raise ValueError(
-            f"sample {key!r}: the text has {n_markers} image placeholder(s) but {num_images} image(s) were "
-            "given; give one image per placeholder (or no placeholder at all to put the images first)."
-        )
-    if image_token != IMAGE_MARKER and any(image_token in text for text, _ in segments):
-        raise ValueError(
-            f"sample {key!r}: the text contains the image token {image_token!r} itself; write "
-            f"{IMAGE_MARKER!r} where an image goes (or remove the token from the text)."
-        )
-    texts = [text.replace(IMAGE_MARKER, image_token) for text, _ in segments]
-    full = "".join(texts)
-    try:
-        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    except NotImplementedError:  # slow (Python) tokenizers have no offsets: tokenize segment by segment
-        ids, mask = [], []
-        for text, (_, trained) in zip(texts, segments):
-            piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-            ids += piece
-            mask += [trained] * len(piece)
-    else:
-        ids = list(enc["input_ids"])
-        char_trained = torch.zeros(len(full) + 1, dtype=torch.long)
-        at = 0
-        for text, (_, trained) in zip(texts, segments):
-            char_trained[at + 1 : at + 1 + len(text)] = int(trained)
-            at += len(text)
-        cum = char_trained.cumsum(0)  # cum[e] - cum[s]: trained characters in [s, e)
-        spans = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
-        mask = ((cum[spans[:, 1]] - cum[spans[:, 0]]) > 0).tolist()
+    rendering = _render(conversation, tokenizer, processor, family, template, num_images, key)
+    ids, mask = _tokenize(tokenizer, rendering)
+    image_id = tokenizer.convert_tokens_to_ids(rendering.placeholder)
     mask = [m and i != image_id for i, m in zip(ids, mask)]
     if ids.count(image_id) != num_images:
         raise ValueError(
             f"sample {key!r}: {num_images} image(s) became {ids.count(image_id)} image token(s) "
-            f"{image_token!r}; the tokenizer must keep {image_token!r} as one special token."
+            f"{rendering.placeholder!r}; the tokenizer must keep {rendering.placeholder!r} as one special token."
         )
     return ids, mask
+
+
+def _skeleton(
+    spec: Any, sizes: list[tuple[int, int]], placeholder: str, tokenizer: Any
+) -> list[tuple[str, int]]:
+    """Per image: text standing in for its expansion in the prompt, and the tokens that text leaves out.
+
+    Every expansion starts and ends with special tokens, which tokenize alone, so one placeholder stands in
+    for all of it (``len - 1`` tokens left out), except Gemma 3's, whose ``"\\n\\n"`` around the image merges
+    with the text next to it: there the text is kept and only the image soft tokens are left out.
+    """
+    counts = [int(n) for n in spec.sample_tokens(sizes)]
+    family = spec.family
+    if family == "gemma3":
+        seq = f"\n\n{placeholder}{tokenizer.eoi_token}\n\n"
+        out = []
+        for (w, h), n in zip(sizes, counts):
+            crops = spec.num_crops(w, h)
+            text = seq
+            if crops:
+                text = f"Here is the original image {seq} and here are some crops to help you see better "
+                text += " ".join([seq] * crops)
+            out.append((text, n))
+        return out
+    if family in _PROCESSOR_WRAPS:
+        counts = [n + int(spec.extra_tokens(w, h)) for n, (w, h) in zip(counts, sizes)]
+    return [(placeholder, n - 1) for n in counts]
 
 
 def forecast_length(
     conversation: Conversation,
     image_sizes: Sequence[tuple[int, int]],
     *,
-    tokenizer: Any,
-    spec: Any,
+    tokenizer: Any = None,
+    spec: Any = None,
+    processor: Any = None,
+    image_processor: Any = None,
     family: str | None = None,
-    template: Callable[[Conversation, int], list[Segment]] | None = None,
+    template: str | ChatFormat | Template | None = None,
     key: Any = None,
 ) -> tuple[int, list[int]]:
     """Expanded length of a sample and its per-image token counts, from image ``(width, height)`` only.
 
-    ``spec`` is a vision spec (``vlm_pack.vision_spec(...)``); the result equals
-    ``len(process_sample(...)["input_ids"])`` for the same conversation and images.
+    Give the same ``processor`` as to :func:`process_sample` (or ``tokenizer`` with ``image_processor`` or a
+    vision ``spec``); the result equals ``len(process_sample(...)["input_ids"])`` and its
+    ``tokens_per_image`` for the same conversation and images. The prompt is rendered and tokenized exactly
+    as there; only the image expansions are counted instead of written out.
     """
-    ids, _ = tokenize_conversation(
-        conversation,
-        tokenizer=tokenizer,
-        family=family,
-        num_images=len(image_sizes),
-        template=template,
-        key=key,
-    )
-    counts = [int(n) for n in spec.sample_tokens(list(image_sizes))] if image_sizes else []
-    return len(ids) - len(counts) + sum(counts), counts
+    from .vision import vision_spec_from_processor
+
+    if processor is not None:
+        tokenizer = tokenizer or processor.tokenizer
+    if tokenizer is None:
+        raise TypeError("forecast_length needs processor= or tokenizer=")
+    sizes = [(int(w), int(h)) for w, h in image_sizes]
+    if spec is None and sizes:
+        source = processor if processor is not None else image_processor
+        if source is None:
+            raise TypeError("forecast_length with images needs processor=, image_processor= or spec=")
+        spec = vision_spec_from_processor(source)
+    rendering = _render(conversation, tokenizer, processor, family, template, len(sizes), key, spans=False)
+    if not sizes:
+        return len(_tokenize(tokenizer, rendering)[0]), []
+    skeletons = _skeleton(spec, sizes, rendering.placeholder, tokenizer)
+    pieces = rendering.text.split(rendering.placeholder)
+    text = pieces[0] + "".join(s + piece for (s, _), piece in zip(skeletons, pieces[1:]))
+    enc = tokenizer(text, add_special_tokens=rendering.add_special_tokens)
+    counts = [int(n) for n in spec.sample_tokens(sizes)]
+    return len(enc["input_ids"]) + sum(left for _, left in skeletons), counts
 
 
 def load_image(source: Any) -> Any:
@@ -310,25 +333,139 @@ def load_image(source: Any) -> Any:
     return image.convert("RGB")
 
 
-def _llava_counts(image_processor: Any, tokenizer: Any, images: list[Any], processor: Any) -> list[int]:
-    if processor is None:
-        import transformers
+def _shift(spans: Sequence[tuple[int, int]], replacements: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """Character spans of the rendered prompt moved to the expanded prompt (placeholders replaced)."""
+    ends = torch.tensor([r["span"][1] for r in replacements], dtype=torch.long)
+    gained = torch.tensor([0] + [r["new_span"][1] - r["span"][1] for r in replacements], dtype=torch.long)
+    out = []
+    for start, end in spans:
+        i, j = (int(torch.searchsorted(ends, c, right=True)) for c in (start, end))
+        out.append((start + int(gained[i]), end + int(gained[j])))
+    return out
 
-        cls = (
-            transformers.LlavaNextProcessor
-            if hasattr(image_processor, "image_grid_pinpoints")
-            else transformers.LlavaProcessor
+
+_TEXT_KEYS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets")
+
+
+def _with_processor(processor: Any, rendering: Rendering, images: list[Any], key: Any) -> dict[str, Any]:
+    """The processor's expansion and tokenization of the rendered prompt, with labels and image counts."""
+    enc = processor(
+        text=[rendering.text],
+        images=[images] if images else None,
+        return_tensors="pt",
+        return_offsets_mapping=True,
+        return_text_replacement_offsets=True,
+        add_special_tokens=rendering.add_special_tokens,
+    )
+    ids = enc["input_ids"][0]
+    offsets = enc["offset_mapping"][0].long()
+    replacements = list(enc.get("text_replacement_offsets", [[]])[0]) if images else []
+    replacements = [r for r in replacements if r["type"] == "image"]
+    length = int(offsets.max()) if len(offsets) else 0
+    trained = _trained_tokens(_shift(rendering.spans, replacements), offsets, max(length, 1))
+    counts = torch.zeros(len(images), dtype=torch.long)
+    if images:
+        starts = torch.tensor([r["new_span"][0] for r in replacements], dtype=torch.long)
+        ends = torch.tensor([r["new_span"][1] for r in replacements], dtype=torch.long)
+        image_of = torch.searchsorted(starts, offsets[:, 0].contiguous(), right=True) - 1
+        inside = (
+            (image_of >= 0) & (offsets[:, 0] < ends[image_of.clamp(min=0)]) & (offsets[:, 1] > offsets[:, 0])
         )
-        # The llava-hf checkpoints' processor settings.
-        processor = cls(
-            image_processor=image_processor,
-            tokenizer=tokenizer,
-            patch_size=14,
-            vision_feature_select_strategy="default",
-            num_additional_image_tokens=1,
+        trained &= ~inside
+        emb = ids == _embedding_token_id(processor)
+        counts = torch.bincount(image_of[emb & inside], minlength=len(images))
+        if int(counts.sum()) != int(emb.sum()):
+            raise ValueError(
+                f"sample {key!r}: image tokens outside the images' expansions; remove them from the text"
+            )
+    out = {k: v for k, v in enc.items() if k not in _TEXT_KEYS}
+    for name in ("mm_token_type_ids", "token_type_ids"):
+        if name in out:
+            out[name] = out[name][0]
+    out.update(
+        input_ids=ids, labels=torch.where(trained, ids, torch.full_like(ids, -100)), tokens_per_image=counts
+    )
+    return out
+
+
+def _collapse(out: dict[str, Any], image_id: int, key: Any) -> dict[str, Any]:
+    """Keep the first of each image's embedding tokens (Megatron's one placeholder per image)."""
+    counts = out["tokens_per_image"]
+    emb = out["input_ids"] == image_id
+    positions = torch.nonzero(emb).flatten()
+    cum = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    first, last = positions[cum[:-1]], positions[cum[1:] - 1]
+    if not bool((last - first + 1 == counts).all()):
+        raise ValueError(
+            f"sample {key!r}: layout='collapsed' needs each image's tokens in one run, but this family's "
+            "processor interleaves them with row or tile markers; use layout='expanded'."
         )
+    keep = ~emb
+    keep[first] = True
+    for name in ("input_ids", "labels", "mm_token_type_ids", "token_type_ids"):
+        if name in out:
+            out[name] = out[name][keep]
+    return out
+
+
+def _llava_counts(image_processor: Any, tokenizer: Any, images: list[Any]) -> list[int]:
+    import transformers
+
+    name = type(image_processor).__name__
+    if not name.startswith(("LlavaImageProcessor", "LlavaNextImageProcessor", "CLIPImageProcessor")):
+        raise ValueError(
+            f"process_sample with {name}: pass processor= (the checkpoint's HF processor) for this family; "
+            "tokenizer= with image_processor= covers the Qwen-style and LLaVA / LLaVA-NeXT image processors."
+        )
+    cls = transformers.LlavaNextProcessor if name.startswith("LlavaNext") else transformers.LlavaProcessor
+    # The llava-hf checkpoints' processor settings.
+    processor = cls(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
     sizes = [(im.height, im.width) for im in images]
     return [int(n) for n in processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"]]
+
+
+def _with_image_processor(
+    image_processor: Any, tokenizer: Any, rendering: Rendering, images: list[Any], key: Any
+) -> dict[str, Any]:
+    """Tokenizer + image processor: the placeholder repeated once per embedding (Qwen-style, LLaVA)."""
+    ids_list, mask = _tokenize(tokenizer, rendering)
+    image_id = tokenizer.convert_tokens_to_ids(rendering.placeholder)
+    if ids_list.count(image_id) != len(images):
+        raise ValueError(
+            f"sample {key!r}: {len(images)} image(s) became {ids_list.count(image_id)} image token(s) "
+            f"{rendering.placeholder!r}; the tokenizer must keep {rendering.placeholder!r} as one special token."
+        )
+    out: dict[str, Any] = {}
+    counts: list[int] = []
+    if images:
+        vision = image_processor(images=images, return_tensors="pt")
+        out["pixel_values"] = vision["pixel_values"]
+        if "image_grid_thw" in vision:
+            grid = out["image_grid_thw"] = vision["image_grid_thw"]
+            merge = int(getattr(image_processor, "merge_size", 2))
+            counts = (grid.prod(-1) // (merge * merge)).tolist()
+        else:
+            if "image_sizes" in vision:
+                out["image_sizes"] = vision["image_sizes"]
+            counts = _llava_counts(image_processor, tokenizer, images)
+    input_ids = torch.tensor(ids_list, dtype=torch.long)
+    trained = torch.tensor(mask, dtype=torch.bool) & (input_ids != image_id)
+    out.update(input_ids=input_ids, tokens_per_image=torch.tensor(counts, dtype=torch.long))
+    out["labels"] = torch.where(trained, input_ids, torch.full_like(input_ids, -100))
+    if counts:
+        repeats = torch.ones_like(input_ids)
+        repeats[input_ids == image_id] = torch.tensor(counts, dtype=torch.long)
+        out["input_ids"], out["labels"] = (
+            input_ids.repeat_interleave(repeats),
+            out["labels"].repeat_interleave(repeats),
+        )
+    return out
 
 
 def process_sample(
@@ -340,57 +477,40 @@ def process_sample(
     processor: Any = None,
     family: str | None = None,
     layout: str = "expanded",
-    template: Callable[[Conversation, int], list[Segment]] | None = None,
+    template: str | ChatFormat | Template | None = None,
     key: Any = None,
 ) -> dict[str, torch.Tensor]:
-    """One processed sample (1-D tensors) for ``PackingCollator``.
+    """One processed sample (1-D token tensors) for ``PackingCollator``.
 
-    Give either an HF ``processor`` (its tokenizer and image processor are used) or ``tokenizer`` +
-    ``image_processor``. Returns ``input_ids`` (L,), ``labels`` (L,) with -100 outside assistant turns and on
-    image tokens, ``tokens_per_image`` (n,) (embeddings each image becomes), ``pixel_values`` and, by
-    family, ``image_grid_thw`` (n, 3) and ``mm_token_type_ids`` (L,) (Qwen) or ``image_sizes`` (n, 2)
-    (LLaVA-NeXT). ``layout="collapsed"`` keeps one image token per image.
+    Give an HF ``processor`` (any family: its chat template renders the conversation, its own expansion and
+    tokenization give ``input_ids`` equal to ``processor(text=prompt, images=...)``), or ``tokenizer`` +
+    ``image_processor`` (Qwen-style and LLaVA / LLaVA-NeXT). Returns ``input_ids`` (L,), ``labels`` (L,)
+    with -100 outside assistant content + end-of-turn and on image tokens, ``tokens_per_image`` (n,)
+    (embeddings each image becomes), and the vision tensors as the processor returns them for this one sample
+    (``pixel_values``; by family ``image_grid_thw``, ``image_sizes``, ``batch_num_images``,
+    ``pixel_attention_mask``, and the per-token ``mm_token_type_ids`` / ``token_type_ids`` (L,)).
+    ``layout="collapsed"`` keeps one image token per image (families with one run of them per image).
     """
     if processor is not None:
         tokenizer = tokenizer or processor.tokenizer
-        image_processor = image_processor or processor.image_processor
     if tokenizer is None:
         raise ValueError("process_sample needs tokenizer= (or processor=)")
     if layout not in ("expanded", "collapsed"):
         raise ValueError(f"layout must be 'expanded' or 'collapsed', got {layout!r}")
-    ids, mask = tokenize_conversation(
-        conversation, tokenizer=tokenizer, family=family, num_images=len(images), template=template, key=key
-    )
-    out: dict[str, torch.Tensor] = {}
-    counts: list[int] = []
-    if images:
-        if image_processor is None:
-            raise ValueError(
-                f"sample {key!r} has images: process_sample needs image_processor= (or processor=)"
-            )
-        pil = [load_image(im) for im in images]
-        vision = image_processor(images=pil, return_tensors="pt")
-        out["pixel_values"] = vision["pixel_values"]
-        if "image_grid_thw" in vision:
-            grid = vision["image_grid_thw"]
-            merge = int(getattr(image_processor, "merge_size", 2))
-            out["image_grid_thw"] = grid
-            counts = (grid.prod(-1) // (merge * merge)).tolist()
-        else:
-            if "image_sizes" in vision:
-                out["image_sizes"] = vision["image_sizes"]
-            counts = _llava_counts(image_processor, tokenizer, pil, processor)
-    image_id = _image_token_id(tokenizer, family)
-    input_ids = torch.tensor(ids, dtype=torch.long)
-    trained = torch.tensor(mask, dtype=torch.bool)
-    if layout == "expanded" and counts:
-        repeats = torch.ones_like(input_ids)
-        repeats[input_ids == image_id] = torch.tensor(counts, dtype=torch.long)
-        input_ids = input_ids.repeat_interleave(repeats)
-        trained = trained.repeat_interleave(repeats)
-    out["input_ids"] = input_ids
-    out["labels"] = torch.where(trained, input_ids, torch.full_like(input_ids, -100))
-    out["tokens_per_image"] = torch.tensor(counts, dtype=torch.long)
-    if "image_grid_thw" in out or (family or getattr(tokenizer, "vlm_pack_family", "")).startswith("qwen"):
-        out["mm_token_type_ids"] = (input_ids == image_id).long()
+    if images and processor is None and image_processor is None:
+        raise ValueError(f"sample {key!r} has images: process_sample needs image_processor= (or processor=)")
+    rendering = _render(conversation, tokenizer, processor, family, template, len(images), key)
+    pil = [load_image(im) for im in images]
+    if processor is not None:
+        out = _with_processor(processor, rendering, pil, key)
+        image_id = _embedding_token_id(processor)
+    else:
+        out = _with_image_processor(image_processor, tokenizer, rendering, pil, key)
+        image_id = tokenizer.convert_tokens_to_ids(rendering.placeholder)
+        if "image_grid_thw" in out or (family or getattr(tokenizer, "vlm_pack_family", "") or "").startswith(
+            "qwen"
+        ):
+            out["mm_token_type_ids"] = (out["input_ids"] == image_id).long()
+    if layout == "collapsed" and len(pil):
+        out = _collapse(out, image_id, key)
     return out

@@ -11,11 +11,22 @@
 - :mod:`vlm_pack.data.stream`: one stream's work inside a DataLoader worker (``StreamRunner``), the metadata
   each batch carries (``stream_info``) and the ``StreamEnd`` marker;
 - :mod:`vlm_pack.data.state`: the typed resume state (``PipelineState`` ...) and its versioned JSON;
-- :mod:`vlm_pack.data.stats`: ``PipelineStats``, ``BadSample``, the skip reasons ``BAD_REASONS``.
+- :mod:`vlm_pack.data.stats`: ``PipelineStats``, ``BadSample``, the skip reasons ``BAD_REASONS``;
+- :mod:`vlm_pack.data.records`: one record normaliser for every layout (``LAYOUTS``: webdataset, llava,
+  sharegpt, messages, caption) -> ``Sample``;
+- :mod:`vlm_pack.data.sources`: readers of ``datasets`` objects, ``save_to_disk`` folders, parquet, JSON,
+  JSONL and shards, cut into chunks (``open_sources``, ``iter_samples``);
+- :mod:`vlm_pack.data.forecast`: ``forecast_sources`` (header-only, ``num_workers`` processes) ->
+  ``LengthTable``;
+- :mod:`vlm_pack.data.map_style`: ``PackedMapDataset`` (a ``datasets.Dataset`` -> a cached, rank-balanced
+  plan -> ``PackedBatch`` by index) and ``PackedSampler`` (resumable).
 """
 
+from .forecast import LengthTable, forecast_sources
+from .map_style import PackedMapDataset, PackedSampler, plan_info
 from .pipeline import PackedDataLoader, PackedWebDataset
 from .reader import SampleHeader, lazy_tar_samples, read_header, stream_tar_samples
+from .records import LAYOUTS, Sample, detect_layout, normalise_record
 from .shards import (
     IMAGE_EXTENSIONS,
     SampleError,
@@ -24,6 +35,7 @@ from .shards import (
     write_shards,
     write_shards_from_folder,
 )
+from .sources import iter_samples, open_sources
 from .state import PipelineState
 from .stats import BAD_REASONS, BadSample, BadSampleWarning, PipelineStats
 from .stream import StreamEnd, stream_info
@@ -31,18 +43,29 @@ from .stream import StreamEnd, stream_info
 __all__ = [
     "BAD_REASONS",
     "IMAGE_EXTENSIONS",
+    "LAYOUTS",
     "BadSample",
     "BadSampleWarning",
+    "LengthTable",
     "PackedDataLoader",
+    "PackedMapDataset",
+    "PackedSampler",
     "PackedWebDataset",
     "PipelineState",
     "PipelineStats",
+    "Sample",
     "SampleError",
     "SampleHeader",
     "StreamEnd",
+    "detect_layout",
+    "forecast_sources",
     "image_fields",
+    "iter_samples",
     "lazy_tar_samples",
+    "normalise_record",
+    "open_sources",
     "parse_text",
+    "plan_info",
     "read_header",
     "stream_info",
     "stream_tar_samples",

@@ -3,10 +3,11 @@
 The analysis behind ``vlm-pack analyze`` (and the notebook), in four steps::
 
     sources ----------> SampleInfo --------------> LengthTable ---------------> Report ------> table / JSON / PNG
-    (.tar shards,       key, conversation,         per sample: text tokens,     per capacity:
-     JSONL manifest)    image (width, height)      vision tokens, images,       padded baseline vs packed,
+    (shards, parquet,   key, conversation,         per sample: text tokens,     per capacity:
+     JSON(L), datasets) image (width, height)      vision tokens, images,       padded baseline vs packed,
                         from headers only          where each image sits        grad-accum equivalent
        scan_samples()                 forecast_lengths()          analyze()        format_report() / write_report()
+       '--- vlm_pack.data.forecast_sources(): both steps, in parallel processes ---'
 
 Lengths are *expanded* lengths, the positions a sample occupies in the language model: its text tokens
 (chat template included) plus the placeholders its images become (``vision.VisionSpec.sample_tokens``).

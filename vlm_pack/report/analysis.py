@@ -11,7 +11,7 @@ import numpy as np
 
 from vlm_pack._version import __version__
 from vlm_pack.config import PackingConfig
-from vlm_pack.packing import PackResult, pack
+from vlm_pack.packing import PackResult
 
 from .lengths import LengthTable
 
@@ -134,22 +134,6 @@ def _grad_accum_metrics(
     }
 
 
-def _pack_table(table: LengthTable, config: PackingConfig, strategy: str) -> PackResult:
-    """:func:`vlm_pack.packing.pack` with ``config``'s knobs, its vision budget counted as ``config.vision_cost``."""
-    vision = None
-    if config.vision_capacity is not None:
-        vision = table.num_images if config.vision_cost == "images" else table.num_patches
-    return pack(
-        table.lengths,
-        config.capacity,
-        strategy=strategy,
-        vision=vision,
-        vision_capacity=config.vision_capacity,
-        max_samples_per_bin=config.max_samples_per_bin,
-        oversized=config.oversized,
-    )
-
-
 def _analysis_config(
     capacity: int,
     config: PackingConfig | None,
@@ -174,6 +158,23 @@ def _analysis_config(
     if config.oversized not in ("skip", "truncate"):
         raise ValueError(f"oversized must be 'skip' or 'truncate' for an analysis, got {config.oversized!r}")
     return config
+
+
+def _pack_metrics(table: LengthTable, result: PackResult, vision_kept: np.ndarray) -> dict[str, Any]:
+    """The packs' fill and what each pack holds; ``vision_kept`` ``[N]``: vision tokens each sample keeps."""
+    nb = result.num_bins
+    starts = result.bin_offsets[:-1]
+    seg = lambda v: np.add.reduceat(v[result.order], starts) if nb else np.zeros(0, np.int64)  # noqa: E731
+    return {
+        "bins": nb,
+        "lower_bound": result.lower_bound,
+        "efficiency": result.efficiency,
+        "waste": 1.0 - result.efficiency if nb else 0.0,
+        "padded_tokens": nb * int(result.capacity),
+        "samples_per_pack": _stats(result.bin_sizes.astype(np.float64)),
+        "images_per_pack": _stats(seg(table.num_images).astype(np.float64)),
+        "vision_tokens_per_pack": _stats(seg(vision_kept).astype(np.float64)),
+    }
 
 
 def analyze_capacity(
@@ -207,10 +208,9 @@ def analyze_capacity(
     if lengths.size and lengths.min() < 1:
         i = int(np.argmin(lengths))
         raise ValueError(f"sample {table.keys[i]!r} has length 0: nothing to train on; drop it.")
-    result = _pack_table(table, config, strategy)
+    result = table.pack(config, strategy)
     kept = result.order
     kept_lens = result.lengths[kept]
-    sizes = result.bin_sizes
     b = baseline
     padded = {
         order: padded_batches(lengths, b.batch_size, order=order, seed=seed)
@@ -221,7 +221,6 @@ def analyze_capacity(
     per_micro = mean_spp * b.world_size * b.packs_per_device
     micro_padded = math.ceil(lengths.size / (b.batch_size * b.world_size))
     micro_packed = math.ceil(nb / (b.world_size * b.packs_per_device))
-    seg = lambda v: np.add.reduceat(v[kept], result.bin_offsets[:-1]) if nb else np.zeros(0, np.int64)  # noqa: E731
     vision_kept = np.minimum(table.vision_tokens, result.lengths)  # a truncated sample keeps <= capacity
     metrics: dict[str, Any] = {
         "capacity": int(capacity),
@@ -244,14 +243,7 @@ def analyze_capacity(
         },
         "packed": {
             "strategy": strategy,
-            "bins": nb,
-            "lower_bound": result.lower_bound,
-            "efficiency": result.efficiency,
-            "waste": 1.0 - result.efficiency if nb else 0.0,
-            "padded_tokens": nb * int(capacity),
-            "samples_per_pack": _stats(sizes.astype(np.float64)),
-            "images_per_pack": _stats(seg(table.num_images).astype(np.float64)),
-            "vision_tokens_per_pack": _stats(seg(vision_kept).astype(np.float64)),
+            **_pack_metrics(table, result, vision_kept),
             "micro_steps_per_epoch": micro_packed,
         },
         "grad_accum": _grad_accum_metrics(b, per_micro, micro_padded, micro_packed),
@@ -282,20 +274,12 @@ def analyze(
         raise ValueError("give at least one capacity")
     if len(table) == 0:
         raise ValueError("no samples to analyze: the sources are empty (or every sample was invalid)")
+    config = _analysis_config(
+        capacities[0], config, oversized, max_samples_per_pack, max_images_per_pack, max_patches_per_pack
+    )
     per_cap, results = [], []
     for cap in capacities:
-        m, r = analyze_capacity(
-            table,
-            int(cap),
-            baseline=baseline,
-            strategy=strategy,
-            oversized=oversized,
-            max_samples_per_pack=max_samples_per_pack,
-            max_images_per_pack=max_images_per_pack,
-            max_patches_per_pack=max_patches_per_pack,
-            seed=seed,
-            config=config,
-        )
+        m, r = analyze_capacity(table, int(cap), baseline=baseline, strategy=strategy, seed=seed, config=config)
         per_cap.append(m)
         results.append(r)
     n_img = table.num_images

@@ -3,51 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..data.forecast import LengthTable
 from .sources import SampleInfo, SampleReadError
 
-
-@dataclass
-class LengthTable:
-    """Per-sample forecast, as flat arrays (ragged per-image data in CSR form).
-
-    Attributes:
-        keys, sources: ``[N]`` sample keys and where they were read.
-        text_tokens: int64 ``[N]``: tokens that are not image placeholders (template and wrappers included).
-        vision_tokens: int64 ``[N]``: image placeholder tokens (sum over the sample's images).
-        num_patches: int64 ``[N]``: vision-encoder patches (the ViT's second budget).
-        image_ptr: int64 ``[N + 1]``: images of sample ``i`` are ``image_ptr[i]:image_ptr[i+1]``.
-        image_tokens: int64 ``[M]``: placeholders of each image.
-        image_starts: int64 ``[M]``: offset of each image's first placeholder inside its (expanded) sample.
-        invalid: ``(key, source, reason)`` of samples that could not be forecast (``on_error="skip"``).
-    """
-
-    keys: list[str]
-    sources: list[str]
-    text_tokens: np.ndarray
-    vision_tokens: np.ndarray
-    num_patches: np.ndarray
-    image_ptr: np.ndarray
-    image_tokens: np.ndarray
-    image_starts: np.ndarray
-    invalid: list[tuple[str, str, str]] = field(default_factory=list)
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """int64 ``[N]``: expanded lengths (text + vision tokens)."""
-        return self.text_tokens + self.vision_tokens
-
-    @property
-    def num_images(self) -> np.ndarray:
-        """int64 ``[N]``: images per sample."""
-        return np.diff(self.image_ptr)
-
-    def __len__(self) -> int:
-        return len(self.keys)
+__all__ = ["LengthTable", "forecast_lengths"]  # LengthTable lives with the forecast over sources
 
 
 def forecast_lengths(
@@ -60,6 +23,9 @@ def forecast_lengths(
     progress: bool | None = None,
 ) -> LengthTable:
     """Tokenize each conversation and forecast its images' placeholders: a :class:`LengthTable`.
+
+    For samples read by :func:`scan_samples`; ``vlm_pack.data.forecast.forecast_sources`` reads and
+    forecasts any source in one go, in parallel processes.
 
     ``spec`` is a ``vlm_pack.vision`` spec; ``family`` picks the chat format (default: the tokenizer's
     ``vlm_pack_family``, else the spec's family). ``on_error="skip"`` records bad samples in

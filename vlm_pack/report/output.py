@@ -28,9 +28,9 @@ def _n(x: float) -> str:
     return f"{x:,.0f}"
 
 
-def format_report(report: dict[str, Any]) -> str:
-    """The report as a plain-text table: one column per capacity."""
-    d, b, caps = report["dataset"], report["baseline"], report["capacities"]
+def _dataset_lines(report: dict[str, Any]) -> list[str]:
+    """The lines above the table: the dataset's token statistics and the padded baseline."""
+    d, b = report["dataset"], report["baseline"]
     t, v, L = d["text_tokens_per_sample"], d["vision_tokens_per_sample"], d["length_per_sample"]
     lines = [
         f"vlm-pack analyze: {d['samples']:,} samples ({d['images']:,} images, {d['text_only_samples']:,} text-only)"
@@ -46,6 +46,21 @@ def format_report(report: dict[str, Any]) -> str:
         f"padded baseline: {b['batch_size']} samples/device x {b['world_size']} device(s) x grad-accum "
         f"{b['grad_accum']}; target {b['samples_per_update']} samples per optimizer update"
     )
+    return lines
+
+
+def _table_lines(caps: list[dict[str, Any]], rows: list[tuple[str, Callable[[dict[str, Any]], str]]]) -> list[str]:
+    """One column per capacity: a header, a rule, then one line per ``(label, format)`` row."""
+    head = ["capacity"] + [f"{c['capacity']:,}" for c in caps]
+    body = [[label] + [fmt(c) for c in caps] for label, fmt in rows]
+    w0 = max(len(r[0]) for r in [head, *body])
+    ws = [max(len(r[i]) for r in [head, *body]) for i in range(1, len(head))]
+    fmt_row = lambda r: "  ".join([r[0].ljust(w0)] + [x.rjust(w) for x, w in zip(r[1:], ws)])  # noqa: E731
+    return [fmt_row(head), "-" * (w0 + sum(w + 2 for w in ws)), *(fmt_row(r) for r in body)]
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a plain-text table: one column per capacity."""
     rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("samples packed", lambda c: f"{c['packed_samples']:,}"),
         ("  oversized, skipped", lambda c: f"{len(c['oversized_skipped']):,}"),
@@ -104,15 +119,11 @@ def format_report(report: dict[str, Any]) -> str:
             ),
         ),
     ]
-    head = ["capacity"] + [f"{c['capacity']:,}" for c in caps]
-    body = [[label] + [fmt(c) for c in caps] for label, fmt in rows]
-    w0 = max(len(r[0]) for r in [head, *body])
-    ws = [max(len(r[i]) for r in [head, *body]) for i in range(1, len(head))]
-    fmt_row = lambda r: "  ".join([r[0].ljust(w0)] + [x.rjust(w) for x, w in zip(r[1:], ws)])  # noqa: E731
-    lines += ["", fmt_row(head), "-" * (w0 + sum(w + 2 for w in ws))]
-    lines += [fmt_row(r) for r in body]
-    target = b["samples_per_update"]
-    lines += [
+    target = report["baseline"]["samples_per_update"]
+    lines = [
+        *_dataset_lines(report),
+        "",
+        *_table_lines(report["capacities"], rows),
         "",
         f"grad-accum rows: micro steps per optimizer update (samples per update); target {target} samples.",
         f"  (1) recommended: samples per update closest to {target}.",

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from ..vision_inputs import VISION_KEYS, join_vision
 from .metric import next_token_logprobs, token_mult_prob_error
 
 __all__ = [
@@ -39,8 +39,7 @@ __all__ = [
 ]
 
 #: Per-token keys padded to the longest sample by ``pad_samples``; vision keys are concatenated.
-_TOKEN_KEYS = ("input_ids", "mm_token_type_ids")
-_VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
+_TOKEN_KEYS = ("input_ids", "mm_token_type_ids", "token_type_ids")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -57,14 +56,14 @@ def pad_samples(samples: Sequence[dict[str, torch.Tensor]], pad_token_id: int = 
                                                               b0 b1 P  P                       1 1 0 0
 
     Args:
-        samples: dicts from ``process_sample`` (1-D ``input_ids`` (L,); optional ``mm_token_type_ids`` (L,),
-            ``pixel_values``, ``image_grid_thw`` (n, 3), ``image_sizes`` (n, 2)).
+        samples: dicts from ``process_sample`` (1-D ``input_ids`` (L,); optional ``mm_token_type_ids`` /
+            ``token_type_ids`` (L,), and the vision tensors of ``vision_inputs.VISION_KEYS``).
         pad_token_id: id written in the padding (never attended to, never scored).
 
     Returns:
-        ``input_ids`` (B, Lmax), ``attention_mask`` (B, Lmax), ``mm_token_type_ids`` (B, Lmax) when the
-        samples have it, and the vision tensors concatenated in sample order (LLaVA-NeXT's 5-D
-        ``pixel_values`` zero-padded to the most tiles; the model drops the padding using ``image_sizes``).
+        ``input_ids`` (B, Lmax), ``attention_mask`` (B, Lmax), ``mm_token_type_ids`` / ``token_type_ids``
+        (B, Lmax) when the samples have them, and the vision tensors joined in sample order as each model
+        reads them (``vision_inputs.join_vision``; with one sample: the sample's own tensors).
     """
     if not samples:
         raise ValueError("pad_samples: no samples")
@@ -85,14 +84,7 @@ def pad_samples(samples: Sequence[dict[str, torch.Tensor]], pad_token_id: int = 
         )
     lengths = torch.tensor([len(s["input_ids"]) for s in samples])
     out["attention_mask"] = (torch.arange(out["input_ids"].shape[1]) < lengths[:, None]).long()
-    for key in _VISION_KEYS:
-        parts = [s[key] for s in samples if key in s and s[key].numel()]
-        if not parts:
-            continue
-        if key == "pixel_values" and parts[0].ndim == 5:
-            most = max(p.shape[1] for p in parts)
-            parts = [F.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
-        out[key] = torch.cat(parts)
+    out.update(join_vision([{k: v for k, v in s.items() if k in VISION_KEYS and v.numel()} for s in samples]))
     return out
 
 
@@ -260,7 +252,7 @@ def _one_example(index: int, sample: Any) -> dict[str, Any]:
         raise ValueError(f"sample {index}: needs 'input_ids' (a dict from process_sample or an HF processor)")
     out = dict(sample)
     mask = out.pop("attention_mask", None)
-    for key in ("input_ids", "labels", "mm_token_type_ids"):
+    for key in ("input_ids", "labels", *_TOKEN_KEYS[1:]):
         if out.get(key) is None:
             out.pop(key, None)
             continue
@@ -277,7 +269,7 @@ def _one_example(index: int, sample: Any) -> dict[str, Any]:
         if keep.numel() != out["input_ids"].numel():
             raise ValueError(f"sample {index}: attention_mask and input_ids differ in length")
         if not bool(keep.all()):
-            for key in ("input_ids", "labels", "mm_token_type_ids"):
+            for key in ("input_ids", "labels", *_TOKEN_KEYS[1:]):
                 if key in out:
                     out[key] = out[key][keep]
     return out

@@ -33,6 +33,9 @@ class MegatronSpec(VisionSpec):
     use_thumbnail: bool = True
     wrapper_tokens: int = 0
 
+    def __post_init__(self) -> None:
+        self._check_positive("img_h", "img_w", "patch_dim", "min_tiles", "max_tiles")
+
     @property
     def tokens_per_tile(self) -> int:
         """``get_num_image_embeddings`` for one tile."""

@@ -27,7 +27,7 @@ class PixtralSpec(_ResizedSpec):
     wrapper_tokens: int = 0
 
     def resized_size(self, width: int, height: int) -> tuple[int, int]:
-        """``(width, height)`` after the processor's resize (multiples of ``patch_size``)."""
+        """``(width, height)`` after the processor's resize (multiples of ``patch_size * spatial_merge_size``)."""
         width, height = _check_size(self.family, width, height)
         ratio = max(height / self.longest_edge, width / self.longest_edge)
         if ratio > 1:
@@ -39,7 +39,7 @@ class PixtralSpec(_ResizedSpec):
                 f"capped at {self.longest_edge}; the processor cannot resize it. Crop or pad it "
                 "(max(h, w) / min(h, w) must stay <= longest_edge)."
             )
-        p = self.patch_size
+        p = self.patch_size * self.spatial_merge_size  # the processor resizes to multiples of patch * merge
         return ((width - 1) // p + 1) * p, ((height - 1) // p + 1) * p
 
     def token_grid(self, width: int, height: int) -> tuple[int, int]:

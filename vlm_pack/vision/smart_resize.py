@@ -112,10 +112,7 @@ class _QwenStyleSpec(_ResizedSpec):
     family: ClassVar[str] = "qwen2_vl"
 
     def __post_init__(self) -> None:
-        for name in ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"{self.family}: {name} must be a positive integer, got {value!r}.")
+        self._check_positive("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels")
 
     @property
     def factor(self) -> int:

@@ -57,6 +57,13 @@ class VisionSpec(abc.ABC):
         _check_size(self.family, width, height)
         return self.wrapper_tokens
 
+    def _check_positive(self, *names: str) -> None:
+        """ValueError naming the field when one of ``names`` is not a positive integer (a bad spec, not bad data)."""
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"{self.family}: {name} must be a positive integer, got {value!r}.")
+
     def total_tokens(self, width: int, height: int) -> int:
         """``num_tokens + extra_tokens``: every token one image adds to the sequence."""
         return self.num_tokens(width, height) + self.extra_tokens(width, height)

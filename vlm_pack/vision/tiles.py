@@ -58,6 +58,9 @@ class InternVLSpec(VisionSpec):
     patch_size: int = 14
     wrapper_tokens: int = 2
 
+    def __post_init__(self) -> None:
+        self._check_positive("tile_size", "min_tiles", "max_tiles", "image_seq_length", "patch_size")
+
     def tile_grid(self, width: int, height: int) -> tuple[int, int]:
         """``(columns, rows)`` of the tiling (``(1, 1)`` when the image is not cropped)."""
         width, height = _check_size(self.family, width, height)
@@ -148,6 +151,7 @@ class Idefics3Spec(VisionSpec):
     variant: str = "idefics3"
 
     def __post_init__(self) -> None:
+        self._check_positive("longest_edge", "max_image_size", "image_seq_len", "patch_size")
         if self.variant not in ("idefics3", "smolvlm"):
             raise ValueError(f"Idefics3Spec.variant must be 'idefics3' or 'smolvlm', got {self.variant!r}.")
 

@@ -1,0 +1,361 @@
+"""Every family end to end: the checkpoint's template -> process_sample -> PackingCollator -> the model.
+
+For each of the twelve families: a tiny random model of the genuine transformers class (init std 0.2 so
+that a packing mistake moves the log-probs visibly), the family's real image processor with the released
+checkpoint's parameters (a lower tile / pixel cap where noted, same rule), and the chat template the
+released checkpoint ships (``tests/templates/``; Qwen3-VL: vlm-pack's own Qwen format). Three samples (two
+images, one image, text only) packed into ONE row must give the log-probs each sample gets alone, run
+through the model with exactly what its processor returned (Gemma 3: with its ``token_type_ids``):
+token_mult_prob_error <= 1.0001 and max |dlogp| <= 1e-3, sdpa and eager. Negative controls show the
+check can fail: positions that do not restart, Gemma 3 through transformers' own packed mask, OneVision
+with one row-wide ``batch_num_images``, GLM-4.1V with 3-row position ids.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlm_pack import offline
+from vlm_pack.collate import PackingCollator
+from vlm_pack.processing import forecast_length, process_sample
+from vlm_pack.testing import check_packed_equivalence, default_packed_forward
+
+TEMPLATES = Path(__file__).parent / "templates"
+TOL, MAX_ABS = 1.0001, 1e-3
+WRONG = 1.001  # every negative control must be clearly off
+
+FAMILIES = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "llava",
+    "llava_next",
+    "llava_onevision",
+    "internvl",
+    "idefics3",
+    "smolvlm",
+    "gemma3",
+    "mistral3",
+    "glm4v",
+)
+# Fewer tokens than the checkpoints would make of the same images, by the same rule: Qwen-style pixel caps,
+# InternVL at most 4 tiles, Idefics3 / SmolVLM images of at most 2 x 2 crops.
+_QWEN_CAP = dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 48 * 28 * 28})
+OVERRIDES = {
+    "qwen2_vl": _QWEN_CAP,
+    "qwen2_5_vl": _QWEN_CAP,
+    "qwen3_vl": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 48 * 32 * 32}),
+    "glm4v": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 48 * 28 * 28}),
+    "internvl": dict(max_patches=4),
+    "idefics3": dict(size={"longest_edge": 2 * 364}),
+    "smolvlm": dict(size={"longest_edge": 2 * 384}),
+}
+# (width, height) of the images of samples 0 (two images) and 1 (one image); sample 2 is text only.
+# LLaVA-NeXT / OneVision: a tall single image selects a cheap pinpoint.
+SIZES = [[(90, 60), (40, 110)], [(50, 140)], []]
+_QUESTIONS = ["what is the red car near", "describe the picture", "count the people on the street"]
+_ANSWERS = ["the dog is left of the tall building", "two people with a dog", "three cats and a house"]
+
+
+def _image(width: int, height: int, seed: int) -> Image.Image:
+    """A noisy RGB picture (plain colours would give every image token the same features)."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _conversation(k: int, num_images: int) -> list[dict]:
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image"}] * num_images + [{"type": "text", "text": _QUESTIONS[k]}],
+        },
+        {"role": "assistant", "content": _ANSWERS[k]},
+    ]
+
+
+@functools.cache
+def _processor(family: str):
+    path = TEMPLATES / f"{family}.jinja"
+    template = path.read_text() if path.exists() else None
+    tok = offline.build_tokenizer(family)
+    return offline.processor(family, tok, chat_template=template, **OVERRIDES.get(family, {}))
+
+
+@functools.cache
+def _images(k: int) -> tuple:
+    return tuple(_image(w, h, seed=10 * k + j) for j, (w, h) in enumerate(SIZES[k]))
+
+
+@functools.cache
+def _samples(family: str, layout: str = "expanded") -> tuple:
+    proc = _processor(family)
+    return tuple(
+        process_sample(list(_images(k)), _conversation(k, len(SIZES[k])), processor=proc, layout=layout)
+        for k in range(len(SIZES))
+    )
+
+
+@functools.cache
+def _model(family: str, attn: str):
+    return offline.tiny_model(
+        family, _processor(family).tokenizer, attn_implementation=attn, initializer_range=0.2, seed=0
+    )
+
+
+def _one_row(family: str, layout: str = "expanded", **kwargs) -> PackingCollator:
+    samples = _samples(family, layout)
+    longest = sum(len(s["input_ids"]) for s in _samples(family))  # expanded lengths
+    return PackingCollator(
+        longest, config=_model(family, "sdpa").config, tokenizer=_processor(family), layout=layout, **kwargs
+    ), samples
+
+
+def _check(family: str, attn: str, packed_forward=None):
+    collator, samples = _one_row(family)
+    batch = collator(list(samples))
+    assert batch.num_rows == 1 and batch.num_samples == 3  # really packed: all three in one row
+    return check_packed_equivalence(
+        _model(family, attn),
+        list(samples),
+        None,
+        packed_batch=batch,
+        style=attn,
+        batch_size=1,  # the reference: each sample alone, with exactly its processor's tensors
+        packed_forward=packed_forward,
+        tokenizer=_processor(family).tokenizer,
+    )
+
+
+# ------------------------------------------------------------------------------------ packed == alone
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_row_matches_each_sample_alone(family, attn):
+    report = _check(family, attn)
+    assert report.passed, str(report)
+    assert report.metric <= TOL and report.max_abs_diff <= MAX_ABS, str(report)
+    assert report.num_samples == 3 and len(report.samples) == 3
+    assert report.num_tokens == sum(len(s["input_ids"]) - 1 for s in _samples(family))
+    samples = _samples(family)
+    assert [len(s["tokens_per_image"]) for s in samples] == [2, 1, 0]  # a multi-image sample in the row
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forecast_is_the_processed_length(family):
+    proc = _processor(family)
+    for k, s in enumerate(_samples(family)):
+        length, counts = forecast_length(_conversation(k, len(SIZES[k])), SIZES[k], processor=proc)
+        assert length == len(s["input_ids"])
+        assert counts == s["tokens_per_image"].tolist()
+
+
+# --------------------------------------------------------------------------------- negative controls
+
+
+def _positions_as_one_sequence(model, batch):
+    """The classic mistake: the row numbered as one sequence (transformers then finds no sample boundary)."""
+    kwargs = dict(batch.model_inputs("sdpa"))
+    pos = kwargs["position_ids"].clone()
+    arange = torch.arange(pos.shape[-1]).expand(pos.shape[-2], -1)
+    if pos.dim() == 3:
+        pos[0] = arange  # the text row, from which packing is detected
+    else:
+        pos = arange
+    kwargs["position_ids"] = pos
+    return model(**kwargs).logits
+
+
+def _hf_packed_path(model, batch):
+    """Gemma 3 with token_type_ids and no mask: transformers' own packed path (wrong in sliding layers)."""
+    kwargs = dict(batch.model_inputs("sdpa"))
+    kwargs.pop("attention_mask")
+    assert "token_type_ids" in kwargs
+    return model(**kwargs).logits
+
+
+def _three_row_mrope(model, batch):
+    """GLM-4.1V with the usual 3-row mRoPE ids: transformers finds no text row to detect the packing from."""
+    kwargs = dict(batch.model_inputs("sdpa"))
+    kwargs["position_ids"] = kwargs["position_ids"][1:]
+    return model(**kwargs).logits
+
+
+_CONTROLS = [(f, "positions", _positions_as_one_sequence) for f in FAMILIES if f != "gemma3"]
+_CONTROLS += [("gemma3", "hf-packed-mask", _hf_packed_path), ("glm4v", "3-row-mrope", _three_row_mrope)]
+
+
+@pytest.mark.parametrize(
+    ("family", "mistake", "forward"), _CONTROLS, ids=[f"{f}-{m}" for f, m, _ in _CONTROLS]
+)
+def test_negative_controls_fail(family, mistake, forward):
+    report = _check(family, "sdpa", packed_forward=forward)
+    assert not report.passed and report.metric > WRONG, str(report)
+
+
+def test_gemma3_reference_needs_its_token_type_ids():
+    """Without token_type_ids Gemma 3 is a different (causal) model: the reference must keep them."""
+    model = _model("gemma3", "sdpa")
+    s = _samples("gemma3")[1]
+    inputs = dict(input_ids=s["input_ids"][None], pixel_values=s["pixel_values"], use_cache=False)
+    with torch.no_grad():
+        two_way = model(**inputs, token_type_ids=s["token_type_ids"][None]).logits
+        causal = model(**inputs).logits
+    assert (two_way - causal).abs().max() > 1e-2
+
+
+def test_onevision_row_wide_batch_num_images_breaks_the_token_counts():
+    collator, samples = _one_row("llava_onevision")
+    kwargs = collator(list(samples)).model_inputs("sdpa")
+    assert kwargs["batch_num_images"].tolist() == [2, 1]  # per sample (the text-only one has none)
+    kwargs["batch_num_images"] = kwargs["batch_num_images"].sum().reshape(1)
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"), torch.no_grad():
+        _model("llava_onevision", "sdpa")(**kwargs)
+
+
+# ------------------------------------------------------------------- flash-style inputs (varlen kernels)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma3"])
+def test_flash_style_inputs_through_varlen_attention_match_each_sample_alone(family):
+    """``model_inputs("flash_attention_2")`` (rows flattened, ``cu_seq_lens_q/k``) on vlm-pack's varlen
+    attention (torch on CPU) vs each sample alone through sdpa. Gemma 3 is left out: transformers' flash
+    path cannot express its two-way image blocks, alone or packed (use sdpa or eager for it)."""
+    from vlm_pack.attention import use_varlen_attention
+
+    model = offline.tiny_model(family, _processor(family).tokenizer, initializer_range=0.2, seed=0)
+    if family == "mistral3":  # Mistral-Small-3.1's text config has no sliding window (the tiny one 4096)
+        model.config.text_config.sliding_window = None
+    use_varlen_attention(model)
+    sdpa = _model(family, "sdpa")
+    collator, samples = _one_row(family)
+    report = check_packed_equivalence(
+        model,
+        list(samples),
+        None,
+        packed_batch=collator(list(samples)),
+        batch_size=1,
+        batched_forward=lambda _, inputs: sdpa(**inputs, use_cache=False).logits,
+        packed_forward=default_packed_forward("flash_attention_2"),
+    )
+    assert report.passed and report.max_abs_diff <= MAX_ABS, str(report)
+
+
+# ------------------------------------------------------------------------ Gemma 3 masks, GLM-4.1V mRoPE
+
+
+def test_gemma3_masks_are_transformers_masks_of_each_sample_alone():
+    """Oracle: transformers' own Gemma 3 masks for each sample alone (sdpa, bool), placed on the diagonal."""
+    from transformers.models.gemma3.modeling_gemma3 import (
+        create_masks_for_vision_model,
+        get_block_sequence_ids_for_mask,
+    )
+
+    config = _model("gemma3", "sdpa").config.get_text_config()
+    assert config.sliding_window < 256  # the window cuts through images: the sliding masks differ
+    collator, samples = _one_row("gemma3")
+    batch = collator(list(samples))
+    got = batch.attention_masks()
+    eager = batch.attention_masks(torch.float32)
+    cu = batch.cu_seqlens.tolist()
+    assert batch.cu_seqlens_padded.tolist() == cu == [0, *np.cumsum([len(s["input_ids"]) for s in samples])]
+    for layer in ("full_attention", "sliding_attention"):
+        want = torch.zeros_like(got[layer])  # nothing across samples
+        for k, s in enumerate(samples):  # in a single row, packed order is input order
+            length = len(s["input_ids"])
+            alone = create_masks_for_vision_model(
+                config=config,
+                inputs_embeds=torch.zeros(1, length, 1),
+                attention_mask=None,
+                past_key_values=None,
+                position_ids=torch.arange(length)[None],
+                block_sequence_ids=get_block_sequence_ids_for_mask(s["token_type_ids"][None]),
+            )[layer]
+            want[0, 0, cu[k] : cu[k + 1], cu[k] : cu[k + 1]] = alone[0, 0]
+        assert torch.equal(got[layer], want), layer
+        assert torch.equal(eager[layer] == 0, got[layer])
+    assert not torch.equal(got["full_attention"], got["sliding_attention"])
+
+
+def test_glm4v_positions_are_the_models_get_rope_index_per_sample():
+    model = _model("glm4v", "sdpa")
+    collator, samples = _one_row("glm4v")
+    batch = collator(list(samples))
+    assert batch.position_ids.shape == (4, 1, batch.row_length)
+    cu = batch.cu_seqlens.tolist()
+    grids = iter(batch.image_grid_thw)
+    for slot, k in enumerate(batch.sample_index.tolist()):
+        s = samples[k]
+        grid = torch.stack([next(grids) for _ in SIZES[k]]) if SIZES[k] else None
+        rope, _ = model.model.get_rope_index(
+            s["input_ids"][None], mm_token_type_ids=s["mm_token_type_ids"][None], image_grid_thw=grid
+        )
+        got = batch.position_ids[:, 0, cu[slot] : cu[slot + 1]]
+        assert torch.equal(got[1:], rope[:, 0])
+        assert torch.equal(got[0], torch.arange(len(s["input_ids"])))
+
+
+# ------------------------------------------------------------------------------------ collapsed layout
+
+
+@pytest.mark.parametrize("family", ["llava_onevision", "internvl", "gemma3", "glm4v"])
+def test_collapsed_layout_expands_to_the_expanded_batch(family):
+    """One placeholder per image (families whose image tokens form one run): the collapsed batch, each
+    placeholder repeated ``tokens_per_image`` times, is the expanded batch: ids, positions, boundaries."""
+    collator, samples = _one_row(family)
+    expanded = collator(list(samples))
+    ccollator, csamples = _one_row(family, layout="collapsed")
+    collapsed = ccollator(list(csamples))
+    image_id = ccollator.image_token_id
+    ids = collapsed.input_ids.reshape(-1)
+    assert int((ids == image_id).sum()) == 3  # one per image
+    repeats = torch.ones_like(ids)
+    repeats[ids == image_id] = collapsed.tokens_per_image
+    assert torch.equal(ids.repeat_interleave(repeats), expanded.input_ids.reshape(-1))
+    assert torch.equal(collapsed.position_ids, expanded.position_ids.reshape(collapsed.position_ids.shape))
+    assert torch.equal(collapsed.cu_seqlens_expanded, expanded.cu_seqlens)
+    assert torch.equal(collapsed.pixel_values, expanded.pixel_values)
+
+
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm", "mistral3"])
+def test_collapsed_layout_is_refused_where_images_interleave_with_markers(family):
+    with pytest.raises(ValueError, match="layout='expanded'"):
+        process_sample(
+            list(_images(0)), _conversation(0, 2), processor=_processor(family), layout="collapsed"
+        )
+
+
+# ------------------------------------------------------------------------------ joining, errors
+
+
+def test_join_vision_shapes_by_hand():
+    from vlm_pack.vision_inputs import join_vision
+
+    a, b = torch.ones(1, 3, 2, 4), 2 * torch.ones(2, 3, 4, 2)  # Pixtral: each sample padded to its own max
+    got = join_vision([{"pixel_values": a, "image_sizes": torch.tensor([[2, 4]])}, {"pixel_values": b}])
+    want = torch.zeros(3, 3, 4, 4)
+    want[0, :, :2, :] = 1
+    want[1:, :, :, :2] = 2
+    assert torch.equal(got["pixel_values"], want) and got["image_sizes"].tolist() == [[2, 4]]
+    # Idefics3 / SmolVLM: crops of all samples along dim 1, masks alike
+    crops = [torch.ones(1, n, 3, 5, 5) for n in (2, 3)]
+    masks = [torch.ones(1, n, 5, 5, dtype=torch.long) for n in (2, 3)]
+    got = join_vision([{"pixel_values": c, "pixel_attention_mask": m} for c, m in zip(crops, masks)])
+    assert got["pixel_values"].shape == (1, 5, 3, 5, 5) and got["pixel_attention_mask"].shape == (1, 5, 5, 5)
+    # OneVision: tiles zero-padded to the most, batch_num_images kept per sample
+    tiles = [torch.ones(1, 3, 3, 2, 2), torch.ones(2, 1, 3, 2, 2)]
+    got = join_vision([{"pixel_values": t, "batch_num_images": torch.tensor([len(t)])} for t in tiles])
+    assert got["pixel_values"].shape == (3, 3, 3, 2, 2) and got["batch_num_images"].tolist() == [1, 2]
+    assert got["pixel_values"][1:, 1:].abs().sum() == 0
+
+
+def test_gemma3_collator_needs_the_sliding_window():
+    with pytest.raises(ValueError, match="sliding_window"):
+        PackingCollator(64, tokenizer=_processor("gemma3").tokenizer)
+    assert PackingCollator(64, tokenizer=_processor("gemma3").tokenizer, sliding_window=8).sliding_window == 8

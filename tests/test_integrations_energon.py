@@ -1,0 +1,133 @@
+"""Megatron-Energon: header forecasts, best-fit packs, PackedBatch samples, exactly-once save/restore."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.energon", reason="needs the [energon] extra")
+
+from megatron.energon import WorkerConfig, get_savable_loader
+from megatron.energon.errors import reraise_exception
+
+from vlm_pack import process_sample
+from vlm_pack.data import write_shards
+from vlm_pack.demo import demo_records
+from vlm_pack.integrations.energon import VLMPackingTaskEncoder, packed_train_dataset
+from vlm_pack.offline import build_tokenizer, image_processor
+
+NUM = 16
+CAPACITY = 2048
+
+
+def energon_prepare(path: Path) -> None:
+    exe = shutil.which("energon", path=str(Path(sys.executable).parent)) or shutil.which("energon")
+    cmd = [exe, "prepare", str(path), "--non-interactive", "--split-ratio", "1,0,0",
+           "--sample-type", "CrudeWebdataset"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = tmp_path_factory.mktemp("energon")
+    records = demo_records(NUM)
+    write_shards(records, str(path / "part-%05d.tar"), maxcount=4)
+    energon_prepare(path)
+    tok = build_tokenizer("qwen2_vl")
+    ip = image_processor("qwen2_vl", size={"shortest_edge": 3136, "longest_edge": 50176})
+    return path, tok, ip, {r["key"]: r for r in records}
+
+
+def _encoder(setup, capacity=CAPACITY, **kw):
+    _, tok, ip, _ = setup
+    return VLMPackingTaskEncoder(capacity, tokenizer=tok, image_processor=ip, family="qwen2_vl", **kw)
+
+
+def _loader(setup, rank, world, workers, encoder=None, repeat=False):
+    wc = WorkerConfig(rank=rank, world_size=world, num_workers=workers, global_error_handler=reraise_exception)
+    # A buffer smaller than a worker's share (16 samples / 2 ranks / 2 workers): with repeat=True a larger one
+    # would hold the same sample twice.
+    ds = packed_train_dataset(str(setup[0]), encoder or _encoder(setup), worker_config=wc, packing_buffer_size=3,
+                              repeat=repeat)
+    return get_savable_loader(ds, watchdog_timeout_seconds=None)
+
+
+def _take(loader, n):
+    """The keys of the next ``n`` packs; then stop the loader's worker processes now (an abandoned persistent
+    iterator is otherwise shut down by a later garbage collection, stalling whatever runs then)."""
+    keys = [p.keys for p in itertools.islice(loader, n)]
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        iterator._shutdown_workers()
+    return keys
+
+
+def test_packs_hold_the_processed_samples_within_capacity(setup):
+    _, tok, ip, records = setup
+    packs = list(_loader(setup, 0, 1, 0))
+    keys = [k for p in packs for k in p.keys]
+    assert sorted(keys) == sorted(records)
+    for p in packs[:3]:
+        batch = p.batch
+        assert batch.num_rows == 1 and batch.row_length == CAPACITY and batch.num_real_tokens <= CAPACITY
+        # Oracle: the real processor on the same record, outside Energon.
+        want = [len(process_sample([d for d, _ in records[k]["images"]], records[k]["conversation"],
+                                   tokenizer=tok, image_processor=ip)["input_ids"]) for k in p.keys]
+        assert batch.seq_lens.tolist() == want
+        assert batch.position_ids.shape == (4, 1, CAPACITY)  # Qwen mRoPE rows
+    assert sum(len(p.keys) for p in packs) / len(packs) > 1.4  # packing, not one sample per item
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_one_epoch_over_two_ranks_gives_every_sample_once(setup, workers):
+    keys = [k for rank in range(2) for p in _loader(setup, rank, 2, workers) for k in p.keys]
+    assert sorted(keys) == sorted(setup[3])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_restart_mid_epoch_resumes_the_same_packs(setup, workers):
+    """Saved after 2 packs and restored in a new loader, each rank yields exactly the packs (hence samples) of
+    the uninterrupted run: none repeated, none lost."""
+    for rank in range(2):
+        full = _take(_loader(setup, rank, 2, workers, repeat=True), 5)
+        loader = _loader(setup, rank, 2, workers, repeat=True)
+        head = [p.keys for p in itertools.islice(loader, 2)]
+        state = loader.save_state_rank()
+        _take(loader, 0)
+        restored = _loader(setup, rank, 2, workers, repeat=True)
+        restored.restore_state_rank(state)
+        tail = _take(restored, 3)
+        assert head + tail == full, f"rank {rank}, {workers} workers: the restart changed the packs"
+
+
+def test_oversized_samples_are_reported_not_lost(setup, caplog):
+    encoder = _encoder(setup, capacity=512)
+    with caplog.at_level(logging.WARNING, logger="vlm_pack.integrations.energon"):
+        packed = [k for p in _loader(setup, 0, 1, 0, encoder) for k in p.keys]
+    left = [key for key, _ in encoder.left_out]
+    assert left and sorted(packed + left) == sorted(setup[3])
+    assert all(f"left out sample {key!r}" in caplog.text for key in left)
+    assert all(reason.endswith("> capacity 512") for _, reason in encoder.left_out)
+
+
+def test_oversized_raise_names_the_sample(setup):
+    with pytest.raises(ValueError, match=r"sample 'demo-\d+': \d+ tokens > capacity 512"):
+        list(_loader(setup, 0, 1, 0, _encoder(setup, capacity=512, oversized="raise")))
+
+
+def test_collapsed_layout_gives_megatron_packed_seq_params(setup):
+    encoder = _encoder(setup, layout="collapsed", pad_to_multiple_of=4)
+    pack = next(iter(_loader(setup, 0, 1, 0, encoder)))
+    batch = pack.batch
+    params = batch.model_inputs("megatron")["packed_seq_params"]
+    assert batch.layout == "collapsed" and params.qkv_format == "thd"
+    # Expanded boundaries: each sample's real length is its processed (expanded) length.
+    assert params.cu_seqlens_q.diff().tolist() == batch.seq_lens_expanded.tolist()
+    assert (params.cu_seqlens_q_padded.diff() % 4 == 0).all()
+    assert batch.input_ids.shape[1] < CAPACITY  # one placeholder per image

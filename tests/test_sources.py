@@ -1,0 +1,325 @@
+"""Records where users keep them: every layout normalised, every source forecast exactly.
+
+The same samples (images made with Pillow, conversations written by hand) are stored in each layout the
+way its tools write it (``datasets`` with ``Image`` features, ``to_parquet``, ``save_to_disk``, a
+LLaVA-Instruct JSON array with an image folder, ShareGPT / LLaMA-Factory JSON and JSONL, vlm-pack's JSONL,
+WebDataset shards). The oracle is the real HF image processor and tokenizer through ``process_sample`` on
+the original images and conversation.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlm_pack.data.forecast import forecast_sources
+from vlm_pack.data.records import LAYOUTS, detect_layout, normalise_record
+from vlm_pack.data.shards import SampleError, write_shards
+from vlm_pack.data.sources import iter_samples
+from vlm_pack.offline import build_tokenizer, image_processor
+from vlm_pack.processing import process_sample
+from vlm_pack.vision import vision_spec_from_processor
+
+# (image sizes, question, answer): no image, one, two; sizes give different token counts.
+SAMPLES = [
+    ([(96, 64)], "What is shown?", "A square of noise."),
+    ([(40, 120), (75, 75)], "Compare the two pictures.", "The first is tall, the second square."),
+    ([], "Say hello.", "Hello there, how can I help?"),
+    ([(150, 50)], "Describe it in detail please.", "A wide strip."),
+]
+
+
+def _png(size: tuple[int, int], seed: int) -> bytes:
+    buf = io.BytesIO()
+    Image.effect_noise(size, 30 + seed).convert("RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def model():
+    tok = build_tokenizer("qwen2_vl")
+    ip = image_processor("qwen2_vl")
+    return tok, ip, vision_spec_from_processor(ip)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The samples as image files + bytes, and their canonical vlm-pack conversations."""
+    root = tmp_path_factory.mktemp("data")
+    (root / "images").mkdir()
+    out = []
+    for i, (sizes, question, answer) in enumerate(SAMPLES):
+        names, blobs = [], []
+        for j, size in enumerate(sizes):
+            blob = _png(size, 10 * i + j)
+            name = f"images/s{i}_{j}.png"
+            (root / name).write_bytes(blob)
+            names.append(name)
+            blobs.append(blob)
+        conversation = [
+            {"role": "user", "content": "<image>" * len(sizes) + question},
+            {"role": "assistant", "content": answer},
+        ]
+        out.append(
+            {
+                "key": f"s{i}",
+                "names": names,
+                "blobs": blobs,
+                "q": question,
+                "a": answer,
+                "conversation": conversation,
+            }
+        )
+    return root, out
+
+
+@pytest.fixture(scope="module")
+def oracle(model, data):
+    """Processed length and vision tokens of every sample, by the real processor on decoded images."""
+    tok, ip, _ = model
+    _, samples = data
+    lengths, vision = [], []
+    for s in samples:
+        images = [Image.open(io.BytesIO(b)) for b in s["blobs"]]
+        out = process_sample(images, s["conversation"], tokenizer=tok, image_processor=ip)
+        lengths.append(int(out["input_ids"].shape[0]))
+        vision.append(int(out["tokens_per_image"].sum()))
+    return np.asarray(lengths), np.asarray(vision)
+
+
+def _messages_parts(s) -> list[dict]:
+    # TRL / HF hub layout: content parts; Arrow stores every struct field, so "text" is None on images
+    user = [{"type": "image", "text": None} for _ in s["blobs"]] + [{"type": "text", "text": s["q"]}]
+    return [
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": [{"type": "text", "text": s["a"]}]},
+    ]
+
+
+def _hf_dataset(samples, paths_root: Path | None = None) -> datasets.Dataset:
+    images = [
+        [{"bytes": None, "path": str(paths_root / n)} for n in s["names"]] if paths_root else s["blobs"]
+        for s in samples
+    ]
+    ds = datasets.Dataset.from_dict({"images": images, "messages": [_messages_parts(s) for s in samples]})
+    return ds.cast_column("images", datasets.List(datasets.Image()))
+
+
+def _llava(s) -> dict:
+    image = s["names"][0] if len(s["names"]) == 1 else s["names"]
+    record = {
+        "id": s["key"],
+        "conversations": [
+            {"from": "human", "value": "<image>\n" * len(s["names"]) + s["q"]},
+            {"from": "gpt", "value": s["a"]},
+        ],
+    }
+    if s["names"]:
+        record["image"] = image
+    return record
+
+
+def _sharegpt(s) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": "<image>" * len(s["names"]) + s["q"]},
+            {"role": "assistant", "content": s["a"]},
+        ],
+        "images": s["names"],
+    }
+
+
+def _own(s) -> dict:
+    return {"key": s["key"], "images": s["names"], "conversation": _messages_parts(s)}
+
+
+def _write_source(kind: str, root: Path, samples, tmp: Path):
+    """The samples stored as source ``kind``; returns what to pass as the source."""
+    if kind == "dataset":
+        return _hf_dataset(samples)
+    if kind == "iterable":
+        return _hf_dataset(samples).to_iterable_dataset()
+    if kind == "parquet":
+        _hf_dataset(samples).to_parquet(str(tmp / "train.parquet"))
+        return str(tmp / "train.parquet")
+    if kind == "parquet-paths":  # an Image column holding absolute paths only
+        _hf_dataset(samples, paths_root=root).to_parquet(str(tmp / "paths.parquet"))
+        return str(tmp / "paths.parquet")
+    if kind == "save_to_disk":
+        _hf_dataset(samples).save_to_disk(str(tmp / "saved"))
+        return str(tmp / "saved")
+    if kind in ("llava", "sharegpt-json"):
+        fn = _llava if kind == "llava" else _sharegpt
+        path = root / f"{kind}.json"
+        path.write_text(json.dumps([fn(s) for s in samples], indent=1))
+        return str(path)
+    if kind in ("sharegpt-jsonl", "own-jsonl"):
+        fn = _sharegpt if kind == "sharegpt-jsonl" else _own
+        path = root / f"{kind}.jsonl"
+        path.write_text("".join(json.dumps(fn(s)) + "\n" for s in samples))
+        return str(path)
+    assert kind == "webdataset"
+    records = [{"key": s["key"], "images": s["blobs"], "conversation": _messages_parts(s)} for s in samples]
+    return write_shards(records, tmp / "shards", maxcount=3)
+
+
+KINDS = [
+    "dataset",
+    "iterable",
+    "parquet",
+    "parquet-paths",
+    "save_to_disk",
+    "llava",
+    "sharegpt-json",
+    "sharegpt-jsonl",
+    "own-jsonl",
+    "webdataset",
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_forecast_is_the_processed_length_on_every_source(kind, model, data, oracle, tmp_path):
+    tok, _, spec = model
+    root, samples = data
+    source = _write_source(kind, root, samples, tmp_path)
+    table = forecast_sources(source, tokenizer=tok, spec=spec, progress=False)
+    lengths, vision = oracle
+    assert len(table) == len(SAMPLES) and not table.invalid
+    np.testing.assert_array_equal(table.lengths, lengths)
+    np.testing.assert_array_equal(table.vision_tokens, vision)
+    np.testing.assert_array_equal(table.num_images, [len(s[0]) for s in SAMPLES])
+    np.testing.assert_array_equal(table.index, np.arange(len(SAMPLES)))
+
+
+def test_forecast_in_two_processes_equals_one(model, data, oracle, tmp_path):
+    tok, _, spec = model
+    root, samples = data
+    many = samples * 5  # 20 rows, chunks of 3 rows over 2 processes: order must survive
+    ds = _hf_dataset(many)
+    path = root / "many.jsonl"
+    path.write_text("".join(json.dumps(_sharegpt(s)) + "\n" for s in many))
+    for source in (ds, [str(path)]):
+        one = forecast_sources(source, tokenizer=tok, spec=spec, progress=False, chunk_rows=3)
+        two = forecast_sources(source, tokenizer=tok, spec=spec, progress=False, chunk_rows=3, num_workers=2)
+        np.testing.assert_array_equal(two.lengths, np.tile(oracle[0], 5))
+        np.testing.assert_array_equal(two.lengths, one.lengths)
+        assert two.keys == one.keys and two.sources == one.sources
+
+
+def test_layouts_are_detected_and_normalised(data):
+    root, samples = data
+    s = samples[1]  # two images
+    expected = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": s["q"]}]},
+        {"role": "assistant", "content": [{"type": "text", "text": s["a"]}]},
+    ]
+    cases = {
+        "llava": _llava(s),
+        "sharegpt": _sharegpt(s),
+        "messages": {"images": s["blobs"], "messages": _messages_parts(s)},
+        "caption": {"image": s["names"], "caption": "two noise images"},
+    }
+    for layout, record in cases.items():
+        assert detect_layout(record) == layout
+        sample = normalise_record(record, key="k", where="here", image_root=root)
+        if layout == "caption":
+            assert sample.conversation == "two noise images"
+        elif layout == "sharegpt":
+            assert sample.conversation == s["conversation"]
+        else:
+            assert sample.conversation == expected
+        assert len(sample.images) == 2
+    # paths resolve against image_root; stored bytes stay bytes
+    assert normalise_record(_llava(s), image_root=root).images == tuple(str(root / n) for n in s["names"])
+    assert normalise_record(cases["messages"]).images == tuple(s["blobs"])
+    # the key comes from the record (LLaVA's "id") before the default
+    assert normalise_record(_llava(s), key="x", image_root=root).key == s["key"]
+    # LLaMA-Factory's system column is the first turn
+    with_system = normalise_record({**_sharegpt(s), "system": "Be brief."}, image_root=root).conversation
+    assert with_system == [{"role": "system", "content": "Be brief."}, *s["conversation"]]
+    # an override picks the fields: this record has both a caption and messages
+    both = {"caption": "short", "messages": _messages_parts(samples[2])}
+    assert normalise_record(both).conversation[0]["role"] == "user"
+    assert normalise_record(both, layout="caption").conversation == "short"
+
+
+def test_a_record_fitting_no_layout_lists_its_keys_and_the_layouts(tmp_path):
+    path = tmp_path / "odd.jsonl"
+    path.write_text(json.dumps({"prompt": "hi", "response": "yo", "picture": "a.jpg"}) + "\n")
+    with pytest.raises(SampleError) as err:
+        list(iter_samples(str(path)))
+    message = str(err.value)
+    assert f"{path}:1" in message and "['picture', 'prompt', 'response']" in message
+    for name in LAYOUTS:
+        assert f"{name}:" in message
+    # skipped instead: counted with its reason, nothing else lost
+    ((where, key, item),) = iter_samples(str(path), on_error="skip")
+    assert isinstance(item, SampleError) and where == f"{path}:1" and key == "odd-1"
+
+
+def test_missing_image_names_the_record_and_the_fix(model, data, tmp_path):
+    tok, _, spec = model
+    _, samples = data
+    path = tmp_path / "llava.json"  # image paths relative to a folder that is not the JSON's
+    path.write_text(json.dumps([_llava(s) for s in samples]))
+    with pytest.raises(
+        SampleError,
+        match=r"llava.json\[0\] \(key 's0'\): image 0 'images/s0_0.png' not found"
+        r".*image_root \(--image-root\)",
+    ):
+        forecast_sources(str(path), tokenizer=tok, spec=spec, progress=False)
+    table = forecast_sources(str(path), tokenizer=tok, spec=spec, progress=False, on_error="skip")
+    assert table.keys == ["s2"] and [k for k, _, _ in table.invalid] == ["s0", "s1", "s3"]
+    np.testing.assert_array_equal(table.index, [2])
+
+
+def test_sources_accept_folders_globs_and_reject_others(model, data, tmp_path):
+    tok, _, spec = model
+    root, samples = data
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    for i, s in enumerate(samples):
+        (folder / f"part-{i}.jsonl").write_text(json.dumps(_own(s)) + "\n")
+    glob_table = forecast_sources(
+        str(folder / "part-*.jsonl"), tokenizer=tok, spec=spec, progress=False, image_root=root
+    )
+    dir_table = forecast_sources(str(folder), tokenizer=tok, spec=spec, progress=False, image_root=root)
+    assert glob_table.keys == dir_table.keys == [s["key"] for s in samples]
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"notes\.txt' is not a source"):
+        forecast_sources(str(tmp_path / "notes.txt"), tokenizer=tok, spec=spec)
+    with pytest.raises(ValueError, match="does not exist"):
+        forecast_sources(str(tmp_path / "absent.parquet"), tokenizer=tok, spec=spec)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "save_to_disk", "llava", "sharegpt-jsonl", "own-jsonl"])
+def test_cli_analyze_and_pack_read_every_source(kind, data, oracle, tmp_path, capsys):
+    from vlm_pack.cli import main
+
+    root, samples = data
+    source = str(_write_source(kind, root, samples, tmp_path))
+    lengths, vision = oracle
+    extra = ["--workers", "2"] if kind == "parquet" else []
+    if kind == "llava":
+        extra = ["--layout", "llava", "--image-root", str(root)]
+    out = tmp_path / "report"
+    argv = ["analyze", source, "--capacity", "512", "--no-plots", "--no-progress", "--out", str(out), *extra]
+    assert main(argv) == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())["dataset"]
+    assert report["samples"] == len(SAMPLES) and not report["invalid"]
+    assert report["vision_tokens"] == int(vision.sum())
+    assert report["text_tokens"] + report["vision_tokens"] == int(lengths.sum())
+
+    plan = tmp_path / "plan.jsonl"
+    argv = ["pack", source, "--capacity", "512", "--no-progress", "--out", str(plan), *extra]
+    assert main(argv) == 0, capsys.readouterr().err
+    packs = [json.loads(line) for line in plan.read_text().splitlines()]
+    keys = [k for p in packs for k in p["keys"]]
+    assert len(keys) == len(set(keys)) == len(SAMPLES)  # every sample once
+    assert sorted(n for p in packs for n in p["lengths"]) == sorted(lengths.tolist())

@@ -1,0 +1,466 @@
+"""Render one conversation to prompt text and find the characters a model trains on.
+
+The checkpoint's own chat template (the processor's, else the tokenizer's ``chat_template``) is rendered with
+transformers' Jinja renderer, never re-implemented. vlm-pack's own formats (:class:`ChatFormat`) serve only
+tokenizers without a template (the offline stand-ins) or an explicit ``template=``.
+
+Trained characters follow the trainers' convention (TRL assistant-only loss, LLaMA-Factory, ms-swift): each
+assistant message's content and the end-of-turn token right after it; the formatting after that and
+everything outside assistant turns are not trained. For any template the spans are found by rendering
+``messages[:i]`` against ``messages[:i+1]``: the turn's header and trailer come from a rendering with the
+message's text swapped for sentinels (or from ``{% generation %}`` blocks where the template has them)::
+
+    render(messages[:i])    <|im_start|>system ... <|im_start|>user\\n<|vision_start|><|image_pad|>... <|im_end|>\\n
+    render(messages[:i+1])  ... same ...           <|im_start|>assistant\\n A red square. <|im_end|> \\n
+                                                   header (-100)           content         end of turn  trailer (-100)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["IMAGE_MARKER", "ChatFormat", "Rendering", "chat_format", "render_conversation"]
+
+#: Where an image goes in a conversation's text (and in :class:`ChatFormat` renderings).
+IMAGE_MARKER = "<image>"
+
+Conversation = str | Sequence[dict[str, Any]]
+Segment = tuple[str, bool]  # (text, trained on)
+Template = Callable[[Conversation, int], list[Segment]]
+_SENTINEL = "\ue000{}\ue001"  # private-use characters: no template or text contains them
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """A rendered prompt: ``text`` with one ``placeholder`` per image and the trained character ``spans``.
+
+    ``add_special_tokens`` is what the tokenizer call must use: ``False`` when the text already starts with
+    the BOS token (transformers' own rule in ``apply_chat_template``) or the format writes its own.
+    """
+
+    text: str
+    spans: tuple[tuple[int, int], ...]
+    placeholder: str
+    add_special_tokens: bool
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """vlm-pack's own rendering of one family: turn prefix/suffix and the text an image becomes."""
+
+    name: str
+    turn_start: str  # formatted with role=
+    turn_end: str
+    image: str  # contains IMAGE_MARKER once
+    assistant_end: str = ""  # trained: the model learns to end its turn
+    assistant_sep: str = ""  # formatting after the assistant's end token, not trained
+    bos: str = ""
+    eos_on_caption: str = ""
+
+    def render(self, conversation: Conversation, num_images: int) -> list[Segment]:
+        """Render to (text, trained) segments; images missing from the text go first in the first turn."""
+        if isinstance(conversation, str):
+            text = conversation.replace(IMAGE_MARKER, self.image)
+            missing = num_images if IMAGE_MARKER not in conversation else 0
+            prefix = self.bos + self.image * missing
+            return [(prefix, False), (text + self.eos_on_caption, True)]
+        if not isinstance(conversation, Sequence) or not conversation:
+            raise ValueError("a conversation must be a caption string or a non-empty list of turns")
+        segments: list[Segment] = [(self.bos, False)] if self.bos else []
+        n_marked = sum(_count_images(turn) for turn in conversation)
+        pending = num_images if n_marked == 0 else 0
+        for turn in conversation:
+            role = turn.get("role")
+            if role not in ("system", "user", "assistant"):
+                raise ValueError(f"turn role must be system/user/assistant, got {role!r}")
+            body = "".join(
+                self.image if p["type"] == "image" else p["text"] for p in _parts(turn.get("content"))
+            )
+            if pending and role == "user":
+                body, pending = self.image * pending + body, 0
+            segments.append((self.turn_start.format(role=role, ROLE=role.upper()), False))
+            if role == "assistant":
+                segments += [(body + self.assistant_end, True), (self.assistant_sep, False)]
+            else:
+                segments.append((body + self.turn_end, False))
+        if pending:
+            segments.insert(0, (self.image * pending, False))
+        return segments
+
+
+_QWEN_FORMAT = ChatFormat(
+    name="qwen",
+    turn_start="<|im_start|>{role}\n",
+    turn_end="<|im_end|>\n",
+    image="<|vision_start|>" + IMAGE_MARKER + "<|vision_end|>",
+    assistant_end="<|im_end|>",
+    assistant_sep="\n",
+    eos_on_caption="<|im_end|>",
+)
+_LLAVA_FORMAT = ChatFormat(
+    name="llava",
+    turn_start="{ROLE}: ",
+    turn_end=" ",
+    image=IMAGE_MARKER + "\n",
+    assistant_end="</s>",
+    bos="<s>",
+    eos_on_caption="</s>",
+)
+_FORMATS = {
+    "qwen2_vl": _QWEN_FORMAT,
+    "qwen2_5_vl": _QWEN_FORMAT,
+    "qwen3_vl": _QWEN_FORMAT,
+    "llava": _LLAVA_FORMAT,
+    "llava_next": _LLAVA_FORMAT,
+}
+
+
+def chat_format(family: str) -> ChatFormat:
+    """vlm-pack's own format of ``family`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``, ``llava_next``)."""
+    try:
+        return _FORMATS[family]
+    except KeyError:
+        raise ValueError(
+            f"no chat format for family {family!r}; known: {', '.join(_FORMATS)}. Give a tokenizer or processor "
+            "with a chat_template, or pass template=callable(conversation, num_images) -> [(text, trained), ...]."
+        ) from None
+
+
+# ------------------------------------------------------------------------------------------------------
+# Content parts: every message's content becomes [{"type": "image"} | {"type": "text", "text": str}, ...]
+# ------------------------------------------------------------------------------------------------------
+
+
+def _parts(content: Any) -> list[dict[str, Any]]:
+    """Content as image/text parts; a string's ``<image>`` markers become image parts."""
+    if content is None:
+        raise ValueError("a turn has no 'content'")
+    if isinstance(content, str):
+        pieces = content.split(IMAGE_MARKER)
+        out: list[dict[str, Any]] = []
+        for i, piece in enumerate(pieces):
+            if i:
+                out.append({"type": "image"})
+            if piece:
+                out.append({"type": "text", "text": piece})
+        return out
+    out = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("image", "image_url"):
+            out.append({"type": "image"})
+        elif kind == "text":
+            out += _parts(part.get("text", ""))
+        else:
+            raise ValueError(f"content part type must be 'image' or 'text', got {kind!r}")
+    return out
+
+
+def _count_images(turn: dict[str, Any]) -> int:
+    return sum(p["type"] == "image" for p in _parts(turn.get("content")))
+
+
+def _normalise(conversation: Conversation, num_images: int, key: Any) -> list[dict[str, Any]]:
+    """Messages with part lists; with no image part anywhere, the images open the first user turn."""
+    if isinstance(conversation, str):
+        if IMAGE_MARKER in conversation:
+            raise ValueError(
+                f"sample {key!r}: a caption with {IMAGE_MARKER!r} markers cannot go through a chat template; "
+                "give a conversation (a list of turns) instead."
+            )
+        # A caption trains like a one-turn chat: the images are the prompt, the caption the answer.
+        conversation = [{"role": "user", "content": []}, {"role": "assistant", "content": conversation}]
+    if not isinstance(conversation, Sequence) or not conversation:
+        raise ValueError(
+            f"sample {key!r}: a conversation must be a caption string or a non-empty list of turns"
+        )
+    try:  # keys set to None are dropped, as apply_chat_template does (templates would print "None")
+        messages = [
+            {**{k: v for k, v in t.items() if v is not None}, "content": _parts(t.get("content"))}
+            for t in conversation
+        ]
+    except (ValueError, AttributeError, TypeError) as e:
+        raise ValueError(f"sample {key!r}: {e}") from None
+    if num_images and not any(p["type"] == "image" for m in messages for p in m["content"]):
+        first_user = next((m for m in messages if m.get("role") == "user"), None)
+        if first_user is None:
+            raise ValueError(f"sample {key!r} has {num_images} image(s) but no user turn to put them in.")
+        first_user["content"] = [{"type": "image"}] * num_images + first_user["content"]
+    return messages
+
+
+# ------------------------------------------------------------------------------------------------------
+# Jinja chat templates (rendered by transformers)
+# ------------------------------------------------------------------------------------------------------
+
+
+def _render(
+    template: str, messages: list[dict[str, Any]], env: dict[str, Any], generation: bool = False
+) -> Any:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    texts, indices = render_jinja_template(
+        conversations=[messages], chat_template=template, return_assistant_tokens_mask=generation, **env
+    )
+    return (texts[0], [tuple(s) for s in indices[0]]) if generation else texts[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _string_roles(template: str, env_items: tuple[tuple[str, Any], ...]) -> frozenset[str]:
+    """Roles whose content ``template`` renders only as a string (text templates; some assistant branches).
+
+    Probed once per template: a role takes parts when its sentinel text appears and no part dict is printed.
+    """
+    env = dict(env_items)
+    probe = [
+        {"role": r, "content": [{"type": "text", "text": _SENTINEL.format(k)}]} for k, r in enumerate(_ROLES)
+    ]
+    for start in (0, 1):  # with, then without a system turn (some templates refuse one)
+        try:
+            text = _render(template, probe[start:], env)
+        except Exception:  # a template that cannot take parts may raise anything
+            continue
+        sentinels = [_SENTINEL.format(k) for k in range(len(_ROLES))]
+        lost = [k >= start and (x not in text or f"'text': '{x}'" in text) for k, x in enumerate(sentinels)]
+        return frozenset(role for role, bad in zip(_ROLES, lost) if bad)
+    return frozenset(_ROLES)
+
+
+_ROLES = ("system", "user", "assistant")
+
+
+def _as_strings(
+    messages: list[dict[str, Any]], placeholder: str, roles: frozenset[str]
+) -> list[dict[str, Any]]:
+    """For string-only roles: parts joined, images as the placeholder token."""
+    join = lambda parts: "".join(placeholder if p["type"] == "image" else p["text"] for p in parts)  # noqa: E731
+    return [{**m, "content": join(m["content"])} if m.get("role") in roles else m for m in messages]
+
+
+def _env(tokenizer: Any) -> dict[str, Any]:
+    env = dict(getattr(tokenizer, "special_tokens_map", {}) or {})
+    return {k: v for k, v in env.items() if isinstance(v, str)}
+
+
+def _specials(tokenizer: Any) -> tuple[str, ...]:
+    """The tokenizer's special tokens, longest first (candidates for an end-of-turn token)."""
+    found = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    found.update(t.content for t in decoder.values() if getattr(t, "special", False))
+    return tuple(sorted((t for t in found if t), key=len, reverse=True))
+
+
+def _texts(message: dict[str, Any]) -> list[str]:
+    """The message's text parts, stripped (templates may trim), empty ones dropped."""
+    return [p["text"].strip() for p in message["content"] if p["type"] == "text" and p["text"].strip()]
+
+
+def _find_in_order(text: str, needles: list[str], start: int, end: int) -> tuple[int, int] | None:
+    """``(first start, last end)`` of ``needles`` found one after another in ``text[start:end]``."""
+    at, first = start, None
+    for needle in needles:
+        pos = text.find(needle, at, end)
+        if pos < 0:
+            return None
+        first = pos if first is None else first
+        at = pos + len(needle)
+    return (first, at) if first is not None else (end, end)
+
+
+def _check_nothing_lost(text: str, messages: list[dict[str, Any]], key: Any) -> None:
+    at = 0
+    for i, message in enumerate(messages):
+        found = _find_in_order(text, _texts(message), at, len(text))
+        if found is None:
+            raise ValueError(
+                f"sample {key!r}: the chat template drops text of message {i} ({message.get('role')!r}); "
+                "its text would be lost. Merge the message's text parts into one, or fix the template."
+            )
+        at = found[1] if _texts(message) else at
+
+
+class _Turns:
+    """Renderings of conversation prefixes, each computed once.
+
+    ``messages`` hold part lists (where texts are looked up); ``inputs`` are what the template gets (the same,
+    or plain strings for text-only templates).
+    """
+
+    def __init__(self, template: str, messages: list, inputs: list, env: dict[str, Any], key: Any):
+        self.template, self.messages, self.inputs, self.env, self.key = template, messages, inputs, env, key
+        self.generation = _has_generation(template)
+        self.cache: dict[int, str] = {0: ""}
+
+    def prefix(self, n: int) -> str:
+        if n not in self.cache:
+            self.cache[n] = _render(self.template, self.inputs[:n], self.env)
+        return self.cache[n]
+
+    def _marked(self, i: int) -> tuple[dict[str, Any], int]:
+        """Message ``i`` with each text part replaced by a sentinel; the number of sentinels."""
+        message = self.inputs[i]
+        if isinstance(message["content"], str):
+            return {**message, "content": _SENTINEL.format(0)}, 1
+        marked, k = [], 0
+        for part in message["content"]:
+            if part["type"] == "text":
+                part, k = {"type": "text", "text": _SENTINEL.format(k)}, k + 1
+            marked.append(part)
+        if k == 0:
+            marked, k = [*marked, {"type": "text", "text": _SENTINEL.format(0)}], 1
+        return {**message, "content": marked}, k
+
+    def content_region(self, i: int, before: str, turn: str) -> tuple[int, int]:
+        """Where message ``i``'s rendered content lies in ``turn`` (= render(messages[:i+1]))."""
+        if self.generation:
+            _, spans = _render(self.template, self.inputs[: i + 1], self.env, generation=True)
+            mine = [s for s in spans if s[0] >= len(before)]
+            if mine:
+                return min(s[0] for s in mine), max(s[1] for s in mine)
+        marked, k = self._marked(i)
+        probe = _render(self.template, [*self.inputs[:i], marked], self.env)
+        found = [(probe.find(_SENTINEL.format(j)), len(_SENTINEL.format(j))) for j in range(k)]
+        found = [(pos, n) for pos, n in found if pos >= 0]
+        if not probe.startswith(before) or not found:
+            raise self.rewrites(i)
+        first, last = found[0][0], max(pos + n for pos, n in found)
+        header, trailer = probe[len(before) : first], probe[last:]
+        if not turn.startswith(before + header) or not turn.endswith(trailer):
+            raise self.rewrites(i)
+        return len(before) + len(header), len(turn) - len(trailer)
+
+    def rewrites(self, i: int) -> ValueError:
+        return ValueError(
+            f"sample {self.key!r}: the chat template renders the turns before message {i} differently once "
+            "later turns are added (render(messages[:i]) is not a prefix of render(messages[:i+1])), so the "
+            "assistant spans cannot be located. Pass template= (a chat template that renders earlier turns "
+            "unchanged) or fix the template."
+        )
+
+
+def _has_generation(template: str) -> bool:
+    import re
+
+    return re.search(r"\{\%-?\s*generation\s*-?\%\}", template) is not None
+
+
+def _assistant_spans(turns: _Turns, full: str, specials: tuple[str, ...]) -> list[tuple[int, int]]:
+    spans = []
+    for i, message in enumerate(turns.messages):
+        if message.get("role") != "assistant":
+            continue
+        before, turn = turns.prefix(i), turns.prefix(i + 1)
+        if not turn.startswith(before) or not full.startswith(turn):
+            raise turns.rewrites(i)
+        lo, hi = turns.content_region(i, before, turn)
+        found = _find_in_order(turn, _texts(message), lo, hi)
+        if found is None:
+            raise ValueError(
+                f"sample {turns.key!r}: the chat template drops or rewrites the text of assistant message {i}; "
+                "its text would be lost. Merge the message's text parts into one, or fix the template."
+            )
+        start, end = found if _texts(message) else (hi, hi)
+        eot = next((s for s in specials if turn.startswith(s, end)), "")
+        spans.append((start, end + len(eot)))
+    return spans
+
+
+def _render_template(
+    template: str, messages: list[dict[str, Any]], tokenizer: Any, placeholder: str, key: Any, spans: bool
+) -> Rendering:
+    env = _env(tokenizer)
+    inputs = _as_strings(messages, placeholder, _string_roles(template, tuple(sorted(env.items()))))
+    try:
+        turns = _Turns(template, messages, inputs, env, key)
+        full = turns.prefix(len(messages))
+        _check_nothing_lost(full, messages, key)
+        found = _assistant_spans(turns, full, _specials(tokenizer)) if spans else []
+    except ValueError:
+        raise
+    except Exception as e:  # jinja2 errors, raise_exception() in templates
+        raise ValueError(f"sample {key!r}: the chat template failed: {type(e).__name__}: {e}") from None
+    bos = getattr(tokenizer, "bos_token", None)
+    return Rendering(full, tuple(found), placeholder, not (bos and full.startswith(bos)))
+
+
+# ------------------------------------------------------------------------------------------------------
+# The entry point
+# ------------------------------------------------------------------------------------------------------
+
+
+def _checkpoint_template(tokenizer: Any, processor: Any) -> str | None:
+    for owner in (processor, tokenizer):
+        template = getattr(owner, "chat_template", None) if owner is not None else None
+        if isinstance(template, dict):
+            template = template.get("default")
+        if template:
+            return template
+    return None
+
+
+def render_conversation(
+    conversation: Conversation,
+    *,
+    tokenizer: Any,
+    placeholder: str,
+    num_images: int,
+    processor: Any = None,
+    family: str | None = None,
+    template: str | ChatFormat | Template | None = None,
+    key: Any = None,
+    spans: bool = True,
+) -> Rendering:
+    """Render ``conversation`` with ``num_images`` images: the prompt text and its trained character spans.
+
+    ``template``: a Jinja chat template string, a :class:`ChatFormat`, or a callable returning
+    ``[(text, trained), ...]`` with ``<image>`` where images go. Without it: the processor's, else the
+    tokenizer's ``chat_template``, else the own format of ``family``. Raises ``ValueError`` naming ``key`` when
+    the text holds a different number of images, contains ``placeholder`` itself, when the template drops
+    text, or rewrites earlier turns so that assistant spans cannot be located. ``spans=False`` skips locating
+    the trained spans (a forecast needs only the text).
+    """
+    if isinstance(template, str) or (template is None and _checkpoint_template(tokenizer, processor)):
+        jinja = template if isinstance(template, str) else _checkpoint_template(tokenizer, processor)
+        messages = _normalise(conversation, num_images, key)
+        _check_placeholder_free([p.get("text", "") for m in messages for p in m["content"]], placeholder, key)
+        rendering = _render_template(jinja, messages, tokenizer, placeholder, key, spans)  # type: ignore[arg-type]
+        found = rendering.text.count(placeholder)
+        if found != num_images:
+            raise ValueError(
+                f"sample {key!r}: the chat template rendered {found} image placeholder(s) {placeholder!r} for "
+                f"{num_images} image(s); give one image part per image (the template may drop images in some "
+                "roles)."
+            )
+        return rendering
+    if template is None:
+        segments = chat_format(family or "qwen2_vl").render(conversation, num_images)
+    elif isinstance(template, ChatFormat):
+        segments = template.render(conversation, num_images)
+    else:
+        segments = template(conversation, num_images)
+    n_markers = sum(text.count(IMAGE_MARKER) for text, _ in segments)
+    if n_markers != num_images:
+        raise ValueError(
+            f"sample {key!r}: the text has {n_markers} image placeholder(s) but {num_images} image(s) were "
+            "given; give one image per placeholder (or no placeholder at all to put the images first)."
+        )
+    if placeholder != IMAGE_MARKER:
+        _check_placeholder_free([text for text, _ in segments], placeholder, key)
+    texts = [text.replace(IMAGE_MARKER, placeholder) for text, _ in segments]
+    spans, at = [], 0
+    for text, (_, trained) in zip(texts, segments):
+        if trained and text:
+            spans.append((at, at + len(text)))
+        at += len(text)
+    return Rendering("".join(texts), tuple(spans), placeholder, False)
+
+
+def _check_placeholder_free(texts: list[str], placeholder: str, key: Any) -> None:
+    if any(placeholder in text for text in texts):
+        raise ValueError(
+            f"sample {key!r}: the text contains the image token {placeholder!r} itself; write "
+            f"{IMAGE_MARKER!r} (or an image part) where an image goes, or remove the token from the text."
+        )

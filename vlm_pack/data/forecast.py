@@ -1,0 +1,398 @@
+"""Header-only forecasts over any source, in parallel processes: records -> a :class:`LengthTable`.
+
+Each worker process reads whole chunks of the sources itself (``sources.read_chunk``), normalises every
+record, reads each image's ``(width, height)`` from its header bytes (``vision.image_size``; no pixel is
+decoded), tokenizes the conversation with the family's chat format and counts the vision tokens
+(``vision`` spec): the same numbers as ``processing.forecast_length``, so the forecast equals
+``len(process_sample(...)["input_ids"])``. Results come back in source order, whatever ``num_workers``::
+
+    main       open_sources ─ chunks ─┬──────────────────────────────────┬─ in order ─> LengthTable
+    worker 0        chunk 0, 2, 4 ... │ read ─ normalise ─ image_size ─  │  + tqdm: total, rate, ETA
+    worker 1        chunk 1, 3, 5 ... │        tokenize ─ sample_tokens  │
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .records import Sample
+from .shards import SampleError
+from .sources import Chunk, Source, chunk_samples, chunks, open_sources
+
+if TYPE_CHECKING:
+    from ..config import PackingConfig
+    from ..packing import PackResult
+
+__all__ = ["LengthTable", "forecast_sources", "image_sizes"]
+
+
+@dataclass
+class LengthTable:
+    """Per-sample forecast, as flat arrays (ragged per-image data in CSR form).
+
+    Attributes:
+        keys, sources: ``[N]`` sample keys and where they were read.
+        text_tokens: int64 ``[N]``: tokens that are not image placeholders (template and wrappers included).
+        vision_tokens: int64 ``[N]``: image placeholder tokens (sum over the sample's images).
+        num_patches: int64 ``[N]``: vision-encoder patches (the ViT's second budget).
+        image_ptr: int64 ``[N + 1]``: images of sample ``i`` are ``image_ptr[i]:image_ptr[i+1]``.
+        image_tokens: int64 ``[M]``: placeholders of each image.
+        image_starts: int64 ``[M]``: offset of each image's first placeholder inside its (expanded) sample.
+        invalid: ``(key, source, reason)`` of samples that could not be forecast (``on_error="skip"``).
+        index: int64 ``[N]``: ordinal of each sample among all records read, invalid ones included (for a
+            single dataset: its row), or None when the table was built from samples without one.
+    """
+
+    keys: list[str]
+    sources: list[str]
+    text_tokens: np.ndarray
+    vision_tokens: np.ndarray
+    num_patches: np.ndarray
+    image_ptr: np.ndarray
+    image_tokens: np.ndarray
+    image_starts: np.ndarray
+    invalid: list[tuple[str, str, str]] = field(default_factory=list)
+    index: np.ndarray | None = None
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 ``[N]``: expanded lengths (text + vision tokens)."""
+        return self.text_tokens + self.vision_tokens
+
+    @property
+    def num_images(self) -> np.ndarray:
+        """int64 ``[N]``: images per sample."""
+        return np.diff(self.image_ptr)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def pack(
+        self, config: PackingConfig, strategy: str = "bfd", *, lengths: np.ndarray | None = None,
+        seed: int | None = None,
+    ) -> PackResult:
+        """:func:`vlm_pack.packing.pack` of these samples with ``config``'s knobs, the vision budget counted
+        as ``config.vision_cost``. ``lengths`` ``[N]`` replaces :attr:`lengths` (e.g. padded to a multiple)."""
+        from ..packing import pack
+
+        vision = None
+        if config.vision_capacity is not None:
+            vision = self.num_images if config.vision_cost == "images" else self.num_patches
+        return pack(
+            self.lengths if lengths is None else lengths,
+            config.capacity,
+            strategy=strategy,
+            vision=vision,
+            vision_capacity=config.vision_capacity,
+            max_samples_per_bin=config.max_samples_per_bin,
+            oversized=config.oversized,
+            seed=seed,
+        )
+
+
+def image_sizes(
+    sample: Sample, *, exif_transpose: bool = True, verify: bool = False
+) -> list[tuple[int, int]]:
+    """``(width, height)`` of each image of ``sample`` as the processor will see it, from headers only.
+
+    ``verify=True`` also decodes every image's pixels (catches a file cut short after its header).
+    Raises :class:`SampleError` (``"corrupt_image"``) naming the sample and image for an unreadable one.
+    """
+    from ..vision import image_size
+
+    sizes = []
+    for i, image in enumerate(sample.images):
+        if hasattr(image, "size") and not hasattr(image, "read"):  # a decoded PIL image: used as it is
+            sizes.append(tuple(image.size))
+            continue
+        name = f"{sample.label}, image {i}"
+        try:
+            sizes.append(image_size(image, exif_transpose=exif_transpose, name=name))
+            if verify:
+                _decode_fully(image, name)
+        except ValueError as e:
+            raise SampleError("corrupt_image", str(e)) from None
+    return sizes
+
+
+def _decode_fully(image: Any, name: str) -> None:
+    """Decode every pixel of ``image`` (bytes, a path or a seekable binary file; left where it was)."""
+    from PIL import Image
+
+    try:
+        if hasattr(image, "read"):
+            at = image.tell()
+            data = image.read()
+            image.seek(at)
+        else:
+            data = image if isinstance(image, bytes) else Path(image).read_bytes()
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ValueError(
+            f"{name}: the header reads but the pixels do not decode ({e}): the file is truncated or corrupt."
+        ) from None
+
+
+@dataclass
+class _Forecaster:
+    """What every worker needs, set once per process (``_init``)."""
+
+    sources: list[Source]
+    tokenizer: Any
+    spec: Any
+    family: str
+    template: Callable[..., Any] | None
+    layout: str | None
+    exif_transpose: bool
+    on_error: str
+    verify: bool = False
+    image_id: int = -1
+
+
+_WORKER: _Forecaster | None = None
+
+
+def _init(forecaster: _Forecaster) -> None:
+    global _WORKER
+    _WORKER = forecaster
+
+
+@dataclass
+class _ChunkResult:
+    """One chunk's forecast, compact for the trip back to the main process."""
+
+    records: int = 0
+    ordinals: list[int] = field(default_factory=list)  # within the chunk
+    keys: list[str] = field(default_factory=list)
+    wheres: list[str] = field(default_factory=list)
+    text: list[int] = field(default_factory=list)
+    patches: list[int] = field(default_factory=list)
+    num_images: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    invalid: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    """A sample read, sized and rendered, waiting for its chunk's one tokenizer call."""
+
+    ordinal: int
+    sample: Sample
+    counts: list[int]
+    patches: int
+    prompt: str
+
+
+def _prepare(f: _Forecaster, sample: Sample, ordinal: int) -> _Pending:
+    from ..processing import render_prompt
+
+    sizes = image_sizes(sample, exif_transpose=f.exif_transpose, verify=f.verify)
+    try:
+        _, texts = render_prompt(
+            sample.conversation,
+            tokenizer=f.tokenizer,
+            family=f.family,
+            num_images=len(sizes),
+            template=f.template,
+            key=sample.key,
+        )
+        counts = [int(t) for t in f.spec.sample_tokens(sizes)] if sizes else []
+        patches = sum(int(f.spec.num_patches(w, h)) for w, h in sizes)
+    except (ValueError, TypeError) as e:
+        message = str(e) if sample.key in str(e) else f"sample {sample.key!r}: {e}"
+        raise SampleError("bad_text", f"{sample.label}: {message}") from None
+    return _Pending(ordinal, sample, counts, patches, "".join(texts))
+
+
+def _token_ids(f: _Forecaster, pending: list[_Pending]) -> list[list[int]]:
+    """The ids ``tokenize_conversation`` gives each prompt: one batched call for a fast tokenizer."""
+    from ..processing import tokenize_conversation
+
+    if not pending:
+        return []
+    if getattr(f.tokenizer, "is_fast", False):  # the whole prompt in one piece, as tokenize_conversation
+        return list(f.tokenizer([p.prompt for p in pending], add_special_tokens=False)["input_ids"])
+    return [  # a slow tokenizer is run segment by segment there: do exactly that
+        tokenize_conversation(
+            p.sample.conversation,
+            tokenizer=f.tokenizer,
+            family=f.family,
+            num_images=len(p.counts),
+            template=f.template,
+            key=p.sample.key,
+        )[0]
+        for p in pending
+    ]
+
+
+def _add(f: _Forecaster, p: _Pending, ids: list[int], out: _ChunkResult) -> None:
+    ids_a = np.asarray(ids)
+    pos = np.flatnonzero(ids_a == f.image_id)
+    if pos.size != len(p.counts):
+        raise SampleError(
+            "bad_text",
+            f"{p.sample.label}: {len(p.counts)} image(s) became {pos.size} image token(s); the tokenizer must "
+            "keep the image token as one special token.",
+        )
+    if p.counts:
+        # Collapsed placeholder positions -> expanded starts: shift by the earlier images' extra tokens.
+        extra = np.concatenate([[0], np.cumsum(np.asarray(p.counts) - 1)[:-1]])
+        out.starts.extend((pos + extra).tolist())
+    out.ordinals.append(p.ordinal)
+    out.keys.append(p.sample.key)
+    out.wheres.append(p.sample.where)
+    out.text.append(len(ids) - len(p.counts))
+    out.patches.append(p.patches)
+    out.num_images.append(len(p.counts))
+    out.counts.extend(p.counts)
+
+
+def _forecast_chunk(chunk: Chunk) -> _ChunkResult:
+    f = _WORKER
+    assert f is not None, "forecast worker not initialised"
+    out = _ChunkResult()
+    pending: list[_Pending] = []
+    failed: list[tuple[int, str, str, SampleError]] = []  # (ordinal, key, where, error)
+    for where, key, sample in chunk_samples(f.sources, chunk, layout=f.layout):
+        out.records += 1
+        try:
+            if isinstance(sample, SampleError):
+                raise sample
+            pending.append(_prepare(f, sample, out.records - 1))
+        except SampleError as e:
+            failed.append((out.records - 1, key, where, e))
+    for p, ids in zip(pending, _token_ids(f, pending)):
+        try:
+            _add(f, p, ids, out)
+        except SampleError as e:
+            failed.append((p.ordinal, p.sample.key, p.sample.where, e))
+    failed.sort(key=lambda item: item[0])  # source order, whichever step found the fault
+    if failed and f.on_error == "raise":
+        raise failed[0][3]
+    out.invalid = [(key, where, str(e)) for _, key, where, e in failed]
+    return out
+
+
+def _ordered_map(executor: Executor | None, items: Iterator[Chunk], window: int) -> Iterator[_ChunkResult]:
+    """``_forecast_chunk`` over ``items`` in order, at most ``window`` chunks in flight."""
+    if executor is None:
+        yield from map(_forecast_chunk, items)
+        return
+    pending: deque[Any] = deque()
+    for item in items:
+        pending.append(executor.submit(_forecast_chunk, item))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def _pool(workers: int, forecaster: _Forecaster) -> Executor | None:
+    if workers <= 1:
+        _init(forecaster)
+        return None
+    # fork: the workers inherit the tokenizer, spec and open sources without pickling them.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked tokenizers must not use threads
+    return ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context(method), initializer=_init, initargs=(forecaster,)
+    )
+
+
+def _table(results: list[_ChunkResult]) -> LengthTable:
+    i64 = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
+    keys, wheres, invalid = [], [], []
+    text, patches, nimg, counts, starts, index = [], [], [], [], [], []
+    base = 0
+    for r in results:
+        keys += r.keys
+        wheres += r.wheres
+        text += r.text
+        patches += r.patches
+        nimg += r.num_images
+        counts += r.counts
+        starts += r.starts
+        invalid += r.invalid
+        index += [base + o for o in r.ordinals]
+        base += r.records
+    ptr = np.concatenate([[0], np.cumsum(i64(nimg))]).astype(np.int64)
+    csum = np.concatenate([[0], np.cumsum(i64(counts))])
+    vision = (csum[ptr[1:]] - csum[ptr[:-1]]).astype(np.int64)
+    return LengthTable(
+        keys, wheres, i64(text), vision, i64(patches), ptr, i64(counts), i64(starts), invalid, i64(index)
+    )
+
+
+def forecast_sources(
+    sources: Any | Sequence[Any],
+    *,
+    tokenizer: Any,
+    spec: Any,
+    family: str | None = None,
+    template: Callable[..., Any] | None = None,
+    layout: str | None = None,
+    image_root: str | os.PathLike[str] | None = None,
+    exif_transpose: bool = True,
+    verify: bool = False,
+    on_error: str = "raise",
+    num_workers: int = 1,
+    progress: bool | None = None,
+    chunk_rows: int = 1024,
+) -> LengthTable:
+    """Forecast every record of ``sources`` (``datasets`` objects, parquet / JSON / JSONL files, shards,
+    folders, globs: see ``sources.open_sources``) from text and image headers: a :class:`LengthTable`.
+
+    Args:
+        tokenizer, spec: the checkpoint's tokenizer and ``vlm_pack.vision`` spec.
+        family: chat format (default: the tokenizer's ``vlm_pack_family``, else the spec's family).
+        template: a callable replacing the family's chat format (see ``processing.tokenize_conversation``).
+        layout: force one record layout (``records.LAYOUTS``); default: detected per record.
+        image_root: folder relative image paths resolve against (default: the source file's folder).
+        exif_transpose: size images as ``ImageOps.exif_transpose`` shows them (as ``load_image`` does).
+        verify: also decode every image's pixels (slower; catches files cut short after their header).
+        on_error: ``"raise"`` (a ``SampleError`` naming where the record lives and its key) or ``"skip"``
+            (listed in ``LengthTable.invalid``).
+        num_workers: processes reading and forecasting chunks (1: this process).
+        progress: a tqdm bar with total and ETA (``None``: only on a terminal).
+        chunk_rows: records per chunk (parquet: whole row groups).
+    """
+    from tqdm import tqdm
+
+    from ..processing import _image_token_id
+
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+    opened = open_sources(sources, image_root=image_root)
+    family = family or getattr(tokenizer, "vlm_pack_family", None) or spec.family
+    forecaster = _Forecaster(
+        opened, tokenizer, spec, family, template, layout, exif_transpose, on_error, verify
+    )
+    forecaster.image_id = _image_token_id(tokenizer, family)
+    totals = [s.num_rows for s in opened]
+    total = None if None in totals else sum(t for t in totals if t is not None)
+    disable = (not progress) if progress is not None else None
+    results: list[_ChunkResult] = []
+    executor = _pool(num_workers, forecaster)
+    try:
+        with tqdm(total=total, desc="forecast", unit=" samples", disable=disable, smoothing=0.1) as bar:
+            for result in _ordered_map(executor, chunks(opened, chunk_rows), window=4 * num_workers):
+                results.append(result)
+                bar.update(result.records)
+    finally:
+        if executor is not None:
+            executor.shutdown(cancel_futures=True)
+    return _table(results)

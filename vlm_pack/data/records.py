@@ -1,0 +1,286 @@
+"""One record normaliser behind every source: any record a user keeps -> one :class:`Sample`.
+
+A record is one row of a dataset as its source stores it; its *layout* says which fields hold the text and
+the images. The layout is detected from the record (``layout=`` overrides it)::
+
+    layout       text field                                   images field      who writes it
+    webdataset   json {"messages" ...} | txt                  jpg, 0.png, ...   vlm-pack shards, WebDataset
+    llava        conversations [{"from", "value"}]            image (a path     LLaVA-Instruct JSON
+                                                               or a list)
+    sharegpt     messages | conversations, content a string   images            ShareGPT, LLaMA-Factory
+                 with <image> markers (or from/value turns),
+                 + an optional "system" prompt
+    messages     messages | conversation, content parts       images | image    TRL / HF hub datasets,
+                 [{"type": "image"}, {"type": "text", ...}]                     vlm-pack JSONL
+    caption      caption | text                                images | image    image-caption pairs
+
+Every layout becomes vlm-pack's message format (``processing.py``): turns ``{"role": "system" | "user" |
+"assistant", "content": str | [{"type": "image"} | {"type": "text", "text": ...}]}`` with ``<image>``
+marking where an image goes in string content, or a caption string. Images stay as stored: encoded
+``bytes`` (an HF ``Image`` feature read with ``decode=False`` is ``{"bytes", "path"}``), a path (relative
+paths resolved against ``image_root``), a binary file object (a tar member) or a PIL image.
+
+A record that fits no layout raises :class:`SampleError` listing its keys and the accepted layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .shards import SampleError, _llava_turns, image_fields, parse_text
+
+__all__ = ["LAYOUTS", "Sample", "detect_layout", "normalise_record", "record_key"]
+
+#: Accepted layouts, each with one record example (shown in the error for a record that fits none).
+LAYOUTS: dict[str, str] = {
+    "webdataset": '{"__key__": "000017", "json": b\'{"messages": [...]}\' | "txt": b"...", "jpg" | "0.png": b"..."}',
+    "llava": '{"id": "000017", "image": "coco/000017.jpg" | [...], "conversations": [{"from": "human", '
+    '"value": "<image>\\nWhat is shown?"}, {"from": "gpt", "value": "A dog."}]}',
+    "sharegpt": '{"messages" | "conversations": [{"role": "user", "content": "<image>What is shown?"}, '
+    '{"role": "assistant", "content": "A dog."}], "images": ["a.jpg"]}',
+    "messages": '{"images": [...], "messages" | "conversation": [{"role": "user", "content": [{"type": '
+    '"image"}, {"type": "text", "text": "What is shown?"}]}, {"role": "assistant", "content": ...}]}',
+    "caption": '{"image" | "images": ..., "caption" | "text": "a dog on a beach"}',
+}
+# Text and image fields each layout reads, in order of preference.
+_TEXT_FIELDS = {
+    "llava": ("conversations",),
+    "sharegpt": ("messages", "conversations"),
+    "messages": ("messages", "conversation"),
+    "caption": ("caption", "text"),
+}
+_IMAGE_FIELDS = {
+    "llava": ("image", "images"),
+    "sharegpt": ("images", "image"),
+    "messages": ("images", "image"),
+    "caption": ("images", "image"),
+}
+_KEY_FIELDS = ("key", "__key__", "id")
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One normalised record: what ``forecast_length`` and ``process_sample`` take.
+
+    ``conversation`` is vlm-pack's message format (or a caption string); ``images`` are in placeholder
+    order, each encoded ``bytes``, a path ``str``, a binary file object or a PIL image; ``where`` says
+    where the record lives (``file.parquet:17``, ``llava.json[3]``, ``shard.tar``) for messages.
+    """
+
+    key: str
+    conversation: str | list[dict[str, Any]]
+    images: tuple[Any, ...]
+    where: str
+
+    @property
+    def label(self) -> str:
+        """How messages name the sample: where it lives, and its key unless that says it already."""
+        return _label(self.where, self.key)
+
+
+def _label(where: str, key: str) -> str:
+    return where if key in where else f"{where} (key {key!r})"
+
+
+def _first_turn(turns: Any) -> Mapping[str, Any]:
+    if isinstance(turns, Sequence) and not isinstance(turns, (str, bytes)) and turns:
+        first = turns[0]
+        if isinstance(first, Mapping):
+            return first
+    return {}
+
+
+def detect_layout(record: Mapping[str, Any]) -> str | None:
+    """The layout of ``record`` (a key of :data:`LAYOUTS`), or None when it fits none."""
+    if "__key__" in record and ("json" in record or "txt" in record):
+        return "webdataset"
+    if "conversations" in record and "messages" not in record:
+        first = _first_turn(record["conversations"])
+        if "images" in record or isinstance(first.get("content"), str):
+            return "sharegpt"
+        return "llava"
+    for name in ("messages", "conversation"):
+        if name in record:
+            first = _first_turn(record[name])
+            string_content = isinstance(first.get("content"), str) or "from" in first
+            return "sharegpt" if string_content and name == "messages" else "messages"
+    if isinstance(record.get("caption"), str) or isinstance(record.get("text"), str):
+        return "caption"
+    return None
+
+
+def _no_layout(record: Mapping[str, Any], where: str, layout: str | None) -> SampleError:
+    keys = sorted(str(k) for k in record)
+    accepted = "\n".join(f"    {name}: {example}" for name, example in LAYOUTS.items())
+    head = "fits no layout" if layout is None else f"does not fit the layout {layout!r}"
+    return SampleError(
+        "missing_text",
+        f"{where}: the record {head}; its keys are {keys}. Accepted layouts:\n{accepted}\n"
+        "Rename its fields to one of these (or pass layout= / --layout to choose one).",
+    )
+
+
+def _json_object(data: Any) -> dict[str, Any] | None:
+    try:
+        payload = json.loads(data) if isinstance(data, (bytes, str)) else None
+    except (ValueError, TypeError):
+        return None
+    text_fields = {f for fields in _TEXT_FIELDS.values() for f in fields}
+    return payload if isinstance(payload, dict) and not text_fields & set(payload) else None
+
+
+def _turns(turns: Any, where: str) -> list[dict[str, Any]]:
+    """ShareGPT/LLaVA ``{"from", "value"}`` or chat ``{"role", "content"}`` turns -> vlm-pack messages."""
+    if not isinstance(turns, Sequence) or isinstance(turns, (str, bytes)) or not turns:
+        raise SampleError("bad_text", f"{where}: the conversation must be a non-empty list of turns")
+    if not all(isinstance(t, Mapping) for t in turns):
+        raise SampleError("bad_text", f"{where}: every turn must be a dict, got {turns!r:.80}")
+    if "from" in turns[0]:
+        try:
+            return _llava_turns([dict(t) for t in turns])
+        except SampleError as e:
+            raise SampleError(e.reason, f"{where}: {e}") from None
+    out = []
+    for turn in turns:
+        role = _ROLES.get(str(turn.get("role", "")).lower())
+        if role is None:
+            raise SampleError(
+                "bad_text", f"{where}: turn role {turn.get('role')!r} is not system/user/assistant"
+            )
+        content = turn.get("content")
+        if isinstance(content, Sequence) and not isinstance(content, str):
+            # Arrow stores every part with every struct field (None where unset): keep what the type needs.
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind == "image":
+                    parts.append({"type": "image"})
+                elif kind == "text":
+                    parts.append({"type": "text", "text": part.get("text") or ""})
+                else:
+                    raise SampleError(
+                        "bad_text", f"{where}: content part type must be 'image' or 'text', got {kind!r}"
+                    )
+            content = parts
+        elif not isinstance(content, str):
+            raise SampleError("bad_text", f"{where}: a {role} turn has no string or list 'content'")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _image(item: Any, where: str, index: int, root: Path | None) -> Any:
+    """One stored image -> bytes, an existing path, a file object or a PIL image."""
+    if isinstance(item, Mapping):  # an HF Image feature read with decode=False
+        data, path = item.get("bytes"), item.get("path")
+        if data is not None:
+            return bytes(data)
+        item = path
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return bytes(item)
+    if isinstance(item, (str, os.PathLike)):
+        path = Path(item)
+        if not path.is_absolute() and root is not None:
+            path = root / path
+        if not path.is_file():
+            raise SampleError(
+                "corrupt_image",
+                f"{where}: image {index} {os.fspath(item)!r} not found at {path}; relative image paths are "
+                "resolved against the source's folder or image_root (--image-root).",
+            )
+        return str(path)
+    if hasattr(item, "read") or hasattr(item, "size"):  # a tar member, or a decoded PIL image
+        return item
+    raise SampleError(
+        "corrupt_image", f"{where}: image {index} is a {type(item).__name__}, not bytes, a path or an image"
+    )
+
+
+def _images(raw: Any, where: str, root: Path | None) -> tuple[Any, ...]:
+    if raw is None:
+        return ()
+    items = raw if isinstance(raw, Sequence) and not isinstance(raw, (str, bytes, bytearray)) else [raw]
+    return tuple(_image(item, where, i, root) for i, item in enumerate(items))
+
+
+def record_key(record: Any, default: str) -> str:
+    """The key a record names (``key``, ``__key__`` or ``id``), else ``default``."""
+    if isinstance(record, Mapping):
+        found = next((record[k] for k in _KEY_FIELDS if record.get(k) is not None), None)
+        if found is not None:
+            return str(found)
+    return default
+
+
+def normalise_record(
+    record: Mapping[str, Any],
+    *,
+    layout: str | None = None,
+    key: str | None = None,
+    where: str = "record",
+    image_root: str | os.PathLike[str] | None = None,
+) -> Sample:
+    """``record`` (one row in any layout of :data:`LAYOUTS`) -> a :class:`Sample`.
+
+    Args:
+        record: the row as its source stores it.
+        layout: one of :data:`LAYOUTS` (default: :func:`detect_layout`).
+        key: the sample key when the record has no ``key`` / ``__key__`` / ``id`` field.
+        where: where the record lives, for messages.
+        image_root: folder relative image paths are resolved against.
+
+    Raises:
+        SampleError: ``"missing_text"`` for a record that fits no layout (the message lists its keys and
+        the accepted layouts), ``"bad_text"`` for a malformed conversation, ``"corrupt_image"`` for an
+        image that is missing or not an image value.
+    """
+    if not isinstance(record, Mapping):
+        raise SampleError("bad_text", f"{where}: a record must be a dict, got {type(record).__name__}")
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+    key = record_key(record, key if key is not None else where)
+    label = _label(where, key)
+    chosen = layout or detect_layout(record)
+    root = Path(image_root) if image_root is not None else None
+    if chosen == "webdataset":
+        if "__key__" not in record:
+            raise _no_layout(record, label, layout)
+        try:
+            conversation = parse_text(record)
+        except SampleError as e:
+            payload = _json_object(record.get("json"))
+            if payload is not None and e.reason == "bad_text":  # JSON in no layout: name its own keys
+                raise _no_layout(payload, label, layout) from None
+            raise SampleError(e.reason, f"{label}: {e}") from None
+        return Sample(
+            key, conversation, _images([record[n] for n in image_fields(record)], label, root), where
+        )
+    if chosen is None:
+        raise _no_layout(record, label, layout)
+    text_field = next((f for f in _TEXT_FIELDS[chosen] if f in record), None)
+    if text_field is None:
+        raise _no_layout(record, label, layout)
+    text = record[text_field]
+    if chosen == "caption" or isinstance(text, str):
+        if not isinstance(text, str):
+            raise SampleError("bad_text", f"{label}: {text_field!r} must be a string")
+        conversation: str | list[dict[str, Any]] = text
+    else:
+        conversation = _turns(text, label)
+        system = record.get("system")
+        if (
+            chosen == "sharegpt"
+            and isinstance(system, str)
+            and system
+            and conversation[0]["role"] != "system"
+        ):
+            # LLaMA-Factory keeps the system prompt in its own column; it is part of the sample's length
+            conversation = [{"role": "system", "content": system}, *conversation]
+    image_field = next((f for f in _IMAGE_FIELDS[chosen] if f in record), None)
+    images = _images(record[image_field], label, root) if image_field else ()
+    return Sample(key, conversation, images, where)

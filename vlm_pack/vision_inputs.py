@@ -1,0 +1,108 @@
+"""Join several samples' vision tensors the way each model reads a batch of them.
+
+Every HF VLM scatters its image features into the image tokens of ``input_ids`` in reading order (row by
+row, left to right), so the images of a packed batch only have to come in packed order. What differs is
+the *shape* each model wants the images of several samples in::
+
+    family                       per sample (processor)               joined (N samples)
+    Qwen2/2.5/3-VL, GLM-4.1V     pixel_values [P_i, D], grid [n_i, 3]  cat dim 0
+    LLaVA-1.5, InternVL, Gemma 3 pixel_values [n_i, C, H, W]           cat dim 0 (InternVL: tiles)
+    LLaVA-NeXT, OneVision        pixel_values [n_i, tiles_i, C, H, W]  zero-pad dim 1 to most tiles, cat dim 0
+                                 image_sizes [n_i, 2]                  cat dim 0 (the model slices the tiles)
+                                 batch_num_images [1] (OneVision)      cat: one entry per *sample*
+    Idefics3, SmolVLM            pixel_values [1, N_i, C, H, W]        cat dim 1: [1, sum N_i, C, H, W]
+                                 pixel_attention_mask [1, N_i, H, W]   cat dim 1: [1, sum N_i, H, W]
+    Mistral3 / Pixtral tower     pixel_values [n_i, C, H_i, W_i]       zero-pad H, W to the max, cat dim 0
+                                 image_sizes [n_i, 2]                  cat dim 0 (the tower crops each image)
+
+OneVision's ``batch_num_images`` must stay per sample: one sample with several images skips the anyres
+tiling of each image, a sample with one image keeps it. Summing a row into one entry switches every image
+of the row to multi-image mode (the token counts then no longer match).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["VISION_KEYS", "join_vision"]
+
+#: Vision tensors the HF models take, joined across samples by :func:`join_vision` in packed order.
+VISION_KEYS = (
+    "pixel_values",
+    "pixel_attention_mask",
+    "image_grid_thw",
+    "image_sizes",
+    "batch_num_images",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+)
+
+
+def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat(parts, dim)``; along dim 0 inside a DataLoader worker, straight into shared memory.
+
+    The DataLoader moves a worker's batch to the main process through shared memory: concatenating into
+    it directly (as ``default_collate`` does) saves a second copy of ``pixel_values``, the largest tensor
+    of a batch.
+    """
+    if dim != 0 or torch.utils.data.get_worker_info() is None or parts[0].device.type != "cpu":
+        return torch.cat(parts, dim)
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    storage = parts[0]._typed_storage()._new_shared(math.prod(shape), device=parts[0].device)
+    out = parts[0].new(storage).resize_(*shape)
+    return torch.cat(parts, 0, out=out)
+
+
+def _pad_to(parts: list[torch.Tensor], dims: Sequence[int]) -> list[torch.Tensor]:
+    """Zero-pad every part at the end of ``dims`` to the largest size among the parts."""
+    most = {d: max(p.shape[d] for p in parts) for d in dims}
+    out = []
+    for p in parts:
+        pad = [0] * (2 * p.dim())
+        for d in dims:
+            pad[2 * (p.dim() - 1 - d) + 1] = most[d] - p.shape[d]
+        out.append(F.pad(p, pad) if any(pad) else p)
+    return out
+
+
+def _join_pixel_values(parts: list[torch.Tensor], crops_flat: bool) -> torch.Tensor:
+    if all(p.dim() == 3 for p in parts):
+        parts = [p[None] for p in parts]  # single [C, H, W] images
+    if crops_flat:  # Idefics3 / SmolVLM: [1, N_i, C, H, W] -> [1, sum N_i, C, H, W]
+        return _cat(_pad_to(parts, (3, 4)), 1)
+    if parts[0].dim() == 5:  # LLaVA-NeXT / OneVision tiles: the model keeps each image's own by image_sizes
+        return _cat(_pad_to(parts, (1, 3, 4)))
+    if parts[0].dim() == 4:  # Pixtral: each sample padded to its own largest image; the tower crops
+        return _cat(_pad_to(parts, (2, 3)))
+    return _cat(parts)
+
+
+def join_vision(per_sample: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The vision tensors of ``per_sample`` (dicts in packed order) joined for one model call.
+
+    Keys are those of :data:`VISION_KEYS` the samples have (samples without images simply lack them).
+    Raises ``ValueError`` naming the key when the samples' tensors cannot be joined (e.g. images from two
+    different image processors).
+    """
+    out: dict[str, torch.Tensor] = {}
+    # Idefics3 / SmolVLM carry a per-crop pixel mask: their crops join along the crop axis.
+    crops_flat = any("pixel_attention_mask" in s for s in per_sample)
+    for key in VISION_KEYS:
+        parts = [s[key] for s in per_sample if key in s]
+        if not parts:
+            continue
+        try:
+            if key == "pixel_values":
+                out[key] = _join_pixel_values(parts, crops_flat)
+            elif key == "pixel_attention_mask":
+                out[key] = _cat(_pad_to(parts, (2, 3)), 1)
+            else:
+                out[key] = _cat([p.reshape(1) if p.dim() == 0 else p for p in parts])
+        except RuntimeError as e:
+            raise ValueError(f"cannot join the samples' {key!r}: {e}") from None
+    return out
