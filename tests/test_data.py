@@ -934,3 +934,33 @@ def test_a_plain_dataloader_gets_only_batches_and_counts_bad_samples_after_each_
     assert ds.state_dict()["progress"]["complete"]
     assert ds.stats.reasons == {"unreadable_shard": 1, "missing_text": 1, "corrupt_image": 1}
     assert ds.stats.samples_read == 6 and ds.stats.samples_packed == 4 and ds.stats.samples_bad == 2
+
+
+def test_each_conversation_is_tokenized_once_and_packs_what_process_sample_gives(tmp_path, qwen, monkeypatch):
+    from vlm_pack.data.reader import stream_tar_samples
+    from vlm_pack.processing import process_sample
+
+    tok, ip = qwen
+    urls = _small_shards(tmp_path / "s")
+    texts = []
+    tokenize = type(tok).__call__
+
+    def counting(self, text, *args, **kwargs):
+        texts.append(text)
+        return tokenize(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tok), "__call__", counting)
+    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=1.0)
+    batches = list(ds)  # the forecast tokenizes; processing the packed samples reuses its ids
+    assert len(texts) == len(set(texts)) == 4 == ds.stats.samples_packed
+    raw = {sample["__key__"]: sample for url in urls for sample in stream_tar_samples(url)}
+    for batch in batches:
+        cu = batch.cu_seqlens.tolist()
+        for key, start, end in zip(batch.metadata["__key__"], cu, cu[1:]):
+            sample = raw[key]
+            alone = process_sample(
+                [sample[name] for name in image_fields(sample)], parse_text(sample), tokenizer=tok, image_processor=ip
+            )
+            assert torch.equal(batch.input_ids.flatten()[start:end], alone["input_ids"])
+            # the collator masks each sample's first label (the shift must not cross samples)
+            assert torch.equal(batch.labels.flatten()[start + 1 : end], alone["labels"][1:])

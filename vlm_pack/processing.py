@@ -36,6 +36,7 @@ import io
 import itertools
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,8 +55,10 @@ from .chat import (
 __all__ = [
     "IMAGE_MARKER",
     "ChatFormat",
+    "Prompt",
     "chat_format",
     "forecast_length",
+    "forecast_prompt",
     "load_image",
     "process_sample",
     "render_prompt",
@@ -274,6 +277,19 @@ def _skeleton(
     return [(placeholder, n - 1) for n in counts]
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A conversation rendered once by :func:`forecast_prompt`, for ``process_sample(..., prompt=...)``.
+
+    ``tokens``: the collapsed ids and trained mask of ``rendering`` where :func:`process_sample` tokenizes the
+    prompt itself (``tokenizer`` + ``image_processor``); None with a ``processor``, which tokenizes its own
+    expansion.
+    """
+
+    rendering: Rendering
+    tokens: tuple[list[int], list[bool]] | None = None
+
+
 def forecast_length(
     conversation: Conversation,
     image_sizes: Sequence[tuple[int, int]],
@@ -293,6 +309,46 @@ def forecast_length(
     ``tokens_per_image`` for the same conversation and images. The prompt is rendered and tokenized exactly
     as there; only the image expansions are counted instead of written out.
     """
+    length, counts, _ = _forecast(
+        conversation, image_sizes, tokenizer, spec, processor, image_processor, family, template, key, keep=False
+    )
+    return length, counts
+
+
+def forecast_prompt(
+    conversation: Conversation,
+    image_sizes: Sequence[tuple[int, int]],
+    *,
+    tokenizer: Any = None,
+    spec: Any = None,
+    processor: Any = None,
+    image_processor: Any = None,
+    family: str | None = None,
+    template: str | ChatFormat | Template | None = None,
+    key: Any = None,
+) -> tuple[int, list[int], Prompt]:
+    """:func:`forecast_length`, and the :class:`Prompt` it rendered for ``process_sample(..., prompt=...)``.
+
+    A pipeline that forecasts every sample and processes the packed ones so renders (and, without a
+    ``processor``, tokenizes) each conversation once. Same arguments as :func:`forecast_length`.
+    """
+    return _forecast(  # type: ignore[return-value]
+        conversation, image_sizes, tokenizer, spec, processor, image_processor, family, template, key, keep=True
+    )
+
+
+def _forecast(
+    conversation: Conversation,
+    image_sizes: Sequence[tuple[int, int]],
+    tokenizer: Any,
+    spec: Any,
+    processor: Any,
+    image_processor: Any,
+    family: str | None,
+    template: str | ChatFormat | Template | None,
+    key: Any,
+    keep: bool,
+) -> tuple[int, list[int], Prompt | None]:
     from .vision import vision_spec_from_processor
 
     if processor is not None:
@@ -305,15 +361,20 @@ def forecast_length(
         if source is None:
             raise TypeError("forecast_length with images needs processor=, image_processor= or spec=")
         spec = vision_spec_from_processor(source)
-    rendering = _render(conversation, tokenizer, processor, family, template, len(sizes), key, spans=False)
+    rendering = _render(conversation, tokenizer, processor, family, template, len(sizes), key, spans=keep)
+    counts = [int(n) for n in spec.sample_tokens(sizes)] if sizes else []
+    plain = spec is None or spec.family not in ("gemma3", *_PROCESSOR_WRAPS)  # each image one placeholder
+    if keep and processor is None and plain:  # process_sample's own tokenization, kept for it
+        ids, mask = _tokenize(tokenizer, rendering)
+        return len(ids) - len(counts) + sum(counts), counts, Prompt(rendering, (ids, mask))
+    prompt = Prompt(rendering) if keep else None
     if not sizes:
-        return len(_tokenize(tokenizer, rendering)[0]), []
+        return len(_tokenize(tokenizer, rendering)[0]), [], prompt
     skeletons = _skeleton(spec, sizes, rendering.placeholder, tokenizer)
     pieces = rendering.text.split(rendering.placeholder)
     text = pieces[0] + "".join(s + piece for (s, _), piece in zip(skeletons, pieces[1:]))
     enc = tokenizer(text, add_special_tokens=rendering.add_special_tokens)
-    counts = [int(n) for n in spec.sample_tokens(sizes)]
-    return len(enc["input_ids"]) + sum(left for _, left in skeletons), counts
+    return len(enc["input_ids"]) + sum(left for _, left in skeletons), counts, prompt
 
 
 def load_image(source: Any) -> Any:
@@ -431,10 +492,15 @@ def _llava_counts(image_processor: Any, tokenizer: Any, images: list[Any]) -> li
 
 
 def _with_image_processor(
-    image_processor: Any, tokenizer: Any, rendering: Rendering, images: list[Any], key: Any
+    image_processor: Any,
+    tokenizer: Any,
+    rendering: Rendering,
+    images: list[Any],
+    key: Any,
+    tokens: tuple[list[int], list[bool]] | None = None,
 ) -> dict[str, Any]:
     """Tokenizer + image processor: the placeholder repeated once per embedding (Qwen-style, LLaVA)."""
-    ids_list, mask = _tokenize(tokenizer, rendering)
+    ids_list, mask = tokens if tokens is not None else _tokenize(tokenizer, rendering)
     image_id = tokenizer.convert_tokens_to_ids(rendering.placeholder)
     if ids_list.count(image_id) != len(images):
         raise ValueError(
@@ -479,6 +545,7 @@ def process_sample(
     layout: str = "expanded",
     template: str | ChatFormat | Template | None = None,
     key: Any = None,
+    prompt: Prompt | None = None,
 ) -> dict[str, torch.Tensor]:
     """One processed sample (1-D token tensors) for ``PackingCollator``.
 
@@ -490,6 +557,8 @@ def process_sample(
     (``pixel_values``; by family ``image_grid_thw``, ``image_sizes``, ``batch_num_images``,
     ``pixel_attention_mask``, and the per-token ``mm_token_type_ids`` / ``token_type_ids`` (L,)).
     ``layout="collapsed"`` keeps one image token per image (families with one run of them per image).
+    ``prompt``: the :class:`Prompt` :func:`forecast_prompt` rendered for this conversation with the same
+    arguments (not rendered or tokenized again).
     """
     if processor is not None:
         tokenizer = tokenizer or processor.tokenizer
@@ -499,13 +568,15 @@ def process_sample(
         raise ValueError(f"layout must be 'expanded' or 'collapsed', got {layout!r}")
     if images and processor is None and image_processor is None:
         raise ValueError(f"sample {key!r} has images: process_sample needs image_processor= (or processor=)")
-    rendering = _render(conversation, tokenizer, processor, family, template, len(images), key)
+    if prompt is None:
+        prompt = Prompt(_render(conversation, tokenizer, processor, family, template, len(images), key))
+    rendering = prompt.rendering
     pil = [load_image(im) for im in images]
     if processor is not None:
         out = _with_processor(processor, rendering, pil, key)
         image_id = _embedding_token_id(processor)
     else:
-        out = _with_image_processor(image_processor, tokenizer, rendering, pil, key)
+        out = _with_image_processor(image_processor, tokenizer, rendering, pil, key, prompt.tokens)
         image_id = tokenizer.convert_tokens_to_ids(rendering.placeholder)
         if "image_grid_thw" in out or (family or getattr(tokenizer, "vlm_pack_family", "") or "").startswith(
             "qwen"

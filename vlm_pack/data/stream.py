@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..packing import StreamPacker
-from ..processing import IMAGE_MARKER, forecast_length, process_sample
+from ..processing import IMAGE_MARKER, Prompt, forecast_prompt, process_sample
 from .reader import read_header, stream_tar_samples
 from .shards import SampleError
 from .state import Cursor, EpochProgress, PlanItem, StreamSnapshot, position, split_position
@@ -110,12 +110,14 @@ def _count_markers(conversation: Any) -> int:
 
 @dataclass(slots=True)
 class _Sample:
-    """A forecast sample waiting in a buffer: raw image bytes, its text, its forecast."""
+    """A forecast sample waiting in a buffer: raw image bytes, its text, its forecast and the prompt the
+    forecast rendered and tokenized (processing reuses it: each conversation is tokenized once)."""
 
     url: str
     key: str
     images: list[bytes]
     conversation: Any
+    prompt: Prompt
     length: int  # forecast tokens
     vision: int  # vision cost (PackingConfig.vision_cost)
 
@@ -228,11 +230,12 @@ class StreamRunner:
             )
         self._check_images(names, sizes)
         try:
-            length, _ = forecast_length(
+            length, _, prompt = forecast_prompt(
                 conversation,
                 sizes,
                 tokenizer=ds.tokenizer,
                 spec=ds.spec,
+                processor=ds.processor,
                 family=ds.family,
                 template=ds.template,
                 key=key,
@@ -241,7 +244,7 @@ class StreamRunner:
             reason = "placeholder_mismatch" if "placeholder" in str(exc) else "bad_text"
             raise _Skip(reason, str(exc)) from None
         self._check_length(url, key, length)
-        return _Sample(url, key, images, conversation, length, self._vision_cost(sizes))
+        return _Sample(url, key, images, conversation, prompt, length, self._vision_cost(sizes))
 
     def _forecast(self, url: str, raw: dict[str, Any]) -> _Sample | None:
         """The sample with its forecast, or None after reporting why it is skipped (timed as "forecast")."""
@@ -307,6 +310,7 @@ class StreamRunner:
                 family=ds.family,
                 template=ds.template,
                 key=sample.key,
+                prompt=sample.prompt,
             )
         except Exception as exc:
             self._bad(sample.url, sample.key, "decode_error", f"{type(exc).__name__}: {exc}")
