@@ -316,25 +316,20 @@ def forecast_length(
 
 
 def forecast_prompt(
-    conversation: Conversation,
-    image_sizes: Sequence[tuple[int, int]],
-    *,
-    tokenizer: Any = None,
-    spec: Any = None,
-    processor: Any = None,
-    image_processor: Any = None,
-    family: str | None = None,
-    template: str | ChatFormat | Template | None = None,
-    key: Any = None,
+    conversation: Conversation, image_sizes: Sequence[tuple[int, int]], **options: Any
 ) -> tuple[int, list[int], Prompt]:
     """:func:`forecast_length`, and the :class:`Prompt` it rendered for ``process_sample(..., prompt=...)``.
 
     A pipeline that forecasts every sample and processes the packed ones so renders (and, without a
-    ``processor``, tokenizes) each conversation once. Same arguments as :func:`forecast_length`.
+    ``processor``, tokenizes) each conversation once. ``options``: the keyword arguments of
+    :func:`forecast_length`.
     """
-    return _forecast(  # type: ignore[return-value]
-        conversation, image_sizes, tokenizer, spec, processor, image_processor, family, template, key, keep=True
-    )
+    names = ("tokenizer", "spec", "processor", "image_processor", "family", "template", "key")
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise TypeError(f"forecast_prompt: unknown argument(s) {unknown}; it takes {list(names)}")
+    args = [options.get(name) for name in names]
+    return _forecast(conversation, image_sizes, *args, keep=True)  # type: ignore[return-value]
 
 
 def _forecast(
