@@ -82,6 +82,7 @@ from typing import Any
 import torch
 
 from ..config import PackingConfig
+from ..packing.stream import PACKER_KNOBS
 from ..vision import vision_spec_from_processor
 from .state import EpochProgress, PipelineState, fresh_plan, remaining_plan
 from .stats import BAD_REASONS, BadSample, BadSampleWarning, PipelineStats
@@ -100,8 +101,6 @@ __all__ = [
 
 logger = logging.getLogger("vlm_pack.data")
 
-#: The ``StreamPacker`` keyword arguments taken from a :class:`PackingConfig`.
-_PACKER_KNOBS = ("capacity", "buffer_size", "min_fill_ratio", "drop_last", "vision_capacity", "max_samples_per_bin")
 
 
 def _expand_urls(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
@@ -207,7 +206,7 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         self.family = family or getattr(tokenizer, "vlm_pack_family", None) or self.spec.family
         self.template = template
         # too-long samples are reported by the stream with their shard and key, never by the packer
-        self.packer_config = {k: getattr(self.config, k) for k in _PACKER_KNOBS} | {"oversized": "raise"}
+        self.packer_config = {k: getattr(self.config, k) for k in PACKER_KNOBS} | {"oversized": "raise"}
         self.shuffle_buffer = self.config.shuffle_buffer if self.config.shuffle_seed is not None else 0
         self.collator = collator
         self.collator_kwargs = {"pad_to_multiple_of": self.config.pad_to_multiple_of, **collator_kwargs}

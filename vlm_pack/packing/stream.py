@@ -19,7 +19,7 @@ _MT_MASK = (1 << _MT_BITS) - 1
 _LENGTH_FIX = "lengths must be positive expanded token counts. Filter such samples out before packing."
 _VISION_FIX = "vision costs must be non-negative integers (ViT patches or images)."
 # the PackingConfig fields a StreamPacker uses, in the order of its state_dict's "config"
-_PACKER_KNOBS = (
+PACKER_KNOBS = (
     "capacity",
     "buffer_size",
     "min_fill_ratio",
@@ -130,7 +130,7 @@ class StreamPacker:
         """A packer with ``config``'s packing knobs (the streaming-only knobs are the pipeline's)."""
         if not isinstance(config, PackingConfig):
             raise TypeError(f"config must be a vlm_pack.config.PackingConfig, got {type(config).__name__}")
-        return cls(**{name: getattr(config, name) for name in _PACKER_KNOBS})
+        return cls(**{name: getattr(config, name) for name in PACKER_KNOBS})
 
     def _reset_state(self) -> None:
         self._index: list[int] = []  # sorted: free << 40 | (~mtime & mask)
@@ -385,7 +385,7 @@ class StreamPacker:
         stats = self.stats
         return {
             "version": _STATE_VERSION,
-            "config": {name: getattr(self, name) for name in _PACKER_KNOBS},
+            "config": {name: getattr(self, name) for name in PACKER_KNOBS},
             "clock": self._clock,
             "open": [
                 {**_bin_state(packed), "mtime": packed._mtime}
@@ -410,7 +410,7 @@ class StreamPacker:
         theirs = state["config"]
         diff = {
             name: (theirs.get(name), getattr(self, name))
-            for name in _PACKER_KNOBS
+            for name in PACKER_KNOBS
             if theirs.get(name) != getattr(self, name)
         }
         if diff:
