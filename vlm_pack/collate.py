@@ -575,16 +575,14 @@ class PackingCollator:
             raise ValueError(_rename_samples(str(e), order)) from None
 
 
-def pipeline_collator(
-    capacity: int, tokenizer: Any, family: str | None, image_processor: Any, options: Mapping[str, Any]
-) -> PackingCollator:
+def pipeline_collator(capacity: int, preprocessor: Any, options: Mapping[str, Any]) -> PackingCollator:
     """The :class:`PackingCollator` a data pipeline builds for itself: ``options`` (the user's collator
-    keyword arguments) win; the pipeline's tokenizer, family and the image processor's ``merge_size``
+    keyword arguments) win; the preprocessor's tokenizer, family and its image processor's ``merge_size``
     fill in what they leave out."""
     kwargs = dict(options)
-    kwargs.setdefault("tokenizer", tokenizer)
-    kwargs.setdefault("family", family)
-    merge = getattr(image_processor, "merge_size", None)
+    kwargs.setdefault("tokenizer", preprocessor.tokenizer)
+    kwargs.setdefault("family", preprocessor.family)
+    merge = getattr(preprocessor.image_processor, "merge_size", None)
     if merge is not None:
         kwargs.setdefault("spatial_merge_size", int(merge))
     return PackingCollator(capacity, **kwargs)

@@ -55,6 +55,7 @@ from .chat import (
 __all__ = [
     "IMAGE_MARKER",
     "ChatFormat",
+    "Preprocessor",
     "Prompt",
     "chat_format",
     "forecast_length",
@@ -580,3 +581,106 @@ def process_sample(
     if layout == "collapsed" and len(pil):
         out = _collapse(out, image_id, key)
     return out
+
+
+@dataclass(frozen=True)
+class Preprocessor:
+    """A checkpoint's text and image parts, held once: what every pipeline forecasts and processes with.
+
+    Give an HF ``processor`` (any family), or ``tokenizer`` + ``image_processor`` (Qwen-style, LLaVA,
+    LLaVA-NeXT). ``family`` / ``template`` pick the chat format as for :func:`process_sample` (default: the
+    checkpoint's own template, else the tokenizer's ``vlm_pack_family``, else the image processor's family);
+    ``layout``: ``"expanded"`` (HF models) or ``"collapsed"`` (one placeholder per image, Megatron style).
+    ``spec``: the vision spec forecasts use (default: read from the processor).
+
+    ``forecast(...)`` equals the length ``process(...)`` gives, in the expanded space, for every family::
+
+        pre = Preprocessor(tokenizer=tok, image_processor=ip)
+        length, per_image = pre.forecast(conversation, [(640, 480)])   # header sizes only
+        sample = pre.process([image], conversation)                    # len(sample["input_ids"]) == length
+    """
+
+    tokenizer: Any = None
+    image_processor: Any = None
+    processor: Any = None
+    family: str | None = None
+    template: str | ChatFormat | Template | None = None
+    layout: str = "expanded"
+    spec: Any = None
+
+    def __post_init__(self) -> None:
+        from .vision import vision_spec_from_processor
+
+        proc = self.processor
+        if proc is not None:
+            if self.tokenizer is None:
+                object.__setattr__(self, "tokenizer", proc.tokenizer)
+            if self.image_processor is None:
+                object.__setattr__(self, "image_processor", getattr(proc, "image_processor", None))
+        if self.tokenizer is None:
+            raise ValueError("Preprocessor needs tokenizer= (with image_processor=) or processor=")
+        if self.layout not in ("expanded", "collapsed"):
+            raise ValueError(f"layout must be 'expanded' or 'collapsed', got {self.layout!r}")
+        if self.spec is None and (proc is not None or self.image_processor is not None):
+            source = proc if proc is not None else self.image_processor
+            object.__setattr__(self, "spec", vision_spec_from_processor(source))
+        if self.family is None:
+            family = getattr(self.tokenizer, "vlm_pack_family", None)
+            object.__setattr__(self, "family", family or getattr(self.spec, "family", None))
+
+    def render(self, conversation: Conversation, num_images: int = 0, key: Any = None) -> list[str]:
+        """The rendered prompt as text pieces (see :func:`render_prompt`): ``"".join`` them for one batched
+        ``tokenizer(prompts, add_special_tokens=False)`` call."""
+        return render_prompt(
+            conversation,
+            tokenizer=self.tokenizer,
+            family=self.family,
+            num_images=num_images,
+            template=self.template,
+            key=key,
+            processor=self.processor,
+        )[1]
+
+    def tokenize(self, conversation: Conversation, num_images: int = 0, key: Any = None) -> tuple[list[int], list[bool]]:
+        """Collapsed ids and trained mask: :func:`tokenize_conversation` with these parts."""
+        return tokenize_conversation(
+            conversation,
+            tokenizer=self.tokenizer,
+            family=self.family,
+            num_images=num_images,
+            template=self.template,
+            key=key,
+            processor=self.processor,
+        )
+
+    def forecast(
+        self, conversation: Conversation, image_sizes: Sequence[tuple[int, int]], key: Any = None
+    ) -> tuple[int, list[int]]:
+        """``(expanded length, tokens per image)`` from image ``(width, height)`` only: :func:`forecast_length`."""
+        return self.forecast_prompt(conversation, image_sizes, key, keep=False)[:2]
+
+    def forecast_prompt(
+        self, conversation: Conversation, image_sizes: Sequence[tuple[int, int]], key: Any = None, keep: bool = True
+    ) -> tuple[int, list[int], Prompt | None]:
+        """:meth:`forecast` and the :class:`Prompt` it rendered, for ``process(..., prompt=)`` (``keep``)."""
+        return _forecast(
+            conversation, image_sizes, self.tokenizer, self.spec, self.processor, self.image_processor,
+            self.family, self.template, key, keep=keep,
+        )
+
+    def process(
+        self, images: Sequence[Any], conversation: Conversation, key: Any = None, prompt: Prompt | None = None
+    ) -> dict[str, torch.Tensor]:
+        """One processed sample: :func:`process_sample` with these parts."""
+        return process_sample(
+            images,
+            conversation,
+            tokenizer=self.tokenizer,
+            image_processor=self.image_processor,
+            processor=self.processor,
+            family=self.family,
+            layout=self.layout,
+            template=self.template,
+            key=key,
+            prompt=prompt,
+        )

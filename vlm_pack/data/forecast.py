@@ -32,6 +32,7 @@ from .sources import Chunk, Source, chunk_samples, chunks, open_sources
 if TYPE_CHECKING:
     from ..config import PackingConfig
     from ..packing import PackResult
+    from ..processing import Preprocessor
 
 __all__ = ["LengthTable", "forecast_sources", "image_sizes"]
 
@@ -149,10 +150,7 @@ class _Forecaster:
     """What every worker needs, set once per process (``_init``)."""
 
     sources: list[Source]
-    tokenizer: Any
-    spec: Any
-    family: str
-    template: Callable[..., Any] | None
+    pre: Preprocessor
     layout: str | None
     exif_transpose: bool
     on_error: str
@@ -196,20 +194,11 @@ class _Pending:
 
 
 def _prepare(f: _Forecaster, sample: Sample, ordinal: int) -> _Pending:
-    from ..processing import render_prompt
-
     sizes = image_sizes(sample, exif_transpose=f.exif_transpose, verify=f.verify)
     try:
-        _, texts = render_prompt(
-            sample.conversation,
-            tokenizer=f.tokenizer,
-            family=f.family,
-            num_images=len(sizes),
-            template=f.template,
-            key=sample.key,
-        )
-        counts = [int(t) for t in f.spec.sample_tokens(sizes)] if sizes else []
-        patches = sum(int(f.spec.num_patches(w, h)) for w, h in sizes)
+        texts = f.pre.render(sample.conversation, len(sizes), sample.key)
+        counts = [int(t) for t in f.pre.spec.sample_tokens(sizes)] if sizes else []
+        patches = sum(int(f.pre.spec.num_patches(w, h)) for w, h in sizes)
     except (ValueError, TypeError) as e:
         message = str(e) if sample.key in str(e) else f"sample {sample.key!r}: {e}"
         raise SampleError("bad_text", f"{sample.label}: {message}") from None
@@ -218,23 +207,12 @@ def _prepare(f: _Forecaster, sample: Sample, ordinal: int) -> _Pending:
 
 def _token_ids(f: _Forecaster, pending: list[_Pending]) -> list[list[int]]:
     """The ids ``tokenize_conversation`` gives each prompt: one batched call for a fast tokenizer."""
-    from ..processing import tokenize_conversation
-
     if not pending:
         return []
-    if getattr(f.tokenizer, "is_fast", False):  # the whole prompt in one piece, as tokenize_conversation
-        return list(f.tokenizer([p.prompt for p in pending], add_special_tokens=False)["input_ids"])
-    return [  # a slow tokenizer is run segment by segment there: do exactly that
-        tokenize_conversation(
-            p.sample.conversation,
-            tokenizer=f.tokenizer,
-            family=f.family,
-            num_images=len(p.counts),
-            template=f.template,
-            key=p.sample.key,
-        )[0]
-        for p in pending
-    ]
+    if getattr(f.pre.tokenizer, "is_fast", False):  # the whole prompt in one piece, as tokenize_conversation
+        return list(f.pre.tokenizer([p.prompt for p in pending], add_special_tokens=False)["input_ids"])
+    # a slow tokenizer is run segment by segment there: do exactly that
+    return [f.pre.tokenize(p.sample.conversation, len(p.counts), p.sample.key)[0] for p in pending]
 
 
 def _add(f: _Forecaster, p: _Pending, ids: list[int], out: _ChunkResult) -> None:
@@ -338,10 +316,11 @@ def _table(results: list[_ChunkResult]) -> LengthTable:
 def forecast_sources(
     sources: Any | Sequence[Any],
     *,
-    tokenizer: Any,
-    spec: Any,
+    tokenizer: Any = None,
+    spec: Any = None,
     family: str | None = None,
     template: Callable[..., Any] | None = None,
+    preprocessor: Preprocessor | None = None,
     layout: str | None = None,
     image_root: str | os.PathLike[str] | None = None,
     exif_transpose: bool = True,
@@ -358,6 +337,8 @@ def forecast_sources(
         tokenizer, spec: the checkpoint's tokenizer and ``vlm_pack.vision`` spec.
         family: chat format (default: the tokenizer's ``vlm_pack_family``, else the spec's family).
         template: a callable replacing the family's chat format (see ``processing.tokenize_conversation``).
+        preprocessor: a :class:`~vlm_pack.processing.Preprocessor` instead of the four above (a
+            ``processor``'s own chat template renders the prompts).
         layout: force one record layout (``records.LAYOUTS``); default: detected per record.
         image_root: folder relative image paths resolve against (default: the source file's folder).
         exif_transpose: size images as ``ImageOps.exif_transpose`` shows them (as ``load_image`` does).
@@ -370,18 +351,18 @@ def forecast_sources(
     """
     from tqdm import tqdm
 
-    from ..processing import _image_token_id
+    from ..processing import Preprocessor, _image_token_id
 
+    pre = preprocessor or Preprocessor(tokenizer, family=family, template=template, spec=spec)
+    if pre.spec is None:
+        raise TypeError("forecast_sources needs spec= (or a preprocessor with an image processor)")
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
     opened = open_sources(sources, image_root=image_root)
-    family = family or getattr(tokenizer, "vlm_pack_family", None) or spec.family
-    forecaster = _Forecaster(
-        opened, tokenizer, spec, family, template, layout, exif_transpose, on_error, verify
-    )
-    forecaster.image_id = _image_token_id(tokenizer, family)
+    forecaster = _Forecaster(opened, pre, layout, exif_transpose, on_error, verify)
+    forecaster.image_id = _image_token_id(pre.tokenizer, pre.family)
     totals = [s.num_rows for s in opened]
     total = None if None in totals else sum(t for t in totals if t is not None)
     disable = (not progress) if progress is not None else None

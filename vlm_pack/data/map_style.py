@@ -168,7 +168,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         collator_kwargs: dict[str, Any] | None = None,
         progress: bool | None = None,
     ) -> None:
-        from ..vision import vision_spec_from_processor
+        from ..processing import Preprocessor
 
         if config is None:
             if capacity is None:
@@ -195,10 +195,8 @@ class PackedMapDataset(torch.utils.data.Dataset):
             )
         self.dataset = source.ref
         self.config, self.world_size, self.rank, self.strategy = config, world_size, rank, strategy
-        self.tokenizer, self.image_processor, self.processor = tokenizer, image_processor, processor
-        self.spec = vision_spec_from_processor(processor if processor is not None else image_processor)
-        self.family = family or getattr(tokenizer, "vlm_pack_family", None) or self.spec.family
-        self.template, self.layout, self.image_root = template, layout, source.image_root
+        self.preprocessor = Preprocessor(tokenizer, image_processor, processor, family, template)
+        self.layout, self.image_root = layout, source.image_root
         if "return_style" in (collator_kwargs or {}):
             raise ValueError(
                 "items are PackedBatch (they carry the plan metadata): use trainer_collator(style) for the HF "
@@ -227,7 +225,8 @@ class PackedMapDataset(torch.utils.data.Dataset):
     def _cache_key(self) -> dict[str, Any]:
         from .._version import __version__
 
-        ip = self.image_processor
+        pre = self.preprocessor
+        ip = pre.image_processor
         ip_dict = ip.to_dict() if hasattr(ip, "to_dict") else vars(ip)
         return {
             "format": _CACHE_FORMAT,
@@ -236,10 +235,10 @@ class PackedMapDataset(torch.utils.data.Dataset):
                 "fingerprint": getattr(self.dataset, "_fingerprint", None),
                 "rows": len(self.dataset),
             },
-            "tokenizer": _tokenizer_id(self.tokenizer),
+            "tokenizer": _tokenizer_id(pre.tokenizer),
             "image_processor": _digest(json.dumps(ip_dict, sort_keys=True, default=str)),
-            "chat": {"family": self.family, "template": _callable_id(self.template)},
-            "spec": json.loads(json.dumps(self.spec.to_dict(), default=str)),
+            "chat": {"family": pre.family, "template": _callable_id(pre.template)},
+            "spec": json.loads(json.dumps(pre.spec.to_dict(), default=str)),
             "packing": {
                 **{f: getattr(self.config, f) for f in _PLAN_FIELDS},
                 "strategy": self.strategy,
@@ -256,10 +255,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         cfg = self.config
         table = forecast_sources(
             self.dataset,
-            tokenizer=self.tokenizer,
-            spec=self.spec,
-            family=self.family,
-            template=self.template,
+            preprocessor=self.preprocessor,
             layout=self.layout,
             image_root=self.image_root,
             exif_transpose=cfg.exif_transpose,
@@ -369,8 +365,6 @@ class PackedMapDataset(torch.utils.data.Dataset):
             return None
 
     def _process(self, row: int, forecast: int) -> dict[str, Any]:
-        from ..processing import process_sample
-
         if self._arrow is None:  # Arrow rows: image bytes stay encoded until process_sample decodes them
             self._arrow = self.dataset.with_format("arrow")
         (record,) = self._arrow[row : row + 1].to_pylist()
@@ -378,16 +372,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
             record, layout=self.layout, key=str(row), where=f"dataset[{row}]", image_root=self.image_root
         )
         images = [im if not isinstance(im, str) else Path(im) for im in sample.images]
-        out = process_sample(
-            images,
-            sample.conversation,
-            tokenizer=self.tokenizer,
-            image_processor=self.image_processor,
-            processor=self.processor,
-            family=self.family,
-            template=self.template,
-            key=sample.key,
-        )
+        out = self.preprocessor.process(images, sample.conversation, sample.key)
         n = int(out["input_ids"].shape[0])
         if n != forecast:
             raise SampleError(
@@ -401,9 +386,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
     def _make_collator(self) -> Callable[[list[dict[str, Any]]], Any]:
         from ..collate import pipeline_collator
 
-        return pipeline_collator(
-            self.config.capacity, self.tokenizer, self.family, self.image_processor, self.collator_kwargs
-        )
+        return pipeline_collator(self.config.capacity, self.preprocessor, self.collator_kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

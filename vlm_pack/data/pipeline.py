@@ -83,7 +83,7 @@ import torch
 
 from ..config import PackingConfig
 from ..packing.stream import PACKER_KNOBS
-from ..vision import vision_spec_from_processor
+from ..processing import Preprocessor
 from .state import EpochProgress, PipelineState, fresh_plan, remaining_plan
 from .stats import BAD_REASONS, BadSample, BadSampleWarning, PipelineStats
 from .stream import StreamEnd, StreamRunner, identity, stream_info
@@ -199,12 +199,9 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
             knobs.setdefault("pad_to_multiple_of", collator_kwargs.pop("pad_to_multiple_of"))
         self.config = _stream_config(config, knobs)
         self.urls = _expand_urls(urls)
-        self.tokenizer = tokenizer
-        self.image_processor = image_processor
-        self.processor = processor
-        self.spec = vision_spec_from_processor(processor if processor is not None else image_processor)
-        self.family = family or getattr(tokenizer, "vlm_pack_family", None) or self.spec.family
-        self.template = template
+        self.preprocessor = Preprocessor(tokenizer, image_processor, processor, family, template)
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+        self.spec, self.family = self.preprocessor.spec, self.preprocessor.family
         # too-long samples are reported by the stream with their shard and key, never by the packer
         self.packer_config = {k: getattr(self.config, k) for k in PACKER_KNOBS} | {"oversized": "raise"}
         self.shuffle_buffer = self.config.shuffle_buffer if self.config.shuffle_seed is not None else 0
@@ -526,15 +523,9 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
     def _collate(self) -> Callable[[list[dict[str, Any]]], Any]:
         if self.collator is not None:
             return self.collator
-        from ..collate import PackingCollator
+        from ..collate import pipeline_collator
 
-        kwargs = dict(self.collator_kwargs)
-        kwargs.setdefault("tokenizer", self.tokenizer)
-        kwargs.setdefault("family", self.family)
-        merge = getattr(self.image_processor, "merge_size", None)
-        if merge is not None:
-            kwargs.setdefault("spatial_merge_size", int(merge))
-        return PackingCollator(self.capacity, **kwargs)
+        return pipeline_collator(self.capacity, self.preprocessor, self.collator_kwargs)
 
 
 class PackedDataLoader:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..packing import StreamPacker
-from ..processing import IMAGE_MARKER, Prompt, forecast_prompt, process_sample
+from ..processing import IMAGE_MARKER, Prompt
 from .reader import read_header, stream_tar_samples
 from .shards import SampleError
 from .state import Cursor, EpochProgress, PlanItem, StreamSnapshot, position, split_position
@@ -221,7 +221,7 @@ class StreamRunner:
         except SampleError as exc:
             raise _Skip(exc.reason, str(exc)) from None
         images = [raw[name] for name in names]
-        n_markers = _count_markers(conversation) if ds.template is None else None
+        n_markers = _count_markers(conversation) if ds.preprocessor.template is None else None
         if n_markers and n_markers != len(images):
             raise _Skip(
                 "placeholder_mismatch",
@@ -230,16 +230,7 @@ class StreamRunner:
             )
         self._check_images(names, sizes)
         try:
-            length, _, prompt = forecast_prompt(
-                conversation,
-                sizes,
-                tokenizer=ds.tokenizer,
-                spec=ds.spec,
-                processor=ds.processor,
-                family=ds.family,
-                template=ds.template,
-                key=key,
-            )
+            length, _, prompt = ds.preprocessor.forecast_prompt(conversation, sizes, key)
         except (ValueError, TypeError, AttributeError) as exc:
             reason = "placeholder_mismatch" if "placeholder" in str(exc) else "bad_text"
             raise _Skip(reason, str(exc)) from None
@@ -301,17 +292,7 @@ class StreamRunner:
         ds = self.ds
         started = time.thread_time()
         try:
-            return process_sample(
-                sample.images,
-                sample.conversation,
-                tokenizer=ds.tokenizer,
-                image_processor=ds.image_processor,
-                processor=ds.processor,
-                family=ds.family,
-                template=ds.template,
-                key=sample.key,
-                prompt=sample.prompt,
-            )
+            return ds.preprocessor.process(sample.images, sample.conversation, sample.key, sample.prompt)
         except Exception as exc:
             self._bad(sample.url, sample.key, "decode_error", f"{type(exc).__name__}: {exc}")
             return None

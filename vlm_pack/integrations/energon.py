@@ -47,7 +47,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "vlm_pack.integrations.energon needs Megatron-Energon: pip install 'vlm-pack[energon]'"
     ) from exc
 
-from .. import PackedBatch, PackingCollator, forecast_length, pack, process_sample, vision_spec_from_processor
+from .. import PackedBatch, PackingCollator, Preprocessor, pack
 from ..data import read_header
 
 __all__ = ["PackedVLMSample", "VLMPackingTaskEncoder", "VLMSample", "packed_train_dataset"]
@@ -117,12 +117,8 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
             pad_to_multiple_of=pad_to_multiple_of,
         )
         self.capacity = capacity
-        self.tokenizer = tokenizer
-        self.image_processor = image_processor
-        self.family = self.collator.family
-        self.layout = layout
+        self.preprocessor = Preprocessor(tokenizer, image_processor, family=self.collator.family, layout=layout)
         self.oversized = oversized
-        self.spec = vision_spec_from_processor(image_processor)
         self.left_out: list[tuple[str, str]] = []
         self.cookers = [Cooker(self.cook_sample)]
 
@@ -131,9 +127,7 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         """Crude WebDataset sample (raw bytes) -> :class:`VLMSample` with its exact expanded length."""
         key = crude["__key__"]
         header = read_header(crude, image_name=lambda name: f"{key}.{name}")
-        length, _ = forecast_length(
-            header.conversation, header.image_sizes, tokenizer=self.tokenizer, spec=self.spec, family=self.family, key=key
-        )
+        length, _ = self.preprocessor.forecast(header.conversation, header.image_sizes, key)
         return VLMSample(
             __key__=key,
             __restore_key__=crude.get("__restore_key__", ()),
@@ -163,22 +157,11 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
     @stateless
     def pack_selected_samples(self, samples: list[VLMSample]) -> PackedVLMSample:
         """Decode and process the pack's samples and collate them into one :class:`PackedBatch` row."""
-        processed = [
-            process_sample(
-                s.images,
-                s.conversation,
-                tokenizer=self.tokenizer,
-                image_processor=self.image_processor,
-                family=self.family,
-                layout=self.layout,
-                key=s.__key__,
-            )
-            for s in samples
-        ]
+        processed = [self.preprocessor.process(s.images, s.conversation, s.__key__) for s in samples]
         for s, p in zip(samples, processed):
             tpi = p.get("tokens_per_image")
             n = len(p["input_ids"])
-            if self.layout == "collapsed" and tpi is not None:  # one placeholder per image
+            if self.preprocessor.layout == "collapsed" and tpi is not None:  # one placeholder per image
                 n += int(tpi.sum()) - len(tpi)
             if n != s.length:
                 raise RuntimeError(

@@ -40,7 +40,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import torch
 
-from .. import PackingCollator, forecast_length, pack, process_sample, vision_spec_from_processor
+from .. import PackingCollator, Preprocessor, pack
 from ..data import SampleError, read_header, stream_tar_samples
 from ..testing import pad_samples
 
@@ -164,11 +164,11 @@ def packed_dataset(
     url_list = [os.fspath(urls)] if isinstance(urls, (str, os.PathLike)) else [os.fspath(u) for u in urls]
     if oversized not in ("raise", "skip"):
         raise ValueError(f"oversized must be 'raise' or 'skip', got {oversized!r}")
-    spec = vision_spec_from_processor(image_processor)
+    pre = Preprocessor(tokenizer, image_processor, family=family)
     keys, lengths = [], []
     for key, _, conv, sizes in _read_shards(url_list):
         keys.append(key)
-        lengths.append(forecast_length(conv, sizes, tokenizer=tokenizer, spec=spec, family=family, key=key)[0])
+        lengths.append(pre.forecast(conv, sizes, key)[0])
     if not keys:
         raise ValueError(f"packed_dataset: no samples in {url_list}")
     too_long = [(k, n) for k, n in zip(keys, lengths) if n > capacity]
@@ -225,9 +225,7 @@ class TRLPackingCollator:
         packed: bool = True,
     ) -> None:
         self.collator = PackingCollator(capacity, tokenizer=tokenizer, config=config, family=family)
-        self.tokenizer = tokenizer
-        self.image_processor = image_processor
-        self.family = self.collator.family
+        self.preprocessor = Preprocessor(tokenizer, image_processor, family=self.collator.family)
         self.packed = packed
 
     def samples(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, torch.Tensor]]:
@@ -235,16 +233,7 @@ class TRLPackingCollator:
         out = []
         for row in rows:
             for key, conv, images in zip(row["keys"], row["conversations"], row["image_bytes"]):
-                out.append(
-                    process_sample(
-                        images,
-                        json.loads(conv),
-                        tokenizer=self.tokenizer,
-                        image_processor=self.image_processor,
-                        family=self.family,
-                        key=key,
-                    )
-                )
+                out.append(self.preprocessor.process(images, json.loads(conv), key))
         return out
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
