@@ -243,3 +243,25 @@ def test_offline_tiny_model_runs_a_processed_sample(family):
     config = model.config
     image_id = getattr(config, "image_token_id", None) or config.image_token_index
     assert int((s["input_ids"] == image_id).sum()) == int(s["tokens_per_image"].sum())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forecast_sources_with_the_processor_gives_the_processors_lengths(family, tmp_path):
+    """A dataset forecast with the checkpoint's processor (its template, its image wrappers) before any pixel
+    is decoded: every record's length is transformers' own, for families whose processor wraps each image
+    in marker tokens (InternVL, Idefics3, SmolVLM, Gemma 3) as for the others."""
+    import json
+
+    from vlm_pack import Preprocessor, forecast_sources
+
+    proc = _processor(family)
+    for i, im in enumerate(IMAGES):
+        im.save(tmp_path / f"{i}.png")
+    cases = [(MULTI if family != "llava_next" else MULTI[1:], ["0.png", "1.png"]), (SINGLE, ["0.png"])]
+    lines = [{"key": f"k{i}", "images": names, "conversation": conv} for i, (conv, names) in enumerate(cases)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    table = forecast_sources(str(tmp_path / "data.jsonl"), preprocessor=Preprocessor(processor=proc), progress=False)
+    expected = [len(_oracle(proc, conv, [IMAGES[int(n[0])] for n in names])[1]) for conv, names in cases]
+    assert table.lengths.tolist() == expected
+    per_image = [process_sample(IMAGES[: len(names)], conv, processor=proc)["tokens_per_image"] for conv, names in cases]
+    assert table.image_tokens.tolist() == torch.cat(per_image).tolist()

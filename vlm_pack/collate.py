@@ -582,6 +582,10 @@ def pipeline_collator(capacity: int, preprocessor: Any, options: Mapping[str, An
     kwargs = dict(options)
     kwargs.setdefault("tokenizer", preprocessor.tokenizer)
     kwargs.setdefault("family", preprocessor.family)
+    if preprocessor.processor is not None:  # the token the model scatters image features into
+        from .processing import _embedding_token_id
+
+        kwargs.setdefault("image_token_id", _embedding_token_id(preprocessor.processor))
     merge = getattr(preprocessor.image_processor, "merge_size", None)
     if merge is not None:
         kwargs.setdefault("spatial_merge_size", int(merge))

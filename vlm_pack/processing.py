@@ -46,7 +46,6 @@ from .chat import (
     ChatFormat,
     Conversation,
     Rendering,
-    Segment,
     Template,
     chat_format,
     render_conversation,
@@ -62,7 +61,6 @@ __all__ = [
     "forecast_prompt",
     "load_image",
     "process_sample",
-    "render_prompt",
     "tokenize_conversation",
 ]
 
@@ -187,37 +185,6 @@ def _tokenize(tokenizer: Any, rendering: Rendering) -> tuple[list[int], list[boo
     return list(enc["input_ids"]), _trained_tokens(rendering.spans, offsets, len(text)).tolist()
 
 
-def render_prompt(
-    conversation: Conversation,
-    *,
-    tokenizer: Any,
-    family: str | None = None,
-    num_images: int = 0,
-    template: str | ChatFormat | Template | None = None,
-    key: Any = None,
-    processor: Any = None,
-) -> tuple[list[Segment], list[str]]:
-    """The rendered prompt as ``(text, trained)`` segments and their texts (images as the placeholder token).
-
-    ``tokenizer("".join(texts), add_special_tokens=False)`` gives the ids :func:`tokenize_conversation` gives
-    (a BOS the tokenizer would add is written out), so many prompts can be tokenized in one batched call.
-    Raises as :func:`tokenize_conversation` does.
-    """
-    rendering = _render(conversation, tokenizer, processor, family, template, num_images, key)
-    text = rendering.text
-    cuts = sorted({0, len(text), *(c for span in rendering.spans for c in span)})
-    starts = {start for start, _ in rendering.spans}
-    texts = [text[a:b] for a, b in itertools.pairwise(cuts)]
-    trained = [a in starts for a, _ in itertools.pairwise(cuts)]
-    bos = getattr(tokenizer, "bos_token", None)
-    if rendering.add_special_tokens and bos and texts:
-        added = tokenizer("", add_special_tokens=True)["input_ids"]
-        if added[:1] == [tokenizer.convert_tokens_to_ids(bos)]:
-            texts[0] = bos + texts[0]
-    segments = [(t.replace(rendering.placeholder, IMAGE_MARKER), m) for t, m in zip(texts, trained)]
-    return segments, texts
-
-
 def tokenize_conversation(
     conversation: Conversation,
     *,
@@ -240,6 +207,10 @@ def tokenize_conversation(
     ``num_images``, contains the image token itself, or the template loses text.
     """
     rendering = _render(conversation, tokenizer, processor, family, template, num_images, key)
+    return _collapsed_ids(rendering, tokenizer, num_images, key)
+
+
+def _collapsed_ids(rendering: Rendering, tokenizer: Any, num_images: int, key: Any) -> tuple[list[int], list[bool]]:
     ids, mask = _tokenize(tokenizer, rendering)
     image_id = tokenizer.convert_tokens_to_ids(rendering.placeholder)
     mask = [m and i != image_id for i, m in zip(ids, mask)]
@@ -556,6 +527,21 @@ def process_sample(
     ``prompt``: the :class:`Prompt` :func:`forecast_prompt` rendered for this conversation with the same
     arguments (not rendered or tokenized again).
     """
+    return _process(images, conversation, tokenizer, image_processor, processor, family, layout, template, key, prompt)
+
+
+def _process(
+    images: Sequence[Any],
+    conversation: Conversation,
+    tokenizer: Any,
+    image_processor: Any,
+    processor: Any,
+    family: str | None,
+    layout: str,
+    template: str | ChatFormat | Template | None,
+    key: Any,
+    prompt: Prompt | None,
+) -> dict[str, torch.Tensor]:
     if processor is not None:
         tokenizer = tokenizer or processor.tokenizer
     if tokenizer is None:
@@ -628,30 +614,22 @@ class Preprocessor:
             family = getattr(self.tokenizer, "vlm_pack_family", None)
             object.__setattr__(self, "family", family or getattr(self.spec, "family", None))
 
-    def render(self, conversation: Conversation, num_images: int = 0, key: Any = None) -> list[str]:
-        """The rendered prompt as text pieces (see :func:`render_prompt`): ``"".join`` them for one batched
-        ``tokenizer(prompts, add_special_tokens=False)`` call."""
-        return render_prompt(
-            conversation,
-            tokenizer=self.tokenizer,
-            family=self.family,
-            num_images=num_images,
-            template=self.template,
-            key=key,
-            processor=self.processor,
-        )[1]
+    def render(self, conversation: Conversation, num_images: int = 0, key: Any = None) -> str:
+        """The rendered prompt, images as the placeholder token and a BOS the tokenizer adds written out:
+        ``tokenizer(text, add_special_tokens=False)`` gives the ids of :meth:`tokenize`, so many prompts can
+        be tokenized in one batched call. Raises as :meth:`tokenize`."""
+        tok = self.tokenizer
+        rendering = _render(conversation, tok, self.processor, self.family, self.template, num_images, key, False)
+        bos = getattr(tok, "bos_token", None)
+        if not (rendering.add_special_tokens and bos and rendering.text):
+            return rendering.text
+        adds_bos = tok("", add_special_tokens=True)["input_ids"][:1] == [tok.convert_tokens_to_ids(bos)]
+        return bos + rendering.text if adds_bos else rendering.text
 
     def tokenize(self, conversation: Conversation, num_images: int = 0, key: Any = None) -> tuple[list[int], list[bool]]:
         """Collapsed ids and trained mask: :func:`tokenize_conversation` with these parts."""
-        return tokenize_conversation(
-            conversation,
-            tokenizer=self.tokenizer,
-            family=self.family,
-            num_images=num_images,
-            template=self.template,
-            key=key,
-            processor=self.processor,
-        )
+        rendering = _render(conversation, self.tokenizer, self.processor, self.family, self.template, num_images, key)
+        return _collapsed_ids(rendering, self.tokenizer, num_images, key)
 
     def forecast(
         self, conversation: Conversation, image_sizes: Sequence[tuple[int, int]], key: Any = None
@@ -672,15 +650,7 @@ class Preprocessor:
         self, images: Sequence[Any], conversation: Conversation, key: Any = None, prompt: Prompt | None = None
     ) -> dict[str, torch.Tensor]:
         """One processed sample: :func:`process_sample` with these parts."""
-        return process_sample(
-            images,
-            conversation,
-            tokenizer=self.tokenizer,
-            image_processor=self.image_processor,
-            processor=self.processor,
-            family=self.family,
-            layout=self.layout,
-            template=self.template,
-            key=key,
-            prompt=prompt,
+        return _process(
+            images, conversation, self.tokenizer, self.image_processor, self.processor, self.family, self.layout,
+            self.template, key, prompt,
         )

@@ -48,7 +48,9 @@ class LengthTable:
         num_patches: int64 ``[N]``: vision-encoder patches (the ViT's second budget).
         image_ptr: int64 ``[N + 1]``: images of sample ``i`` are ``image_ptr[i]:image_ptr[i+1]``.
         image_tokens: int64 ``[M]``: placeholders of each image.
-        image_starts: int64 ``[M]``: offset of each image's first placeholder inside its (expanded) sample.
+        image_starts: int64 ``[M]``: offset of each image's block inside its (expanded) sample: its first
+            placeholder, or where the processor wraps images in marker tokens (InternVL, Idefics3, SmolVLM,
+            Pixtral, Gemma 3), the first of those.
         invalid: ``(key, source, reason)`` of samples that could not be forecast (``on_error="skip"``).
         index: int64 ``[N]``: ordinal of each sample among all records read, invalid ones included (for a
             single dataset: its row), or None when the table was built from samples without one.
@@ -159,6 +161,9 @@ class _Forecaster:
 
 
 _WORKER: _Forecaster | None = None
+# Families whose processor writes tokens around each image (or whose image text merges with its neighbours):
+# their length comes from the exact per-sample forecast, not from the collapsed ids.
+_WRAPPED = ("gemma3", "internvl", "idefics3", "smolvlm", "pixtral")
 
 
 def _init(forecaster: _Forecaster) -> None:
@@ -191,18 +196,24 @@ class _Pending:
     counts: list[int]
     patches: int
     prompt: str
+    length: int | None = None  # exact, where the processor wraps images (the tokenized prompt does not say)
+    extras: list[int] = field(default_factory=list)  # wrapper tokens of each image's block
 
 
 def _prepare(f: _Forecaster, sample: Sample, ordinal: int) -> _Pending:
     sizes = image_sizes(sample, exif_transpose=f.exif_transpose, verify=f.verify)
     try:
-        texts = f.pre.render(sample.conversation, len(sizes), sample.key)
+        prompt = f.pre.render(sample.conversation, len(sizes), sample.key)
         counts = [int(t) for t in f.pre.spec.sample_tokens(sizes)] if sizes else []
         patches = sum(int(f.pre.spec.num_patches(w, h)) for w, h in sizes)
+        pending = _Pending(ordinal, sample, counts, patches, prompt)
+        if sizes and f.pre.spec.family in _WRAPPED:
+            pending.length = f.pre.forecast(sample.conversation, sizes, sample.key)[0]
+            pending.extras = [int(f.pre.spec.extra_tokens(w, h)) for w, h in sizes]
     except (ValueError, TypeError) as e:
         message = str(e) if sample.key in str(e) else f"sample {sample.key!r}: {e}"
         raise SampleError("bad_text", f"{sample.label}: {message}") from None
-    return _Pending(ordinal, sample, counts, patches, "".join(texts))
+    return pending
 
 
 def _token_ids(f: _Forecaster, pending: list[_Pending]) -> list[list[int]]:
@@ -225,13 +236,14 @@ def _add(f: _Forecaster, p: _Pending, ids: list[int], out: _ChunkResult) -> None
             "keep the image token as one special token.",
         )
     if p.counts:
-        # Collapsed placeholder positions -> expanded starts: shift by the earlier images' extra tokens.
-        extra = np.concatenate([[0], np.cumsum(np.asarray(p.counts) - 1)[:-1]])
+        # Collapsed placeholder positions -> expanded block starts: shift by the earlier blocks' extra tokens.
+        block = np.asarray(p.counts) + (np.asarray(p.extras) if p.extras else 0)
+        extra = np.concatenate([[0], np.cumsum(block - 1)[:-1]])
         out.starts.extend((pos + extra).tolist())
     out.ordinals.append(p.ordinal)
     out.keys.append(p.sample.key)
     out.wheres.append(p.sample.where)
-    out.text.append(len(ids) - len(p.counts))
+    out.text.append(len(ids) - len(p.counts) if p.length is None else p.length - sum(p.counts))
     out.patches.append(p.patches)
     out.num_images.append(len(p.counts))
     out.counts.extend(p.counts)
@@ -351,7 +363,7 @@ def forecast_sources(
     """
     from tqdm import tqdm
 
-    from ..processing import Preprocessor, _image_token_id
+    from ..processing import Preprocessor, _placeholder
 
     pre = preprocessor or Preprocessor(tokenizer, family=family, template=template, spec=spec)
     if pre.spec is None:
@@ -362,7 +374,8 @@ def forecast_sources(
         raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
     opened = open_sources(sources, image_root=image_root)
     forecaster = _Forecaster(opened, pre, layout, exif_transpose, on_error, verify)
-    forecaster.image_id = _image_token_id(pre.tokenizer, pre.family)
+    # the token the rendering writes once per image
+    forecaster.image_id = pre.tokenizer.convert_tokens_to_ids(_placeholder(pre.tokenizer, pre.processor, pre.family))
     totals = [s.num_rows for s in opened]
     total = None if None in totals else sum(t for t in totals if t is not None)
     disable = (not progress) if progress is not None else None
