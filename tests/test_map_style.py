@@ -239,3 +239,39 @@ def test_an_image_that_fails_to_decode_is_warned_about_and_left_out(columns, mod
     strict = _packed(ds, model, None, config=PackingConfig(capacity=CAPACITY, on_error="raise"))
     with pytest.raises(OSError):
         strict[item]
+
+
+@pytest.mark.parametrize("family", ["internvl", "idefics3", "gemma3"])
+def test_a_processor_whose_images_are_wrapped_plans_and_loads_every_sample(columns, family):
+    """With the checkpoint's processor (its released template, its image wrappers) every row is planned at
+    transformers' own length and loads into its pack: nothing is left out as a forecast mismatch."""
+    from pathlib import Path
+
+    from transformers import ProcessorMixin
+
+    from vlm_pack.offline import processor as make_processor
+
+    template = (Path(__file__).parent / "templates" / f"{family}.jinja").read_text()
+    proc = make_processor(family, build_tokenizer(family), chat_template=template)
+    n = 9
+    ds = datasets.Dataset.from_dict({k: v[:n] for k, v in columns.items()})
+    ds = ds.cast_column("images", datasets.List(datasets.Image()))
+    extra = {"collator_kwargs": {"sliding_window": 512}} if family == "gemma3" else {}
+    config = PackingConfig(capacity=8192, on_error="raise")
+    packed = PackedMapDataset(ds, config=config, processor=proc, cache=False, **extra)
+    assert packed.skipped == [] and packed.num_samples == n
+    seen = {}
+    for i in range(len(packed)):
+        info = plan_info(packed[i])
+        seen.update(zip(info["rows"], info["lengths"]))
+    assert sorted(seen) == list(range(n))
+    for row in range(n):  # the oracle: transformers' template rendering through the processor
+        images = [Image.open(io.BytesIO(b)).convert("RGB") for b in columns["images"][row]]
+        messages = [
+            {"role": m["role"], "content": [p if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
+            for m in columns["messages"][row]
+        ]
+        text = ProcessorMixin.apply_chat_template(proc, messages)
+        bos = proc.tokenizer.bos_token
+        enc = proc(text=[text], images=[images] if images else None, add_special_tokens=not (bos and text.startswith(bos)))
+        assert seen[row] == len(enc["input_ids"][0]), row
