@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ._checks import family_entry
+
 __all__ = ["IMAGE_MARKER", "ChatFormat", "Rendering", "chat_format", "render_conversation"]
 
 #: Where an image goes in a conversation's text (and in :class:`ChatFormat` renderings).
@@ -120,13 +122,13 @@ _FORMATS = {
 
 def chat_format(family: str) -> ChatFormat:
     """vlm-pack's own format of ``family`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``, ``llava_next``)."""
-    try:
-        return _FORMATS[family]
-    except KeyError:
-        raise ValueError(
-            f"no chat format for family {family!r}; known: {', '.join(_FORMATS)}. Give a tokenizer or processor "
-            "with a chat_template, or pass template=callable(conversation, num_images) -> [(text, trained), ...]."
-        ) from None
+    return family_entry(
+        _FORMATS,
+        family,
+        "chat format",
+        "Give a tokenizer or processor with a chat_template, or pass "
+        "template=callable(conversation, num_images) -> [(text, trained), ...].",
+    )
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from typing import TypedDict, Unpack
 
 import torch
 
+from ._checks import family_entry
 from .remap import segment_ids
 
 __all__ = [
@@ -86,12 +87,7 @@ def is_mrope_family(family: str | None) -> bool:
 
 
 def _variant(family: str) -> str:
-    try:
-        return MROPE_FAMILIES[family]
-    except KeyError:
-        raise ValueError(
-            f"family {family!r} has no multimodal RoPE here; known: {', '.join(MROPE_FAMILIES)}"
-        ) from None
+    return family_entry(MROPE_FAMILIES, family, "multimodal RoPE")
 
 
 def text_position_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

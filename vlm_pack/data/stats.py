@@ -65,16 +65,27 @@ class PipelineStats:
     """
 
     capacity: int = 0
+    """Tokens per pack; the denominator of :attr:`fill_ratio`."""
     samples_read: int = 0
+    """Samples read from the shards, bad ones included (a re-dealt buffered sample counts once)."""
     samples_packed: int = 0
+    """Samples in the yielded batches."""
     samples_bad: int = 0
+    """Samples skipped as bad (unreadable, invalid, too large, a forecast overflowing its pack, ...)."""
     samples_dropped: int = 0
+    """Samples of the underfilled packs ``drop_last`` dropped at the end of a stream."""
     bins: int = 0
+    """Packs yielded, one per batch."""
     tokens: int = 0
+    """Tokens of the packed samples as processed, padding not counted."""
     forecast_mismatches: int = 0
+    """Samples whose processed length differed from the forecast (each one warned about)."""
     reasons: dict[str, int] = field(default_factory=dict)
+    """Bad samples and unreadable shards per ``BadSample.reason``."""
     bad: list[BadSample] = field(default_factory=list)
+    """The most recent bad samples, as examples."""
     time: dict[str, float] = field(default_factory=dict)
+    """CPU seconds per phase (``PHASES``)."""
 
     @property
     def fill_ratio(self) -> float:

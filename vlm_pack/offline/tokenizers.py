@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from .._checks import family_entry
+
 # One vocabulary for every family keeps token ids stable across tests; these are trained into it (ids 0..14).
 _SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -189,12 +191,7 @@ def _tokenizer_json(vocab_size: int) -> str:
 
 def family_tokens(family: str) -> dict[str, Any]:
     """The special-token layout of ``family`` (``core``, ``roles``, ``extra``); ``ValueError`` if unknown."""
-    try:
-        return _FAMILY_TOKENS[family]
-    except KeyError:
-        raise ValueError(
-            f"Unknown family {family!r}: vlm_pack.offline supports {', '.join(FAMILIES)}."
-        ) from None
+    return family_entry(_FAMILY_TOKENS, family, "vlm_pack.offline tokenizer")
 
 
 def build_tokenizer(

@@ -38,15 +38,25 @@ class StreamStats:
     """
 
     samples_seen: int = 0
+    """Samples given to ``add`` / ``add_many``."""
     samples_emitted: int = 0
+    """Samples in the emitted bins."""
     bins_emitted: int = 0
+    """Bins emitted: full enough, pushed out by a full buffer, or flushed."""
     tokens_emitted: int = 0
+    """Tokens in the emitted bins (the lengths given to ``add``, truncated ones at ``capacity``)."""
     samples_dropped: int = 0
+    """Samples in the bins ``flush`` dropped under ``drop_last``."""
     bins_dropped: int = 0
+    """Bins ``flush`` dropped under ``drop_last``: below ``min_fill_ratio`` at the end of the stream."""
     tokens_dropped: int = 0
+    """Tokens in the dropped bins."""
     capacity: int = 0
+    """Tokens per bin; the denominator of :attr:`fill_ratio`."""
     skipped: list[Unpacked] = field(default_factory=list)
-    truncated: list[tuple[Any, int]] = field(default_factory=list)  # (key, original length)
+    """Samples refused under ``oversized="skip"`` (too long, or too much vision cost), with the reason."""
+    truncated: list[tuple[Any, int]] = field(default_factory=list)
+    """``(key, original length)`` of the samples cut to ``capacity`` under ``oversized="truncate"``."""
 
     @property
     def fill_ratio(self) -> float:

@@ -134,29 +134,17 @@ def _grad_accum_metrics(
     }
 
 
-def _analysis_config(
-    capacity: int,
-    config: PackingConfig | None,
-    oversized: str,
-    max_samples_per_pack: int | None,
-    max_images_per_pack: int | None,
-    max_patches_per_pack: int | None,
-) -> PackingConfig:
-    if config is not None:
-        config = config.replace(capacity=int(capacity))
+def _analysis_config(capacity: int, config: PackingConfig | None) -> PackingConfig:
+    """``config`` at ``capacity`` (``oversized="skip"`` and no caps when None); an analysis cannot raise."""
+    if config is None:
+        config = PackingConfig(capacity=int(capacity), oversized="skip")
     else:
-        if max_images_per_pack is not None and max_patches_per_pack is not None:
-            raise ValueError("give at most one of max_images_per_pack and max_patches_per_pack")
-        images = max_images_per_pack is not None
-        config = PackingConfig(
-            capacity=int(capacity),
-            max_samples_per_bin=max_samples_per_pack,
-            vision_capacity=max_images_per_pack if images else max_patches_per_pack,
-            vision_cost="images" if images else "patches",
-            oversized=oversized,
-        )
+        config = config.replace(capacity=int(capacity))
     if config.oversized not in ("skip", "truncate"):
-        raise ValueError(f"oversized must be 'skip' or 'truncate' for an analysis, got {config.oversized!r}")
+        raise ValueError(
+            f"oversized must be 'skip' or 'truncate' for an analysis, got {config.oversized!r}: "
+            "pass config=config.replace(oversized='skip')"
+        )
     return config
 
 
@@ -181,28 +169,24 @@ def analyze_capacity(
     table: LengthTable,
     capacity: int,
     *,
+    config: PackingConfig | None = None,
     baseline: Baseline = Baseline(),
     strategy: str = "bfd",
-    oversized: str = "skip",
-    max_samples_per_pack: int | None = None,
-    max_images_per_pack: int | None = None,
-    max_patches_per_pack: int | None = None,
     seed: int = 0,
-    config: PackingConfig | None = None,
 ) -> tuple[dict[str, Any], PackResult]:
-    """Pack ``table`` at ``capacity`` and compare with the padded ``baseline``.
+    """Pack ``table`` at ``capacity`` with ``strategy`` and compare with the padded ``baseline``.
 
-    ``config`` (a :class:`vlm_pack.config.PackingConfig`; its ``capacity`` is replaced by ``capacity``) gives
-    the packing knobs; without it they come from ``oversized`` and the ``max_*_per_pack`` arguments.
+    ``config``: the packing knobs (:class:`vlm_pack.config.PackingConfig`: ``oversized``,
+    ``max_samples_per_bin``, ``vision_capacity`` with ``vision_cost``); its ``capacity`` is replaced by
+    ``capacity``. Default: ``oversized="skip"`` and no caps, e.g. at most 8 images a pack:
+    ``config=PackingConfig(capacity, oversized="skip", vision_capacity=8, vision_cost="images")``.
     Samples longer than ``capacity`` are skipped (``oversized="skip"``) or counted at ``capacity``
     (``"truncate"``, as a padded run with ``max_length=capacity`` would cut them); both are reported.
     The padded baseline is the same at every capacity: a padded run has no capacity, so it batches every
     sample of ``table`` at its full length, in one fixed random order (``seed``).
     Returns ``(metrics, PackResult)``.
     """
-    config = _analysis_config(
-        capacity, config, oversized, max_samples_per_pack, max_images_per_pack, max_patches_per_pack
-    )
+    config = _analysis_config(capacity, config)
     capacity = config.capacity
     lengths = table.lengths
     if lengths.size and lengths.min() < 1:
@@ -255,28 +239,22 @@ def analyze(
     table: LengthTable,
     capacities: Sequence[int],
     *,
+    config: PackingConfig | None = None,
     baseline: Baseline = Baseline(),
     strategy: str = "bfd",
-    oversized: str = "skip",
-    max_samples_per_pack: int | None = None,
-    max_images_per_pack: int | None = None,
-    max_patches_per_pack: int | None = None,
     seed: int = 0,
     meta: dict[str, Any] | None = None,
-    config: PackingConfig | None = None,
 ) -> tuple[dict[str, Any], list[PackResult]]:
     """:func:`analyze_capacity` for each capacity, plus dataset statistics: ``(report, pack results)``.
 
-    ``config``: the packing knobs as one :class:`vlm_pack.config.PackingConfig` (its capacity is replaced by
-    each of ``capacities``), instead of ``oversized`` and the ``max_*_per_pack`` arguments.
+    ``config``: the packing knobs, as for :func:`analyze_capacity` (its capacity is replaced by each of
+    ``capacities``). ``meta`` is copied into the report's top level (where the data came from).
     """
     if not capacities:
         raise ValueError("give at least one capacity")
     if len(table) == 0:
         raise ValueError("no samples to analyze: the sources are empty (or every sample was invalid)")
-    config = _analysis_config(
-        capacities[0], config, oversized, max_samples_per_pack, max_images_per_pack, max_patches_per_pack
-    )
+    config = _analysis_config(capacities[0], config)
     per_cap, results = [], []
     for cap in capacities:
         m, r = analyze_capacity(table, int(cap), baseline=baseline, strategy=strategy, seed=seed, config=config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .._checks import family_entry
 from .anyres import LlavaNextSpec, LlavaOnevisionSpec, LlavaSpec
 from .megatron import MegatronSpec
 from .pixtral import PixtralSpec
@@ -78,9 +79,9 @@ def vision_spec(family: str, **overrides: Any) -> VisionSpec:
     252
     """
     key = _normalize_family(family)
-    if key not in _FAMILY_FACTORIES:
-        raise ValueError(f"Unknown VLM family {family!r}; supported: {', '.join(FAMILIES)}.")
+    spelled = "" if key == family else f"(names are matched as lowercase with '_': {family!r} is {key!r}.)"
+    factory = family_entry(_FAMILY_FACTORIES, key, "vision spec", spelled)
     try:
-        return _FAMILY_FACTORIES[key](**overrides)
+        return factory(**overrides)
     except TypeError as e:
         raise TypeError(f"vision_spec({family!r}): {e}") from None

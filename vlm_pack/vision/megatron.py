@@ -23,15 +23,26 @@ class MegatronSpec(VisionSpec):
     family: ClassVar[str] = "megatron"
 
     img_h: int = 336
+    """Height in pixels of the tile the vision encoder takes (Megatron-LM ``--img-h``)."""
     img_w: int = 336
+    """Width in pixels of that tile (``--img-w``); tiling uses square tiles of side ``img_h``."""
     patch_dim: int = 14
+    """Side of a ViT patch in pixels (``--patch-dim``)."""
     class_token_len: int = 1
+    """Class tokens the ViT prepends to each tile: 1 for CLIP and InternViT, 0 for SigLIP, which has none
+    (``class_token_len`` of ``CLIPViTModel``)."""
     disable_vision_class_token: bool = False
+    """Drop the class tokens from the image embeddings (``--disable-vision-class-token``)."""
     pixel_shuffle: bool = False
+    """Merge 2x2 patches into one embedding, a quarter of the count (``--pixel-shuffle``)."""
     max_tiles: int = 1
+    """Most tiles per image; above 1 turns on InternVL's dynamic tiling (``--use-tiling --max-num-tiles``)."""
     min_tiles: int = 1
+    """Fewest tiles of a tiling grid (``min_num=1`` in Megatron-LM's ``get_visual_transform``)."""
     use_thumbnail: bool = True
+    """Add a whole-image thumbnail tile when the image is cut into more than one (``--use-thumbnail``)."""
     wrapper_tokens: int = 0
+    """Tokens around each image's placeholder in the ids: none unless the prompt template adds image tags."""
 
     def __post_init__(self) -> None:
         self._check_positive("img_h", "img_w", "patch_dim", "min_tiles", "max_tiles")

@@ -103,11 +103,17 @@ class _QwenStyleSpec(_ResizedSpec):
     """Shared parameters and image rules of the Qwen-VL style families (dynamic resolution)."""
 
     patch_size: int = 14
+    """Side of a ViT patch in pixels (preprocessor_config.json ``patch_size``)."""
     merge_size: int = 2
+    """Patches merged along each side into one token (``merge_size``)."""
     temporal_patch_size: int = 2
+    """Frames in one temporal patch; an image is repeated to fill it (``temporal_patch_size``)."""
     min_pixels: int = 56 * 56
+    """Smallest resized area in pixels (``size["shortest_edge"]``, ``min_pixels`` in older configs)."""
     max_pixels: int = 28 * 28 * 16384
+    """Largest resized area in pixels (``size["longest_edge"]``, ``max_pixels`` in older configs)."""
     wrapper_tokens: int = 2
+    """Special tokens around each image: ``<|vision_start|>`` / ``<|vision_end|>`` and the like."""
 
     family: ClassVar[str] = "qwen2_vl"
 
@@ -146,11 +152,20 @@ class _QwenVideoSpec(_QwenStyleSpec):
     """
 
     video_min_pixels: int = 3136
+    """Smallest resized frame area in pixels, or frames x area under the 3-D rule (video processor
+    ``size["shortest_edge"]``)."""
     video_max_pixels: int = 12845056
+    """Largest resized frame area in pixels, or frames x area under the 3-D rule (video processor
+    ``size["longest_edge"]``)."""
     do_sample_frames: bool = False
+    """The video processor samples frames at ``fps`` from the decoded clip itself; off, the frames reach it
+    as given (``do_sample_frames``)."""
     fps: float = 2.0
+    """Frames per second kept when sampling (``fps``)."""
     min_frames: int = 4
+    """Fewest frames sampling keeps (``min_frames``)."""
     max_frames: int = 768
+    """Most frames sampling keeps (``max_frames``)."""
 
     @abc.abstractmethod
     def sample_frames(self, total_frames: int, video_fps: float, fps: float | None = None) -> int:
@@ -203,10 +218,12 @@ class Qwen2VLSpec(_QwenVideoSpec):
     ``grid_t = ceil(frames / temporal_patch_size)`` (the last frame is repeated).
     """
 
+    # Qwen/Qwen2-VL-7B-Instruct preprocessor_config.json (Qwen2.5-VL's are the same).
     patch_size: int = 14
     min_pixels: int = 3136
     max_pixels: int = 12845056
     variant: str = "qwen2_vl"
+    """``"qwen2_vl"`` or ``"qwen2_5_vl"``: the family name the spec reports."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -261,6 +278,7 @@ class Qwen3VLSpec(_QwenVideoSpec):
 
     family: ClassVar[str] = "qwen3_vl"
 
+    # Qwen/Qwen3-VL-*-Instruct preprocessor_config.json.
     patch_size: int = 16
     min_pixels: int = 65536
     max_pixels: int = 16777216
@@ -269,7 +287,10 @@ class Qwen3VLSpec(_QwenVideoSpec):
     video_max_pixels: int = 25165824
     do_sample_frames: bool = True
     cap_pixels_per_frame: bool = False
+    """Cap each frame at ``max_video_tokens`` tokens within the clip's pixel budget; off in the released
+    checkpoints (``cap_pixels_per_frame``)."""
     max_video_tokens: int = 768
+    """Tokens per frame the cap allows (``max_video_tokens``)."""
 
     def sample_frame_indices(
         self, total_frames: int, video_fps: float, fps: float | None = None
@@ -325,6 +346,7 @@ class Glm4vSpec(_QwenStyleSpec):
 
     family: ClassVar[str] = "glm4v"
 
+    # THUDM/GLM-4.1V-9B-Thinking preprocessor_config.json.
     patch_size: int = 14
     min_pixels: int = 12544
     max_pixels: int = 9633792

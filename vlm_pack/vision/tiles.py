@@ -50,13 +50,22 @@ class InternVLSpec(VisionSpec):
     family: ClassVar[str] = "internvl"
 
     tile_size: int = 448
+    """Side of a square tile in pixels (preprocessor_config.json ``size``)."""
     min_tiles: int = 1
+    """Fewest tiles of a grid (``min_patches``)."""
     max_tiles: int = 12
+    """Most tiles of a grid, thumbnail not counted (``max_patches``)."""
     crop_to_patches: bool = True
+    """Cut the image into a grid of tiles; off, every image is one tile (``crop_to_patches``)."""
     use_thumbnail: bool = True
+    """Add a whole-image thumbnail tile to a grid of more than one (always on in ``GotOcr2ImageProcessor``;
+    ``use_thumbnail`` of the original InternVL config)."""
     image_seq_length: int = 256
+    """``<IMG_CONTEXT>`` tokens per tile (processor_config.json ``image_seq_length``)."""
     patch_size: int = 14
+    """Side of a ViT patch in pixels (config.json ``vision_config.patch_size``)."""
     wrapper_tokens: int = 2
+    """``<img>`` and ``</img>`` around each image."""
 
     def __post_init__(self) -> None:
         self._check_positive("tile_size", "min_tiles", "max_tiles", "image_seq_length", "patch_size")
@@ -141,14 +150,26 @@ class Idefics3Spec(VisionSpec):
     """
 
     longest_edge: int = 4 * 364
+    """Longest side in pixels after the first resize (preprocessor_config.json ``size["longest_edge"]``)."""
     max_image_size: int = 364
+    """Side of a square crop in pixels (``max_image_size["longest_edge"]``)."""
     image_seq_len: int = 169
+    """``<image>`` tokens per crop (processor_config.json ``image_seq_len``; 81 for SmolVLM)."""
     do_resize: bool = True
+    """Resize to ``longest_edge`` before cutting crops (``do_resize``)."""
     do_image_splitting: bool = True
+    """Cut an image larger than one crop into crops plus a global image; off, every image is one crop
+    (``do_image_splitting``)."""
     patch_size: int = 14
+    """Side of a ViT patch in pixels (config.json ``vision_config.patch_size``)."""
     newline_pair_tokens: int = 1
+    """Tokens the tokenizer makes of ``"\\n\\n"`` (read from the tokenizer by
+    :func:`vision_spec_from_processor`)."""
     wrapper_tokens: int = 3
+    """Text tokens around a single-crop image: ``<fake_token_around_image><global-img>`` before the
+    ``<image>`` tokens, ``<fake_token_around_image>`` after."""
     variant: str = "idefics3"
+    """``"idefics3"`` or ``"smolvlm"``: the family name the spec reports."""
 
     def __post_init__(self) -> None:
         self._check_positive("longest_edge", "max_image_size", "image_seq_len", "patch_size")
@@ -214,13 +235,22 @@ class Gemma3Spec(VisionSpec):
     family: ClassVar[str] = "gemma3"
 
     image_size: int = 896
+    """Side in pixels every crop is resized to (preprocessor_config.json ``size``)."""
     image_seq_length: int = 256
+    """``<image_soft_token>`` tokens per crop after pooling (processor_config.json ``image_seq_length``)."""
     patch_size: int = 14
+    """Side of a ViT patch in pixels (config.json ``vision_config.patch_size``)."""
     do_pan_and_scan: bool = False
+    """Add pan-and-scan crops of wide or tall images (``do_pan_and_scan``; the processor's default is off)."""
     pan_and_scan_min_crop_size: int = 256
+    """Smallest side in pixels a pan-and-scan crop may have (``pan_and_scan_min_crop_size``)."""
     pan_and_scan_max_num_crops: int = 4
+    """Most pan-and-scan crops per image (``pan_and_scan_max_num_crops``)."""
     pan_and_scan_min_ratio_to_activate: float = 1.2
+    """Long-to-short side ratio from which pan-and-scan cuts crops; squarer images get none
+    (``pan_and_scan_min_ratio_to_activate``)."""
     wrapper_tokens: int = 2
+    """``<start_of_image>`` and ``<end_of_image>`` around each crop."""
 
     def num_crops(self, width: int, height: int) -> int:
         """Pan-and-scan crops added to the base image (``num_crops`` in the processor output)."""
