@@ -88,6 +88,20 @@ def packed_seq_params_class() -> type:
     return PackedSeqParams
 
 
+def thd_params_kwargs(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, max_seqlen: int) -> dict[str, Any]:
+    """Keyword arguments of Megatron's ``PackedSeqParams`` for packed self-attention (``qkv_format="thd"``).
+
+    ``cu_seqlens`` (S+1,) int32 real sample boundaries, ``cu_seqlens_padded`` (S+1,) int32 the boundaries of
+    each sample's padded span (where tokens sit, e.g. under context parallelism); queries and keys share both.
+    """
+    return dict(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+    )
+
+
 def __getattr__(name: str) -> Any:
     # ``from vlm_pack.batch import PackedSeqParams`` resolves (and imports megatron-core) only here.
     if name == "PackedSeqParams":
@@ -283,13 +297,7 @@ class PackedBatch:
         # The collapsed layout's positions are already one expanded row.
         pos = self._flat_positions() if self.layout == "expanded" else self.position_ids
         params = packed_seq_params_class()(
-            qkv_format="thd",
-            cu_seqlens_q=self.cu_seqlens_expanded,
-            cu_seqlens_kv=self.cu_seqlens_expanded,
-            cu_seqlens_q_padded=self.cu_seqlens_padded_expanded,
-            cu_seqlens_kv_padded=self.cu_seqlens_padded_expanded,
-            max_seqlen_q=self.max_seqlen_padded_expanded,
-            max_seqlen_kv=self.max_seqlen_padded_expanded,
+            **thd_params_kwargs(self.cu_seqlens_expanded, self.cu_seqlens_padded_expanded, self.max_seqlen_padded_expanded)
         )
         out: dict[str, Any] = {
             "tokens": tokens,

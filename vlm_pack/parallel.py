@@ -59,6 +59,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from .batch import thd_params_kwargs
+
 __all__ = [
     "ContextParallelShard",
     "PerTokenLoss",
@@ -224,17 +226,7 @@ class ContextParallelShard:
     def packed_seq_params_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for Megatron's ``PackedSeqParams(qkv_format="thd", ...)`` under CP."""
         real = self.cu_seqlens if self.cu_seqlens is not None else self.cu_seqlens_padded
-        real = real.to(torch.int32)
-        padded = self.cu_seqlens_padded.to(torch.int32)
-        return dict(
-            qkv_format="thd",
-            cu_seqlens_q=real,
-            cu_seqlens_kv=real,
-            cu_seqlens_q_padded=padded,
-            cu_seqlens_kv_padded=padded,
-            max_seqlen_q=self.max_seqlen,
-            max_seqlen_kv=self.max_seqlen,
-        )
+        return thd_params_kwargs(real.to(torch.int32), self.cu_seqlens_padded.to(torch.int32), self.max_seqlen)
 
 
 _TOKEN_FIELDS = ("input_ids", "labels", "position_ids")
