@@ -546,3 +546,53 @@ def test_verify_decodes_images_and_catches_truncated_ones(tmp_path, capsys):
     plan = tmp_path / "plan.jsonl"
     code, _, err = _run(capsys, ["pack", str(shard), "--capacity", "4096", "--verify", "--out", str(plan)])
     assert code == 1 and "'bad'" in err and not plan.exists()
+
+
+# the token each family's model scatters image features into (the released vocabularies' names)
+_EMBEDDING_TOKEN = {"llava": "<image>", "idefics3": "<image>", "internvl": "<IMG_CONTEXT>", "gemma3": "<image_soft_token>"}
+
+
+@pytest.mark.parametrize("family", list(_EMBEDDING_TOKEN))
+def test_processor_folder_of_any_family_counts_with_its_own_template(tmp_path, capsys, family):
+    """`analyze --processor DIR` on a checkpoint folder whose chat template vlm-pack has no format for: the
+    template, the tokenizer and the image processor saved there give transformers' own lengths."""
+    from transformers import ProcessorMixin
+
+    from vlm_pack import offline
+
+    template = (Path(__file__).parent / "templates" / f"{family}.jinja").read_text()
+    proc = offline.processor(family, build_tokenizer(family), chat_template=template)
+    folder = tmp_path / "ckpt"
+    try:  # as released: the processor class with its template (Idefics3, LLaVA)
+        proc.save_pretrained(folder)
+    except AttributeError:  # a class built here without its video processor does not save: its parts do
+        proc.tokenizer.save_pretrained(folder)
+        proc.image_processor.save_pretrained(folder)
+        (folder / "chat_template.jinja").write_text(template)
+    images = [Image.effect_noise(size, 40).convert("RGB") for size in [(640, 480), (300, 900), (1280, 720)]]
+    lines, expected, vision = [], 0, 0
+    embedding_id = proc.tokenizer.convert_tokens_to_ids(_EMBEDDING_TOKEN[family])
+    for i, used in enumerate([[0], [1, 2], []]):
+        names = []
+        for j in used:
+            images[j].save(tmp_path / f"{j}.png")
+            names.append(f"{j}.png")
+        user = [{"type": "image"}] * len(used) + [{"type": "text", "text": "What is this? " * (i + 1)}]
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": [{"type": "text", "text": "A thing."}]}]
+        lines.append(json.dumps({"key": f"s{i}", "images": names, "messages": messages}))
+        text = ProcessorMixin.apply_chat_template(proc, messages)
+        bos = proc.tokenizer.bos_token
+        enc = proc(text=[text], images=[[images[j] for j in used]] if used else None,
+                   add_special_tokens=not (bos and text.startswith(bos)))
+        expected += len(enc["input_ids"][0])
+        vision += sum(int(t == embedding_id) for t in enc["input_ids"][0])
+    (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
+    code, out, err = _run(
+        capsys, ["analyze", str(tmp_path / "data.jsonl"), "--processor", str(folder), "--json", "--no-plots",
+                 "--out", str(tmp_path / "r"), "--capacity", "16384"],
+    )
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["tokenizer"] == "exact" and report["checkpoint_chat_template"] is True
+    assert report["dataset"]["text_tokens"] + report["dataset"]["vision_tokens"] == expected
+    assert report["dataset"]["vision_tokens"] == vision

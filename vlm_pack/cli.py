@@ -75,8 +75,8 @@ def _add_forecast_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--processor",
         metavar="DIR",
-        help="a local Hugging Face checkpoint / processor folder: its tokenizer and image processor give exact "
-        "counts (no download).",
+        help="a local Hugging Face checkpoint / processor folder (any family): its chat template, tokenizer and "
+        "image processor give exact counts (no download).",
     )
     g.add_argument("--tokenizer", metavar="DIR", help="a local tokenizer folder (default: --processor's)")
     g.add_argument("--max-pixels", type=_positive_int, help="Qwen families: cap on resized pixels per image")
@@ -261,9 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_forecaster(args: argparse.Namespace) -> tuple[Any, Any, str, bool]:
-    """``(tokenizer, vision spec, chat family, exact tokenizer?)`` from ``--family/--processor/--tokenizer``."""
-    from vlm_pack.vision import vision_spec, vision_spec_from_processor
+def load_forecaster(args: argparse.Namespace) -> tuple[Any, bool]:
+    """The :class:`~vlm_pack.processing.Preprocessor` ``--family/--processor/--tokenizer`` describe, and whether
+    its tokenizer is the checkpoint's own (exact text counts) rather than the offline stand-in."""
+    from vlm_pack.processing import Preprocessor
+    from vlm_pack.vision import vision_spec
 
     overrides = dict(args.spec)
     if args.max_pixels is not None:
@@ -274,51 +276,76 @@ def load_forecaster(args: argparse.Namespace) -> tuple[Any, Any, str, bool]:
         value = getattr(args, flag, None)
         if value is not None and not Path(value).is_dir():
             raise ValueError(f"--{flag.replace('_', '-')} {value!r} is not a directory.")
-    family = args.family
-    if family is not None and family not in _CHAT_FAMILIES:
-        raise ValueError(
-            f"--family {family!r}: vlm-pack renders conversations for {', '.join(_CHAT_FAMILIES)}; "
-            "for another model, use one with the same chat format and pass its --processor."
-        )
-    spec = None
     if args.processor is not None:
-        from transformers import AutoImageProcessor
-
-        try:
-            image_processor = AutoImageProcessor.from_pretrained(args.processor)
-        except (OSError, ValueError) as e:
-            raise ValueError(
-                f"--processor {args.processor!r}: no image processor could be loaded ({e})."
-            ) from None
-        spec = vision_spec_from_processor(image_processor)
-        if overrides:
-            from dataclasses import replace
-
-            _check_spec_keys(spec, overrides)
-            spec = replace(spec, **overrides)
-        if family is None:
-            family = getattr(spec, "variant", None) or spec.family
-            if family not in _CHAT_FAMILIES:
-                raise ValueError(
-                    f"--processor {args.processor!r} is a {spec.family} image processor; vlm-pack has no chat "
-                    f"format for it: pass --family (one of {', '.join(_CHAT_FAMILIES)}) with the same template."
-                )
-    family = family or "qwen2_vl"
-    if spec is None:
-        _check_spec_keys(vision_spec(family), overrides)
-        spec = vision_spec(family, **overrides)
-    tok_dir = args.tokenizer or args.processor
-    if tok_dir is not None:
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"tokenizer folder {tok_dir!r}: no tokenizer could be loaded ({e}).") from None
-        return tokenizer, spec, family, True
+        return _checkpoint_preprocessor(args, overrides), True
+    family = args.family or "qwen2_vl"
+    if family not in _CHAT_FAMILIES:
+        raise ValueError(
+            f"--family {family!r}: vlm-pack renders conversations for {', '.join(_CHAT_FAMILIES)}; for another "
+            "model, pass its --processor folder (its chat template renders the conversations)."
+        )
+    _check_spec_keys(vision_spec(family), overrides)
+    spec = vision_spec(family, **overrides)
+    if args.tokenizer is not None:
+        return Preprocessor(_load_tokenizer(args.tokenizer), family=family, spec=spec), True
     from vlm_pack.offline import build_tokenizer
 
-    return build_tokenizer(family), spec, family, False
+    return Preprocessor(build_tokenizer(family), family=family, spec=spec), False
+
+
+def _load_tokenizer(folder: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer folder {folder!r}: no tokenizer could be loaded ({e}).") from None
+
+
+def _checkpoint_preprocessor(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
+    """``--processor DIR``: the checkpoint's processor (or its tokenizer + image processor where the processor
+    class cannot be built, e.g. a video processor without torchvision), its chat template and its vision spec."""
+    from dataclasses import replace
+
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    from vlm_pack.processing import Preprocessor
+    from vlm_pack.vision import vision_spec_from_processor
+
+    folder = Path(args.processor)
+    processor = None
+    if args.tokenizer is None:
+        try:
+            processor = AutoProcessor.from_pretrained(folder)
+        except Exception:  # any failure (a video processor without torchvision ...): the route below still works
+            processor = None
+        if not hasattr(processor, "image_processor"):  # a folder without a processor class gives a tokenizer
+            processor = None
+    if processor is not None:
+        tokenizer, image_processor = processor.tokenizer, processor.image_processor
+    else:
+        try:
+            image_processor = AutoImageProcessor.from_pretrained(folder)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--processor {args.processor!r}: no image processor could be loaded ({e}).") from None
+        tokenizer = _load_tokenizer(args.tokenizer or args.processor)
+        saved = folder / "chat_template.jinja"  # a processor's template is saved beside it, not in the tokenizer
+        if not getattr(tokenizer, "chat_template", None) and saved.is_file():
+            tokenizer.chat_template = saved.read_text()
+    spec = vision_spec_from_processor(processor if processor is not None else image_processor)
+    if overrides:
+        _check_spec_keys(spec, overrides)
+        spec = replace(spec, **overrides)
+    family = args.family
+    if not getattr(processor or tokenizer, "chat_template", None):
+        family = family or getattr(spec, "variant", None) or spec.family
+        if family not in _CHAT_FAMILIES:
+            raise ValueError(
+                f"--processor {args.processor!r} has no chat template (chat_template.jinja) and vlm-pack has no "
+                f"chat format for {family!r}: add the checkpoint's chat_template.jinja to the folder, or pass "
+                f"--family (one of {', '.join(_CHAT_FAMILIES)}) with the same format."
+            )
+    return Preprocessor(tokenizer, image_processor, processor, family=family, spec=spec)
 
 
 def _check_spec_keys(spec: Any, overrides: dict[str, Any]) -> None:
@@ -391,13 +418,11 @@ def _forecast(
     from vlm_pack.data.forecast import forecast_sources
     from vlm_pack.data.shards import SampleError
 
-    tokenizer, spec, family, exact = load_forecaster(args)
+    pre, exact = load_forecaster(args)
     try:
         table = forecast_sources(
             list(sources),
-            tokenizer=tokenizer,
-            spec=spec,
-            family=family,
+            preprocessor=pre,
             layout=args.layout,
             image_root=args.image_root,
             exif_transpose=not args.no_exif_transpose,
@@ -423,8 +448,9 @@ def _forecast(
             f"({where}): {reason}"
         )
     meta = {
-        "family": family,
-        "vision_spec": spec.to_dict(),
+        "family": pre.family,
+        "checkpoint_chat_template": bool(getattr(pre.processor or pre.tokenizer, "chat_template", None)),
+        "vision_spec": pre.spec.to_dict(),
         "tokenizer": "exact" if exact else "vlm-pack offline stand-in",
         "exif_transpose": not args.no_exif_transpose,
         "images_checked": "decoded (--verify)" if args.verify else "header only",

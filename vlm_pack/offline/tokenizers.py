@@ -212,9 +212,10 @@ def build_tokenizer(
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)))
     tok.add_special_tokens({"additional_special_tokens": [*_SPECIAL_TOKENS, *layout["extra"]]})
     tok.add_special_tokens(dict(layout["core"]))
-    for role, token in layout["roles"].items():
-        setattr(tok, role, token)
-        setattr(tok, role + "_id", tok.convert_tokens_to_ids(token))
+    # The named tokens as transformers' model-specific special tokens (``tok.boi_token`` / ``tok.boi_token_id``
+    # ...), written to tokenizer_config.json, so a saved stand-in loads back with them as a released one does.
+    # Set after the tokens are added: the ids stay those of the list above.
+    tok._set_model_specific_special_tokens(special_tokens=dict(layout["roles"]))
     tok.vlm_pack_family = family
     if chat_template is not None:
         tok.chat_template = chat_template
