@@ -14,10 +14,11 @@ decoded), tokenizes the conversation with the family's chat format and counts th
 from __future__ import annotations
 
 import io
+import itertools
 import multiprocessing
 import os
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,8 +201,9 @@ class _Pending:
     extras: list[int] = field(default_factory=list)  # wrapper tokens of each image's block
 
 
-def _prepare(f: _Forecaster, sample: Sample, ordinal: int) -> _Pending:
-    sizes = image_sizes(sample, exif_transpose=f.exif_transpose, verify=f.verify)
+def _prepare(f: _Forecaster, sample: Sample, ordinal: int, sizes: list[tuple[int, int]] | None = None) -> _Pending:
+    if sizes is None:
+        sizes = image_sizes(sample, exif_transpose=f.exif_transpose, verify=f.verify)
     try:
         prompt = f.pre.render(sample.conversation, len(sizes), sample.key)
         counts = [int(t) for t in f.pre.spec.sample_tokens(sizes)] if sizes else []
@@ -252,15 +254,23 @@ def _add(f: _Forecaster, p: _Pending, ids: list[int], out: _ChunkResult) -> None
 def _forecast_chunk(chunk: Chunk) -> _ChunkResult:
     f = _WORKER
     assert f is not None, "forecast worker not initialised"
+    read = ((where, key, sample, None) for where, key, sample in chunk_samples(f.sources, chunk, layout=f.layout))
+    return _forecast_items(f, read)
+
+
+def _forecast_items(
+    f: _Forecaster, items: Iterable[tuple[str, str, Sample | SampleError, list[tuple[int, int]] | None]]
+) -> _ChunkResult:
+    """Forecast ``(where, key, sample or its read error, image sizes or None: read them)`` in one chunk."""
     out = _ChunkResult()
     pending: list[_Pending] = []
     failed: list[tuple[int, str, str, SampleError]] = []  # (ordinal, key, where, error)
-    for where, key, sample in chunk_samples(f.sources, chunk, layout=f.layout):
+    for where, key, sample, sizes in items:
         out.records += 1
         try:
             if isinstance(sample, SampleError):
                 raise sample
-            pending.append(_prepare(f, sample, out.records - 1))
+            pending.append(_prepare(f, sample, out.records - 1, sizes))
         except SampleError as e:
             failed.append((out.records - 1, key, where, e))
     for p, ids in zip(pending, _token_ids(f, pending)):
@@ -273,6 +283,30 @@ def _forecast_chunk(chunk: Chunk) -> _ChunkResult:
         raise failed[0][3]
     out.invalid = [(key, where, str(e)) for _, key, where, e in failed]
     return out
+
+
+def forecast_sized(
+    items: Iterable[tuple[str, str, Sample | SampleError, list[tuple[int, int]]]],
+    preprocessor: Preprocessor,
+    *,
+    on_error: str = "raise",
+    chunk_rows: int = 1024,
+) -> LengthTable:
+    """:func:`forecast_sources` of samples whose image sizes are already read: ``(where, key, sample or its
+    read error, image (width, height) list)``, in this process (``vlm_pack.report.forecast_lengths``)."""
+    f = _Forecaster([], preprocessor, None, True, on_error)
+    f.image_id = _placeholder_id(preprocessor)
+    results, it = [], iter(items)
+    while chunk := list(itertools.islice(it, chunk_rows)):
+        results.append(_forecast_items(f, chunk))
+    return _table(results)
+
+
+def _placeholder_id(pre: Preprocessor) -> int:
+    """The id of the token the rendering writes once per image."""
+    from ..processing import _placeholder
+
+    return int(pre.tokenizer.convert_tokens_to_ids(_placeholder(pre.tokenizer, pre.processor, pre.family)))
 
 
 def _ordered_map(executor: Executor | None, items: Iterator[Chunk], window: int) -> Iterator[_ChunkResult]:
@@ -363,7 +397,7 @@ def forecast_sources(
     """
     from tqdm import tqdm
 
-    from ..processing import Preprocessor, _placeholder
+    from ..processing import Preprocessor
 
     pre = preprocessor or Preprocessor(tokenizer, family=family, template=template, spec=spec)
     if pre.spec is None:
@@ -374,8 +408,7 @@ def forecast_sources(
         raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
     opened = open_sources(sources, image_root=image_root)
     forecaster = _Forecaster(opened, pre, layout, exif_transpose, on_error, verify)
-    # the token the rendering writes once per image
-    forecaster.image_id = pre.tokenizer.convert_tokens_to_ids(_placeholder(pre.tokenizer, pre.processor, pre.family))
+    forecaster.image_id = _placeholder_id(pre)
     totals = [s.num_rows for s in opened]
     total = None if None in totals else sum(t for t in totals if t is not None)
     disable = (not progress) if progress is not None else None
