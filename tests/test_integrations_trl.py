@@ -123,3 +123,33 @@ def test_importing_vlm_pack_and_integrations_imports_neither_trainer_library():
         "assert 'trl' not in sys.modules and 'megatron.energon' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("family", ["internvl", "gemma3"])
+def test_any_family_through_its_processor_trains_on_packed_rows_as_on_padded(parts, family):
+    """A checkpoint's processor (its released template, its image wrappers): the plan's forecasts are the
+    processed lengths, and TRL's loss on a packed row equals the loss on the same samples padded."""
+    from pathlib import Path
+
+    from vlm_pack import offline
+
+    _, _, shards, tmp = parts
+    tok = build_tokenizer(family)
+    template = (Path(__file__).parent / "templates" / f"{family}.jinja").read_text()
+    proc = offline.processor(family, tok, chat_template=template, **({"max_patches": 2} if family == "internvl" else {}))
+    capacity = 4096
+    ds = packed_dataset(shards, capacity=capacity, processor=proc, cache_dir=str(tmp / f"c-{family}"))
+    row = max(ds, key=lambda r: len(r["keys"]))
+    assert len(row["keys"]) >= 2
+    model = tiny_model(family, tok, initializer_range=0.2)
+    collator = TRLPackingCollator(capacity, processor=proc, config=model.config)
+    assert row["lengths"] == [len(s["input_ids"]) for s in collator.samples([row])]
+    packed = collator([row])
+    padded = TRLPackingCollator(capacity, processor=proc, config=model.config, packed=False)([row])
+    trainer = PackedSFTTrainer(model=model, args=_args(tmp, max_steps=1), train_dataset=ds, processing_class=tok,
+                               data_collator=collator)
+    model.train()
+    with torch.no_grad():
+        loss_packed = trainer.compute_loss(model, dict(packed))
+        loss_padded = trainer.compute_loss(model, dict(padded))
+    assert abs(loss_packed.item() - loss_padded.item()) < 1e-5

@@ -575,23 +575,6 @@ class PackingCollator:
             raise ValueError(_rename_samples(str(e), order)) from None
 
 
-def pipeline_collator(capacity: int, preprocessor: Any, options: Mapping[str, Any]) -> PackingCollator:
-    """The :class:`PackingCollator` a data pipeline builds for itself: ``options`` (the user's collator
-    keyword arguments) win; the preprocessor's tokenizer, family and its image processor's ``merge_size``
-    fill in what they leave out."""
-    kwargs = dict(options)
-    kwargs.setdefault("tokenizer", preprocessor.tokenizer)
-    kwargs.setdefault("family", preprocessor.family)
-    if preprocessor.processor is not None:  # the token the model scatters image features into
-        from .processing import _embedding_token_id
-
-        kwargs.setdefault("image_token_id", _embedding_token_id(preprocessor.processor))
-    merge = getattr(preprocessor.image_processor, "merge_size", None)
-    if merge is not None:
-        kwargs.setdefault("spatial_merge_size", int(merge))
-    return PackingCollator(capacity, **kwargs)
-
-
 def _check_arguments(
     capacity: int, layout: str, pad_to_multiple_of: int, strategy: str, return_style: str | None
 ) -> None:

@@ -614,6 +614,22 @@ class Preprocessor:
             family = getattr(self.tokenizer, "vlm_pack_family", None)
             object.__setattr__(self, "family", family or getattr(self.spec, "family", None))
 
+    def collator(self, capacity: int, **options: Any) -> Any:
+        """The :class:`~vlm_pack.PackingCollator` for these parts: ``options`` (its keyword arguments, e.g.
+        ``config=model.config``) win; the tokenizer, the family, the token a processor scatters image
+        features into and the image processor's ``merge_size`` fill in what they leave out."""
+        from .collate import PackingCollator
+
+        options.setdefault("tokenizer", self.tokenizer)
+        if options.get("config") is None:
+            options.setdefault("family", self.family)
+            if self.processor is not None:
+                options.setdefault("image_token_id", _embedding_token_id(self.processor))
+        merge = getattr(self.image_processor, "merge_size", None)
+        if merge is not None:
+            options.setdefault("spatial_merge_size", int(merge))
+        return PackingCollator(capacity, **options)
+
     def render(self, conversation: Conversation, num_images: int = 0, key: Any = None) -> str:
         """The rendered prompt, images as the placeholder token and a BOS the tokenizer adds written out:
         ``tokenizer(text, add_special_tokens=False)`` gives the ids of :meth:`tokenize`, so many prompts can

@@ -384,9 +384,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         return out
 
     def _make_collator(self) -> Callable[[list[dict[str, Any]]], Any]:
-        from ..collate import pipeline_collator
-
-        return pipeline_collator(self.config.capacity, self.preprocessor, self.collator_kwargs)
+        return self.preprocessor.collator(self.config.capacity, **self.collator_kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -523,9 +523,7 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
     def _collate(self) -> Callable[[list[dict[str, Any]]], Any]:
         if self.collator is not None:
             return self.collator
-        from ..collate import pipeline_collator
-
-        return pipeline_collator(self.capacity, self.preprocessor, self.collator_kwargs)
+        return self.preprocessor.collator(self.capacity, **self.collator_kwargs)
 
 
 class PackedDataLoader:

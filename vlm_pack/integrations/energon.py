@@ -47,7 +47,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "vlm_pack.integrations.energon needs Megatron-Energon: pip install 'vlm-pack[energon]'"
     ) from exc
 
-from .. import PackedBatch, PackingCollator, Preprocessor, pack
+from .. import PackedBatch, Preprocessor, pack
 from ..data import read_header
 
 __all__ = ["PackedVLMSample", "VLMPackingTaskEncoder", "VLMSample", "packed_train_dataset"]
@@ -77,7 +77,8 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
 
     Args:
         capacity: tokens per pack (expanded length, what the language model runs on).
-        tokenizer, image_processor: as for :func:`vlm_pack.process_sample` (the real HF objects).
+        tokenizer, image_processor: as for :func:`vlm_pack.process_sample` (the real HF objects), or
+        processor: the checkpoint's HF processor (any family: its chat template and image wrappers).
         config: the model config (family, token ids, merge size; see :class:`~vlm_pack.PackingCollator`).
         family: model family when no ``config`` is given.
         layout: ``"expanded"`` (HF models) or ``"collapsed"`` (Megatron: one placeholder per image).
@@ -97,8 +98,9 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         self,
         capacity: int,
         *,
-        tokenizer: Any,
-        image_processor: Any,
+        tokenizer: Any = None,
+        image_processor: Any = None,
+        processor: Any = None,
         config: Any = None,
         family: str | None = None,
         layout: str = "expanded",
@@ -108,16 +110,12 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         super().__init__()
         if oversized not in ("report", "raise"):
             raise ValueError(f"oversized must be 'report' or 'raise', got {oversized!r}")
-        self.collator = PackingCollator(
-            capacity,
-            tokenizer=tokenizer,
-            config=config,
-            family=family,
-            layout=layout,
-            pad_to_multiple_of=pad_to_multiple_of,
+        family = family or getattr(config, "model_type", None)
+        self.preprocessor = Preprocessor(tokenizer, image_processor, processor, family=family, layout=layout)
+        self.collator = self.preprocessor.collator(
+            capacity, config=config, layout=layout, pad_to_multiple_of=pad_to_multiple_of
         )
         self.capacity = capacity
-        self.preprocessor = Preprocessor(tokenizer, image_processor, family=self.collator.family, layout=layout)
         self.oversized = oversized
         self.left_out: list[tuple[str, str]] = []
         self.cookers = [Cooker(self.cook_sample)]

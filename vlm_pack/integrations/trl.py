@@ -40,7 +40,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import torch
 
-from .. import PackingCollator, Preprocessor, pack
+from .. import Preprocessor, pack
 from ..data import SampleError, read_header, stream_tar_samples
 from ..testing import pad_samples
 
@@ -144,8 +144,9 @@ def packed_dataset(
     urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     *,
     capacity: int,
-    tokenizer: Any,
-    image_processor: Any,
+    tokenizer: Any = None,
+    image_processor: Any = None,
+    processor: Any = None,
     family: str | None = None,
     oversized: str = "raise",
     seed: int | None = 0,
@@ -164,7 +165,7 @@ def packed_dataset(
     url_list = [os.fspath(urls)] if isinstance(urls, (str, os.PathLike)) else [os.fspath(u) for u in urls]
     if oversized not in ("raise", "skip"):
         raise ValueError(f"oversized must be 'raise' or 'skip', got {oversized!r}")
-    pre = Preprocessor(tokenizer, image_processor, family=family)
+    pre = Preprocessor(tokenizer, image_processor, processor, family=family)
     keys, lengths = [], []
     for key, _, conv, sizes in _read_shards(url_list):
         keys.append(key)
@@ -218,14 +219,16 @@ class TRLPackingCollator:
         self,
         capacity: int,
         *,
-        tokenizer: Any,
-        image_processor: Any,
+        tokenizer: Any = None,
+        image_processor: Any = None,
+        processor: Any = None,
         config: Any = None,
         family: str | None = None,
         packed: bool = True,
     ) -> None:
-        self.collator = PackingCollator(capacity, tokenizer=tokenizer, config=config, family=family)
-        self.preprocessor = Preprocessor(tokenizer, image_processor, family=self.collator.family)
+        family = family or getattr(config, "model_type", None)
+        self.preprocessor = Preprocessor(tokenizer, image_processor, processor, family=family)
+        self.collator = self.preprocessor.collator(capacity, config=config)
         self.packed = packed
 
     def samples(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, torch.Tensor]]:
@@ -244,7 +247,21 @@ class TRLPackingCollator:
         inputs = batch.model_inputs("sdpa")
         inputs.pop("use_cache")  # SFTTrainer.compute_loss sets it
         inputs[NUM_TOKENS_KEY] = torch.tensor(batch.num_real_tokens)
+        if isinstance(inputs.get("attention_mask"), dict):  # Gemma 3's packed masks
+            inputs["attention_mask"] = _MaskMapping(inputs["attention_mask"], batch.num_real_tokens)
         return inputs
+
+
+class _MaskMapping(dict):
+    """Gemma 3's packed masks ``{"full_attention", "sliding_attention"}`` as SFTTrainer's loop can read them:
+    it counts a batch's tokens with ``attention_mask.sum()``, which here gives the real tokens of the row."""
+
+    def __init__(self, masks: Mapping[str, torch.Tensor], num_real_tokens: int) -> None:
+        super().__init__(masks)
+        self.num_real_tokens = int(num_real_tokens)
+
+    def sum(self) -> torch.Tensor:
+        return torch.tensor(self.num_real_tokens)
 
 
 def _padded_inputs(samples: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, Any]:
