@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from vlm_pack import Preprocessor
 from vlm_pack.data import write_shards
 from vlm_pack.demo import demo_records
 from vlm_pack.offline import build_tokenizer, image_processor
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     tok = build_tokenizer("qwen2_vl")
     ip = image_processor("qwen2_vl", size={"shortest_edge": 3136, "longest_edge": args.max_pixels})
+    preprocessor = Preprocessor(tok, ip)  # the checkpoint's parts: the cooker's forecast and the packs share them
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.data_dir or tmp) / "energon-demo"
         path.mkdir(parents=True, exist_ok=True)
@@ -72,8 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         energon_prepare(path)
 
         def loader(rank: int, repeat: bool, encoder: Any = None) -> Any:
-            encoder = encoder or VLMPackingTaskEncoder(args.capacity, tokenizer=tok, image_processor=ip,
-                                                       family="qwen2_vl")
+            encoder = encoder or VLMPackingTaskEncoder(args.capacity, preprocessor)
             wc = WorkerConfig(rank=rank, world_size=args.ranks, num_workers=args.workers)
             return get_savable_loader(packed_train_dataset(
                 str(path), encoder, worker_config=wc, packing_buffer_size=args.buffer, repeat=repeat))
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # 1. one epoch over all ranks: every sample once, or reported as left out.
         seen, left, packs = [], [], []
         for rank in range(args.ranks):
-            encoder = VLMPackingTaskEncoder(args.capacity, tokenizer=tok, image_processor=ip, family="qwen2_vl")
+            encoder = VLMPackingTaskEncoder(args.capacity, preprocessor)
             for pack in loader(rank, repeat=False, encoder=encoder):
                 seen += pack.keys
                 packs.append(pack)

@@ -24,6 +24,7 @@ import sys
 import tempfile
 from typing import Any
 
+from vlm_pack import Preprocessor
 from vlm_pack.demo import demo_shards
 from vlm_pack.offline import build_tokenizer, image_processor, tiny_model
 
@@ -49,9 +50,7 @@ def train(args: argparse.Namespace, dataset: Any, tokenizer: Any, image_proc: An
         dataloader_num_workers=0,
         seed=0,
     )
-    collator = TRLPackingCollator(
-        args.capacity, tokenizer=tokenizer, image_processor=image_proc, config=model.config, packed=packed
-    )
+    collator = TRLPackingCollator(args.capacity, Preprocessor(tokenizer, image_proc), config=model.config, packed=packed)
     cls = PackedSFTTrainer if packed else SFTTrainer
     trainer = cls(
         model=model, args=config, train_dataset=dataset, data_collator=collator, processing_class=tokenizer
@@ -78,8 +77,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         shards = demo_shards(args.data_dir or f"{tmp}/shards", num_samples=args.max_samples, samples_per_shard=8)
         dataset = packed_dataset(
-            shards, capacity=args.capacity, tokenizer=tokenizer, image_processor=image_proc,
-            oversized="skip", cache_dir=f"{tmp}/hf-cache",
+            shards, Preprocessor(tokenizer, image_proc), capacity=args.capacity, oversized="skip",
+            cache_dir=f"{tmp}/hf-cache",
         )
         print(f"{sum(len(r) for r in dataset['keys'])} samples in {len(dataset)} packs of <= {args.capacity} tokens")
         logs = {}

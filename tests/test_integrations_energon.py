@@ -16,7 +16,7 @@ pytest.importorskip("megatron.energon", reason="needs the [energon] extra")
 from megatron.energon import WorkerConfig, get_savable_loader
 from megatron.energon.errors import reraise_exception
 
-from vlm_pack import process_sample
+from vlm_pack import Preprocessor, process_sample
 from vlm_pack.data import write_shards
 from vlm_pack.demo import demo_records
 from vlm_pack.integrations.energon import VLMPackingTaskEncoder, packed_train_dataset
@@ -44,9 +44,9 @@ def setup(tmp_path_factory):
     return path, tok, ip, {r["key"]: r for r in records}
 
 
-def _encoder(setup, capacity=CAPACITY, **kw):
+def _encoder(setup, capacity=CAPACITY, layout="expanded", **kw):
     _, tok, ip, _ = setup
-    return VLMPackingTaskEncoder(capacity, tokenizer=tok, image_processor=ip, family="qwen2_vl", **kw)
+    return VLMPackingTaskEncoder(capacity, Preprocessor(tok, ip, family="qwen2_vl", layout=layout), **kw)
 
 
 def _loader(setup, rank, world, workers, encoder=None, repeat=False):

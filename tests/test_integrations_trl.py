@@ -13,6 +13,7 @@ datasets = pytest.importorskip("datasets")
 
 from trl import SFTConfig  # noqa: E402
 
+from vlm_pack import Preprocessor  # noqa: E402
 from vlm_pack.demo import demo_shards  # noqa: E402
 from vlm_pack.integrations.trl import (  # noqa: E402
     PackedSFTTrainer,
@@ -57,33 +58,33 @@ def test_config_helper_sets_and_check_names_every_problem(tmp_path):
 
 def test_dataset_rows_are_packs_within_capacity(parts):
     tok, ip, shards, tmp = parts
-    ds = packed_dataset(shards, capacity=CAPACITY, tokenizer=tok, image_processor=ip, cache_dir=str(tmp / "c1"))
+    ds = packed_dataset(shards, Preprocessor(tok, ip), capacity=CAPACITY, cache_dir=str(tmp / "c1"))
     assert isinstance(ds, datasets.Dataset)
     keys = [k for row in ds["keys"] for k in row]
     assert sorted(keys) == [f"demo-{i:06d}" for i in range(10)]  # every sample exactly once
-    collator = TRLPackingCollator(CAPACITY, tokenizer=tok, image_processor=ip, family="qwen2_vl")
+    collator = TRLPackingCollator(CAPACITY, Preprocessor(tok, ip, family="qwen2_vl"))
     for row in ds:
         samples = collator.samples([row])
         # The forecast lengths stored with the plan are the processed lengths (oracle: the real processor).
         assert row["lengths"] == [len(s["input_ids"]) for s in samples]
         assert sum(row["lengths"]) <= CAPACITY
     with pytest.raises(ValueError, match=r"sample 'demo-\d+': \d+ tokens > capacity 512"):
-        packed_dataset(shards, capacity=512, tokenizer=tok, image_processor=ip, cache_dir=str(tmp / "c2"))
+        packed_dataset(shards, Preprocessor(tok, ip), capacity=512, cache_dir=str(tmp / "c2"))
 
 
 def test_trl_loss_on_packed_rows_equals_padded_batch(parts):
     """TRL's own compute_loss (fused LM head) on one packed row == on the same samples padded, one per row."""
     tok, ip, shards, tmp = parts
-    ds = packed_dataset(shards, capacity=CAPACITY, tokenizer=tok, image_processor=ip, cache_dir=str(tmp / "c3"))
+    ds = packed_dataset(shards, Preprocessor(tok, ip), capacity=CAPACITY, cache_dir=str(tmp / "c3"))
     row = max(ds, key=lambda r: len(r["keys"]))
     assert len(row["keys"]) >= 2
     model = tiny_model("qwen2_vl", tok, initializer_range=0.2)
     trainer = PackedSFTTrainer(model=model, args=_args(tmp, max_steps=1), train_dataset=ds, processing_class=tok,
-                               data_collator=TRLPackingCollator(CAPACITY, tokenizer=tok, image_processor=ip,
+                               data_collator=TRLPackingCollator(CAPACITY, Preprocessor(tok, ip),
                                                                 config=model.config))
     model.train()
-    packed = TRLPackingCollator(CAPACITY, tokenizer=tok, image_processor=ip, config=model.config)([row])
-    padded = TRLPackingCollator(CAPACITY, tokenizer=tok, image_processor=ip, config=model.config, packed=False)([row])
+    packed = TRLPackingCollator(CAPACITY, Preprocessor(tok, ip), config=model.config)([row])
+    padded = TRLPackingCollator(CAPACITY, Preprocessor(tok, ip), config=model.config, packed=False)([row])
     assert packed["input_ids"].shape[0] == 1 and padded["input_ids"].shape[0] == len(row["keys"])
     assert "attention_mask" not in packed and packed["position_ids"].shape[:2] == (4, 1)
     with torch.no_grad():
@@ -99,12 +100,12 @@ def test_trl_loss_on_packed_rows_equals_padded_batch(parts):
 
 def test_streaming_dataset_trains_and_num_tokens_is_the_real_count(parts):
     tok, ip, shards, tmp = parts
-    ds = packed_dataset(shards, capacity=CAPACITY, tokenizer=tok, image_processor=ip, streaming=True,
+    ds = packed_dataset(shards, Preprocessor(tok, ip), capacity=CAPACITY, streaming=True,
                         cache_dir=str(tmp / "c4"))
     assert isinstance(ds, datasets.IterableDataset)
     rows = list(ds)[:2]
     model = tiny_model("qwen2_vl", tok)
-    collator = TRLPackingCollator(CAPACITY, tokenizer=tok, image_processor=ip, config=model.config)
+    collator = TRLPackingCollator(CAPACITY, Preprocessor(tok, ip), config=model.config)
     # TRL's own formula, position_ids.size(1), counts rows for [4, R, T] mRoPE ids: the bug being corrected.
     assert collator([rows[0]])["position_ids"].size(1) == 1
     trainer = PackedSFTTrainer(model=model, args=_args(tmp, max_steps=2), train_dataset=ds,
@@ -138,14 +139,14 @@ def test_any_family_through_its_processor_trains_on_packed_rows_as_on_padded(par
     template = (Path(__file__).parent / "templates" / f"{family}.jinja").read_text()
     proc = offline.processor(family, tok, chat_template=template, **({"max_patches": 2} if family == "internvl" else {}))
     capacity = 4096
-    ds = packed_dataset(shards, capacity=capacity, processor=proc, cache_dir=str(tmp / f"c-{family}"))
+    ds = packed_dataset(shards, Preprocessor(processor=proc), capacity=capacity, cache_dir=str(tmp / f"c-{family}"))
     row = max(ds, key=lambda r: len(r["keys"]))
     assert len(row["keys"]) >= 2
     model = tiny_model(family, tok, initializer_range=0.2)
-    collator = TRLPackingCollator(capacity, processor=proc, config=model.config)
+    collator = TRLPackingCollator(capacity, Preprocessor(processor=proc), config=model.config)
     assert row["lengths"] == [len(s["input_ids"]) for s in collator.samples([row])]
     packed = collator([row])
-    padded = TRLPackingCollator(capacity, processor=proc, config=model.config, packed=False)([row])
+    padded = TRLPackingCollator(capacity, Preprocessor(processor=proc), config=model.config, packed=False)([row])
     trainer = PackedSFTTrainer(model=model, args=_args(tmp, max_steps=1), train_dataset=ds, processing_class=tok,
                                data_collator=collator)
     model.train()

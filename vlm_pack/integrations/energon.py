@@ -77,11 +77,10 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
 
     Args:
         capacity: tokens per pack (expanded length, what the language model runs on).
-        tokenizer, image_processor: as for :func:`vlm_pack.process_sample` (the real HF objects), or
-        processor: the checkpoint's HF processor (any family: its chat template and image wrappers).
+        preprocessor: the checkpoint's parts (:class:`~vlm_pack.Preprocessor`: ``processor=`` for any family,
+            or ``tokenizer=`` + ``image_processor=``); its ``layout``: ``"expanded"`` (HF models) or
+            ``"collapsed"`` (Megatron: one placeholder per image).
         config: the model config (family, token ids, merge size; see :class:`~vlm_pack.PackingCollator`).
-        family: model family when no ``config`` is given.
-        layout: ``"expanded"`` (HF models) or ``"collapsed"`` (Megatron: one placeholder per image).
         pad_to_multiple_of: per-sample padding for context/sequence parallelism (``pad_multiple_for``).
         oversized: ``"report"`` (warn, record in :attr:`left_out`, leave the sample out) or ``"raise"``
             (pair it with ``WorkerConfig(global_error_handler=megatron.energon.errors.reraise_exception)``:
@@ -97,23 +96,23 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
     def __init__(
         self,
         capacity: int,
+        preprocessor: Preprocessor,
         *,
-        tokenizer: Any = None,
-        image_processor: Any = None,
-        processor: Any = None,
         config: Any = None,
-        family: str | None = None,
-        layout: str = "expanded",
         pad_to_multiple_of: int = 1,
         oversized: str = "report",
     ) -> None:
         super().__init__()
         if oversized not in ("report", "raise"):
             raise ValueError(f"oversized must be 'report' or 'raise', got {oversized!r}")
-        family = family or getattr(config, "model_type", None)
-        self.preprocessor = Preprocessor(tokenizer, image_processor, processor, family=family, layout=layout)
-        self.collator = self.preprocessor.collator(
-            capacity, config=config, layout=layout, pad_to_multiple_of=pad_to_multiple_of
+        if not isinstance(preprocessor, Preprocessor):
+            raise TypeError(
+                f"expected a vlm_pack.Preprocessor, got {type(preprocessor).__name__}: pass Preprocessor(tokenizer="
+                "tok, image_processor=ip, layout='collapsed') or Preprocessor(processor=processor)"
+            )
+        self.preprocessor = preprocessor
+        self.collator = preprocessor.collator(
+            capacity, config=config, layout=preprocessor.layout, pad_to_multiple_of=pad_to_multiple_of
         )
         self.capacity = capacity
         self.oversized = oversized

@@ -142,12 +142,9 @@ def pack_rows(
 
 def packed_dataset(
     urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    preprocessor: Preprocessor,
     *,
     capacity: int,
-    tokenizer: Any = None,
-    image_processor: Any = None,
-    processor: Any = None,
-    family: str | None = None,
     oversized: str = "raise",
     seed: int | None = 0,
     streaming: bool = False,
@@ -155,7 +152,8 @@ def packed_dataset(
 ) -> datasets.Dataset | datasets.IterableDataset:
     """A ``datasets.Dataset`` (``streaming=True``: ``IterableDataset``) of pack plans over WebDataset shards.
 
-    Every sample's expanded length is forecast from its image headers (``forecast_length``, no decode), the
+    Every sample's expanded length is forecast from its image headers by ``preprocessor`` (the checkpoint's
+    parts: give the same one to :class:`TRLPackingCollator`, so that plan and rows agree; no decode), the
     samples are packed into bins of ``capacity`` tokens (``vlm_pack.pack``, best fit decreasing; ``seed``
     shuffles the bin order so that training sees no length curriculum; ``None`` keeps creation order) and each
     bin becomes one row ``{"keys", "conversations" (JSON), "image_bytes", "lengths"}``, samples in data order.
@@ -165,7 +163,7 @@ def packed_dataset(
     url_list = [os.fspath(urls)] if isinstance(urls, (str, os.PathLike)) else [os.fspath(u) for u in urls]
     if oversized not in ("raise", "skip"):
         raise ValueError(f"oversized must be 'raise' or 'skip', got {oversized!r}")
-    pre = Preprocessor(tokenizer, image_processor, processor, family=family)
+    pre = _checked(preprocessor)
     keys, lengths = [], []
     for key, _, conv, sizes in _read_shards(url_list):
         keys.append(key)
@@ -203,8 +201,8 @@ def packed_dataset(
 class TRLPackingCollator:
     """``data_collator`` for ``SFTTrainer``: rows of :func:`packed_dataset` -> model inputs of packed rows.
 
-    Each row's samples are decoded and processed (``process_sample``, the checkpoint's chat template and the
-    real image processor) and collated by :class:`~vlm_pack.PackingCollator` into rows of ``capacity`` tokens
+    Each row's samples are decoded and processed by ``preprocessor`` (the same :class:`~vlm_pack.Preprocessor`
+    as :func:`packed_dataset`'s: the checkpoint's chat template and image processor) and collated by :class:`~vlm_pack.PackingCollator` into rows of ``capacity`` tokens
     (one row per pack for ``per_device_train_batch_size=1``; with more packs per micro-batch the collator
     regroups their samples by best fit, never over ``capacity``). Returns ``input_ids``, ``labels``
     ``[R, T]``, ``position_ids`` ``[4, R, T]`` (Qwen-VL) or ``[R, T]``, the vision tensors,
@@ -215,19 +213,8 @@ class TRLPackingCollator:
     ``attention_mask`` and labels padded with -100 (for a padded run to compare losses with).
     """
 
-    def __init__(
-        self,
-        capacity: int,
-        *,
-        tokenizer: Any = None,
-        image_processor: Any = None,
-        processor: Any = None,
-        config: Any = None,
-        family: str | None = None,
-        packed: bool = True,
-    ) -> None:
-        family = family or getattr(config, "model_type", None)
-        self.preprocessor = Preprocessor(tokenizer, image_processor, processor, family=family)
+    def __init__(self, capacity: int, preprocessor: Preprocessor, *, config: Any = None, packed: bool = True) -> None:
+        self.preprocessor = _checked(preprocessor)
         self.collator = self.preprocessor.collator(capacity, config=config)
         self.packed = packed
 
@@ -250,6 +237,15 @@ class TRLPackingCollator:
         if isinstance(inputs.get("attention_mask"), dict):  # Gemma 3's packed masks
             inputs["attention_mask"] = _MaskMapping(inputs["attention_mask"], batch.num_real_tokens)
         return inputs
+
+
+def _checked(preprocessor: Any) -> Preprocessor:
+    if not isinstance(preprocessor, Preprocessor):
+        raise TypeError(
+            f"expected a vlm_pack.Preprocessor, got {type(preprocessor).__name__}: pass "
+            "Preprocessor(tokenizer=tok, image_processor=ip) or Preprocessor(processor=processor)"
+        )
+    return preprocessor
 
 
 class _MaskMapping(dict):
