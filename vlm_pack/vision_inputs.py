@@ -43,13 +43,41 @@ VISION_KEYS = (
 )
 
 
+def _whole(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor ``parts`` were cut from along dim 0, when they are all of it, in order; else None.
+
+    ``process_pack`` runs a pack's images through one image-processor call and gives each sample its rows
+    as a view: joining them again is that tensor (no copy). Only parts that tile their whole storage, back
+    to back, qualify, so the result never exposes memory the parts did not cover.
+    """
+    first = parts[0]
+    storage = first.untyped_storage()
+    offset = first.storage_offset()
+    for part in parts:
+        if (
+            part.untyped_storage().data_ptr() != storage.data_ptr()
+            or part.storage_offset() != offset
+            or not part.is_contiguous()
+            or part.dtype != first.dtype
+            or part.shape[1:] != first.shape[1:]
+        ):
+            return None
+        offset += part.numel()
+    if first.storage_offset() != 0 or offset * first.element_size() != storage.nbytes():
+        return None
+    shape = (sum(part.shape[0] for part in parts), *first.shape[1:])
+    return first.new_empty(0).set_(storage, 0, shape)
+
+
 def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """``torch.cat(parts, dim)``; along dim 0 inside a DataLoader worker, straight into shared memory.
 
     The DataLoader moves a worker's batch to the main process through shared memory: concatenating into
     it directly (as ``default_collate`` does) saves a second copy of ``pixel_values``, the largest tensor
-    of a batch.
+    of a batch. Parts cut from one tensor, all of it in order, are that tensor (see :func:`_whole`).
     """
+    if dim == 0 and (whole := _whole(parts)) is not None:
+        return whole
     if dim != 0 or torch.utils.data.get_worker_info() is None or parts[0].device.type != "cpu":
         return torch.cat(parts, dim)
     shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
