@@ -152,3 +152,19 @@ def test_an_image_the_one_call_refuses_fails_only_its_own_sample():
         alone = process_sample(*samples[index], tokenizer=tok, image_processor=ip)
         assert torch.equal(outs[index]["pixel_values"], alone["pixel_values"])
         assert torch.equal(outs[index]["input_ids"], alone["input_ids"])
+
+
+@pytest.mark.parametrize(
+    "dtypes", [(torch.float32,) * 3, (torch.bfloat16,) * 3, (torch.float32, torch.float64, torch.float32)]
+)
+def test_large_joins_equal_torch_cat(dtypes):
+    """Joins over 4 MiB go to numpy-allocated (huge-page-advised) memory: still torch.cat's values and dtype."""
+    generator = torch.Generator().manual_seed(0)
+    parts = [
+        torch.randn(rows, 1176, generator=generator).to(dtype)
+        for rows, dtype in zip((900, 1300, 700), dtypes)
+    ]
+    joined = join_vision([{"pixel_values": part} for part in parts])["pixel_values"]
+    expected = torch.cat(parts)
+    assert joined.dtype == expected.dtype and torch.equal(joined, expected)
+    assert joined.data_ptr() not in {part.data_ptr() for part in parts}
