@@ -620,8 +620,17 @@ _ONE_CALL = frozenset({"Qwen2VLImageProcessorPil", "Glm4vImageProcessorPil"})
 
 
 def _one_call(image_processor: Any, processor: Any) -> bool:
+    """Whether a pack's images go through one image-processor call (exact, and faster, see below).
+
+    Not inside a DataLoader worker: there the batch is copied into shared memory anyway, and copying each
+    sample's patches into its ``pixel_values`` while they are still in the CPU cache, then straight into
+    shared memory (``join_vision``), costs ~8% less worker CPU than one call's concatenation of the whole
+    pack's (cold) patches followed by that copy. In the main process one call saves a whole copy.
+    """
     cls = type(image_processor)  # the class itself: a subclass may process images otherwise
-    return processor is None and cls.__module__.startswith("transformers.") and cls.__name__ in _ONE_CALL
+    if processor is not None or not cls.__module__.startswith("transformers.") or cls.__name__ not in _ONE_CALL:
+        return False
+    return torch.utils.data.get_worker_info() is None
 
 
 @dataclass
@@ -646,9 +655,9 @@ def process_pack(
 
     ``options``: the keyword arguments of :func:`process_sample`; ``keys`` / ``prompts``: its ``key`` /
     ``prompt`` per sample. The result equals ``process_sample`` sample by sample, but with a Qwen2/2.5/3-VL or
-    GLM-4.1V image processor all the pack's images go through ONE image-processor call: it writes the pack's
-    ``pixel_values`` [sum P, D] once, and each sample gets its rows as a view, so ``join_vision`` of the
-    samples in this order is that tensor, not a copy. A sample that fails (an undecodable image, a bad text)
+    GLM-4.1V image processor (outside DataLoader workers) all the pack's images go through ONE
+    image-processor call: it writes the pack's ``pixel_values`` [sum P, D] once, and each sample gets its
+    rows as a view, so ``join_vision`` of the samples in this order is that tensor, not a copy. A sample that fails (an undecodable image, a bad text)
     gets its exception and the others are still processed.
     """
     keys = list(keys) if keys is not None else [None] * len(samples)

@@ -300,7 +300,7 @@ class StreamRunner:
         """``process_sample`` of a bin's samples (timed as "preprocess"); None for each decode error.
 
         ``process_pack`` writes the bin's ``pixel_values`` once (one image-processor call where that is
-        exact), so the collator joins the samples' views without copying them again.
+        exact, in the main process), so the collator joins the samples' views without copying them again.
         """
         ds = self.ds
         started = time.thread_time()
