@@ -148,6 +148,8 @@ def test_an_image_the_one_call_refuses_fails_only_its_own_sample():
     samples = [([_jpeg(90, 90, 1)], "first"), ([buf.getvalue()], "a line"), ([_jpeg(60, 120, 2)], "third")]
     outs = process_pack(samples, keys=["a", "line", "c"], tokenizer=tok, image_processor=ip)
     assert isinstance(outs[1], ValueError) and "aspect ratio" in str(outs[1])
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) \['image_procesor'\]"):
+        process_pack(samples, tokenizer=tok, image_procesor=ip)
     for index in (0, 2):
         alone = process_sample(*samples[index], tokenizer=tok, image_processor=ip)
         assert torch.equal(outs[index]["pixel_values"], alone["pixel_values"])

@@ -60,6 +60,7 @@ __all__ = [
     "forecast_length",
     "forecast_prompt",
     "load_image",
+    "process_pack",
     "process_sample",
     "render_prompt",
     "tokenize_conversation",
@@ -633,6 +634,9 @@ def _one_call(image_processor: Any, processor: Any) -> bool:
     return torch.utils.data.get_worker_info() is None
 
 
+_SAMPLE_OPTIONS = ("tokenizer", "image_processor", "processor", "family", "layout", "template")
+
+
 @dataclass
 class _Staged:
     """A sample of a pack, decoded and tokenized, waiting for the pack's one image-processor call."""
@@ -657,9 +661,12 @@ def process_pack(
     ``prompt`` per sample. The result equals ``process_sample`` sample by sample, but with a Qwen2/2.5/3-VL or
     GLM-4.1V image processor (outside DataLoader workers) all the pack's images go through ONE
     image-processor call: it writes the pack's ``pixel_values`` [sum P, D] once, and each sample gets its
-    rows as a view, so ``join_vision`` of the samples in this order is that tensor, not a copy. A sample that fails (an undecodable image, a bad text)
-    gets its exception and the others are still processed.
+    rows as a view, so ``join_vision`` of the samples in this order is that tensor, not a copy. A sample
+    that fails (an undecodable image, a bad text) gets its exception and the others are still processed.
     """
+    unknown = sorted(set(options) - set(_SAMPLE_OPTIONS))
+    if unknown:
+        raise TypeError(f"process_pack: unknown argument(s) {unknown}; it takes {list(_SAMPLE_OPTIONS)}")
     keys = list(keys) if keys is not None else [None] * len(samples)
     prompts = list(prompts) if prompts is not None else [None] * len(samples)
 
