@@ -16,8 +16,9 @@ stand-in tokenizer and the Qwen2-VL image processor (released checkpoint paramet
 
 Both deliver the same good samples. Reported (medians over --repeats alternating runs, with the ratio of
 each pair): samples per CPU-second at 0 workers (``time.process_time``: every thread of the process, so
-other load on the machine does not count) and samples/s at ``--workers`` workers (wall), with the load
-average; and vlm-pack's CPU by phase (``PipelineStats.time``, thread CPU) in the 0-worker runs.
+other load on the machine does not count) and the minor page faults of those passes, samples/s at
+``--workers`` workers (wall), with the load average; and vlm-pack's CPU by phase (``PipelineStats.time``,
+thread CPU) in the 0-worker runs.
 
     .venv/bin/python benchmarks/bench_pipeline.py --samples 480 --repeats 5
 """
@@ -169,11 +170,15 @@ class PaddedLoader:
         )
 
 
-def run_once(make_loader, workers: int, count) -> tuple[int, float, float]:
-    """(samples delivered, CPU seconds of this process, wall seconds) of one full pass."""
+def run_once(make_loader, workers: int, count) -> tuple[int, float, float, int]:
+    """(samples delivered, CPU seconds of this process, wall seconds, its minor page faults) of one pass."""
+    import resource
+
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     cpu, wall = time.process_time(), time.perf_counter()
     samples = sum(count(batch) for batch in make_loader(workers))
-    return samples, time.process_time() - cpu, time.perf_counter() - wall
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return samples, time.process_time() - cpu, time.perf_counter() - wall, faults
 
 
 def children_cpu() -> float:
@@ -212,10 +217,10 @@ def main() -> None:
     count_padded = lambda b: len(b["input_ids"])  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         urls = write_tars(tmp, args.samples, args.bad, args.per_shard, args.min_side, args.max_side)
-        n_packed, _, _ = run_once(packed, 0, count_packed)  # warm-up; the mean pack size
+        n_packed, *_ = run_once(packed, 0, count_packed)  # warm-up; the mean pack size
         stats = packed.ds.stats
         batch = args.batch or max(1, round(stats.samples_packed / stats.bins))
-        n_padded, _, _ = run_once(padded, 0, count_padded)
+        n_padded, *_ = run_once(padded, 0, count_padded)
         assert n_packed == n_padded == args.samples - args.bad, (n_packed, n_padded)
         print(
             f"{args.samples} samples ({args.bad} bad: {', '.join(BAD_KINDS)}) in {len(urls)} tar shards; Qwen2-VL, "
@@ -223,18 +228,19 @@ def main() -> None:
             f"{stats.fill_ratio:.3f}, bad {dict(sorted(stats.reasons.items()))}; padded loader batches of {batch}"
         )
         load = [os.getloadavg()[0]]
-        rows: dict[str, list[float]] = {k: [] for k in ("p0", "q0", "p2", "q2", "pc2", "qc2")}
+        rows: dict[str, list[float]] = {k: [] for k in ("p0", "q0", "pf0", "qf0", "p2", "q2", "pc2", "qc2")}
         phases = []
         for repeat in range(args.repeats):
             order = [("p", packed, count_packed), ("q", padded, count_padded)]
             for tag, make, count in order if repeat % 2 == 0 else order[::-1]:
-                n, cpu, _ = run_once(make, 0, count)
+                n, cpu, _, faults = run_once(make, 0, count)
                 rows[f"{tag}0"].append(n / cpu)
+                rows[f"{tag}f0"].append(faults / 1000)
                 if tag == "p":
                     phases.append(dict(packed.ds.stats.time))
             for tag, make, count in order if repeat % 2 else order[::-1]:
                 c0 = children_cpu()
-                n, _, wall = run_once(make, args.workers, count)
+                n, _, wall, _ = run_once(make, args.workers, count)
                 rows[f"{tag}2"].append(n / wall)
                 rows[f"{tag}c2"].append(n / (children_cpu() - c0))
             load.append(os.getloadavg()[0])
@@ -250,6 +256,11 @@ def report(args, rows: dict[str, list[float]], phases: list[dict[str, float]], l
     print(
         f"{'samples per CPU-s, 0 workers':34} {med(rows['p0']):10.1f} {med(rows['q0']):10.1f} "
         f"{med(ratios0):6.2f}x  {min(ratios0):.2f}-{max(ratios0):.2f}x"
+    )
+    ratios_f = [p / q for p, q in zip(rows["pf0"], rows["qf0"])]
+    print(
+        f"{'minor page faults (k), 0 workers':34} {med(rows['pf0']):10.0f} {med(rows['qf0']):10.0f} "
+        f"{med(ratios_f):6.2f}x  {min(ratios_f):.2f}-{max(ratios_f):.2f}x"
     )
     print(
         f"{f'samples/s (wall), {args.workers} workers':34} {med(rows['p2']):10.1f} {med(rows['q2']):10.1f} "

@@ -287,17 +287,24 @@ class StreamRunner:
         self.stats.time["pack"] += time.thread_time() - started
 
     # -- collation
-    def _process(self, sample: _Sample) -> dict[str, Any] | None:
-        """``process_sample`` of one packed sample (timed as "preprocess"); None after a decode error."""
+    def _process(self, samples: list[_Sample]) -> list[dict[str, Any] | None]:
+        """``process_sample`` of a bin's samples (timed as "preprocess"); None for each decode error.
+
+        ``process_pack`` writes the bin's ``pixel_values`` once (one image-processor call where that is
+        exact, in the main process), so the collator joins the samples' views without copying them again.
+        """
         ds = self.ds
         started = time.thread_time()
-        try:
-            return ds.preprocessor.process(sample.images, sample.conversation, sample.key, sample.prompt)
-        except Exception as exc:
-            self._bad(sample.url, sample.key, "decode_error", f"{type(exc).__name__}: {exc}")
-            return None
-        finally:
-            self.stats.time["preprocess"] += time.thread_time() - started
+        outs = ds.preprocessor.process_pack(
+            [(sample.images, sample.conversation) for sample in samples],
+            keys=[sample.key for sample in samples],
+            prompts=[sample.prompt for sample in samples],
+        )
+        self.stats.time["preprocess"] += time.thread_time() - started
+        for sample, out in zip(samples, outs):
+            if isinstance(out, Exception):
+                self._bad(sample.url, sample.key, "decode_error", f"{type(out).__name__}: {out}")
+        return [None if isinstance(out, Exception) else out for out in outs]
 
     def _warn_mismatch(self, sample: _Sample, processed_length: int) -> None:
         self.stats.forecast_mismatches += 1
@@ -316,9 +323,8 @@ class StreamRunner:
 
     def _make_batch(self, positions: list[int]) -> Any:
         processed, picked, lengths, mismatched = [], [], [], []
-        for pos in positions:
-            sample = self.samples.pop(pos)
-            out = self._process(sample)
+        samples = [self.samples.pop(pos) for pos in positions]
+        for sample, out in zip(samples, self._process(samples)):
             if out is None:
                 continue
             length = int(out["input_ids"].shape[0])
