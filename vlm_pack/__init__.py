@@ -39,7 +39,8 @@ _SOURCES: dict[str, tuple[str, ...]] = {
                  "reduce_token_loss", "roll_packed_context_parallel", "shard_for_context_parallel",
                  "token_cross_entropy"),
     "positions": ("mrope_position_ids", "packed_position_ids"),
-    "processing": ("Preprocessor", "forecast_length", "process_sample", "tokenize_conversation"),
+    "preprocessor": ("Preprocessor",),
+    "processing": ("forecast_length", "process_sample", "tokenize_conversation"),
     "remap": ("collapse_cu_seqlens", "remap_cu_seqlens", "remap_cu_seqlens_padded", "roll_packed"),
     "vision": ("VisionSpec", "image_size", "vision_spec", "vision_spec_from_processor"),
 }  # fmt: skip
@@ -152,6 +153,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
         token_cross_entropy,
     )
     from .positions import mrope_position_ids, packed_position_ids
-    from .processing import Preprocessor, forecast_length, process_sample, tokenize_conversation
+    from .preprocessor import Preprocessor
+    from .processing import forecast_length, process_sample, tokenize_conversation
     from .remap import collapse_cu_seqlens, remap_cu_seqlens, remap_cu_seqlens_padded, roll_packed
     from .vision import VisionSpec, image_size, vision_spec, vision_spec_from_processor

@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_forecaster(args: argparse.Namespace) -> tuple[Any, bool]:
     """The :class:`~vlm_pack.processing.Preprocessor` ``--family/--processor/--tokenizer`` describe, and whether
     its tokenizer is the checkpoint's own (exact text counts) rather than the offline stand-in."""
-    from vlm_pack.processing import Preprocessor
+    from vlm_pack.preprocessor import Preprocessor
     from vlm_pack.vision import vision_spec
 
     overrides = dict(args.spec)
@@ -309,7 +309,7 @@ def _checkpoint_preprocessor(args: argparse.Namespace, overrides: dict[str, Any]
 
     from transformers import AutoImageProcessor, AutoProcessor
 
-    from vlm_pack.processing import Preprocessor
+    from vlm_pack.preprocessor import Preprocessor
     from vlm_pack.vision import vision_spec_from_processor
 
     folder = Path(args.processor)

@@ -33,7 +33,7 @@ from .sources import Chunk, Source, chunk_samples, chunks, open_sources
 if TYPE_CHECKING:
     from ..config import PackingConfig
     from ..packing import PackResult
-    from ..processing import Preprocessor
+    from ..preprocessor import Preprocessor
 
 __all__ = ["LengthTable", "forecast_sources", "image_sizes"]
 
@@ -397,7 +397,7 @@ def forecast_sources(
     """
     from tqdm import tqdm
 
-    from ..processing import Preprocessor
+    from ..preprocessor import Preprocessor
 
     pre = preprocessor or Preprocessor(tokenizer, family=family, template=template, spec=spec)
     if pre.spec is None:

@@ -168,7 +168,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         collator_kwargs: dict[str, Any] | None = None,
         progress: bool | None = None,
     ) -> None:
-        from ..processing import Preprocessor
+        from ..preprocessor import Preprocessor
 
         if config is None:
             if capacity is None:

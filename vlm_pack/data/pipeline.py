@@ -83,7 +83,7 @@ import torch
 
 from ..config import PackingConfig
 from ..packing.stream import PACKER_KNOBS
-from ..processing import Preprocessor
+from ..preprocessor import Preprocessor
 from .state import EpochProgress, PipelineState, fresh_plan, remaining_plan
 from .stats import BAD_REASONS, BadSample, BadSampleWarning, PipelineStats
 from .stream import StreamEnd, StreamRunner, identity, stream_info

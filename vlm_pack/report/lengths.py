@@ -34,7 +34,7 @@ def forecast_lengths(
     from vlm_pack.data.forecast import forecast_sized
     from vlm_pack.data.records import Sample
     from vlm_pack.data.shards import SampleError
-    from vlm_pack.processing import Preprocessor
+    from vlm_pack.preprocessor import Preprocessor
 
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")

@@ -1,0 +1,148 @@
+"""The checkpoint's parts, held once: what every pipeline forecasts, processes and collates with.
+
+A training job needs the same tokenizer, image processor (or HF processor), chat format and token layout in
+three places: the forecast that plans the packs from image headers, the processing of the packed samples, and
+the collator. :class:`Preprocessor` holds them once, so the three cannot drift apart (a plan made with one
+image processor and rows made with another would silently overflow or underfill every pack)::
+
+    pre = Preprocessor(processor=processor)                   # any family; or tokenizer= + image_processor=
+    length, per_image = pre.forecast(conversation, [(640, 480)])   # header sizes only
+    sample = pre.process([image], conversation)                    # len(sample["input_ids"]) == length
+    collator = pre.collator(8192, config=model.config)             # PackingCollator for these parts
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .chat import ChatFormat, Conversation, Template
+from .processing import (
+    Prompt,
+    _collapsed_ids,
+    _embedding_token_id,
+    _forecast,
+    _render,
+    process_pack,
+    process_sample,
+)
+
+__all__ = ["Preprocessor"]
+
+
+@dataclass(frozen=True)
+class Preprocessor:
+    """A checkpoint's text and image parts, held once: what every pipeline forecasts and processes with.
+
+    Give an HF ``processor`` (any family), or ``tokenizer`` + ``image_processor`` (Qwen-style, LLaVA,
+    LLaVA-NeXT). ``family`` / ``template`` pick the chat format as for :func:`process_sample` (default: the
+    checkpoint's own template, else the tokenizer's ``vlm_pack_family``, else the image processor's family);
+    ``layout``: ``"expanded"`` (HF models) or ``"collapsed"`` (one placeholder per image, Megatron style).
+    ``spec``: the vision spec forecasts use (default: read from the processor).
+
+    ``forecast(...)`` equals the length ``process(...)`` gives, in the expanded space, for every family::
+
+        pre = Preprocessor(tokenizer=tok, image_processor=ip)
+        length, per_image = pre.forecast(conversation, [(640, 480)])   # header sizes only
+        sample = pre.process([image], conversation)                    # len(sample["input_ids"]) == length
+    """
+
+    tokenizer: Any = None
+    image_processor: Any = None
+    processor: Any = None
+    family: str | None = None
+    template: str | ChatFormat | Template | None = None
+    layout: str = "expanded"
+    spec: Any = None
+
+    def __post_init__(self) -> None:
+        from .vision import vision_spec_from_processor
+
+        proc = self.processor
+        if proc is not None:
+            if self.tokenizer is None:
+                object.__setattr__(self, "tokenizer", proc.tokenizer)
+            if self.image_processor is None:
+                object.__setattr__(self, "image_processor", getattr(proc, "image_processor", None))
+        if self.tokenizer is None:
+            raise ValueError("Preprocessor needs tokenizer= (with image_processor=) or processor=")
+        if self.layout not in ("expanded", "collapsed"):
+            raise ValueError(f"layout must be 'expanded' or 'collapsed', got {self.layout!r}")
+        if self.spec is None and (proc is not None or self.image_processor is not None):
+            source = proc if proc is not None else self.image_processor
+            object.__setattr__(self, "spec", vision_spec_from_processor(source))
+        if self.family is None:
+            family = getattr(self.tokenizer, "vlm_pack_family", None)
+            object.__setattr__(self, "family", family or getattr(self.spec, "family", None))
+
+    def collator(self, capacity: int, **options: Any) -> Any:
+        """The :class:`~vlm_pack.PackingCollator` for these parts: ``options`` (its keyword arguments, e.g.
+        ``config=model.config``) win; the tokenizer, the family, the token a processor scatters image
+        features into and the image processor's ``merge_size`` fill in what they leave out."""
+        from .collate import PackingCollator
+
+        options.setdefault("tokenizer", self.tokenizer)
+        if options.get("config") is None:
+            options.setdefault("family", self.family)
+            if self.processor is not None:
+                options.setdefault("image_token_id", _embedding_token_id(self.processor))
+        merge = getattr(self.image_processor, "merge_size", None)
+        if merge is not None:
+            options.setdefault("spatial_merge_size", int(merge))
+        return PackingCollator(capacity, **options)
+
+    def render(self, conversation: Conversation, num_images: int = 0, key: Any = None) -> str:
+        """The rendered prompt, images as the placeholder token and a BOS the tokenizer adds written out:
+        ``tokenizer(text, add_special_tokens=False)`` gives the ids of :meth:`tokenize`, so many prompts can
+        be tokenized in one batched call. Raises as :meth:`tokenize`."""
+        tok = self.tokenizer
+        rendering = _render(conversation, tok, self.processor, self.family, self.template, num_images, key, False)
+        bos = getattr(tok, "bos_token", None)
+        if not (rendering.add_special_tokens and bos and rendering.text):
+            return rendering.text
+        adds_bos = tok("", add_special_tokens=True)["input_ids"][:1] == [tok.convert_tokens_to_ids(bos)]
+        return bos + rendering.text if adds_bos else rendering.text
+
+    def tokenize(self, conversation: Conversation, num_images: int = 0, key: Any = None) -> tuple[list[int], list[bool]]:
+        """Collapsed ids and trained mask: :func:`tokenize_conversation` with these parts."""
+        rendering = _render(conversation, self.tokenizer, self.processor, self.family, self.template, num_images, key)
+        return _collapsed_ids(rendering, self.tokenizer, num_images, key)
+
+    def forecast(
+        self, conversation: Conversation, image_sizes: Sequence[tuple[int, int]], key: Any = None
+    ) -> tuple[int, list[int]]:
+        """``(expanded length, tokens per image)`` from image ``(width, height)`` only: :func:`forecast_length`."""
+        return self.forecast_prompt(conversation, image_sizes, key, keep=False)[:2]
+
+    def forecast_prompt(
+        self, conversation: Conversation, image_sizes: Sequence[tuple[int, int]], key: Any = None, keep: bool = True
+    ) -> tuple[int, list[int], Prompt | None]:
+        """:meth:`forecast` and the :class:`Prompt` it rendered, for ``process(..., prompt=)`` (``keep``)."""
+        return _forecast(
+            conversation, image_sizes, self.tokenizer, self.spec, self.processor, self.image_processor,
+            self.family, self.template, key, keep=keep,
+        )
+
+    def process(
+        self, images: Sequence[Any], conversation: Conversation, key: Any = None, prompt: Prompt | None = None
+    ) -> dict[str, torch.Tensor]:
+        """One processed sample: :func:`process_sample` with these parts."""
+        return process_sample(images, conversation, key=key, prompt=prompt, **self._options())
+
+    def process_pack(
+        self,
+        samples: Sequence[tuple[Sequence[Any], Conversation]],
+        keys: Sequence[Any] | None = None,
+        prompts: Sequence[Prompt | None] | None = None,
+    ) -> list[dict[str, torch.Tensor] | Exception]:
+        """A pack's ``(images, conversation)`` samples: :func:`process_pack` with these parts (each sample's
+        output, or the exception it raised; its images through one image-processor call where exact)."""
+        return process_pack(samples, keys=keys, prompts=prompts, **self._options())
+
+    def _options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`process_sample` these parts stand for."""
+        names = ("tokenizer", "image_processor", "processor", "family", "layout", "template")
+        return {name: getattr(self, name) for name in names}
