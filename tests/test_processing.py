@@ -263,3 +263,32 @@ def test_forecast_takes_the_processor(family):
     s = process_sample(imgs, MULTI, processor=proc)
     n, counts = forecast_length(MULTI, [im.size for im in imgs], processor=proc)
     assert n == len(s["input_ids"]) and counts == s["tokens_per_image"].tolist()
+
+
+def test_preprocessor_forecast_collator_and_errors():
+    """One Preprocessor: its header forecast is its processed length (counts against the image processor's own
+    grid), its collator takes the processor's merge size, and bad parts are refused with the fix."""
+    from vlm_pack import Preprocessor
+
+    tok = build_tokenizer("qwen2_vl")
+    ip = image_processor("qwen2_vl", size={"shortest_edge": 3136, "longest_edge": 200704})
+    pre = Preprocessor(tok, ip)
+    assert pre.family == "qwen2_vl" and pre.spec.max_pixels == 200704
+    images = [_img(300, 200), _img(90, 400, (0, 90, 0))]
+    conv = [{"role": "user", "content": "<image><image>Compare."}, {"role": "assistant", "content": "Same."}]
+    length, per_image = pre.forecast(conv, [im.size for im in images])
+    sample = pre.process(images, conv)
+    grid = ip(images=images, return_tensors="pt")["image_grid_thw"]
+    assert per_image == (grid.prod(-1) // 4).tolist() == sample["tokens_per_image"].tolist()
+    assert length == len(sample["input_ids"])
+    ids, _ = pre.tokenize(conv, num_images=2)
+    assert ids.count(tok.image_token_id) == 2 and len(ids) == length - sum(per_image) + 2
+    assert tok(pre.render(conv, 2), add_special_tokens=False)["input_ids"] == ids
+    collator = pre.collator(4096)
+    assert collator.family == "qwen2_vl" and collator.spatial_merge_size == ip.merge_size
+    collapsed = Preprocessor(tok, ip, layout="collapsed").process(images, conv)
+    assert int((collapsed["input_ids"] == tok.image_token_id).sum()) == 2
+    with pytest.raises(ValueError, match="needs tokenizer="):
+        Preprocessor(image_processor=ip)
+    with pytest.raises(ValueError, match="layout must be 'expanded' or 'collapsed'"):
+        Preprocessor(tok, ip, layout="packed")
