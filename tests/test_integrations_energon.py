@@ -131,3 +131,20 @@ def test_collapsed_layout_gives_megatron_packed_seq_params(setup):
     assert params.cu_seqlens_q.diff().tolist() == batch.seq_lens_expanded.tolist()
     assert (params.cu_seqlens_q_padded.diff() % 4 == 0).all()
     assert batch.input_ids.shape[1] < CAPACITY  # one placeholder per image
+
+
+def test_a_processor_of_any_family_packs_every_sample_at_its_processed_length(setup):
+    """InternVL through its processor (released template, <img>...</img> around each image's tiles): the
+    cooker's header forecasts are the processed lengths, so every sample is packed and none is refused."""
+    from vlm_pack.offline import processor as make_processor
+
+    template = (Path(__file__).parent / "templates" / "internvl.jinja").read_text()
+    proc = make_processor("internvl", build_tokenizer("internvl"), chat_template=template, max_patches=2)
+    encoder = VLMPackingTaskEncoder(8192, Preprocessor(processor=proc))
+    packs = list(_loader(setup, 0, 1, 0, encoder))
+    assert sorted(k for p in packs for k in p.keys) == sorted(setup[3]) and encoder.left_out == []
+    records = setup[3]
+    for p in packs[:2]:
+        want = [len(process_sample([d for d, _ in records[k]["images"]], records[k]["conversation"],
+                                   processor=proc)["input_ids"]) for k in p.keys]
+        assert p.batch.seq_lens.tolist() == want
