@@ -8,7 +8,8 @@ it is set up by hand. Four pieces do that::
                                            "lengths"}  (.to_iterable_dataset() streams it)
         --TRLPackingCollator--> input_ids, labels [R, T]; position_ids [4, R, T] (Qwen mRoPE) or [R, T];
                                 pixel_values, image_grid_thw, mm_token_type_ids; NO attention_mask
-                                (transformers then masks per sample from the position restarts)
+                                (transformers then masks per sample from the position restarts; Gemma 3
+                                gets its packed mask mapping {"full_attention", "sliding_attention"})
         --PackedSFTTrainer(args=packed_sft_config(...))--> TRL's own loss, entropy, mean_token_accuracy
 
 - **config** (:func:`packed_sft_config`, checked by :func:`check_sft_config`): ``remove_unused_columns=False``
