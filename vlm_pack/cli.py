@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_forecaster(args: argparse.Namespace) -> tuple[Any, bool]:
-    """The :class:`~vlm_pack.processing.Preprocessor` ``--family/--processor/--tokenizer`` describe, and whether
+    """The :class:`~vlm_pack.Preprocessor` ``--family/--processor/--tokenizer`` describe, and whether
     its tokenizer is the checkpoint's own (exact text counts) rather than the offline stand-in."""
     from vlm_pack.preprocessor import Preprocessor
     from vlm_pack.vision import vision_spec

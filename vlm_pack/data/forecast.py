@@ -383,7 +383,7 @@ def forecast_sources(
         tokenizer, spec: the checkpoint's tokenizer and ``vlm_pack.vision`` spec.
         family: chat format (default: the tokenizer's ``vlm_pack_family``, else the spec's family).
         template: a callable replacing the family's chat format (see ``processing.tokenize_conversation``).
-        preprocessor: a :class:`~vlm_pack.processing.Preprocessor` instead of the four above (a
+        preprocessor: a :class:`~vlm_pack.Preprocessor` instead of the four above (a
             ``processor``'s own chat template renders the prompts).
         layout: force one record layout (``records.LAYOUTS``); default: detected per record.
         image_root: folder relative image paths resolve against (default: the source file's folder).
