@@ -318,7 +318,7 @@ def test_clear_errors(tmp_path, shards, capsys):
     assert code == 1 and "m.jsonl:2" in err and "'bad'" in err and "gone.jpg" in err
 
 
-def test_bad_samples_skip_mode_lists_them(tmp_path, capsys):
+def test_bad_samples_skip_mode_lists_them(tmp_path, capsys, write_tar):
     # A shard whose second sample says 2 images but carries 1, and whose third image header is corrupt.
     shard = tmp_path / "bad.tar"
     rec = demo_records(1)[0]
@@ -334,11 +334,7 @@ def test_bad_samples_skip_mode_lists_them(tmp_path, capsys):
         "c.txt": b"a caption",
         "c.png": b"\x89PNG\r\n\x1a\n-truncated",
     }
-    with tarfile.open(shard, "w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    write_tar(shard, list(members.items()))
     code, _, err = _run(capsys, ["analyze", str(shard), "--no-plots", "--out", str(tmp_path / "r1")])
     assert code == 1 and "'b'" in err and "placeholder" in err
     code, out, _ = _run(
@@ -349,14 +345,10 @@ def test_bad_samples_skip_mode_lists_them(tmp_path, capsys):
     assert [i["key"] for i in invalid] == ["b", "c"]
 
 
-def test_errors_say_what_to_do(tmp_path, shards, capsys):
+def test_errors_say_what_to_do(tmp_path, shards, capsys, write_tar):
     # A corrupt image stops the run: the message names shard, key and field, and the way to go on.
     shard = tmp_path / "corrupt.tar"
-    with tarfile.open(shard, "w") as tar:
-        for name, data in {"x.txt": b"a caption", "x.jpg": b"\xff\xd8 not a jpeg"}.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    write_tar(shard, [("x.txt", b"a caption"), ("x.jpg", b"\xff\xd8 not a jpeg")])
     code, _, err = _run(capsys, ["analyze", str(shard), "--no-plots", "--out", str(tmp_path / "r0")])
     assert code == 1 and "corrupt.tar" in err and "'x'" in err and "--on-error skip" in err
 
@@ -402,15 +394,6 @@ def test_table_shows_per_pack_numbers_exactly(demo_run):
 
 
 # ------------------------------------------------------------------------------------------------ issue 13 / 18
-
-
-def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
-    with tarfile.open(path, "w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
 
 
 def _hand_table(lengths: list[int]):
@@ -493,13 +476,13 @@ def test_packs_png_shows_every_capacity(shards):
     assert [t.split(":")[0] for t in titles] == ["capacity 8,192", "capacity 12,288", "capacity 16,384"]
 
 
-def test_error_messages_name_the_thing_and_the_fix(tmp_path, shards, capsys):
+def test_error_messages_name_the_thing_and_the_fix(tmp_path, shards, capsys, write_tar):
     # A tar whose first sample is broken (one field twice): the shard is named and the first sample blamed.
-    bad = _tar(tmp_path / "dup.tar", [("a.txt", b"x"), ("a.txt", b"y")])
+    bad = write_tar(tmp_path / "dup.tar", [("a.txt", b"x"), ("a.txt", b"y")])
     code, _, err = _run(capsys, ["analyze", str(bad), "--no-plots", "--out", str(tmp_path / "r0")])
     assert code == 1 and "dup.tar" in err and "first sample" in err and "None" not in err
     # A JSON record in no layout vlm-pack reads: its own keys and the accepted ones.
-    odd = _tar(tmp_path / "odd.tar", [("k.json", json.dumps({"prompt": "hi", "answer": "yo"}).encode())])
+    odd = write_tar(tmp_path / "odd.tar", [("k.json", json.dumps({"prompt": "hi", "answer": "yo"}).encode())])
     code, _, err = _run(capsys, ["analyze", str(odd), "--no-plots", "--out", str(tmp_path / "r1")])
     assert code == 1 and "['answer', 'prompt']" in err and '"messages"' in err and "'k'" in err
     # --spec with a key the spec lacks: the valid keys, not a TypeError's text.
@@ -521,7 +504,7 @@ def test_pack_without_processor_says_it_uses_the_stand_in_tokenizer(tmp_path, sh
     assert meta["tokenizer"] == "vlm-pack offline stand-in" and meta["packing_config"]["capacity"] == 16384
 
 
-def test_verify_decodes_images_and_catches_truncated_ones(tmp_path, capsys):
+def test_verify_decodes_images_and_catches_truncated_ones(tmp_path, capsys, write_tar):
     buf = io.BytesIO()
     pixels = np.random.default_rng(0).integers(0, 255, (240, 320, 3), dtype=np.uint8)
     Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
@@ -533,7 +516,7 @@ def test_verify_decodes_images_and_catches_truncated_ones(tmp_path, capsys):
             im.load()  # ... and fails on the pixels
     text = json.dumps({"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]},
                                     {"role": "assistant", "content": "a"}]}).encode()  # fmt: skip
-    shard = _tar(tmp_path / "cut.tar", [("good.json", text), ("good.jpg", whole), ("bad.json", text), ("bad.jpg", cut)])
+    shard = write_tar(tmp_path / "cut.tar", [("good.json", text), ("good.jpg", whole), ("bad.json", text), ("bad.jpg", cut)])
     base = [str(shard), "--capacity", "4096", "--no-plots"]
     code, out, _ = _run(capsys, ["analyze", *base, "--out", str(tmp_path / "r0")])
     assert code == 0 and "2 samples" in out  # header-only: the truncated image passes

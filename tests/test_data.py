@@ -116,16 +116,7 @@ class _CountingFile(io.FileIO):
         return n
 
 
-def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
-    with tarfile.open(path, "w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
-
-
-def test_lazy_and_streaming_readers_agree_and_lazy_reads_only_headers(tmp_path):
+def test_lazy_and_streaming_readers_agree_and_lazy_reads_only_headers(tmp_path, write_tar):
     from PIL import ImageOps
 
     from vlm_pack.data.reader import lazy_tar_samples, read_header, stream_tar_samples
@@ -137,7 +128,7 @@ def test_lazy_and_streaming_readers_agree_and_lazy_reads_only_headers(tmp_path):
         {"role": "assistant", "content": "two"},
     ]
     rotated = _exif_rotated_jpeg((150, 60))
-    shard = _tar(
+    shard = write_tar(
         tmp_path / "s.tar",
         [
             ("__index__/a.json", b"{}"),  # webdataset metadata folder: skipped by both readers
@@ -183,7 +174,7 @@ def test_lazy_and_streaming_readers_agree_and_lazy_reads_only_headers(tmp_path):
                 assert exc.value.reason == reason and isinstance(exc.value, ValueError)
         assert pickle.loads(pickle.dumps(exc.value)).reason == "corrupt_image"
 
-    dup = _tar(tmp_path / "dup.tar", [("k.txt", b"a"), ("k.txt", b"b")])
+    dup = write_tar(tmp_path / "dup.tar", [("k.txt", b"a"), ("k.txt", b"b")])
     with pytest.raises(ValueError, match="duplicate file name"):
         list(stream_tar_samples(str(dup)))
     with tarfile.open(dup) as tar, pytest.raises(ValueError, match="duplicate file name"):

@@ -11,7 +11,6 @@ import io
 import json
 import math
 import re
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -186,18 +185,14 @@ def _image_file(path: Path, size: tuple[int, int]) -> None:
     Image.new("RGB", size, (200, 80, 40)).save(path)
 
 
-def test_data_format_examples_are_accepted(tmp_path, capsys):
+def test_data_format_examples_are_accepted(tmp_path, capsys, write_tar):
     from vlm_pack.cli import main
 
     (record,) = _blocks("json")
     shard = tmp_path / "shard.tar"
     buf = io.BytesIO()
     Image.new("RGB", (640, 480), (1, 2, 3)).save(buf, format="JPEG")
-    with tarfile.open(shard, "w") as tar:
-        for name, data in (("k1.json", record.encode()), ("k1.jpg", buf.getvalue())):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    write_tar(shard, [("k1.json", record.encode()), ("k1.jpg", buf.getvalue())])
     manifests = _blocks("jsonl")
     assert len(manifests) == 3  # own JSONL, ShareGPT-style, LLaVA
     sources, want_samples, want_images = [str(shard)], 1, 1
