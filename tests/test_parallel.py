@@ -352,20 +352,14 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 def _spawn(world: int, tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp(f"gloo{world}")
-    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # the variables come back as they were
+        patch.setenv("OMP_NUM_THREADS", "1")
+        patch.setenv("MKL_NUM_THREADS", "1")
         # forkserver: fresh processes like spawn, but torch is imported once in the server, not per rank.
         mp.set_forkserver_preload(["torch", "torch.distributed", "vlm_pack.parallel"])
         mp.start_processes(
             _worker, args=(world, str(tmp / "rendezvous"), str(tmp)), nprocs=world, start_method="forkserver"
         )
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return [torch.load(tmp / f"rank{r}.pt") for r in range(world)]
 
 

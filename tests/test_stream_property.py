@@ -10,7 +10,6 @@ sample a truncated shard is cut in (a tar reader yields the samples before it).
 from __future__ import annotations
 
 import io
-import os
 import tarfile
 import tempfile
 import warnings
@@ -87,16 +86,10 @@ def _write(root: Path, shards: list) -> tuple[list[str], list[str], Counter]:
 
 @contextmanager
 def _rank(rank: int, world: int):
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # the variables come back as they were
+        patch.setenv("RANK", str(rank))
+        patch.setenv("WORLD_SIZE", str(world))
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 _QWEN: list = []
