@@ -63,6 +63,8 @@ def test_dataset_rows_are_packs_within_capacity(parts):
     keys = [k for row in ds["keys"] for k in row]
     assert sorted(keys) == [f"demo-{i:06d}" for i in range(10)]  # every sample exactly once
     collator = TRLPackingCollator(CAPACITY, Preprocessor(tok, ip, family="qwen2_vl"))
+    with pytest.raises(TypeError, match=r"expected a vlm_pack.Preprocessor, got .*Preprocessor\(processor="):
+        TRLPackingCollator(CAPACITY, tok)  # the old keywords' parts, not one Preprocessor
     for row in ds:
         samples = collator.samples([row])
         # The forecast lengths stored with the plan are the processed lengths (oracle: the real processor).

@@ -337,7 +337,7 @@ def _checkpoint_preprocessor(args: argparse.Namespace, overrides: dict[str, Any]
         _check_spec_keys(spec, overrides)
         spec = replace(spec, **overrides)
     family = args.family
-    if not getattr(processor or tokenizer, "chat_template", None):
+    if not getattr(processor if processor is not None else tokenizer, "chat_template", None):
         family = family or getattr(spec, "variant", None) or spec.family
         if family not in _CHAT_FAMILIES:
             raise ValueError(
@@ -449,7 +449,9 @@ def _forecast(
         )
     meta = {
         "family": pre.family,
-        "checkpoint_chat_template": bool(getattr(pre.processor or pre.tokenizer, "chat_template", None)),
+        "checkpoint_chat_template": bool(
+            getattr(pre.processor if pre.processor is not None else pre.tokenizer, "chat_template", None)
+        ),
         "vision_spec": pre.spec.to_dict(),
         "tokenizer": "exact" if exact else "vlm-pack offline stand-in",
         "exif_transpose": not args.no_exif_transpose,

@@ -30,7 +30,7 @@ from .processing import (
     process_sample,
 )
 
-__all__ = ["Preprocessor"]
+__all__ = ["Preprocessor", "checked_preprocessor"]
 
 
 @dataclass(frozen=True)
@@ -146,3 +146,14 @@ class Preprocessor:
         """The keyword arguments of :func:`process_sample` these parts stand for."""
         names = ("tokenizer", "image_processor", "processor", "family", "layout", "template")
         return {name: getattr(self, name) for name in names}
+
+
+def checked_preprocessor(obj: Any) -> Preprocessor:
+    """``obj`` when it is a :class:`Preprocessor`; else a TypeError saying how to build one (the adapters take
+    one object where they used to take ``tokenizer=`` / ``image_processor=``)."""
+    if not isinstance(obj, Preprocessor):
+        raise TypeError(
+            f"expected a vlm_pack.Preprocessor, got {type(obj).__name__}: pass Preprocessor(tokenizer=tok, "
+            "image_processor=ip) (with layout='collapsed' for Megatron) or Preprocessor(processor=processor)"
+        )
+    return obj

@@ -49,6 +49,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .. import PackedBatch, Preprocessor, pack
 from ..data import read_header
+from ..preprocessor import checked_preprocessor
 
 __all__ = ["PackedVLMSample", "VLMPackingTaskEncoder", "VLMSample", "packed_train_dataset"]
 
@@ -105,12 +106,7 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         super().__init__()
         if oversized not in ("report", "raise"):
             raise ValueError(f"oversized must be 'report' or 'raise', got {oversized!r}")
-        if not isinstance(preprocessor, Preprocessor):
-            raise TypeError(
-                f"expected a vlm_pack.Preprocessor, got {type(preprocessor).__name__}: pass Preprocessor(tokenizer="
-                "tok, image_processor=ip, layout='collapsed') or Preprocessor(processor=processor)"
-            )
-        self.preprocessor = preprocessor
+        self.preprocessor = checked_preprocessor(preprocessor)
         self.collator = preprocessor.collator(
             capacity, config=config, layout=preprocessor.layout, pad_to_multiple_of=pad_to_multiple_of
         )

@@ -43,6 +43,7 @@ import torch
 
 from .. import Preprocessor, pack
 from ..data import SampleError, read_header, stream_tar_samples
+from ..preprocessor import checked_preprocessor
 from ..testing import pad_samples
 
 __all__ = [
@@ -164,7 +165,7 @@ def packed_dataset(
     url_list = [os.fspath(urls)] if isinstance(urls, (str, os.PathLike)) else [os.fspath(u) for u in urls]
     if oversized not in ("raise", "skip"):
         raise ValueError(f"oversized must be 'raise' or 'skip', got {oversized!r}")
-    pre = _checked(preprocessor)
+    pre = checked_preprocessor(preprocessor)
     keys, lengths = [], []
     for key, _, conv, sizes in _read_shards(url_list):
         keys.append(key)
@@ -203,7 +204,8 @@ class TRLPackingCollator:
     """``data_collator`` for ``SFTTrainer``: rows of :func:`packed_dataset` -> model inputs of packed rows.
 
     Each row's samples are decoded and processed by ``preprocessor`` (the same :class:`~vlm_pack.Preprocessor`
-    as :func:`packed_dataset`'s: the checkpoint's chat template and image processor) and collated by :class:`~vlm_pack.PackingCollator` into rows of ``capacity`` tokens
+    as :func:`packed_dataset`'s: the checkpoint's chat template and image processor) and collated by
+    :class:`~vlm_pack.PackingCollator` into rows of ``capacity`` tokens
     (one row per pack for ``per_device_train_batch_size=1``; with more packs per micro-batch the collator
     regroups their samples by best fit, never over ``capacity``). Returns ``input_ids``, ``labels``
     ``[R, T]``, ``position_ids`` ``[4, R, T]`` (Qwen-VL) or ``[R, T]``, the vision tensors,
@@ -215,7 +217,7 @@ class TRLPackingCollator:
     """
 
     def __init__(self, capacity: int, preprocessor: Preprocessor, *, config: Any = None, packed: bool = True) -> None:
-        self.preprocessor = _checked(preprocessor)
+        self.preprocessor = checked_preprocessor(preprocessor)
         self.collator = self.preprocessor.collator(capacity, config=config)
         self.packed = packed
 
@@ -238,15 +240,6 @@ class TRLPackingCollator:
         if isinstance(inputs.get("attention_mask"), dict):  # Gemma 3's packed masks
             inputs["attention_mask"] = _MaskMapping(inputs["attention_mask"], batch.num_real_tokens)
         return inputs
-
-
-def _checked(preprocessor: Any) -> Preprocessor:
-    if not isinstance(preprocessor, Preprocessor):
-        raise TypeError(
-            f"expected a vlm_pack.Preprocessor, got {type(preprocessor).__name__}: pass "
-            "Preprocessor(tokenizer=tok, image_processor=ip) or Preprocessor(processor=processor)"
-        )
-    return preprocessor
 
 
 class _MaskMapping(dict):
