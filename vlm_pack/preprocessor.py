@@ -13,6 +13,7 @@ image processor and rows made with another would silently overflow or underfill 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,11 +101,19 @@ class Preprocessor:
         be tokenized in one batched call. Raises as :meth:`tokenize`."""
         tok = self.tokenizer
         rendering = _render(conversation, tok, self.processor, self.family, self.template, num_images, key, False)
+        if rendering.add_special_tokens and rendering.text:
+            return self._added_bos + rendering.text
+        return rendering.text
+
+    @functools.cached_property
+    def _added_bos(self) -> str:
+        """The BOS token the tokenizer adds to a text (``""`` when it adds none), asked once."""
+        tok = self.tokenizer
         bos = getattr(tok, "bos_token", None)
-        if not (rendering.add_special_tokens and bos and rendering.text):
-            return rendering.text
+        if not bos:
+            return ""
         adds_bos = tok("", add_special_tokens=True)["input_ids"][:1] == [tok.convert_tokens_to_ids(bos)]
-        return bos + rendering.text if adds_bos else rendering.text
+        return str(bos) if adds_bos else ""
 
     def tokenize(self, conversation: Conversation, num_images: int = 0, key: Any = None) -> tuple[list[int], list[bool]]:
         """Collapsed ids and trained mask: :func:`tokenize_conversation` with these parts."""
