@@ -343,4 +343,5 @@ def roll_packed(
     src = src.clamp(0, max(total - 1, 0))
     keep = inside & (seg[src] == seg)
     moved = tensor.index_select(-1, src)
-    return torch.where(keep, moved, torch.as_tensor(fill, dtype=tensor.dtype, device=tensor.device))
+    # a Python scalar fill: a tensor built from it on CUDA would be a host-to-device copy (a sync)
+    return moved.masked_fill(~keep, fill)
