@@ -1,4 +1,4 @@
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench clean matrix wheel
 
 setup:
 	bash scripts/setup_env.sh
@@ -12,6 +12,14 @@ test: setup
 
 lint: setup
 	.venv/bin/ruff check .
+
+# the suite on other transformers releases (scripts/compat_matrix.sh; VERSIONS="5.18.0 newest" picks some)
+matrix: setup
+	bash scripts/compat_matrix.sh $(VERSIONS)
+
+# python -m build, then the wheel installed in a clean venv outside the repository: import + vlm-pack demo
+wheel: setup
+	bash scripts/check_wheel.sh
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache vlm-pack-report

@@ -23,7 +23,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._compat import check_transformers
 from ._version import __version__
+
+check_transformers()  # below the supported range: a clear ImportError now, not a TypeError in a model later
 
 # public name -> the submodule that defines it (relative to vlm_pack)
 _SOURCES: dict[str, tuple[str, ...]] = {
@@ -31,6 +34,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
                   "varlen_attention"),
     "collate": ("PackedBatch", "PackedSeqParams", "PackingCollator", "pad_multiple_for"),
     "config": ("PackingConfig",),
+    "failures": ("FailureBudgetError", "SampleCodeError", "SampleError"),
     "data": ("PackedDataLoader", "PackedMapDataset", "PackedSampler", "PackedWebDataset", "PipelineStats",
              "forecast_sources", "stream_info", "write_shards", "write_shards_from_folder"),
     "packing": ("PackedBin", "PackResult", "StreamPacker", "balance_bins", "pack"),
@@ -49,6 +53,7 @@ _SUBMODULES = ("offline", "testing")  # public as modules: vp.offline.build_toke
 
 __all__ = [
     "ContextParallelShard",
+    "FailureBudgetError",
     "PackResult",
     "PackedBatch",
     "PackedBin",
@@ -62,6 +67,8 @@ __all__ = [
     "PerTokenLoss",
     "PipelineStats",
     "Preprocessor",
+    "SampleCodeError",
+    "SampleError",
     "StreamPacker",
     "VisionSpec",
     "__version__",
@@ -139,6 +146,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
         write_shards,
         write_shards_from_folder,
     )
+    from .failures import FailureBudgetError, SampleCodeError, SampleError
     from .packing import PackedBin, PackResult, StreamPacker, balance_bins, pack
     from .parallel import (
         ContextParallelShard,

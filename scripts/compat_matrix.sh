@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The transformers compatibility matrix: for each version, a copy of .venv (installed from the lock
+# constraints/ci.txt by scripts/setup_env.sh) with only transformers swapped (`pip install transformers==X`,
+# which moves only what that release requires, tokenizers / huggingface-hub), then the test suite.
+#
+#   bash scripts/compat_matrix.sh                    # the versions below
+#   bash scripts/compat_matrix.sh 5.18.0 newest      # chosen ones; "newest" = the newest release pyproject allows
+#   MATRIX_TESTS="tests/test_families.py" bash scripts/compat_matrix.sh 5.6.2    # a part of the suite
+#
+# The default list: the lower bound of pyproject.toml's range (5.18.0, also NeMo Automodel 0.7's pin), the
+# newest release ms-swift 4.6 allows (<5.20: 5.19.0) and the newest release the range allows. An entry whose
+# version is the lock's own is skipped: `make test` ran the suite on exactly that. Exit status 1 if any failed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEFAULT_VERSIONS=(5.18.0 5.19.0 newest)
+if [ $# -gt 0 ]; then versions=("$@"); else versions=("${DEFAULT_VERSIONS[@]}"); fi
+tests=${MATRIX_TESTS:-tests}
+
+VENV=${VENV:-.venv}  # the development venv, from the lock
+VENV=$VENV bash scripts/setup_env.sh
+base=$(cd "$VENV" && pwd)
+locked=$("$base/bin/python" -c "import transformers; print(transformers.__version__)")
+range=$("$base/bin/python" -c "from vlm_pack._compat import TRANSFORMERS_REQUIREMENT as r; print(r)")
+work=$(mktemp -d "${TMPDIR:-/tmp}/vlm-pack-matrix.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+summary=()
+failed=0
+
+for want in "${versions[@]}"; do
+    start=$SECONDS
+    if [ "$want" = newest ]; then spec="transformers$range"; else spec="transformers==$want"; fi
+    venv=$work/venv
+    rm -rf "$venv"
+    cp -a "$base" "$venv"
+    # console scripts (pytest, energon, vlm-pack) name their interpreter by absolute path: repoint them
+    for f in "$venv"/bin/*; do
+        if [ -f "$f" ] && [ ! -L "$f" ]; then sed -i "1s|^#!$base/|#!$venv/|" "$f"; fi
+    done
+    "$venv/bin/python" -m pip install -q --upgrade "$spec"
+    got=$("$venv/bin/python" -c "import transformers; print(transformers.__version__)")
+    if [ "$got" = "$locked" ] && [ "$want" = newest ]; then
+        summary+=("transformers $got (newest): the lock's own version, tested by make test; skipped")
+        continue
+    fi
+    echo "== transformers $got: pytest $tests"
+    log=$work/pytest-$got.log
+    set +e
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider $tests 2>&1 | tee "$log"
+    status=${PIPESTATUS[0]}
+    set -e
+    result=$(tail -n 1 "$log" | sed 's/^=* *//; s/ *=*$//')
+    summary+=("transformers $got: $result ($((SECONDS - start)) s with the install)")
+    if [ "$status" -ne 0 ]; then failed=1; fi
+done
+rm -rf "$work/venv"
+
+echo "== compatibility matrix (lock: transformers $locked; supported: transformers$range)"
+printf '%s\n' "${summary[@]}"
+exit "$failed"

@@ -1,0 +1,61 @@
+"""The transformers releases vlm-pack supports, checked at ``import vlm_pack`` without importing transformers.
+
+``TRANSFORMERS_REQUIREMENT`` is pyproject.toml's requirement (a test keeps the two equal); below its lower
+bound the suite fails in ways a user cannot fix from vlm-pack's side (measured per release in README.md,
+"Supported versions"), so ``import vlm_pack`` stops with an error that names the range instead of a
+``TypeError`` deep inside a model later. The version is read from the installed distribution's
+``*.dist-info`` folder next to the package: ``importlib.metadata`` alone costs more than ``import vlm_pack``
+(~50 ms against ~10 ms), and importing transformers costs seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+TRANSFORMERS_REQUIREMENT = ">=5.18,<6"
+TRANSFORMERS_MINIMUM = (5, 18)
+
+
+def installed_transformers_version() -> str | None:
+    """The version of the transformers that ``import transformers`` would load, from its dist-info folder;
+    ``None`` when it is not installed or has no dist-info beside it (a source checkout on ``PYTHONPATH``)."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    where = os.path.dirname(os.path.abspath(next(iter(spec.submodule_search_locations))))
+    try:
+        names = os.listdir(where)
+    except OSError:
+        return None
+    prefix, suffix = "transformers-", ".dist-info"
+    found = [n[len(prefix) : -len(suffix)] for n in names if n.startswith(prefix) and n.endswith(suffix)]
+    return found[0] if len(found) == 1 else None
+
+
+def release(version: str) -> tuple[int, ...]:
+    """``"5.6.2"`` -> ``(5, 6, 2)``; pre/dev/local suffixes dropped (``"5.25.0.dev0"`` -> ``(5, 25, 0)``)."""
+    parts = []
+    for part in version.split("."):  # no `re`: import vlm_pack loads as little as it can
+        digits = part[: len(part) - len(part.lstrip("0123456789"))]
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != part:
+            break
+    if not parts:
+        raise ValueError(f"not a release version: {version!r}")
+    return tuple(parts)
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Raise ``ImportError`` naming the supported range when the installed transformers (or ``version``) is
+    older than vlm-pack supports. Unknown versions pass: pip already enforced the requirement."""
+    version = installed_transformers_version() if version is None else version
+    if version is None or release(version)[:2] >= TRANSFORMERS_MINIMUM:
+        return
+    raise ImportError(
+        f"vlm-pack needs transformers{TRANSFORMERS_REQUIREMENT}; transformers {version} is installed. "
+        f"Upgrade it: pip install 'transformers{TRANSFORMERS_REQUIREMENT}' (README.md, 'Supported versions', "
+        "says what each release was tested with)."
+    )
