@@ -9,8 +9,10 @@
 
 Two checks, exit 1 if either fails:
 
-1. one epoch (``repeat=False``) over ``--ranks`` data-parallel ranks yields every sample exactly once
-   (or reports it as longer than ``--capacity``);
+1. one epoch (``repeat=False``) over ``--ranks`` data-parallel ranks yields every sample exactly once, each
+   pack one row with its keys in ``batch.metadata["__key__"]`` (or reports it, longer than ``--capacity``, in
+   a pack's ``left_out``: read in this process, also from worker processes); samples are padded to
+   ``pad_multiple_for(cp=--cp)`` as context parallelism needs, and the packs are planned on those spans;
 2. a run saved after ``--restart-after`` packs (``save_state_rank``) and restored in a new loader
    (``restore_state_rank``) yields exactly the packs of the uninterrupted run, on every rank.
 
@@ -30,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vlm_pack import Preprocessor
+from vlm_pack import Preprocessor, pad_multiple_for
 from vlm_pack.data import write_shards
 from vlm_pack.demo import demo_records
 from vlm_pack.offline import build_tokenizer, image_processor
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-pixels", type=int, default=50176, help="image processor cap (50176: <= 64 tokens)")
     p.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (simulated in this process)")
     p.add_argument("--workers", type=int, default=0, help="loader worker processes per rank")
+    p.add_argument("--cp", type=int, default=2, help="context parallel size: samples padded to pad_multiple_for(cp)")
     p.add_argument("--buffer", type=int, default=4, help="packing buffer size (samples)")
     p.add_argument("--restart-after", type=int, default=2, help="packs before saving the state")
     p.add_argument("--data-dir", default=None, help="where the dataset goes (default: a temporary folder)")
@@ -73,26 +76,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         write_shards(demo_records(args.samples), str(path / "part-%05d.tar"), maxcount=8)
         energon_prepare(path)
 
+        def make_encoder() -> Any:
+            multiple = pad_multiple_for(cp=args.cp)
+            return VLMPackingTaskEncoder(args.capacity, preprocessor, pad_to_multiple_of=multiple)
+
         def loader(rank: int, repeat: bool, encoder: Any = None) -> Any:
-            encoder = encoder or VLMPackingTaskEncoder(args.capacity, preprocessor)
+            encoder = encoder or make_encoder()
             wc = WorkerConfig(rank=rank, world_size=args.ranks, num_workers=args.workers)
             return get_savable_loader(packed_train_dataset(
                 str(path), encoder, worker_config=wc, packing_buffer_size=args.buffer, repeat=repeat))
 
-        # 1. one epoch over all ranks: every sample once, or reported as left out.
+        # 1. one epoch over all ranks: every sample once in a one-row pack, or reported on a pack as left out.
         seen, left, packs = [], [], []
         for rank in range(args.ranks):
-            encoder = VLMPackingTaskEncoder(args.capacity, preprocessor)
-            for pack in loader(rank, repeat=False, encoder=encoder):
+            for pack in loader(rank, repeat=False):
                 seen += pack.keys
+                left += [key for key, _ in pack.left_out]  # travels with the pack, also from workers
                 packs.append(pack)
-            left += [key for key, _ in encoder.left_out]
         fill = sum(pk.batch.num_real_tokens for pk in packs) / (len(packs) * args.capacity)
         print(f"{len(seen)} samples in {len(packs)} packs over {args.ranks} ranks, fill {fill:.1%}; "
               f"left out (reported): {left}")
         first = packs[0].batch.model_inputs("megatron")["packed_seq_params"]
         print(f"first pack {packs[0].keys}: cu_seqlens_q {first.cu_seqlens_q.tolist()}")
-        epoch_ok = sorted(seen + left) == sorted(keys) and len(set(seen)) == len(seen)
+        one_row = all(pk.batch.num_rows == 1 and pk.batch.metadata["__key__"] == pk.keys for pk in packs)
+        epoch_ok = sorted(seen + left) == sorted(keys) and len(set(seen)) == len(seen) and one_row
 
         # 2. restart mid-epoch: the restored loader continues with exactly the uninterrupted run's packs.
         total = len(packs) // args.ranks + 2

@@ -11,6 +11,7 @@ from PIL import Image
 
 from vlm_pack.collate import PackedBatch, PackingCollator, pad_multiple_for
 from vlm_pack.offline import build_tokenizer, image_processor, processor, tiny_model
+from vlm_pack.packing import pack, padded_lengths
 from vlm_pack.processing import process_sample
 
 QWEN_SMALL = {"shortest_edge": 3136, "longest_edge": 112 * 112}  # at most 16 vision tokens per image
@@ -158,6 +159,38 @@ def test_padding_multiples_and_unpadded_rows(qwen):
     assert bool((b.cu_seqlens_padded.diff() % 8 == 0).all())
     assert b.row_length == int(b.cu_seqlens_padded[-1]) // b.num_rows <= 96
     assert b.row_length % 8 == 0
+
+
+def _text(n: int, key: object) -> dict:
+    return {"input_ids": torch.arange(1, n + 1), "__key__": key}
+
+
+def test_a_planned_bin_is_one_row_or_an_error_naming_its_samples():
+    samples = [_text(n, f"s{n}") for n in (30, 33, 36)]  # 99 tokens; padded to multiples of 4: 104
+    assert PackingCollator(100, pad_to_multiple_of=4)(samples).num_rows == 2  # in-batch packing re-packs
+    one_row = PackingCollator(100, pad_to_multiple_of=4, max_rows=1)
+    with pytest.raises(
+        ValueError,
+        match=r"sample 0 \(key 's30'\), sample 1 \(key 's33'\), sample 2 \(key 's36'\) need 2 rows of capacity "
+        r"100 \(expanded lengths \[30, 33, 36\], padded to multiples of 4: \[32, 36, 36\]; 104 tokens\).*"
+        r"pad_to_multiple_of=4",
+    ):
+        one_row(samples)
+    # Lengths near the edge: every bin pack() plans with the collator's multiple is exactly one row ...
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 61, (60,), generator=g).tolist()
+    for b in pack(lengths, 100, pad_to_multiple_of=4).bins:
+        batch = one_row([_text(lengths[i], i) for i in b])
+        assert batch.num_rows == 1 and sorted(batch.sample_keys) == sorted(b)
+        assert batch.seq_lens.tolist() == [lengths[i] for i in batch.sample_keys]
+    # ... while a plan on the raw lengths has bins that two rows would hold: refused, not split.
+    too_big = [b for b in pack(lengths, 100).bins if padded_lengths([lengths[i] for i in b], 4).sum() > 100]
+    assert too_big
+    with pytest.raises(ValueError, match="need 2 rows"):
+        one_row([_text(lengths[i], i) for i in too_big[0]])
+    assert pickle.loads(pickle.dumps(one_row)).max_rows == 1
+    with pytest.raises(ValueError, match="max_rows must be a positive int or None"):
+        PackingCollator(100, max_rows=0)
 
 
 def test_strategies_keep_every_sample(qwen):
@@ -310,6 +343,11 @@ def test_flash_style_inputs_run_varlen_attention(qwen):
     assert torch.allclose(flat[0], rows.reshape(flat.shape[1], -1), atol=1e-4, rtol=0)
 
 
+# transformers releases whose Qwen-VL models hand the text's flash kwargs (cu_seq_lens_q, ...) to the vision
+# tower too, which then gets cu_seq_lens_q twice (5.19 drops them in accepts_precomputed_kwargs).
+FLASH_KWARGS_REACH_THE_VISION_TOWER = {"5.18.0"}
+
+
 def test_flash_style_through_transformers_flash_dispatch(qwen):
     """model_inputs("flash_attention_2") under an attention whose name says "flash": transformers then runs
     the vision tower's own varlen branch (cu_seq_lens_q = the images' boundaries) next to the text model's,
@@ -343,7 +381,21 @@ def test_flash_style_through_transformers_flash_dispatch(qwen):
     assert inputs["cu_seq_lens_q"].dtype == torch.int32
     with torch.no_grad():
         rows = model(**b.model_inputs("sdpa")).logits
-        flat = flash(**inputs).logits
+        try:
+            flat = flash(**inputs).logits
+        except TypeError as e:  # transformers' bug, on the releases measured to have it (README)
+            import transformers
+
+            if "multiple values for keyword argument 'cu_seq_lens_q'" not in str(e):
+                raise
+            if transformers.__version__ not in FLASH_KWARGS_REACH_THE_VISION_TOWER:
+                raise AssertionError(f"transformers {transformers.__version__}: add it to the table") from e
+            pytest.xfail(f"transformers {transformers.__version__} passes the text's cu_seq_lens_q to the vision "
+                         "tower beside its own: TypeError in a real flash run too")  # fmt: skip
+        else:
+            import transformers
+
+            assert transformers.__version__ not in FLASH_KWARGS_REACH_THE_VISION_TOWER  # the table is true
     assert torch.allclose(flat[0], rows.reshape(flat.shape[1], -1), atol=1e-4, rtol=0)
     text_calls = [cu for causal, cu in seen if causal]
     assert text_calls and all(cu is inputs["cu_seq_lens_q"] for cu in text_calls)

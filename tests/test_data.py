@@ -93,12 +93,9 @@ def test_write_shards_from_folder(tmp_path):
     assert sorted(samples) == ["dog", "sub/pair"]
     assert parse_text(samples["dog"]) == "a dog"
     assert image_fields(samples["sub/pair"]) == ["0.png", "1.webp"]
-    assert parse_text(samples["sub/pair"]) == [
-        {
-            "role": "user",
-            "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Same?"}],
-        },
-        {"role": "assistant", "content": [{"type": "text", "text": "No."}]},
+    assert parse_text(samples["sub/pair"]) == [  # LLaVA turns as role/content, the text as written
+        {"role": "user", "content": "<image>\n<image>\nSame?"},
+        {"role": "assistant", "content": "No."},
     ]
 
 
@@ -553,9 +550,9 @@ def test_write_shards_takes_llava_conversations_and_rejects_unknown_fields(tmp_p
     turns = [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "noise"}]
     paths = write_shards([{"key": "llava", "image": jpg, "conversations": turns}], tmp_path / "ok")
     (sample,) = wds.WebDataset(paths, shardshuffle=False)
-    assert parse_text(sample) == [
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "noise"}]},
+    assert parse_text(sample) == [  # role/content turns, the newline after <image> kept as written
+        {"role": "user", "content": "<image>\nWhat is it?"},
+        {"role": "assistant", "content": "noise"},
     ]
     assert image_fields(sample) == ["jpg"]
     with pytest.raises(

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.energon", reason="needs the [energon] extra")
 from megatron.energon import WorkerConfig, get_savable_loader
 from megatron.energon.errors import reraise_exception
 
-from vlm_pack import Preprocessor, process_sample
+from vlm_pack import Preprocessor, pad_multiple_for, process_sample
 from vlm_pack.data import write_shards
 from vlm_pack.demo import demo_records
 from vlm_pack.integrations.energon import VLMPackingTaskEncoder, packed_train_dataset
@@ -24,6 +24,10 @@ from vlm_pack.offline import build_tokenizer, image_processor
 
 NUM = 16
 CAPACITY = 2048
+# Text-only samples at the padding edge: 30 + 33 + 36 = 99 tokens fit a pack of 100, but padded to multiples of
+# 4 (pad_multiple_for(cp=2)) they are 32 + 36 + 36 = 104 and do not; 130 is longer than the pack on its own.
+EDGE_CAPACITY = 100
+EDGE_LENGTHS = [30, 33, 36, 130] * 3
 
 
 def energon_prepare(path: Path) -> None:
@@ -84,10 +88,12 @@ def test_packs_hold_the_processed_samples_within_capacity(setup):
     assert sum(len(p.keys) for p in packs) / len(packs) > 1.4  # packing, not one sample per item
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_one_epoch_over_two_ranks_gives_every_sample_once(setup, workers):
-    keys = [k for rank in range(2) for p in _loader(setup, rank, 2, workers) for k in p.keys]
-    assert sorted(keys) == sorted(setup[3])
+@pytest.mark.parametrize(("workers", "multiple"), [(0, 1), (2, 1), (1, pad_multiple_for(cp=2))])
+def test_one_epoch_over_two_ranks_gives_every_sample_once(setup, workers, multiple):
+    packs = [p for rank in range(2) for p in _loader(setup, rank, 2, workers, _encoder(setup, pad_to_multiple_of=multiple))]
+    keys = [k for p in packs for k in p.keys]
+    assert sorted(keys) == sorted(setup[3]) and all(p.left_out == [] for p in packs)
+    assert all(p.batch.num_rows == 1 and p.batch.metadata["__key__"] == p.keys for p in packs)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -148,3 +154,66 @@ def test_a_processor_of_any_family_packs_every_sample_at_its_processed_length(se
         want = [len(process_sample([d for d, _ in records[k]["images"]], records[k]["conversation"],
                                    processor=proc)["input_ids"]) for k in p.keys]
         assert p.batch.seq_lens.tolist() == want
+
+
+def _text_conversation(pre: Preprocessor, tokens: int) -> list[dict]:
+    """A text-only conversation that is exactly ``tokens`` tokens long once rendered (searched, not assumed)."""
+    for n in range(tokens):
+        conv = [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": " ".join(["a"] * n)}]}]
+        if pre.forecast(conv, [])[0] == tokens:
+            return conv
+    raise AssertionError(f"no text of {tokens} tokens")
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory, setup):
+    """An Energon dataset of text-only samples of ``EDGE_LENGTHS`` tokens, 4 per shard."""
+    path = tmp_path_factory.mktemp("energon-edge")
+    pre = Preprocessor(setup[1], setup[2], family="qwen2_vl")
+    records = [{"key": f"edge-{i:03d}", "images": [], "conversation": _text_conversation(pre, n)}
+               for i, n in enumerate(EDGE_LENGTHS)]
+    write_shards(records, str(path / "part-%05d.tar"), maxcount=4)
+    energon_prepare(path)
+    return path, {r["key"]: n for r, n in zip(records, EDGE_LENGTHS)}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_padded_packs_keep_every_sample_and_report_the_left_out_ones_on_the_packs(setup, edge, workers):
+    """pad_to_multiple_of=pad_multiple_for(cp=2): every sample is in exactly one pack (each one row, its keys in
+    batch.metadata in packed order) or, longer than capacity, in the ``left_out`` of a pack, which reaches the main
+    process also from worker processes."""
+    path, lengths = edge
+    encoder = _encoder(setup, capacity=EDGE_CAPACITY, pad_to_multiple_of=pad_multiple_for(cp=2))
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=workers, global_error_handler=reraise_exception)
+    loader = get_savable_loader(packed_train_dataset(str(path), encoder, worker_config=wc, packing_buffer_size=16,
+                                                     repeat=False), watchdog_timeout_seconds=None)
+    packs = list(loader)
+    packed = [k for p in packs for k in p.keys]
+    left = [key for p in packs for key, _ in p.left_out]
+    assert sorted(packed + left) == sorted(lengths), "a sample was lost or repeated"
+    assert sorted(left) == sorted(k for k, n in lengths.items() if n > EDGE_CAPACITY)
+    assert all(reason == "130 tokens (padded to 132) > capacity 100" for p in packs for _, reason in p.left_out)
+    for p in packs:
+        batch = p.batch
+        assert batch.num_rows == 1 and batch.row_length == EDGE_CAPACITY
+        assert batch.metadata["__key__"] == batch.sample_keys == p.keys
+        assert batch.seq_lens.tolist() == [lengths[k] for k in p.keys]
+        assert (batch.cu_seqlens_padded.diff() % 4 == 0).all(), batch.cu_seqlens_padded
+    if workers == 0:  # the encoder's own list is the packing process's: here the main process
+        assert sorted(k for k, _ in encoder.left_out) == sorted(left)
+
+
+def test_three_samples_that_fit_only_unpadded_make_two_packs(setup, tmp_path):
+    """The issue's repro: 30, 33 and 36 tokens, capacity 100, pad_to_multiple_of=4, no worker."""
+    pre = Preprocessor(setup[1], setup[2], family="qwen2_vl")
+    records = [{"key": f"t{n}", "images": [], "conversation": _text_conversation(pre, n)} for n in (30, 33, 36)]
+    write_shards(records, str(tmp_path / "part-%05d.tar"))
+    energon_prepare(tmp_path)
+    encoder = _encoder(setup, capacity=EDGE_CAPACITY, pad_to_multiple_of=4)
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)  # Energon's default handler: logs and skips a failure
+    packs = list(get_savable_loader(packed_train_dataset(str(tmp_path), encoder, worker_config=wc,
+                                                         packing_buffer_size=8, repeat=False),
+                                    watchdog_timeout_seconds=None))
+    assert sorted(k for p in packs for k in p.keys) == ["t30", "t33", "t36"] and len(packs) == 2
+    assert encoder.left_out == [] and all(p.left_out == [] for p in packs)

@@ -8,7 +8,9 @@ the set of dataset rows.
 from __future__ import annotations
 
 import io
+import os
 import warnings
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -16,8 +18,10 @@ import pytest
 import torch
 from PIL import Image
 
+from vlm_pack.chat import chat_format
 from vlm_pack.config import PackingConfig
 from vlm_pack.data.map_style import PackedMapDataset, PackedSampler, plan_info
+from vlm_pack.data.stats import BadSampleWarning
 from vlm_pack.offline import build_tokenizer, image_processor
 from vlm_pack.processing import process_sample
 
@@ -153,7 +157,7 @@ def test_stale_plan_is_rebuilt_never_reused(columns, dataset, model, lengths, tm
     changed["messages"][4] = _conversation(4, len(columns["images"][4]))
     changed["messages"][4][1]["content"][0]["text"] = "a much longer answer " * 6
     new = datasets.Dataset.from_dict(changed).cast_column("images", datasets.List(datasets.Image()))
-    with pytest.warns(UserWarning, match=r"plan.npz is stale \(dataset changed\)"):
+    with pytest.warns(UserWarning, match=r"plan.npz is stale \(dataset[.]fingerprint changed\)"):
         rebuilt = _packed(new, model, path)
     assert not rebuilt.from_cache
     (b,) = [b for b in range(int(rebuilt._bin_ptr.size) - 1) if 4 in rebuilt.rows_of(b)]
@@ -275,3 +279,154 @@ def test_a_processor_whose_images_are_wrapped_plans_and_loads_every_sample(colum
         bos = proc.tokenizer.bos_token
         enc = proc(text=[text], images=[images] if images else None, add_special_tokens=not (bos and text.startswith(bos)))
         assert seen[row] == len(enc["input_ids"][0]), row
+
+
+# ---------------------------------------------------------------------- the plan's key: everything that makes a token
+_QWEN_TEMPLATE = (Path(__file__).parent / "templates" / "qwen2_vl.jinja").read_text()
+_LONGER_SYSTEM = "You are a helpful assistant. Answer every question about the picture in full sentences."
+
+
+def _prefixed(prefix: str):
+    """A chat-template callable whose output depends on a value held in its closure, not in its code."""
+
+    def template(conversation, num_images):
+        return [(prefix, False), *chat_format("qwen2_vl").render(conversation, num_images)]
+
+    return template
+
+
+def _with_default(prefix: str):
+    return lambda conversation, num_images, prefix=prefix: [  # the value lives in a default argument
+        (prefix, False),
+        *chat_format("qwen2_vl").render(conversation, num_images),
+    ]
+
+
+def _variants(tok, ip):
+    """``(name, what must be named as changed, kwargs of a first build, kwargs of a rebuild)``: each rebuild
+    changes one thing that changes tokens, and nothing else."""
+    from vlm_pack.offline import processor
+
+    other = _QWEN_TEMPLATE.replace("You are a helpful assistant.", _LONGER_SYSTEM)
+    assert other[:200] == _QWEN_TEMPLATE[:200] and other != _QWEN_TEMPLATE  # a long common prefix
+    return [
+        ("template_string", "chat.template", dict(template=_QWEN_TEMPLATE), dict(template=other)),
+        (
+            "processor_template",
+            "processor.chat_template",
+            dict(processor=processor("qwen2_vl", tok, chat_template=_QWEN_TEMPLATE)),
+            dict(processor=processor("qwen2_vl", tok, chat_template=other)),
+        ),
+        ("closure", "chat.template", dict(template=_prefixed("")), dict(template=_prefixed(_LONGER_SYSTEM))),
+        ("default", "chat.template", dict(template=_with_default("")), dict(template=_with_default(_LONGER_SYSTEM))),
+        (
+            "max_pixels",
+            "image_processor.size",
+            dict(image_processor=ip),
+            dict(image_processor=image_processor("qwen2_vl", size={"shortest_edge": 4 * 56 * 56, "longest_edge": 64 * 784})),
+        ),
+    ]
+
+
+def _build(dataset, tok, cache, **kwargs):
+    kwargs.setdefault("tokenizer", tok)
+    if "processor" not in kwargs:
+        kwargs.setdefault("image_processor", image_processor("qwen2_vl"))
+    return PackedMapDataset(dataset, config=PackingConfig(capacity=CAPACITY, shuffle_seed=1), cache=cache, **kwargs)
+
+
+def _epoch_rows(ds) -> list[int]:
+    """The rows of one full epoch; a sample left out (a stale plan's forecast mismatch) fails the test."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BadSampleWarning)
+        return sorted(_rows(ds[i] for i in range(len(ds))))
+
+
+@pytest.mark.parametrize("variant", ["template_string", "processor_template", "closure", "default", "max_pixels"])
+def test_a_rebuild_with_anything_that_changes_tokens_replans(dataset, model, tmp_path, variant):
+    tok, ip = model
+    _, changed, first, second = next(v for v in _variants(tok, ip) if v[0] == variant)
+    folder, single = tmp_path / "plans", tmp_path / "plan.npz"
+    old = _build(dataset, tok, folder, **first)
+    _build(dataset, tok, single, **first)
+    assert _epoch_rows(old) == list(range(N))
+    new = _build(dataset, tok, folder, **second)
+    assert not new.from_cache and new.plan_digest != old.plan_digest
+    assert _epoch_rows(new) == list(range(N))  # every sample, at the length the new parts give it
+    assert not np.array_equal(new._forecast, old._forecast) or variant == "max_pixels"
+    # one plan file: the stale plan is rebuilt, and the warning names what changed
+    with pytest.warns(UserWarning, match=rf"plan.npz is stale \(.*{changed.replace('.', '[.]')}"):
+        again = _build(dataset, tok, single, **second)
+    assert not again.from_cache and _epoch_rows(again) == list(range(N))
+
+
+def test_an_unchanged_rebuild_reuses_the_plan(dataset, model, tmp_path):
+    """Equal parts built anew (a copy of the template text, a new closure over an equal value, a new image
+    processor with the same settings) are the same plan: the cache is keyed by content, not identity."""
+    tok, _ = model
+    from vlm_pack.offline import processor
+
+    for first, second in [
+        (dict(template=_QWEN_TEMPLATE), dict(template="".join(list(_QWEN_TEMPLATE)))),
+        (dict(template=_prefixed("x " * 3)), dict(template=_prefixed("x " * 3))),
+        (
+            dict(processor=processor("qwen2_vl", tok, chat_template=_QWEN_TEMPLATE)),
+            dict(processor=processor("qwen2_vl", tok, chat_template=_QWEN_TEMPLATE)),
+        ),
+    ]:
+        old = _build(dataset, tok, tmp_path, **first)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            new = _build(dataset, tok, tmp_path, **second)
+        assert new.from_cache and new.plan_digest == old.plan_digest
+        assert _epoch_rows(new) == list(range(N))
+
+
+def test_a_template_that_cannot_be_fingerprinted_is_not_cached(dataset, model, tmp_path):
+    """A callable holding an object vlm-pack cannot fingerprint (here a lock) is never keyed by its code
+    alone: the plan is made anew, with a warning that says why, and never read from or written to the cache."""
+    import threading
+
+    tok, _ = model
+    lock = threading.Lock()
+
+    def template(conversation, num_images):
+        with lock:
+            return chat_format("qwen2_vl").render(conversation, num_images)
+
+    with pytest.warns(UserWarning, match=r"cannot fingerprint .*template.*lock.*not cached"):
+        first = _build(dataset, tok, tmp_path, template=template)
+    with pytest.warns(UserWarning, match=r"cannot fingerprint"):
+        second = _build(dataset, tok, tmp_path, template=template)
+    assert not first.from_cache and not second.from_cache and not list(tmp_path.iterdir())
+    assert _epoch_rows(second) == list(range(N))
+
+
+def test_the_fingerprint_is_the_same_in_every_process():
+    """The plan's key holds no id, address or hash-seeded order: two processes with other string hash seeds
+    (a rank, a restarted job) name the same callable template, with a set in its code, by the same digest."""
+    import subprocess
+    import sys
+
+    code = (
+        "from vlm_pack import Preprocessor\n"
+        "from vlm_pack.chat import chat_format\n"
+        "from vlm_pack.data.map_style import fingerprint\n"
+        "from vlm_pack.offline import build_tokenizer, image_processor\n"
+        "ROLES = {'user', 'assistant', 'system', 'tool'}\n"
+        "def make(prefix, names=frozenset({'a', 'b', 'c', 'd'})):\n"
+        "    def template(conversation, num_images):\n"
+        "        assert all(t['role'] in ROLES | {'x', 'y'} for t in conversation)\n"
+        "        return [(prefix, False), *chat_format('qwen2_vl').render(conversation, num_images)]\n"
+        "    return template\n"
+        "pre = Preprocessor(build_tokenizer('qwen2_vl'), image_processor('qwen2_vl'), template=make('hi'))\n"
+        "print(fingerprint(pre)[0])\n"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True,
+            text=True, check=True,
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert len(digests) == 1 and len(next(iter(digests))) == 64

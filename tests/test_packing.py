@@ -19,6 +19,7 @@ from vlm_pack.packing import (
     balance_bins,
     bin_costs,
     pack,
+    padded_lengths,
     partition_imbalance,
 )
 from vlm_pack.packing.histogram import _bfd_histogram
@@ -741,8 +742,8 @@ def test_stream_packer_from_packing_config():
     cfg = PackingConfig(**SAVED_KNOBS, shuffle_seed=3, pad_to_multiple_of=4)  # streaming knobs are ignored
     sp = StreamPacker.from_config(cfg)
     assert [getattr(sp, name) for name in SAVED_KNOBS] == list(SAVED_KNOBS.values())
-    assert sp.config == PackingConfig(**SAVED_KNOBS)
-    assert _feed(sp) == _feed(StreamPacker(**SAVED_KNOBS))
+    assert sp.config == PackingConfig(**SAVED_KNOBS, pad_to_multiple_of=4)  # the padding is a packing knob
+    assert _feed(sp) == _feed(StreamPacker(**SAVED_KNOBS, pad_to_multiple_of=4))
     with pytest.raises(TypeError, match="PackingConfig"):
         StreamPacker.from_config(SAVED_KNOBS)
 
@@ -772,3 +773,58 @@ def test_stream_knobs_are_validated_like_the_config(knobs, pattern):
         StreamPacker(**knobs)
     with pytest.raises(ValueError, match=pattern):
         PackingConfig(**knobs)
+
+
+# ----------------------------------------------------------------------------- padding: plan on the rows' spans
+
+
+def test_pack_plans_on_the_spans_the_collator_pads_to():
+    """[4093, 4097] fit 8192 raw, but the collator pads them to [4096, 4100] at a multiple of 4: two rows, so
+    two bins; the plan's lengths are the spans."""
+    assert pack([4093, 4097], 8192).num_bins == 1
+    res = pack([4093, 4097], 8192, pad_to_multiple_of=4)
+    assert res.num_bins == 2 and res.lengths.tolist() == [4096, 4100] and res.pad_to_multiple_of == 4
+    assert res.bin_lengths.tolist() == [4100, 4096] and res.efficiency == 8196 / (2 * 8192)
+    assert padded_lengths([4093, 4097, 4], 4).tolist() == [4096, 4100, 4]
+    with pytest.raises(ValueError, match="capacity 8190 is not a multiple of pad_to_multiple_of 4"):
+        pack([1], 8190, pad_to_multiple_of=4)
+    with pytest.raises(ValueError, match="pad_to_multiple_of must be a positive int"):
+        pack([1], 8192, pad_to_multiple_of=0)
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "ffd", "ff", "nf"])
+@given(lengths=st.lists(st.integers(1, 100), min_size=1, max_size=60), multiple=st.sampled_from([1, 2, 4, 8, 16]))
+@FAST
+def test_pack_with_a_multiple_equals_pack_of_the_padded_lengths(strategy, lengths, multiple):
+    padded = padded_lengths(lengths, multiple)
+    res = pack(lengths, 96, strategy=strategy, pad_to_multiple_of=multiple, oversized="skip")
+    ref = pack(padded, 96, strategy=strategy, oversized="skip")
+    assert res.bins == ref.bins and [u.index for u in res.unpacked] == [u.index for u in ref.unpacked]
+    assert all(int(padded[b].sum()) <= 96 for b in res.bins)  # every bin is one row once padded
+
+
+def test_padded_oversized_samples_are_reported_with_their_own_length():
+    res = pack([10, 4097], 4096, pad_to_multiple_of=4, oversized="skip")
+    assert res.unpacked == [Unpacked(1, "length 4097 (padded to 4100, a multiple of 4) > capacity 4096")]
+    res = pack([10, 4097], 4096, pad_to_multiple_of=4, oversized="truncate")
+    assert res.truncated == {1: 4097} and res.lengths.tolist() == [12, 4096]
+    with pytest.raises(ValueError, match=r"sample 1 has expanded length 4097 \(padded to 4100.*at least 4100"):
+        pack([10, 4097], 4096, pad_to_multiple_of=4)
+
+
+def test_stream_packer_places_padded_spans_and_saves_the_multiple():
+    sp = StreamPacker(100, buffer_size=8, min_fill_ratio=1.0, pad_to_multiple_of=4)
+    sp.add_many(["a", "b", "c"], [30, 33, 36])  # 99 raw: one bin; 32 + 36 + 36 = 104 padded: two
+    with pytest.raises(ValueError, match=r"101 \(padded to 104, a multiple of 4\) > capacity 100"):
+        StreamPacker(100, pad_to_multiple_of=4).add("long", 101)
+    state = json.loads(json.dumps(sp.state_dict()))
+    assert state["config"]["pad_to_multiple_of"] == 4
+    bins = sp.flush()
+    assert sorted(k for b in bins for k in b.keys) == ["a", "b", "c"] and all(b.total <= 100 for b in bins)
+    assert sorted(length for b in bins for length in b.lengths) == [32, 36, 36]
+    resumed = StreamPacker(100, buffer_size=8, min_fill_ratio=1.0, pad_to_multiple_of=4)
+    resumed.load_state_dict(state)
+    assert resumed.flush() == bins
+    with pytest.raises(ValueError, match=r"different configuration.*pad_to_multiple_of"):
+        StreamPacker(100, buffer_size=8, min_fill_ratio=1.0).load_state_dict(state)
+    assert "pad_to_multiple_of" not in StreamPacker(100).state_dict()["config"]  # the first release's format

@@ -79,18 +79,32 @@ def data(tmp_path_factory):
     return root, out
 
 
-@pytest.fixture(scope="module")
-def oracle(model, data):
-    """Processed length and vision tokens of every sample, by the real processor on decoded images."""
+def _processed(model, data, llava: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Processed length and vision tokens of every sample, by the real processor on decoded images; with
+    ``llava``, of the text a LLaVA record holds (``"<image>\\n"`` before the question: the newline is text)."""
     tok, ip, _ = model
     _, samples = data
     lengths, vision = [], []
     for s in samples:
         images = [Image.open(io.BytesIO(b)) for b in s["blobs"]]
-        out = process_sample(images, s["conversation"], tokenizer=tok, image_processor=ip)
+        conversation = s["conversation"]
+        if llava:
+            question = "<image>\n" * len(s["names"]) + s["q"]
+            conversation = [{"role": "user", "content": question}, {"role": "assistant", "content": s["a"]}]
+        out = process_sample(images, conversation, tokenizer=tok, image_processor=ip)
         lengths.append(int(out["input_ids"].shape[0]))
         vision.append(int(out["tokens_per_image"].sum()))
     return np.asarray(lengths), np.asarray(vision)
+
+
+@pytest.fixture(scope="module")
+def oracle(model, data):
+    return _processed(model, data)
+
+
+@pytest.fixture(scope="module")
+def llava_oracle(model, data):
+    return _processed(model, data, llava=True)
 
 
 def _messages_parts(s) -> list[dict]:
@@ -184,12 +198,12 @@ KINDS = [
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_forecast_is_the_processed_length_on_every_source(kind, model, data, oracle, tmp_path):
+def test_forecast_is_the_processed_length_on_every_source(kind, model, data, oracle, llava_oracle, tmp_path):
     tok, _, spec = model
     root, samples = data
     source = _write_source(kind, root, samples, tmp_path)
     table = forecast_sources(source, tokenizer=tok, spec=spec, progress=False)
-    lengths, vision = oracle
+    lengths, vision = llava_oracle if kind == "llava" else oracle  # LLaVA's text holds "<image>\n"
     assert len(table) == len(SAMPLES) and not table.invalid
     np.testing.assert_array_equal(table.lengths, lengths)
     np.testing.assert_array_equal(table.vision_tokens, vision)
@@ -232,6 +246,11 @@ def test_layouts_are_detected_and_normalised(data):
             assert sample.conversation == "two noise images"
         elif layout == "sharegpt":
             assert sample.conversation == s["conversation"]
+        elif layout == "llava":  # role/content turns, the text as written (newlines after <image> kept)
+            assert sample.conversation == [
+                {"role": "user", "content": "<image>\n<image>\n" + s["q"]},
+                {"role": "assistant", "content": s["a"]},
+            ]
         else:
             assert sample.conversation == expected
         assert len(sample.images) == 2
@@ -299,12 +318,12 @@ def test_sources_accept_folders_globs_and_reject_others(model, data, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["parquet", "save_to_disk", "llava", "sharegpt-jsonl", "own-jsonl"])
-def test_cli_analyze_and_pack_read_every_source(kind, data, oracle, tmp_path, capsys):
+def test_cli_analyze_and_pack_read_every_source(kind, data, oracle, llava_oracle, tmp_path, capsys):
     from vlm_pack.cli import main
 
     root, samples = data
     source = str(_write_source(kind, root, samples, tmp_path))
-    lengths, vision = oracle
+    lengths, vision = llava_oracle if kind == "llava" else oracle
     extra = ["--workers", "2"] if kind == "parquet" else []
     if kind == "llava":
         extra = ["--layout", "llava", "--image-root", str(root)]

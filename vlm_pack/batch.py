@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ._checks import canonical_family
 from .masks import gemma3_attention_masks
 from .positions import is_mrope_family
 from .remap import roll_packed
@@ -171,6 +172,10 @@ class PackedBatch:
     sliding_window: int | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     metadata: dict[str, list[Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # the family picks the vision inputs and masks below: one spelling everywhere ("Gemma-3" is "gemma3")
+        self.family = canonical_family(self.family, strict=False)
 
     # ------------------------------------------------------------------ conveniences
     @property

@@ -18,13 +18,21 @@ message's text swapped for sentinels (or from ``{% generation %}`` blocks where 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._checks import family_entry
+from ._checks import canonical_family, family_entry
+from .failures import SampleError
 
-__all__ = ["IMAGE_MARKER", "ChatFormat", "Rendering", "chat_format", "render_conversation"]
+__all__ = [
+    "IMAGE_MARKER",
+    "ChatFormat",
+    "Rendering",
+    "chat_format",
+    "normalise_conversation",
+    "render_conversation",
+]
 
 #: Where an image goes in a conversation's text (and in :class:`ChatFormat` renderings).
 IMAGE_MARKER = "<image>"
@@ -69,15 +77,12 @@ class ChatFormat:
             missing = num_images if IMAGE_MARKER not in conversation else 0
             prefix = self.bos + self.image * missing
             return [(prefix, False), (text + self.eos_on_caption, True)]
-        if not isinstance(conversation, Sequence) or not conversation:
-            raise ValueError("a conversation must be a caption string or a non-empty list of turns")
+        conversation = normalise_conversation(conversation)
         segments: list[Segment] = [(self.bos, False)] if self.bos else []
         n_marked = sum(_count_images(turn) for turn in conversation)
         pending = num_images if n_marked == 0 else 0
         for turn in conversation:
-            role = turn.get("role")
-            if role not in ("system", "user", "assistant"):
-                raise ValueError(f"turn role must be system/user/assistant, got {role!r}")
+            role = turn["role"]
             body = "".join(
                 self.image if p["type"] == "image" else p["text"] for p in _parts(turn.get("content"))
             )
@@ -124,7 +129,7 @@ def chat_format(family: str) -> ChatFormat:
     """vlm-pack's own format of ``family`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``, ``llava_next``)."""
     return family_entry(
         _FORMATS,
-        family,
+        canonical_family(family, strict=False),  # any spelling: "Qwen2-VL"
         "chat format",
         "Give a tokenizer or processor with a chat_template, or pass "
         "template=callable(conversation, num_images) -> [(text, trained), ...].",
@@ -132,14 +137,75 @@ def chat_format(family: str) -> ChatFormat:
 
 
 # ------------------------------------------------------------------------------------------------------
-# Content parts: every message's content becomes [{"type": "image"} | {"type": "text", "text": str}, ...]
+# Conversations: every documented format becomes {"role", "content"} turns (one normaliser for every entry
+# point); content parts: every message's content becomes [{"type": "image"} | {"type": "text", ...}, ...]
 # ------------------------------------------------------------------------------------------------------
 
+# Speakers of role/content turns and of LLaVA / ShareGPT from/value turns (any case) -> the role.
+_SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
-def _parts(content: Any) -> list[dict[str, Any]]:
-    """Content as image/text parts; a string's ``<image>`` markers become image parts."""
-    if content is None:
-        raise ValueError("a turn has no 'content'")
+
+def normalise_conversation(conversation: Conversation) -> str | list[dict[str, Any]]:
+    """Any documented conversation -> vlm-pack's turns ``{"role": "system" | "user" | "assistant", "content":
+    str | [{"type": "image"} | {"type": "text", "text": str}, ...]}``; a caption string is returned as is.
+
+    Accepted turns: ``{"role", "content"}`` (content a string with ``<image>`` markers or a list of parts; an
+    ``image_url`` part is an image; part fields set to None, as Arrow stores them, are dropped) and LLaVA /
+    ShareGPT ``{"from": "human" | "gpt" | "system", "value": str}``. Text is kept as written: ``"<image>\nQ"``
+    stays ``"<image>\nQ"`` (its image part, then ``"\nQ"``). Other turn keys that are not None are kept
+    (a template may read them). Every reader and every :class:`~vlm_pack.Preprocessor` method goes through
+    this one function. Raises ``ValueError`` saying what is wrong and what is accepted.
+    """
+    if isinstance(conversation, str):
+        return conversation
+    if not isinstance(conversation, Sequence) or isinstance(conversation, bytes) or not conversation:
+        raise ValueError("a conversation must be a caption string or a non-empty list of turns")
+    return [_turn(turn) for turn in conversation]
+
+
+def _turn(turn: Any) -> dict[str, Any]:
+    if not isinstance(turn, Mapping):
+        raise ValueError(f"every turn must be a dict, got {type(turn).__name__} {turn!r:.80}")
+    if "from" in turn and "role" not in turn:  # LLaVA / ShareGPT
+        speaker, value = turn.get("from"), turn.get("value")
+        role = _SPEAKERS.get(str(speaker).lower()) if isinstance(speaker, str) else None
+        if role is None:
+            raise ValueError(f"unknown speaker {speaker!r} of a LLaVA turn (expected human/gpt/system)")
+        if not isinstance(value, str):
+            raise ValueError(f"a LLaVA turn's 'value' must be a string, got {type(value).__name__}")
+        rest = {k: v for k, v in turn.items() if k not in ("from", "value") and v is not None}
+        return {**rest, "role": role, "content": value}
+    given = turn.get("role")
+    role = _SPEAKERS.get(given.lower()) if isinstance(given, str) else None
+    if role is None:
+        raise ValueError(
+            f"turn role {given!r} is not system/user/assistant: give {{'role', 'content'}} turns "
+            "(or LLaVA {'from': 'human' | 'gpt', 'value'} turns)"
+        )
+    content = turn.get("content")
+    if isinstance(content, Sequence) and not isinstance(content, (str, bytes)):
+        content = [_part(part) for part in content]
+    elif not isinstance(content, str):
+        raise ValueError(f"a {role} turn has no string or list 'content'")
+    rest = {k: v for k, v in turn.items() if k not in ("role", "content") and v is not None}
+    return {**rest, "role": role, "content": content}
+
+
+def _part(part: Any) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    if kind in ("image", "image_url"):
+        return {"type": "image"}  # the image itself comes with the sample's images, in order
+    if kind == "text":
+        text = part.get("text")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"a text part's 'text' must be a string, got {type(text).__name__}")
+        return {"type": "text", "text": text or ""}
+    raise ValueError(f"content part type must be 'image' or 'text', got {kind!r}")
+
+
+def _parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Normalised content (:func:`normalise_conversation`) as image/text parts; a string's ``<image>`` markers
+    become image parts, the text around them kept as written."""
     if isinstance(content, str):
         pieces = content.split(IMAGE_MARKER)
         out: list[dict[str, Any]] = []
@@ -151,22 +217,17 @@ def _parts(content: Any) -> list[dict[str, Any]]:
         return out
     out = []
     for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("image", "image_url"):
-            out.append({"type": "image"})
-        elif kind == "text":
-            out += _parts(part.get("text", ""))
-        else:
-            raise ValueError(f"content part type must be 'image' or 'text', got {kind!r}")
+        out += [part] if part["type"] == "image" else _parts(part["text"])
     return out
 
 
 def _count_images(turn: dict[str, Any]) -> int:
-    return sum(p["type"] == "image" for p in _parts(turn.get("content")))
+    return sum(p["type"] == "image" for p in _parts(turn["content"]))
 
 
 def _normalise(conversation: Conversation, num_images: int, key: Any) -> list[dict[str, Any]]:
-    """Messages with part lists; with no image part anywhere, the images open the first user turn."""
+    """Normalised messages with part lists; with no image part anywhere, the images open the first user
+    turn."""
     if isinstance(conversation, str):
         if IMAGE_MARKER in conversation:
             raise ValueError(
@@ -175,17 +236,7 @@ def _normalise(conversation: Conversation, num_images: int, key: Any) -> list[di
             )
         # A caption trains like a one-turn chat: the images are the prompt, the caption the answer.
         conversation = [{"role": "user", "content": []}, {"role": "assistant", "content": conversation}]
-    if not isinstance(conversation, Sequence) or not conversation:
-        raise ValueError(
-            f"sample {key!r}: a conversation must be a caption string or a non-empty list of turns"
-        )
-    try:  # keys set to None are dropped, as apply_chat_template does (templates would print "None")
-        messages = [
-            {**{k: v for k, v in t.items() if v is not None}, "content": _parts(t.get("content"))}
-            for t in conversation
-        ]
-    except (ValueError, AttributeError, TypeError) as e:
-        raise ValueError(f"sample {key!r}: {e}") from None
+    messages = [{**t, "content": _parts(t["content"])} for t in _normalised(conversation, key)]
     if num_images and not any(p["type"] == "image" for m in messages for p in m["content"]):
         first_user = next((m for m in messages if m.get("role") == "user"), None)
         if first_user is None:
@@ -197,6 +248,14 @@ def _normalise(conversation: Conversation, num_images: int, key: Any) -> list[di
 # ------------------------------------------------------------------------------------------------------
 # Jinja chat templates (rendered by transformers)
 # ------------------------------------------------------------------------------------------------------
+
+
+def _normalised(conversation: Conversation, key: Any) -> Any:
+    """:func:`normalise_conversation`, its error a ``bad_text`` :class:`SampleError` naming the sample."""
+    try:
+        return normalise_conversation(conversation)
+    except ValueError as e:
+        raise SampleError("bad_text", f"sample {key!r}: {e}") from None
 
 
 def _render(
@@ -382,8 +441,14 @@ def _render_template(
         found = _assistant_spans(turns, full, _specials(tokenizer)) if spans else []
     except ValueError:
         raise
-    except Exception as e:  # jinja2 errors, raise_exception() in templates
-        raise ValueError(f"sample {key!r}: the chat template failed: {type(e).__name__}: {e}") from None
+    except Exception as e:
+        # raise_exception() in a template refuses this sample: bad data. Any other error (a syntax error,
+        # a Python error inside the template) propagates: an error of code (vlm_pack.failures).
+        from jinja2 import TemplateError, TemplateSyntaxError
+
+        if not isinstance(e, TemplateError) or isinstance(e, TemplateSyntaxError):
+            raise
+        raise SampleError("bad_text", f"sample {key!r}: the chat template refused it: {e}") from e
     bos = getattr(tokenizer, "bos_token", None)
     return Rendering(full, tuple(found), placeholder, not (bos and full.startswith(bos)))
 
@@ -424,6 +489,7 @@ def render_conversation(
     text, or rewrites earlier turns so that assistant spans cannot be located. ``spans=False`` skips locating
     the trained spans (a forecast needs only the text).
     """
+    conversation = _normalised(conversation, key)  # every documented format, LLaVA turns included
     if isinstance(template, str) or (template is None and _checkpoint_template(tokenizer, processor)):
         jinja = template if isinstance(template, str) else _checkpoint_template(tokenizer, processor)
         messages = _normalise(conversation, num_images, key)
@@ -431,7 +497,8 @@ def render_conversation(
         rendering = _render_template(jinja, messages, tokenizer, placeholder, key, spans)  # type: ignore[arg-type]
         found = rendering.text.count(placeholder)
         if found != num_images:
-            raise ValueError(
+            raise SampleError(
+                "placeholder_mismatch",
                 f"sample {key!r}: the chat template rendered {found} image placeholder(s) {placeholder!r} for "
                 f"{num_images} image(s); give one image part per image (the template may drop images in some "
                 "roles)."
@@ -445,7 +512,8 @@ def render_conversation(
         segments = template(conversation, num_images)
     n_markers = sum(text.count(IMAGE_MARKER) for text, _ in segments)
     if n_markers != num_images:
-        raise ValueError(
+        raise SampleError(
+            "placeholder_mismatch",
             f"sample {key!r}: the text has {n_markers} image placeholder(s) but {num_images} image(s) were "
             "given; give one image per placeholder (or no placeholder at all to put the images first)."
         )

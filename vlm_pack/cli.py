@@ -49,8 +49,13 @@ def _positive_int(text: str) -> int:
 
 
 def _family_name(text: str) -> str:
-    # QWEN2_VL, qwen2-vl and qwen2_vl name one family
-    return text.strip().lower().replace("-", "_")
+    # QWEN2_VL, qwen2-vl and qwen2vl name one family: the normaliser every entry point uses
+    from vlm_pack._checks import canonical_family
+
+    try:
+        return str(canonical_family(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _key_value(text: str) -> tuple[str, Any]:

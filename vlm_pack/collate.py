@@ -64,6 +64,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ._checks import canonical_family
 from .batch import (
     HF_STYLES,
     IGNORE_INDEX,
@@ -177,6 +178,11 @@ class PackingCollator:
             data order kept across rows). Inside a row samples keep their input order and rows are sorted
             by their first sample, so the layout is reproducible and easy to read.
         max_samples_per_row: optional cap on samples per row.
+        max_rows: at most this many rows per call (None: as many as the samples need). ``1`` when each call
+            gets one planned bin (``pack``, ``StreamPacker``, a ``PackedMapDataset`` / ``PackedWebDataset`` /
+            Energon pack): the bin becomes exactly one row, or the call raises naming its samples (a plan
+            made on other lengths than the rows': plan with this ``pad_to_multiple_of``) instead of
+            quietly re-packing it into more rows than the caller planned.
         return_style: None returns a :class:`PackedBatch`; a style of :data:`STYLES` returns
             ``batch.model_inputs(style)`` (use ``"sdpa"`` etc. as an HF ``Trainer`` ``data_collator``).
 
@@ -206,6 +212,7 @@ class PackingCollator:
         pad_to_capacity: bool = True,
         strategy: str = "bfd",
         max_samples_per_row: int | None = None,
+        max_rows: int | None = None,
         return_style: str | None = None,
     ) -> None:
         _check_arguments(capacity, layout, pad_to_multiple_of, strategy, return_style)
@@ -213,7 +220,12 @@ class PackingCollator:
         text_cfg = _attr(config, "text_config")
         vision_cfg = _attr(config, "vision_config")
         self.capacity = capacity
-        self.family = family or _attr(config, "model_type") or _attr(tok, "vlm_pack_family")
+        # One spelling everywhere ("Qwen2-VL" is "qwen2_vl"); a config's model_type without a rule is kept.
+        self.family = (
+            canonical_family(family)
+            or canonical_family(_attr(config, "model_type"), strict=False)
+            or canonical_family(_attr(tok, "vlm_pack_family"))
+        )
         self.image_token_id = _first_int(
             image_token_id, _attr(config, "image_token_id", "image_token_index"), _attr(tok, "image_token_id")
         )
@@ -253,6 +265,9 @@ class PackingCollator:
         self.pad_to_capacity = bool(pad_to_capacity)
         self.strategy = strategy
         self.max_samples_per_row = max_samples_per_row
+        if max_rows is not None and (type(max_rows) is not int or max_rows < 1):
+            raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}")
+        self.max_rows = max_rows
         self.return_style = return_style
         self.mrope = is_mrope_family(self.family)
         if self.family is None and self.vision_start_token_id is not None:
@@ -474,10 +489,10 @@ class PackingCollator:
 
     def _plan(self, items: list[_Sample]) -> _RowPlan:
         """Group the samples into rows and lay the rows out as one flat buffer (see ``_RowPlan``)."""
-        from .packing import pack
+        from .packing import pack, padded_lengths
 
         multiple = self.pad_to_multiple_of
-        padded = [_round_up(s.expanded_len, multiple) for s in items]
+        padded = padded_lengths([s.expanded_len for s in items], multiple).tolist()  # as every planner does
         for sample, padded_len in zip(items, padded):
             if padded_len > self.capacity:
                 pad_note = (
@@ -493,6 +508,8 @@ class PackingCollator:
         result = pack(
             padded, self.capacity, strategy=self.strategy, max_samples_per_bin=self.max_samples_per_row
         )
+        if self.max_rows is not None and result.num_bins > self.max_rows:
+            raise ValueError(self._too_many_rows(items, padded, result.num_bins))
         rows = sorted((sorted(b) for b in result.bins), key=lambda b: b[0])
         order = [i for row in rows for i in row]
         used = [sum(padded[i] for i in row) for row in rows]
@@ -513,6 +530,22 @@ class PackingCollator:
             lens=lens,
             cu_real=F.pad(torch.cumsum(lens, 0), (1, 0)),
             cu_padded=F.pad(torch.cumsum(span, 0), (1, 0)),
+        )
+
+    def _too_many_rows(self, items: list[_Sample], padded: list[int], num_rows: int) -> str:
+        """Why a call of ``max_rows`` rows needs ``num_rows``: its samples, their spans and the fix."""
+        multiple = self.pad_to_multiple_of
+        names = ", ".join(s.name for s in items)
+        spans = [s.expanded_len for s in items]
+        padding = f", padded to multiples of {multiple}: {padded}" if padded != spans else ""
+        cap = f" and at most {self.max_samples_per_row} samples" if self.max_samples_per_row else ""
+        return (
+            f"{names} need {num_rows} rows of capacity {self.capacity}{cap} (expanded lengths {spans}"
+            f"{padding}; {sum(padded)} tokens) but this collator makes at most {self.max_rows} row(s) per call "
+            f"(max_rows={self.max_rows}: each call is one planned bin). Plan the bins as the collator lays out "
+            f"rows: with its padding (vlm_pack.pack(lengths, {self.capacity}, "
+            f"pad_to_multiple_of={multiple}) / PackingConfig(pad_to_multiple_of={multiple})) and the same "
+            "max_samples_per_bin, or use max_rows=None to let the collator re-pack the samples."
         )
 
     def _expanded_view(

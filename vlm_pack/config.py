@@ -25,6 +25,8 @@ _OVERSIZED = ("raise", "skip", "truncate")
 #: does not switch this one off too.
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 _VISION_COST = ("patches", "images")
+#: Default ``max_consecutive_failures``: Megatron-Energon's default failure tolerance.
+DEFAULT_MAX_CONSECUTIVE_FAILURES = 100
 
 
 def _positive_int(value: Any, name: str, *, optional: bool = False) -> int | None:
@@ -50,7 +52,9 @@ class PackingConfig:
         vision_cost: what ``vision_capacity`` counts: ViT "patches" or "images".
         oversized: a sample longer than ``capacity``: "raise", "skip" (reported) or "truncate" (clipped and
             reported by ``pack`` and ``StreamPacker``; ``PackedWebDataset`` refuses it: it cannot cut a sample).
-        pad_to_multiple_of: each sample is padded to this multiple (context parallelism: ``pad_multiple_for``).
+        pad_to_multiple_of: each sample is padded to this multiple (context parallelism: ``pad_multiple_for``)
+            by the collator, and every planner packs it on that padded span (``packing.padded_lengths``), so a
+            bin is one row.
     Streaming:
         shuffle_seed: shuffle shards and samples with this seed per epoch (None: keep the order).
         shuffle_buffer: samples held for shuffling (ignored without ``shuffle_seed``).
@@ -58,6 +62,10 @@ class PackingConfig:
         exif_transpose: apply EXIF orientation, as ``ImageOps.exif_transpose`` and the forecast do.
         max_image_pixels: refuse an image whose header declares more pixels, before decoding, counted as
             ``image_too_large`` (default: Pillow's default limit, ``DEFAULT_MAX_IMAGE_PIXELS``; None: no cap).
+        max_consecutive_failures: the failure budget (``vlm_pack.failures``): more bad samples than this in a
+            row, in one stage (the forecast, or the processing of packed samples), raise
+            ``FailureBudgetError`` instead of skipping on (None: no limit). An epoch in which no sample was
+            good raises whatever this is.
     """
 
     capacity: int
@@ -74,6 +82,7 @@ class PackingConfig:
     on_error: str = "warn"
     exif_transpose: bool = True
     max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
+    max_consecutive_failures: int | None = DEFAULT_MAX_CONSECUTIVE_FAILURES
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once
@@ -84,7 +93,7 @@ class PackingConfig:
             raise ValueError(f"min_fill_ratio must be a float in (0, 1], got {ratio!r}")
         set_(self, "min_fill_ratio", float(ratio))
         set_(self, "drop_last", bool(self.drop_last))
-        for name in ("max_samples_per_bin", "vision_capacity", "max_image_pixels"):
+        for name in ("max_samples_per_bin", "vision_capacity", "max_image_pixels", "max_consecutive_failures"):
             set_(self, name, _positive_int(getattr(self, name), name, optional=True))
         if self.vision_cost not in _VISION_COST:
             raise ValueError(f"vision_cost must be one of {_VISION_COST}, got {self.vision_cost!r}")

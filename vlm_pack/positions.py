@@ -42,7 +42,7 @@ from typing import TypedDict, Unpack
 
 import torch
 
-from ._checks import family_entry
+from ._checks import canonical_family, family_entry
 from .remap import segment_ids
 
 __all__ = [
@@ -82,12 +82,13 @@ class MRopeOptions(TypedDict, total=False):
 
 
 def is_mrope_family(family: str | None) -> bool:
-    """Whether ``family`` (a model_type) takes 4-row multimodal RoPE position ids."""
-    return family in MROPE_FAMILIES
+    """Whether ``family`` (a model_type, in any spelling: ``"Qwen2-VL"``) takes 4-row multimodal RoPE
+    position ids; False for a model type vlm-pack has no rule for."""
+    return canonical_family(family, strict=False) in MROPE_FAMILIES
 
 
 def _variant(family: str) -> str:
-    return family_entry(MROPE_FAMILIES, family, "multimodal RoPE")
+    return family_entry(MROPE_FAMILIES, canonical_family(family, strict=False), "multimodal RoPE")
 
 
 def text_position_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -374,8 +375,10 @@ def packed_position_ids(
 
     ``input_ids`` ``[R, T]`` (or ``[L]``); ``cu_seqlens_padded`` ``[N + 1]`` partitions the flattened
     buffer. Returns ``[R, T]`` per-sample aranges, or for a Qwen-VL ``family`` ``[4, R, T]`` (row 0 the
-    arange, rows 1-3 :func:`packed_mrope_position_ids` of ``image_grid_thw`` and ``options``).
+    arange, rows 1-3 :func:`packed_mrope_position_ids` of ``image_grid_thw`` and ``options``). ``family``
+    in any spelling (``"Qwen2-VL"``); a name that is no known family raises ValueError listing them.
     """
+    family = canonical_family(family)  # a misspelt name would silently give 1-D positions: refused
     shape = tuple(input_ids.shape)
     total = input_ids.numel()
     text = text_position_ids(cu_seqlens_padded.to(input_ids.device), total)

@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
+from ._checks import canonical_family
 from .chat import ChatFormat, Conversation, Template
+from .failures import SampleError
 from .processing import (
     Prompt,
     _collapsed_ids,
@@ -42,7 +44,9 @@ class Preprocessor:
     LLaVA-NeXT). ``family`` / ``template`` pick the chat format as for :func:`process_sample` (default: the
     checkpoint's own template, else the tokenizer's ``vlm_pack_family``, else the image processor's family);
     ``layout``: ``"expanded"`` (HF models) or ``"collapsed"`` (one placeholder per image, Megatron style).
-    ``spec``: the vision spec forecasts use (default: read from the processor).
+    ``spec``: the vision spec forecasts use (default: read from the processor). A ``conversation`` is any
+    format the readers take (``{"role", "content"}`` turns, LLaVA ``{"from", "value"}`` turns, a caption
+    string): every method normalises it with :func:`vlm_pack.chat.normalise_conversation`, text as written.
 
     ``forecast(...)`` equals the length ``process(...)`` gives, in the expanded space, for every family::
 
@@ -78,6 +82,7 @@ class Preprocessor:
         if self.family is None:
             family = getattr(self.tokenizer, "vlm_pack_family", None)
             object.__setattr__(self, "family", family or getattr(self.spec, "family", None))
+        object.__setattr__(self, "family", canonical_family(self.family))  # any spelling; unknown: ValueError
 
     def collator(self, capacity: int, **options: Any) -> Any:
         """The :class:`~vlm_pack.PackingCollator` for these parts: ``options`` (its keyword arguments, e.g.
@@ -146,9 +151,10 @@ class Preprocessor:
         samples: Sequence[tuple[Sequence[Any], Conversation]],
         keys: Sequence[Any] | None = None,
         prompts: Sequence[Prompt | None] | None = None,
-    ) -> list[dict[str, torch.Tensor] | Exception]:
+    ) -> list[dict[str, torch.Tensor] | SampleError]:
         """A pack's ``(images, conversation)`` samples: :func:`process_pack` with these parts (each sample's
-        output, or the exception it raised; its images through one image-processor call where exact)."""
+        output, or its data error; an error of code raises ``SampleCodeError``; the images through one
+        image-processor call where exact)."""
         return process_pack(samples, keys=keys, prompts=prompts, **self._options())
 
     def _options(self) -> dict[str, Any]:

@@ -35,12 +35,14 @@ from __future__ import annotations
 import io
 import itertools
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ._checks import canonical_family
 from .chat import (
     IMAGE_MARKER,
     ChatFormat,
@@ -50,6 +52,7 @@ from .chat import (
     chat_format,
     render_conversation,
 )
+from .failures import ImageDecodeError, SampleError, skip_reason
 
 __all__ = [
     "IMAGE_MARKER",
@@ -91,7 +94,7 @@ def _image_token(tokenizer: Any, family: str | None = None) -> tuple[str, int]:
     token_id = getattr(tokenizer, "image_token_id", None)
     if token_id is not None:
         return str(tokenizer.convert_ids_to_tokens(int(token_id))), int(token_id)
-    family = family or getattr(tokenizer, "vlm_pack_family", None)
+    family = canonical_family(family or getattr(tokenizer, "vlm_pack_family", None))
     named = getattr(tokenizer, "image_token", None)
     if named:
         candidates = [named]
@@ -142,6 +145,7 @@ def _render(
     key: Any,
     spans: bool = True,
 ) -> Rendering:
+    family = canonical_family(family or getattr(tokenizer, "vlm_pack_family", None))  # any spelling
     placeholder = _placeholder(tokenizer, processor, family)
     return render_conversation(
         conversation,
@@ -222,8 +226,67 @@ def _collapsed_ids(rendering: Rendering, tokenizer: Any, num_images: int, key: A
     return ids, mask
 
 
+# Per tokenizer: (vocabulary size, image / fake / global tokens, cols, rows) -> the text tokens of one Idefics3 /
+# SmolVLM image expansion besides its <image> tokens. Weak keys: a cache never keeps a tokenizer alive.
+_IDEFICS3_EXTRAS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], int]] = weakref.WeakKeyDictionary()
+
+
+def _idefics3_prompt(cols: int, rows: int, image: str, fake: str, global_tag: str) -> str:
+    """The processor's expansion of one image (``get_image_prompt_string``) with one ``image`` per crop."""
+    tail = f"{fake}{global_tag}{image}{fake}"
+    if rows == 0 and cols == 0:
+        return tail
+    crops = ("".join(f"{fake}<row_{r}_col_{c}>{image}" for c in range(1, cols + 1)) for r in range(1, rows + 1))
+    return "".join(row + "\n" for row in crops) + "\n" + tail
+
+
+def _idefics3_extra_tokens(tokenizer: Any, processor: Any, cols: int, rows: int) -> int:
+    """Tokens of an Idefics3 / SmolVLM image's expansion besides its ``<image>`` tokens, counted through the
+    tokenizer once per grid shape (``(0, 0)``: a single crop).
+
+    The released tokenizers hold every ``<row_r_col_c>`` marker as one added token; a tokenizer without them
+    splits each into several, and only the tokenizer knows into how many. The expansion starts and ends with
+    ``<fake_token_around_image>``, so tokenized alone it gives the tokens it has inside any prompt.
+    """
+
+    def named(attr: str, default: str) -> str:
+        # Idefics3Processor fixes these; SmolVLMProcessor reads them from the tokenizer
+        return str(getattr(processor, attr, None) or getattr(tokenizer, attr, None) or default)
+
+    image = named("image_token", IMAGE_MARKER)
+    fake = named("fake_image_token", "<fake_token_around_image>")
+    global_tag = str(getattr(processor, "global_image_tag", None) or named("global_image_token", "<global-img>"))
+    key = (len(tokenizer), image, fake, global_tag, cols, rows)
+    try:
+        cache = _IDEFICS3_EXTRAS.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be weakly referenced: counted every time
+        cache = {}
+    if key not in cache:
+        text = _idefics3_prompt(cols, rows, image, fake, global_tag)
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        crops = cols * rows + 1
+        fake_id, image_id = (tokenizer.convert_tokens_to_ids(t) for t in (fake, image))
+        if not ids or ids[0] != fake_id or ids[-1] != fake_id or ids.count(image_id) != crops:
+            raise ValueError(
+                f"the tokenizer must keep {fake!r} and {image!r} as one special token each (the processor "
+                f"wraps every image in them): add them with tokenizer.add_special_tokens"
+                f"({{'additional_special_tokens': [{fake!r}, {image!r}]}})"
+            )
+        cache[key] = len(ids) - crops
+    return cache[key]
+
+
+def _image_extra_tokens(spec: Any, tokenizer: Any, processor: Any, width: int, height: int) -> int:
+    """Non-placeholder tokens one image adds: ``spec.extra_tokens``, except that Idefics3 / SmolVLM crop
+    markers are counted through ``tokenizer`` (the spec assumes each is one token)."""
+    if spec.family in ("idefics3", "smolvlm"):
+        cols, rows = spec.tile_grid(width, height)
+        return _idefics3_extra_tokens(tokenizer, processor, cols, rows)
+    return int(spec.extra_tokens(width, height))
+
+
 def _skeleton(
-    spec: Any, sizes: list[tuple[int, int]], placeholder: str, tokenizer: Any
+    spec: Any, sizes: list[tuple[int, int]], placeholder: str, tokenizer: Any, processor: Any = None
 ) -> list[tuple[str, int]]:
     """Per image: text standing in for its expansion in the prompt, and the tokens that text leaves out.
 
@@ -245,7 +308,7 @@ def _skeleton(
             out.append((text, n))
         return out
     if family in _PROCESSOR_WRAPS:
-        counts = [n + int(spec.extra_tokens(w, h)) for n, (w, h) in zip(counts, sizes)]
+        counts = [n + _image_extra_tokens(spec, tokenizer, processor, w, h) for n, (w, h) in zip(counts, sizes)]
     return [(placeholder, n - 1) for n in counts]
 
 
@@ -337,28 +400,47 @@ def _forecast(
     prompt = Prompt(rendering) if keep else None
     if not sizes:
         return len(_tokenize(tokenizer, rendering)[0]), [], prompt
-    skeletons = _skeleton(spec, sizes, rendering.placeholder, tokenizer)
+    skeletons = _skeleton(spec, sizes, rendering.placeholder, tokenizer, processor)
     pieces = rendering.text.split(rendering.placeholder)
     text = pieces[0] + "".join(s + piece for (s, _), piece in zip(skeletons, pieces[1:]))
     enc = tokenizer(text, add_special_tokens=rendering.add_special_tokens)
     return len(enc["input_ids"]) + sum(left for _, left in skeletons), counts, prompt
 
 
-def load_image(source: Any) -> Any:
-    """A PIL RGB image from a path, bytes or PIL image, with EXIF orientation applied (as HF ``load_image``)."""
+def load_image(source: Any, name: str = "image") -> Any:
+    """A PIL RGB image from a path, bytes or PIL image, with EXIF orientation applied (as HF ``load_image``).
+
+    Raises:
+        ImageDecodeError: (a ``SampleError`` and an ``OSError``, reason ``"decode_error"``) naming ``name``
+            when the file is missing, unreadable, truncated, not an image, or a decompression bomb: bad
+            data, counted and skipped by the pipelines.
+        SampleError: reason ``"corrupt_image"`` for a value that is no image (not a path, bytes or image).
+    """
+    import struct
+
     from PIL import Image, ImageOps
 
-    if isinstance(source, Image.Image):
-        image = source
-    elif isinstance(source, (bytes, bytearray, memoryview)):
-        image = Image.open(io.BytesIO(bytes(source)))
-        image = ImageOps.exif_transpose(image)
-    elif isinstance(source, (str, os.PathLike)):
-        image = Image.open(source)
-        image = ImageOps.exif_transpose(image)
-    else:
-        raise TypeError(f"cannot load an image from {type(source).__name__}: give a path, bytes or PIL image")
-    return image.convert("RGB")
+    if not isinstance(source, (Image.Image, bytes, bytearray, memoryview, str, os.PathLike)):
+        raise SampleError(
+            "corrupt_image",
+            f"{name}: cannot load an image from {type(source).__name__}: give a path, bytes or PIL image",
+        )
+    try:
+        if isinstance(source, Image.Image):
+            image = source
+        else:
+            image = Image.open(io.BytesIO(bytes(source)) if not isinstance(source, (str, os.PathLike)) else source)
+            image = ImageOps.exif_transpose(image)
+        return image.convert("RGB")  # decodes the pixels: a truncated file fails here
+    # Pillow's decoders report bad files as OSError (UnidentifiedImageError, "image file is truncated"),
+    # SyntaxError (broken PNG chunks), EOFError, struct.error or ValueError, and bombs as their own error
+    except (OSError, SyntaxError, EOFError, ValueError, struct.error, Image.DecompressionBombError) as exc:
+        raise ImageDecodeError("decode_error", f"{name} does not decode: {type(exc).__name__}: {exc}") from exc
+
+
+def _load_images(images: Sequence[Any], key: Any) -> list[Any]:
+    """``load_image`` of each of a sample's images, errors naming the sample and the image."""
+    return [load_image(image, f"sample {key!r}, image {i}") for i, image in enumerate(images)]
 
 
 def _shift(spans: Sequence[tuple[int, int]], replacements: list[dict[str, Any]]) -> list[tuple[int, int]]:
@@ -527,7 +609,7 @@ def _finish(
     key: Any,
 ) -> dict[str, Any]:
     """The image-processor path's ``mm_token_type_ids`` (Qwen-style) and the collapsed layout."""
-    family = family or getattr(tokenizer, "vlm_pack_family", "") or ""
+    family = canonical_family(family or getattr(tokenizer, "vlm_pack_family", None)) or ""
     if "image_grid_thw" in out or family.startswith("qwen"):
         out["mm_token_type_ids"] = (out["input_ids"] == image_id).long()
     if layout == "collapsed" and n_images:
@@ -572,7 +654,7 @@ def process_sample(
     if prompt is None:
         prompt = Prompt(_render(conversation, tokenizer, processor, family, template, len(images), key))
     rendering = prompt.rendering
-    pil = [load_image(im) for im in images]
+    pil = _load_images(images, key)
     if processor is not None:
         out = _with_processor(processor, rendering, pil, key)
         image_id = _embedding_token_id(processor)
@@ -625,15 +707,19 @@ def process_pack(
     keys: Sequence[Any] | None = None,
     prompts: Sequence[Prompt | None] | None = None,
     **options: Any,
-) -> list[dict[str, torch.Tensor] | Exception]:
-    """``process_sample`` of each ``(images, conversation)`` of a pack, or the exception it raised, in order.
+) -> list[dict[str, torch.Tensor] | SampleError]:
+    """``process_sample`` of each ``(images, conversation)`` of a pack, or its data error, in order.
 
     ``options``: the keyword arguments of :func:`process_sample`; ``keys`` / ``prompts``: its ``key`` /
     ``prompt`` per sample. The result equals ``process_sample`` sample by sample, but with a Qwen2/2.5/3-VL or
     GLM-4.1V image processor (outside DataLoader workers) all the pack's images go through ONE
     image-processor call: it writes the pack's ``pixel_values`` [sum P, D] once, and each sample gets its
-    rows as a view, so ``join_vision`` of the samples in this order is that tensor, not a copy. A sample
-    that fails (an undecodable image, a bad text) gets its exception and the others are still processed.
+    rows as a view, so ``join_vision`` of the samples in this order is that tensor, not a copy.
+
+    Failures follow ``vlm_pack.failures``: a sample with bad data (an undecodable image, a text the template
+    or processor refuses) gets a :class:`~vlm_pack.failures.SampleError` (its reason, else
+    ``"decode_error"``) and the others are still processed; an error of code raises
+    :class:`~vlm_pack.failures.SampleCodeError` naming the sample's key.
     """
     unknown = sorted(set(options) - set(_SAMPLE_OPTIONS))
     if unknown:
@@ -641,23 +727,23 @@ def process_pack(
     keys = list(keys) if keys is not None else [None] * len(samples)
     prompts = list(prompts) if prompts is not None else [None] * len(samples)
 
-    def alone(index: int) -> dict[str, torch.Tensor] | Exception:
+    def alone(index: int) -> dict[str, torch.Tensor] | SampleError:
         images, conversation = samples[index]
         try:
             return process_sample(images, conversation, key=keys[index], prompt=prompts[index], **options)
         except Exception as exc:
-            return exc
+            return _data_error(exc, keys[index])
 
     tokenizer, image_processor = options.get("tokenizer"), options.get("image_processor")
     if tokenizer is None or not _one_call(image_processor, options.get("processor")):
         return [alone(index) for index in range(len(samples))]
-    results: list[dict[str, torch.Tensor] | Exception | None] = [None] * len(samples)
+    results: list[dict[str, torch.Tensor] | SampleError | None] = [None] * len(samples)
     staged: list[_Staged] = []
     for index, sample in enumerate(samples):
         try:
             staged.append(_stage(index, sample, keys[index], prompts[index], options))
         except Exception as exc:
-            results[index] = exc
+            results[index] = _data_error(exc, keys[index])
     try:
         vision = _vision_of_pack(image_processor, staged)
     except Exception:  # which image it was is unknown: each sample alone, so the error names its sample
@@ -674,6 +760,16 @@ def process_pack(
     return results  # type: ignore[return-value]
 
 
+def _data_error(exc: Exception, key: Any) -> SampleError:
+    """``exc`` as the :class:`SampleError` a pack's sample is skipped with; raises an error of code."""
+    reason = skip_reason(exc, "decode_error", f"sample {key!r}", key)
+    if isinstance(exc, SampleError):
+        return exc
+    error = SampleError(reason, f"sample {key!r}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
 def _stage(
     index: int, sample: tuple[Sequence[Any], Conversation], key: Any, prompt: Prompt | None, options: Any
 ) -> _Staged:
@@ -686,7 +782,7 @@ def _stage(
     if prompt is None:
         family, template = options.get("family"), options.get("template")
         prompt = Prompt(_render(conversation, tokenizer, None, family, template, len(images), key))
-    pil = [load_image(im) for im in images]
+    pil = _load_images(images, key)
     ids_list, mask, image_id = _checked_tokens(tokenizer, prompt.rendering, len(pil), key, prompt.tokens)
     return _Staged(index, key, pil, (ids_list, mask), image_id)
 

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..failures import FailureBudget, SampleError, skip_reason
+from ..processing import _image_extra_tokens
 from .records import Sample
-from .shards import SampleError
 from .sources import Chunk, Source, chunk_samples, chunks, open_sources
 
 if TYPE_CHECKING:
@@ -52,9 +53,11 @@ class LengthTable:
         image_starts: int64 ``[M]``: offset of each image's block inside its (expanded) sample: its first
             placeholder, or where the processor wraps images in marker tokens (InternVL, Idefics3, SmolVLM,
             Pixtral, Gemma 3), the first of those.
-        invalid: ``(key, source, reason)`` of samples that could not be forecast (``on_error="skip"``).
+        invalid: ``(key, source, reason)`` of samples that could not be forecast (``on_error="skip"``);
+            ``reason`` is the message naming the sample.
         index: int64 ``[N]``: ordinal of each sample among all records read, invalid ones included (for a
             single dataset: its row), or None when the table was built from samples without one.
+        invalid_reasons: the reason code (``vlm_pack.failures.REASONS``) of each ``invalid`` sample.
     """
 
     keys: list[str]
@@ -67,6 +70,7 @@ class LengthTable:
     image_starts: np.ndarray
     invalid: list[tuple[str, str, str]] = field(default_factory=list)
     index: np.ndarray | None = None
+    invalid_reasons: list[str] = field(default_factory=list)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -86,7 +90,8 @@ class LengthTable:
         seed: int | None = None,
     ) -> PackResult:
         """:func:`vlm_pack.packing.pack` of these samples with ``config``'s knobs, the vision budget counted
-        as ``config.vision_cost``. ``lengths`` ``[N]`` replaces :attr:`lengths` (e.g. padded to a multiple)."""
+        as ``config.vision_cost``, each length padded to ``config.pad_to_multiple_of`` (the span the collator
+        lays out). ``lengths`` ``[N]`` replaces :attr:`lengths`."""
         from ..packing import pack
 
         vision = None
@@ -101,6 +106,7 @@ class LengthTable:
             max_samples_per_bin=config.max_samples_per_bin,
             oversized=config.oversized,
             seed=seed,
+            pad_to_multiple_of=config.pad_to_multiple_of,
         )
 
 
@@ -186,6 +192,8 @@ class _ChunkResult:
     counts: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     invalid: list[tuple[str, str, str]] = field(default_factory=list)
+    failed_ordinals: list[int] = field(default_factory=list)  # of ``invalid``, within the chunk
+    failed_reasons: list[str] = field(default_factory=list)  # of ``invalid``: reason codes
 
 
 @dataclass
@@ -211,10 +219,12 @@ def _prepare(f: _Forecaster, sample: Sample, ordinal: int, sizes: list[tuple[int
         pending = _Pending(ordinal, sample, counts, patches, prompt)
         if sizes and f.pre.spec.family in _WRAPPED:
             pending.length = f.pre.forecast(sample.conversation, sizes, sample.key)[0]
-            pending.extras = [int(f.pre.spec.extra_tokens(w, h)) for w, h in sizes]
-    except (ValueError, TypeError) as e:
+            pre = f.pre
+            pending.extras = [_image_extra_tokens(pre.spec, pre.tokenizer, pre.processor, w, h) for w, h in sizes]
+    except Exception as e:  # bad data is skipped with its reason, an error of code raises (vlm_pack.failures)
+        reason = skip_reason(e, "bad_text", sample.label, sample.key)
         message = str(e) if sample.key in str(e) else f"sample {sample.key!r}: {e}"
-        raise SampleError("bad_text", f"{sample.label}: {message}") from None
+        raise SampleError(reason, f"{sample.label}: {message}") from None
     return pending
 
 
@@ -271,8 +281,10 @@ def _forecast_items(
             if isinstance(sample, SampleError):
                 raise sample
             pending.append(_prepare(f, sample, out.records - 1, sizes))
-        except SampleError as e:
-            failed.append((out.records - 1, key, where, e))
+        except Exception as e:
+            label = sample.label if isinstance(sample, Sample) else where
+            key = sample.key if isinstance(sample, Sample) else key  # the record's own key, as on success
+            failed.append((out.records - 1, key, where, _data_error(e, label, key)))
     for p, ids in zip(pending, _token_ids(f, pending)):
         try:
             _add(f, p, ids, out)
@@ -282,7 +294,26 @@ def _forecast_items(
     if failed and f.on_error == "raise":
         raise failed[0][3]
     out.invalid = [(key, where, str(e)) for _, key, where, e in failed]
+    out.failed_ordinals = [ordinal for ordinal, _, _, _ in failed]
+    out.failed_reasons = [e.reason for _, _, _, e in failed]
     return out
+
+
+def _data_error(exc: Exception, label: str, key: str) -> SampleError:
+    """``exc`` as the :class:`SampleError` a record is skipped with; raises an error of code."""
+    reason = skip_reason(exc, "bad_text", label, key)
+    return exc if isinstance(exc, SampleError) else SampleError(reason, f"{label}: {type(exc).__name__}: {exc}")
+
+
+def _spend(budget: FailureBudget, result: _ChunkResult) -> None:
+    """Feed a chunk's outcomes, in source order, to the failure budget (raises when it is spent)."""
+    failures = dict(zip(result.failed_ordinals, zip(result.failed_reasons, result.invalid)))
+    for ordinal in sorted([*result.ordinals, *failures]):
+        if ordinal not in failures:
+            budget.success()
+            continue
+        reason, (key, where, message) = failures[ordinal]
+        budget.failure(reason, where if str(key) in where else f"{where} (key {key!r})", message)
 
 
 def forecast_sized(
@@ -337,7 +368,7 @@ def _pool(workers: int, forecaster: _Forecaster) -> Executor | None:
 
 def _table(results: list[_ChunkResult]) -> LengthTable:
     i64 = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
-    keys, wheres, invalid = [], [], []
+    keys, wheres, invalid, reasons = [], [], [], []
     text, patches, nimg, counts, starts, index = [], [], [], [], [], []
     base = 0
     for r in results:
@@ -349,13 +380,15 @@ def _table(results: list[_ChunkResult]) -> LengthTable:
         counts += r.counts
         starts += r.starts
         invalid += r.invalid
+        reasons += r.failed_reasons
         index += [base + o for o in r.ordinals]
         base += r.records
     ptr = np.concatenate([[0], np.cumsum(i64(nimg))]).astype(np.int64)
     csum = np.concatenate([[0], np.cumsum(i64(counts))])
     vision = (csum[ptr[1:]] - csum[ptr[:-1]]).astype(np.int64)
     return LengthTable(
-        keys, wheres, i64(text), vision, i64(patches), ptr, i64(counts), i64(starts), invalid, i64(index)
+        keys, wheres, i64(text), vision, i64(patches), ptr, i64(counts), i64(starts), invalid, i64(index),
+        invalid_reasons=reasons,
     )
 
 
@@ -375,6 +408,7 @@ def forecast_sources(
     num_workers: int = 1,
     progress: bool | None = None,
     chunk_rows: int = 1024,
+    max_consecutive_failures: int | None = None,
 ) -> LengthTable:
     """Forecast every record of ``sources`` (``datasets`` objects, parquet / JSON / JSONL files, shards,
     folders, globs: see ``sources.open_sources``) from text and image headers: a :class:`LengthTable`.
@@ -394,6 +428,13 @@ def forecast_sources(
         num_workers: processes reading and forecasting chunks (1: this process).
         progress: a tqdm bar with total and ETA (``None``: only on a terminal).
         chunk_rows: records per chunk (parquet: whole row groups).
+        max_consecutive_failures: with ``on_error="skip"``, the failure budget of ``vlm_pack.failures``:
+            more invalid records than this in a row (source order) raise ``FailureBudgetError`` naming the
+            most common reason (a training plan passes ``PackingConfig.max_consecutive_failures``; None, the
+            default here: no limit, as an analysis lists every invalid sample).
+
+    Records with bad data are invalid (``on_error``); an error of code (a ``template`` raising
+    ``AttributeError`` / ``TypeError`` ..., a bug) raises ``SampleCodeError`` naming the record.
     """
     from tqdm import tqdm
 
@@ -413,11 +454,13 @@ def forecast_sources(
     total = None if None in totals else sum(t for t in totals if t is not None)
     disable = (not progress) if progress is not None else None
     results: list[_ChunkResult] = []
+    budget = FailureBudget(max_consecutive_failures, "forecast_sources (header-only forecast)")
     executor = _pool(num_workers, forecaster)
     try:
         with tqdm(total=total, desc="forecast", unit=" samples", disable=disable, smoothing=0.1) as bar:
             for result in _ordered_map(executor, chunks(opened, chunk_rows), window=4 * num_workers):
                 results.append(result)
+                _spend(budget, result)
                 bar.update(result.records)
     finally:
         if executor is not None:

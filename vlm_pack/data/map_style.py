@@ -25,18 +25,27 @@ it is the whole state. :class:`PackedSampler` yields ``(epoch, index)``, ``obser
 was consumed, ``state_dict()`` / ``load_state_dict()`` continue at the next pack, with any number of
 DataLoader workers.
 
-The plan is cached: its file is named by a digest of the dataset fingerprint, the tokenizer, the image
-processor, the chat format, the vision spec and the packing settings, and stores those parts; a file whose
-parts differ from the current ones (a stale plan) is rebuilt, never reused.
+The plan is cached: its file is named by a digest of the dataset fingerprint, the preprocessor's
+:func:`fingerprint` (everything that changes a token: the vocabulary and added tokens, the processor's and
+the tokenizer's settings and templates, the template the renderer actually uses - a Jinja string by its full
+digest, a callable by its code, defaults, closure and globals -, the image processor's settings, the vision
+spec) and the packing settings, and stores those parts; a file whose parts differ from the current ones (a
+stale plan) is rebuilt, never reused, with a warning naming the parts that changed (``chat.template``,
+``image_processor.size``...). A template callable holding what cannot be fingerprinted is planned anew each
+time, never cached.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import hashlib
 import json
 import logging
 import os
+import re
+import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -46,17 +55,26 @@ import numpy as np
 import torch
 
 from ..config import PackingConfig
+from ..failures import FailureBudget, example, no_good_sample, skip_reason, tally
 from .records import normalise_record
 from .shards import SampleError
 from .sources import open_sources
 from .stats import BadSampleWarning
 
-__all__ = ["PackedMapDataset", "PackedSampler", "plan_info"]
+__all__ = [
+    "PackedMapDataset",
+    "PackedSampler",
+    "Unfingerprintable",
+    "changed_parts",
+    "fingerprint",
+    "fingerprint_value",
+    "plan_info",
+]
 
 logger = logging.getLogger("vlm_pack.data")
 
 _META = "__plan__"  # where a batch carries its plan metadata (see plan_info)
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: the key holds the preprocessor's fingerprint parts
 # PackingConfig fields that shape the plan (the rest are streaming knobs or per-epoch order).
 _PLAN_FIELDS = (
     "capacity",
@@ -74,30 +92,307 @@ def _digest(text: str | bytes) -> str:
     return hashlib.sha256(text if isinstance(text, bytes) else text.encode("utf-8")).hexdigest()
 
 
-def _tokenizer_id(tokenizer: Any) -> dict[str, Any]:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+class Unfingerprintable(ValueError):
+    """A part of a :class:`~vlm_pack.Preprocessor` (a template callable's closure, say) holds a value whose
+    content cannot be fingerprinted: a plan made with it cannot be told apart from one made with another."""
+
+
+def fingerprint(preprocessor: Any) -> tuple[str, dict[str, Any]]:
+    """``(sha256 hex digest, parts)`` of everything in ``preprocessor`` that changes a token of a sample.
+
+    ``parts`` (JSON values, so two fingerprints can be compared part by part, see :func:`changed_parts`):
+
+    - ``tokenizer``: class, vocabulary and added tokens (digests), special tokens, its ``chat_template``;
+    - ``processor``: its settings (``to_dict()`` without the sub-processors) and ``chat_template``, or None;
+    - ``image_processor``: its settings (``to_dict()``), as they are;
+    - ``chat``: the family, and the template the conversations are rendered with, chosen by the renderer's
+      own rule (``template=``, else the processor's, else the tokenizer's ``chat_template``, else the family's
+      format): a Jinja string by its full digest, a callable by its code, defaults, closure and the globals
+      it reads (see :func:`fingerprint_value`), and the placeholder an image is written as;
+    - ``spec`` (the vision spec's parameters), ``layout`` and the ``versions`` of vlm-pack and transformers.
+
+    Raises :class:`Unfingerprintable` naming the value when a template callable holds something whose
+    content cannot be fingerprinted (a lock, a tokenizer, an open file...).
+    """
+    from transformers import __version__ as transformers_version
+
+    from .._version import __version__
+    from ..chat import _checkpoint_template, chat_format
+    from ..processing import _placeholder
+
+    pre = preprocessor
+    tok, proc = pre.tokenizer, pre.processor
+    template, source = pre.template, "template="
+    if template is None:
+        template = _checkpoint_template(tok, proc)  # the rule render_conversation follows, not a copy of it
+        owner = "processor" if proc is not None and template == _template(proc) else "tokenizer"
+        source = f"{owner}.chat_template"
+    if template is None:
+        source = f"format of {pre.family or 'qwen2_vl'}"
+        try:
+            template = chat_format(pre.family or "qwen2_vl")
+        except ValueError:  # no format either: rendering any conversation raises, so no plan is made
+            source = "none"
+    try:
+        placeholder = _placeholder(tok, proc, pre.family)
+    except ValueError:  # the tokenizer has no image token: text-only data still plans
+        placeholder = None
+    parts = {
+        "tokenizer": _tokenizer_parts(tok),
+        "processor": None if proc is None else _processor_parts(proc),
+        "image_processor": _settings(pre.image_processor),
+        "chat": {
+            "family": pre.family,
+            "renders_with": source,
+            "template": fingerprint_value(template, "template"),
+            "placeholder": placeholder,
+        },
+        "spec": _jsonable(pre.spec.to_dict()) if pre.spec is not None else None,
+        "layout": pre.layout,
+        "versions": {"vlm_pack": __version__, "transformers": transformers_version},
+    }
+    return _digest(json.dumps(parts, sort_keys=True)), parts
+
+
+def changed_parts(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the parts that differ between two fingerprints' parts, e.g. ``["chat.template"]``."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for name in sorted(set(old) | set(new)):
+            if old.get(name) != new.get(name):
+                out += changed_parts(old.get(name), new.get(name), f"{prefix}{name}.")
+        return out
+    return [prefix.rstrip(".")] if old != new else []
+
+
+def _template(owner: Any) -> Any:
+    template = getattr(owner, "chat_template", None) if owner is not None else None
+    return template.get("default") if isinstance(template, dict) else template
+
+
+def _text_id(text: Any) -> Any:
+    """A template (str, a dict of named ones, None) by the full digest of its text."""
+    if text is None:
+        return None
+    text = text if isinstance(text, str) else json.dumps(text, sort_keys=True, default=str)
+    return "sha256:" + _digest(text)
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` through JSON (tuples become lists; enums, numpy values and other objects their ``str``)."""
+    return json.loads(json.dumps(value, sort_keys=True, default=_json_default))
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, np.ndarray | np.generic):
+        return value.tolist()
+    return str(value)
+
+
+def _settings(obj: Any) -> Any:
+    """An image processor's (or processor's) settings as saved with it: ``to_dict()``."""
+    if obj is None:
+        return None
+    settings = obj.to_dict() if hasattr(obj, "to_dict") else dict(vars(obj))
+    return _jsonable({"class": type(obj).__name__, **settings})
+
+
+def _processor_parts(proc: Any) -> dict[str, Any]:
+    settings = proc.to_dict() if hasattr(proc, "to_dict") else {}
+    # the sub-processors have parts of their own; the template is hashed whole, the rest is readable
+    dropped = ("tokenizer", "image_processor", "video_processor", "feature_extractor", "chat_template")
+    kept = {k: v for k, v in settings.items() if k not in dropped}
     return {
-        "class": type(tokenizer).__name__,
-        "vocab": _digest(vocab),
-        "chat_template": _digest(str(getattr(tokenizer, "chat_template", None))),
-        "image_token": getattr(tokenizer, "image_token", None),
+        "class": type(proc).__name__,
+        "settings": _jsonable(kept),
+        "chat_template": _text_id(getattr(proc, "chat_template", None)),
+        "image_token": getattr(proc, "image_token", None),
     }
 
 
-def _callable_id(fn: Callable[..., Any] | None) -> str | None:
-    if fn is None:
-        return None
-    code = getattr(fn, "__code__", None)
-    body = _digest(code.co_code + repr(code.co_consts).encode()) if code is not None else repr(fn)
-    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}:{body[:16]}"
+def _tokenizer_parts(tok: Any) -> dict[str, Any]:
+    backend = getattr(tok, "backend_tokenizer", None)
+    # the backend's JSON holds the vocabulary, merges, added tokens, normalizer and the BOS/EOS post-processor
+    vocab = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
+    added = getattr(tok, "added_tokens_decoder", {}) or {}
+    return {
+        "class": type(tok).__name__,
+        "vocab": "sha256:" + _digest(vocab),
+        "added_tokens": "sha256:" + _digest(json.dumps(sorted((int(i), str(t)) for i, t in added.items()))),
+        "special_tokens": _jsonable(dict(getattr(tok, "special_tokens_map", {}) or {})),
+        "chat_template": _text_id(getattr(tok, "chat_template", None)),
+        "image_token": getattr(tok, "image_token", None),
+        "family": getattr(tok, "vlm_pack_family", None),
+    }
+
+
+_FINGERPRINT_BUDGET = 20_000  # values visited per fingerprint: a callable that reaches further is refused
+
+
+def fingerprint_value(value: Any, path: str = "value") -> Any:
+    """A JSON value that is equal for two values exactly when their content is (within what is followed).
+
+    Followed: ``None``, bools, numbers, strings and bytes (long ones by digest), lists, tuples, dicts, sets,
+    enums, numpy arrays, torch tensors, compiled regexes, dataclass instances (their fields), functions (their
+    code, defaults, closure and the module globals their code reads; a function those reach is taken by its
+    code, defaults and closure), ``functools.partial``, bound methods, classes and modules (by name), and
+    other objects by their class and ``__dict__``. Never an ``id`` or a repr holding an address, so the value
+    is the same in every process. Raises :class:`Unfingerprintable` naming ``path`` (e.g.
+    ``"template.closure['lock']"``) for anything else.
+    """
+    return _Fingerprinter().value(value, path, depth=0)
+
+
+class _Fingerprinter:
+    def __init__(self) -> None:
+        self.visits = 0
+        self.active: set[int] = set()  # ids on the current path: a cycle is named, not followed
+
+    def value(self, v: Any, path: str, depth: int) -> Any:
+        self.visits += 1
+        if self.visits > _FINGERPRINT_BUDGET:
+            raise Unfingerprintable(f"{path}: reaches more than {_FINGERPRINT_BUDGET} values")
+        if v is None or isinstance(v, bool | int | float):
+            return v if not isinstance(v, float) else repr(v)
+        if isinstance(v, str):
+            return v if len(v) <= 120 else "sha256:" + _digest(v)
+        if isinstance(v, bytes | bytearray):
+            return "bytes:" + _digest(bytes(v))
+        if isinstance(v, enum.Enum):
+            return {"enum": _qualname(type(v)), "name": v.name}
+        if isinstance(v, type):
+            return {"class": _qualname(v)}
+        if isinstance(v, types.ModuleType):
+            return {"module": v.__name__}
+        if isinstance(v, re.Pattern):
+            pattern = v.pattern if isinstance(v.pattern, str) else _digest(v.pattern)
+            return {"regex": pattern, "flags": v.flags}
+        if isinstance(v, np.ndarray | np.generic):
+            a = np.ascontiguousarray(v)
+            return {"array": str(a.dtype), "shape": list(a.shape), "data": _digest(a.tobytes())}
+        if isinstance(v, torch.Tensor):
+            return self.value(v.detach().cpu().numpy(), path, depth)
+        if id(v) in self.active:
+            return {"cycle": type(v).__name__}
+        self.active.add(id(v))
+        try:
+            return self._compound(v, path, depth)
+        finally:
+            self.active.discard(id(v))
+
+    def _compound(self, v: Any, path: str, depth: int) -> Any:
+        if isinstance(v, list | tuple):
+            return {type(v).__name__: [self.value(x, f"{path}[{i}]", depth) for i, x in enumerate(v)]}
+        if isinstance(v, set | frozenset):
+            items = [json.dumps(self.value(x, f"{path}{{...}}", depth), sort_keys=True) for x in v]
+            return {"set": sorted(items)}
+        if isinstance(v, dict):
+            items = [
+                [self.value(k, f"{path}.keys()", depth), self.value(x, f"{path}[{k!r}]", depth)]
+                for k, x in v.items()
+            ]
+            return {"dict": sorted(items, key=lambda kv: json.dumps(kv, sort_keys=True))}
+        if isinstance(v, functools.partial):
+            return {
+                "partial": self.value(v.func, f"{path}.func", depth),
+                "args": self.value(v.args, f"{path}.args", depth),
+                "keywords": self.value(v.keywords, f"{path}.keywords", depth),
+            }
+        if isinstance(v, types.MethodType):
+            return {
+                "method": self.value(v.__func__, path, depth),
+                "self": self.value(v.__self__, f"{path}.__self__", depth),
+            }
+        if isinstance(v, types.FunctionType):
+            return self._function(v, path, depth)
+        if isinstance(v, types.BuiltinFunctionType | types.BuiltinMethodType):
+            owner = getattr(v, "__self__", None)
+            if owner is not None and not isinstance(owner, types.ModuleType):
+                raise Unfingerprintable(f"{path} is a method of a {type(owner).__name__}")
+            return {"builtin": f"{getattr(v, '__module__', None)}.{v.__qualname__}"}
+        if dataclasses.is_dataclass(v):
+            state = {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
+            return {"dataclass": _qualname(type(v)), "fields": self.value(state, path, depth)}
+        state = getattr(v, "__dict__", None)
+        if isinstance(state, dict) and not hasattr(type(v), "__slots__"):
+            out = {"object": _qualname(type(v)), "state": self.value(state, path, depth)}
+            call = next((k.__dict__["__call__"] for k in type(v).__mro__ if "__call__" in k.__dict__), None)
+            if isinstance(call, types.FunctionType):  # a callable object: what it runs is its class's code
+                out["call"] = self._function(call, f"{path}.__call__", depth)
+            return out
+        raise Unfingerprintable(f"{path} is a {type(v).__module__}.{type(v).__qualname__}")
+
+    def _function(self, fn: types.FunctionType, path: str, depth: int) -> Any:
+        code = fn.__code__
+        cells = [c.cell_contents if _filled(c) else None for c in fn.__closure__ or ()]
+        out = {
+            "function": _qualname(fn),
+            "code": _code_id(code),
+            "defaults": self.value(fn.__defaults__, f"{path}.__defaults__", depth),
+            "kwdefaults": self.value(fn.__kwdefaults__, f"{path}.__kwdefaults__", depth),
+            "closure": {
+                name: self.value(cell, f"{path}.closure[{name!r}]", depth)
+                for name, cell in zip(code.co_freevars, cells)
+            },
+        }
+        if depth == 0:  # the callable's own module globals; the functions they reach by their code
+            module = fn.__globals__
+            out["globals"] = {
+                name: self.value(module[name], f"{path}.globals[{name!r}]", depth + 1)
+                for name in sorted(_names(code))
+                if name in module
+            }
+        return out
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell (a name assigned later) raises
+    except ValueError:
+        return False
+    return True
+
+
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """Global (and attribute) names a code object and the code nested in it read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _code_id(code: types.CodeType) -> str:
+    """Digest of what a code object does: its bytecode, the names and constants it uses, nested code too."""
+    consts = [_const_id(c) for c in code.co_consts]
+    parts = [code.co_code.hex(), code.co_names, code.co_varnames, code.co_freevars, consts]
+    return _digest(json.dumps(parts))
+
+
+def _const_id(const: Any) -> Any:
+    """A code constant as JSON: nested code by its digest, a frozenset (``x in {"a", "b"}``) sorted, since
+    its repr's order changes with the string hash seed of each process."""
+    if isinstance(const, types.CodeType):
+        return _code_id(const)
+    if isinstance(const, tuple):
+        return [_const_id(c) for c in const]
+    if isinstance(const, frozenset):
+        return sorted(json.dumps(_const_id(c)) for c in const)
+    return repr(const)
 
 
 def plan_info(batch: Any) -> dict[str, Any] | None:
     """The plan metadata a :class:`PackedMapDataset` batch carries (None for other batches): ``epoch``,
     ``rank``, ``step``, ``index`` (the item), ``bin`` (its pack in the plan), ``rows`` (dataset rows,
     in the pack's order; a row that failed to load under ``on_error="warn"`` is missing, with a
-    ``BadSampleWarning``), ``lengths`` (processed) and ``plan`` (the plan's digest)."""
+    ``BadSampleWarning``), ``left_out`` (``[row, reason]`` of those rows), ``lengths`` (processed) and
+    ``plan`` (the plan's digest)."""
     metadata = getattr(batch, "metadata", None)
     if isinstance(metadata, Mapping) and _META in metadata:
         return metadata[_META]
@@ -202,18 +497,26 @@ class PackedMapDataset(torch.utils.data.Dataset):
                 "items are PackedBatch (they carry the plan metadata): use trainer_collator(style) for the HF "
                 "Trainer, or batch.model_inputs(style) in a training loop, instead of return_style"
             )
-        self.collator_kwargs = {"pad_to_multiple_of": config.pad_to_multiple_of, **(collator_kwargs or {})}
+        # max_rows=1: a pack of the plan is one row, or the collator raises naming its samples
+        self.collator_kwargs = {
+            "pad_to_multiple_of": config.pad_to_multiple_of, "max_rows": 1, **(collator_kwargs or {})
+        }
         self.epoch = 0
         self._arrow: Any = None
-        key = self._cache_key()
-        self.plan_digest = _digest(json.dumps(key, sort_keys=True))[:16]
+        key = self._cache_key(cache)
+        if key is None:  # a part cannot be fingerprinted: no cache, and the plan is named by its own content
+            cache = None
+        self.plan_digest = _digest(json.dumps(key, sort_keys=True))[:16] if key is not None else ""
         path = _cache_path(cache, self.plan_digest)
-        plan = _load_plan(path, key) if path is not None else None
+        plan = _load_plan(path, key) if path is not None and key is not None else None
         self.from_cache = plan is not None
         if plan is None:
             plan = self._build_plan(num_proc, progress)
-            if path is not None:
+            if path is not None and key is not None:
                 _save_plan(path, key, plan)
+        if key is None:
+            arrays = b"".join(np.ascontiguousarray(plan[n]).tobytes() for n in ("rows", "bin_ptr", "rank_bins"))
+            self.plan_digest = _digest(arrays)[:16]
         self._rows, self._bin_ptr, self._forecast = plan["rows"], plan["bin_ptr"], plan["lengths"]
         self._rank_bins = plan["rank_bins"].reshape(world_size, -1)
         self.skipped: list[tuple[str, str, str]] = [tuple(s) for s in plan["skipped"]]
@@ -222,23 +525,29 @@ class PackedMapDataset(torch.utils.data.Dataset):
         self._collator = self._make_collator()
 
     # ------------------------------------------------------------------ plan
-    def _cache_key(self) -> dict[str, Any]:
-        from .._version import __version__
-
-        pre = self.preprocessor
-        ip = pre.image_processor
-        ip_dict = ip.to_dict() if hasattr(ip, "to_dict") else vars(ip)
+    def _cache_key(self, cache: Any) -> dict[str, Any] | None:
+        """What the plan is a function of: the dataset, the preprocessor's :func:`fingerprint` parts and the
+        packing settings. None (with a warning where a cache was asked for) when the chat template cannot be
+        fingerprinted."""
+        try:
+            _, parts = fingerprint(self.preprocessor)
+        except Unfingerprintable as e:
+            if cache is not None and cache is not False:
+                warnings.warn(
+                    f"vlm-pack: cannot fingerprint the chat template: {e}. A plan made with it cannot be "
+                    "told from a plan made with another, so it is made anew and not cached. Hold only plain "
+                    "values (strings, numbers, containers, functions) in the callable's closure, defaults "
+                    "and globals, or pass cache=False.",
+                    stacklevel=3,
+                )
+            return None
         return {
             "format": _CACHE_FORMAT,
-            "vlm_pack": __version__,
             "dataset": {
                 "fingerprint": getattr(self.dataset, "_fingerprint", None),
                 "rows": len(self.dataset),
             },
-            "tokenizer": _tokenizer_id(pre.tokenizer),
-            "image_processor": _digest(json.dumps(ip_dict, sort_keys=True, default=str)),
-            "chat": {"family": pre.family, "template": _callable_id(pre.template)},
-            "spec": json.loads(json.dumps(pre.spec.to_dict(), default=str)),
+            **parts,
             "packing": {
                 **{f: getattr(self.config, f) for f in _PLAN_FIELDS},
                 "strategy": self.strategy,
@@ -249,7 +558,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         }
 
     def _build_plan(self, num_proc: int, progress: bool | None) -> dict[str, Any]:
-        from ..packing import balance_bins
+        from ..packing import balance_bins, padded_lengths
         from .forecast import forecast_sources
 
         cfg = self.config
@@ -262,10 +571,10 @@ class PackedMapDataset(torch.utils.data.Dataset):
             on_error="raise" if cfg.on_error == "raise" else "skip",
             num_workers=num_proc,
             progress=progress,
+            max_consecutive_failures=cfg.max_consecutive_failures,
         )
         skipped = [list(s) for s in table.invalid]
-        m = cfg.pad_to_multiple_of
-        lengths = -(-table.lengths // m) * m  # packed on the padded span, as the collator lays samples out
+        lengths = padded_lengths(table.lengths, cfg.pad_to_multiple_of)  # the spans the collator lays out
         over = np.flatnonzero(lengths > cfg.capacity)
         if over.size and cfg.oversized == "raise":
             i = int(over[0])
@@ -278,8 +587,11 @@ class PackedMapDataset(torch.utils.data.Dataset):
         if skipped:
             shown = "; ".join(f"{k} ({w}): {r}" for k, w, r in skipped[:3])
             warnings.warn(f"vlm-pack: {len(skipped)} sample(s) left out of the plan: {shown}", stacklevel=3)
-        if result.num_bins == 0:
-            raise ValueError("no sample fits the plan: every record was invalid or longer than the capacity")
+        if result.num_bins == 0:  # the failure policy's epoch with no good sample (vlm_pack.failures)
+            reasons = list(table.invalid_reasons)
+            reasons += ["too_long" if lengths[u.index] > cfg.capacity else "vision_too_large" for u in result.unpacked]
+            failures = [(reason, example(f"{w} (key {k!r})", r)) for reason, (k, w, r) in zip(reasons, skipped)]
+            raise no_good_sample("PackedMapDataset plan", *tally(failures))
         bins = _split_for_ranks([np.asarray(b, dtype=np.int64) for b in result.bins], self.world_size)
         parts = balance_bins([lengths[b].tolist() for b in bins], self.world_size, equal_count=True)
         sizes = np.asarray([len(b) for b in bins], dtype=np.int64)
@@ -321,21 +633,25 @@ class PackedMapDataset(torch.utils.data.Dataset):
         """int64: the dataset rows of pack ``bin_index`` of the plan."""
         return self._rows[self._bin_ptr[bin_index] : self._bin_ptr[bin_index + 1]]
 
+    def lengths_of(self, bin_index: int) -> np.ndarray:
+        """int64: the forecast (processed) lengths of the samples of pack ``bin_index``, as ``rows_of``."""
+        return self._forecast[self._bin_ptr[bin_index] : self._bin_ptr[bin_index + 1]]
+
     def __getitem__(self, item: int | tuple[int, int]) -> Any:
         epoch, index = item if isinstance(item, tuple) else (self.epoch, item)
         rank, step, b = self.bin_of(int(index), int(epoch))
         rows = self.rows_of(b)
         forecast = self._forecast[self._bin_ptr[b] : self._bin_ptr[b + 1]]
-        processed, kept = [], []
+        processed, kept, failed = [], [], {}
         for row, length in zip(rows.tolist(), forecast.tolist()):
             out = self._load(row, length)
-            if out is not None:
+            if isinstance(out, tuple):  # (reason, example): left out
+                failed[row] = out
+            else:
                 processed.append(out)
                 kept.append(row)
         if not processed:
-            raise ValueError(
-                f"pack {b}: none of its samples {rows.tolist()} could be loaded (see the warnings)"
-            )
+            raise no_good_sample(f"PackedMapDataset pack {b} (rows {rows.tolist()})", *tally(failed.values()))
         batch = self._collator(processed)
         info = {
             "epoch": int(epoch),
@@ -344,25 +660,33 @@ class PackedMapDataset(torch.utils.data.Dataset):
             "index": int(index),
             "bin": b,
             "rows": kept,
+            "left_out": [[row, reason] for row, (reason, _) in failed.items()],
             "lengths": [int(p["input_ids"].shape[0]) for p in processed],
             "plan": self.plan_digest,
         }
         batch.metadata[_META] = info  # a dataclass field: survives .to(device) and pin_memory()
         return batch
 
-    def _load(self, row: int, forecast: int) -> dict[str, Any] | None:
-        """``_process``; under ``on_error="warn"`` a sample that fails to load is warned about and left out."""
+    def _load(self, row: int, forecast: int) -> dict[str, Any] | tuple[str, str]:
+        """``_process``, or ``(reason, example)`` for a row with bad data: under ``on_error="warn"`` it is
+        warned about, left out and counted in this process's failure budget (``vlm_pack.failures``); an
+        error of code raises ``SampleCodeError`` naming the row."""
+        sample = f"dataset row {row}"
+        budget = self.__dict__.setdefault(
+            "_budget", FailureBudget(self.config.max_consecutive_failures, "PackedMapDataset, loading packs")
+        )
         try:
-            return self._process(row, forecast)
+            out = self._process(row, forecast)
         except Exception as e:
+            reason = skip_reason(e, "decode_error", sample, str(row))
             if self.config.on_error == "raise":
                 raise
-            warnings.warn(
-                f"vlm-pack: dataset row {row} left out of its pack: {type(e).__name__}: {e}",
-                BadSampleWarning,
-                stacklevel=3,
-            )
-            return None
+            detail = f"{type(e).__name__}: {e}"
+            warnings.warn(f"vlm-pack: {sample} left out of its pack: {reason}: {detail}", BadSampleWarning, stacklevel=3)
+            budget.failure(reason, sample, detail)
+            return reason, example(sample, detail)
+        budget.success()
+        return out
 
     def _process(self, row: int, forecast: int) -> dict[str, Any]:
         if self._arrow is None:  # Arrow rows: image bytes stay encoded until process_sample decodes them
@@ -376,7 +700,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         n = int(out["input_ids"].shape[0])
         if n != forecast:
             raise SampleError(
-                "decode_error",
+                "forecast_mismatch",
                 f"{sample.label}: processed to {n} tokens but the plan forecast {forecast}: the data or the "
                 "processor changed since the plan was made, or the vision spec does not match the processor.",
             )
@@ -431,13 +755,9 @@ def _load_plan(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
         logger.warning("vlm-pack: plan cache %s is unreadable (%s); rebuilding it", path, e)
         return None
     if stored.get("key") != key:
-        changed = sorted(
-            k for k in set(key) | set(stored.get("key", {})) if stored.get("key", {}).get(k) != key.get(k)
-        )
-        warnings.warn(
-            f"vlm-pack: the cached plan {path} is stale ({', '.join(changed)} changed); rebuilding it",
-            stacklevel=4,
-        )
+        changed = changed_parts(stored.get("key"), key)
+        shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+        warnings.warn(f"vlm-pack: the cached plan {path} is stale ({shown} changed); rebuilding it", stacklevel=4)
         return None
     plan["skipped"] = stored["skipped"]
     return plan

@@ -54,13 +54,18 @@ Epochs: an iteration that runs to the end completes the epoch and the next itera
 reaches them when they start). Memory: a stream holds the encoded bytes of the samples in its buffers
 (``shuffle_buffer`` samples and up to ``buffer_size`` open bins), not decoded images.
 
-Bad data never stops training and is never silent: each bad sample or shard is skipped with a
-:class:`BadSampleWarning` naming shard and key and counted by reason in :attr:`PackedWebDataset.stats`
-(``on_error="raise"`` raises instead). Reasons: ``unreadable_shard``, ``missing_text``, ``bad_text``,
-``corrupt_image`` (header), ``image_too_large`` (header over ``max_image_pixels``, refused before
-decoding), ``placeholder_mismatch``, ``image_rejected`` (the processor's size rule), ``too_long``,
-``vision_too_large``, ``decode_error`` (pixels), ``forecast_mismatch``. An epoch in which no shard could
-be opened at all (a mistyped path) raises ``ValueError`` naming the shards instead of yielding nothing.
+Bad data is never silent, and a bug never becomes an empty epoch (the one failure policy of
+:mod:`vlm_pack.failures`): each bad sample or shard is skipped with a :class:`BadSampleWarning` naming shard
+and key and counted by reason in :attr:`PackedWebDataset.stats` (``on_error="raise"`` raises instead).
+Reasons: ``unreadable_shard``, ``missing_text``, ``bad_text``, ``corrupt_image`` (header),
+``image_too_large`` (header over ``max_image_pixels``, refused before decoding), ``placeholder_mismatch``,
+``image_rejected`` (the processor's size rule), ``too_long``, ``vision_too_large``, ``decode_error``
+(pixels, or a processor refusing the sample), ``forecast_mismatch``. An error of code (a template or
+callable raising ``AttributeError`` / ``TypeError`` ..., a bug) raises ``SampleCodeError`` naming the
+sample. A systematic failure raises ``FailureBudgetError`` naming the most common reason and a sample of
+each: more than ``max_consecutive_failures`` bad samples in a row (per stream and stage), or an epoch in
+which no sample was good. An epoch in which no shard could be opened at all (a mistyped path) raises
+``ValueError`` naming the shards instead of yielding nothing.
 
 Where things live: this module (the dataset and its loader, main-process bookkeeping),
 :mod:`~vlm_pack.data.stream` (one stream's work in a worker), :mod:`~vlm_pack.data.state` (the typed,
@@ -82,6 +87,7 @@ from typing import Any
 import torch
 
 from ..config import PackingConfig
+from ..failures import no_good_sample
 from ..packing.stream import PACKER_KNOBS
 from ..preprocessor import Preprocessor
 from .state import EpochProgress, PipelineState, fresh_plan, remaining_plan
@@ -156,8 +162,9 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         config: the packing and streaming knobs (:class:`~vlm_pack.PackingConfig`: ``capacity``,
             ``buffer_size``, ``min_fill_ratio``, ``drop_last``, ``max_samples_per_bin``, ``vision_capacity``,
             ``vision_cost``, ``oversized``, ``pad_to_multiple_of``, ``shuffle_seed``, ``shuffle_buffer``,
-            ``on_error``, ``exif_transpose``, ``max_image_pixels``). Each can also be passed as a keyword
-            (``capacity=8192``), alone (a config is built, with ``oversized="skip"``) or over ``config``.
+            ``on_error``, ``exif_transpose``, ``max_image_pixels``, ``max_consecutive_failures``). Each can
+            also be passed as a keyword (``capacity=8192``), alone (a config is built, with
+            ``oversized="skip"``) or over ``config``.
         tokenizer, image_processor: the model's HF tokenizer and image processor; or ``processor``.
         family: chat format of ``vlm_pack.processing`` (``qwen2_vl`` ... ``llava_next``); default: from the
             tokenizer (``vlm_pack.offline``) or the image processor.
@@ -206,7 +213,10 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         self.packer_config = {k: getattr(self.config, k) for k in PACKER_KNOBS} | {"oversized": "raise"}
         self.shuffle_buffer = self.config.shuffle_buffer if self.config.shuffle_seed is not None else 0
         self.collator = collator
-        self.collator_kwargs = {"pad_to_multiple_of": self.config.pad_to_multiple_of, **collator_kwargs}
+        # max_rows=1: a bin of the packer is one row, or the collator raises naming its samples
+        self.collator_kwargs = {
+            "pad_to_multiple_of": self.config.pad_to_multiple_of, "max_rows": 1, **collator_kwargs
+        }
         self.progress = progress
         self.log_every = float(log_every)
         self.max_examples = int(max_examples)
@@ -424,9 +434,14 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
             self._check_read_something()
 
     def _check_read_something(self) -> None:
-        """Refuse an epoch that read no sample because every shard failed to open (a mistyped path)."""
+        """Refuse an epoch that read no sample because every shard failed to open (a mistyped path), or in
+        which no sample was good (every one skipped as bad data: ``vlm_pack.failures``)."""
         stats = self._epoch_stats(self._progress)
         failed = [bad for bad in stats.bad if bad.reason == "unreadable_shard"]
+        if stats.samples_bad and not stats.samples_packed and not stats.samples_dropped:
+            counts = {r: n for r, n in stats.reasons.items() if r != "unreadable_shard"}
+            examples = {r: b.example for r, b in stats.first_bad.items()}
+            raise no_good_sample(f"PackedWebDataset epoch {self.epoch}", counts, examples)
         if stats.samples_read or not failed:
             return
         shown = "; ".join(f"{bad.shard} ({bad.detail})" for bad in failed[:3])

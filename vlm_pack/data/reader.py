@@ -103,10 +103,12 @@ def read_header(
         image_name: how an image field is named in error messages (default: ``"KEY.FIELD"``).
 
     Raises:
-        SampleError: reason ``"missing_text"`` / ``"bad_text"`` (see ``parse_text``), or ``"corrupt_image"``
-        with ``image_size``'s message for the first unreadable image header.
+        SampleError: reason ``"missing_text"`` / ``"bad_text"`` (see ``parse_text``; also a turn whose
+        ``content`` is neither a string nor a list of parts), or ``"corrupt_image"`` with ``image_size``'s
+        message for the first unreadable image header.
     """
     conversation = parse_text(sample)
+    _check_contents(conversation)
     if image_name is None:
         key = sample.get("__key__")
         image_name = lambda name: f"{key}.{name}"  # noqa: E731
@@ -118,3 +120,16 @@ def read_header(
         except ValueError as exc:
             raise SampleError("corrupt_image", str(exc)) from None
     return SampleHeader(conversation, names, sizes)
+
+
+def _check_contents(conversation: str | list[dict[str, Any]]) -> None:
+    """Refuse, as bad data, a turn whose content the chat rendering cannot read (a number, a dict): what
+    it would otherwise raise there is a TypeError, which the failure policy takes for an error of code."""
+    if isinstance(conversation, str):
+        return
+    for i, turn in enumerate(conversation):
+        content = turn.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise SampleError(
+                "bad_text", f"turn {i}: 'content' must be a string or a list of parts, not {type(content).__name__}"
+            )

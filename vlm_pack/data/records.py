@@ -16,9 +16,12 @@ the images. The layout is detected from the record (``layout=`` overrides it)::
 
 Every layout becomes vlm-pack's message format (``processing.py``): turns ``{"role": "system" | "user" |
 "assistant", "content": str | [{"type": "image"} | {"type": "text", "text": ...}]}`` with ``<image>``
-marking where an image goes in string content, or a caption string. Images stay as stored: encoded
-``bytes`` (an HF ``Image`` feature read with ``decode=False`` is ``{"bytes", "path"}``), a path (relative
-paths resolved against ``image_root``), a binary file object (a tar member) or a PIL image.
+marking where an image goes in string content, or a caption string. The turns go through
+:func:`vlm_pack.chat.normalise_conversation`, the normaliser every ``Preprocessor`` method uses too, and keep
+their text as written (a LLaVA ``"<image>\\nWhat?"`` is the content ``"<image>\\nWhat?"``, newline kept).
+Images stay as stored: encoded ``bytes`` (an HF ``Image`` feature read with ``decode=False`` is
+``{"bytes", "path"}``), a path (relative paths resolved against ``image_root``), a binary file object (a tar
+member) or a PIL image.
 
 A record that fits no layout raises :class:`SampleError` listing its keys and the accepted layouts.
 """
@@ -32,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .shards import SampleError, _llava_turns, image_fields, parse_text
+from ..chat import normalise_conversation
+from .shards import SampleError, image_fields, parse_text
 
 __all__ = ["LAYOUTS", "Sample", "detect_layout", "normalise_record", "record_key"]
 
@@ -61,7 +65,6 @@ _IMAGE_FIELDS = {
     "caption": ("images", "image"),
 }
 _KEY_FIELDS = ("key", "__key__", "id")
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
 @dataclass(frozen=True)
@@ -136,42 +139,14 @@ def _json_object(data: Any) -> dict[str, Any] | None:
 
 
 def _turns(turns: Any, where: str) -> list[dict[str, Any]]:
-    """ShareGPT/LLaVA ``{"from", "value"}`` or chat ``{"role", "content"}`` turns -> vlm-pack messages."""
-    if not isinstance(turns, Sequence) or isinstance(turns, (str, bytes)) or not turns:
+    """ShareGPT/LLaVA ``{"from", "value"}`` or chat ``{"role", "content"}`` turns -> vlm-pack messages, text as
+    written: :func:`vlm_pack.chat.normalise_conversation`, the one normaliser of every entry point."""
+    if isinstance(turns, str):  # a caption is a layout of its own, never a field of turns
         raise SampleError("bad_text", f"{where}: the conversation must be a non-empty list of turns")
-    if not all(isinstance(t, Mapping) for t in turns):
-        raise SampleError("bad_text", f"{where}: every turn must be a dict, got {turns!r:.80}")
-    if "from" in turns[0]:
-        try:
-            return _llava_turns([dict(t) for t in turns])
-        except SampleError as e:
-            raise SampleError(e.reason, f"{where}: {e}") from None
-    out = []
-    for turn in turns:
-        role = _ROLES.get(str(turn.get("role", "")).lower())
-        if role is None:
-            raise SampleError(
-                "bad_text", f"{where}: turn role {turn.get('role')!r} is not system/user/assistant"
-            )
-        content = turn.get("content")
-        if isinstance(content, Sequence) and not isinstance(content, str):
-            # Arrow stores every part with every struct field (None where unset): keep what the type needs.
-            parts = []
-            for part in content:
-                kind = part.get("type") if isinstance(part, Mapping) else None
-                if kind == "image":
-                    parts.append({"type": "image"})
-                elif kind == "text":
-                    parts.append({"type": "text", "text": part.get("text") or ""})
-                else:
-                    raise SampleError(
-                        "bad_text", f"{where}: content part type must be 'image' or 'text', got {kind!r}"
-                    )
-            content = parts
-        elif not isinstance(content, str):
-            raise SampleError("bad_text", f"{where}: a {role} turn has no string or list 'content'")
-        out.append({"role": role, "content": content})
-    return out
+    try:
+        return normalise_conversation(turns)  # type: ignore[return-value]
+    except ValueError as e:
+        raise SampleError("bad_text", f"{where}: {e}") from None
 
 
 def _image(item: Any, where: str, index: int, root: Path | None) -> Any:
@@ -257,9 +232,9 @@ def normalise_record(
             if payload is not None and e.reason == "bad_text":  # JSON in no layout: name its own keys
                 raise _no_layout(payload, label, layout) from None
             raise SampleError(e.reason, f"{label}: {e}") from None
-        return Sample(
-            key, conversation, _images([record[n] for n in image_fields(record)], label, root), where
-        )
+        # An Arrow row (a dataset, parquet) has every image column: None there means no such image.
+        images = [record[n] for n in image_fields(record) if record[n] is not None]
+        return Sample(key, conversation, _images(images, label, root), where)
     if chosen is None:
         raise _no_layout(record, label, layout)
     text_field = next((f for f in _TEXT_FIELDS[chosen] if f in record), None)

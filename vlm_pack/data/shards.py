@@ -32,6 +32,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..failures import SampleError  # the one data-error type (defined with the failure policy)
+
 __all__ = [
     "IMAGE_EXTENSIONS",
     "SampleError",
@@ -54,22 +56,6 @@ _MAGIC = (
     (b"MM\x00*", "tiff"),
 )
 _IMAGE_FIELD = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTENSIONS) + r")$")
-_PLACEHOLDER = "<image>"
-
-
-class SampleError(ValueError):
-    """A sample that cannot be read, with ``reason``: ``"missing_text"``, ``"bad_text"`` or ``"corrupt_image"``.
-
-    A ``ValueError`` (so ``except ValueError`` still catches it); the reason lets callers count bad samples by
-    cause without matching message text.
-    """
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[Any, ...]:  # picklable across DataLoader workers
-        return (type(self), (self.reason, str(self)))
 
 
 def _sniff(data: bytes) -> str | None:
@@ -348,31 +334,14 @@ def image_fields(sample: Mapping[str, Any]) -> list[str]:
 
 
 def _llava_turns(turns: list[Any]) -> list[dict[str, Any]]:
-    # LLaVA / ShareGPT layout: [{"from": "human", "value": "<image>\nWhat is ..."}, {"from": "gpt", ...}]
-    roles = {
-        "human": "user",
-        "user": "user",
-        "gpt": "assistant",
-        "assistant": "assistant",
-        "system": "system",
-    }
-    out = []
-    for turn in turns:
-        role = roles.get(str(turn.get("from", "")).lower())
-        if role is None:
-            raise SampleError("bad_text", f"unknown speaker {turn.get('from')!r} (expected human/gpt/system)")
-        value = str(turn.get("value", ""))
-        pieces = value.split(_PLACEHOLDER)
-        parts: list[dict[str, Any]] = []
-        for i, piece in enumerate(pieces):
-            if i:
-                parts.append({"type": "image"})
-            # "<image>\nWhat is ..." : the newline only separates the placeholder from the question.
-            piece = piece.strip("\n") if len(pieces) > 1 else piece
-            if piece:
-                parts.append({"type": "text", "text": piece})
-        out.append({"role": role, "content": parts})
-    return out
+    """LLaVA / ShareGPT ``[{"from": "human", "value": "<image>\\nWhat is ..."}, ...]`` -> role/content turns,
+    text as written: :func:`vlm_pack.chat.normalise_conversation`, the one normaliser of every entry point."""
+    from ..chat import normalise_conversation
+
+    try:
+        return normalise_conversation(turns)  # type: ignore[return-value]
+    except ValueError as e:
+        raise SampleError("bad_text", str(e)) from None
 
 
 def parse_text(sample: Mapping[str, Any]) -> str | list[dict[str, Any]]:

@@ -11,22 +11,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..failures import BAD_REASONS, example
+
 __all__ = ["BAD_REASONS", "OWN_PHASES", "PHASES", "BadSample", "BadSampleWarning", "PipelineStats"]
 
-#: Why a sample (or shard) was skipped.
-BAD_REASONS = (
-    "unreadable_shard",
-    "missing_text",
-    "bad_text",
-    "corrupt_image",
-    "image_too_large",
-    "placeholder_mismatch",
-    "image_rejected",
-    "too_long",
-    "vision_too_large",
-    "decode_error",
-    "forecast_mismatch",
-)
+# Fields added after state version 2: a saved state may lack them (their default then).
+_ADDED_FIELDS = ("first_bad",)
 
 #: Phases timed in :attr:`PipelineStats.time`: CPU seconds of the stream's thread (``time.thread_time``, so
 #: other processes on the machine do not inflate them), summed over streams. ``OWN_PHASES`` are vlm-pack's;
@@ -53,6 +43,11 @@ class BadSample:
 
     def __str__(self) -> str:
         return f"{self.reason}: shard {self.shard}, key {self.key!r}: {self.detail}"
+
+    @property
+    def example(self) -> str:
+        """How a failure budget's error quotes this sample (``vlm_pack.failures.example``)."""
+        return example(f"key {self.key!r} in {self.shard}", self.detail)
 
 
 @dataclass
@@ -84,6 +79,8 @@ class PipelineStats:
     """Bad samples and unreadable shards per ``BadSample.reason``."""
     bad: list[BadSample] = field(default_factory=list)
     """The most recent bad samples, as examples."""
+    first_bad: dict[str, BadSample] = field(default_factory=dict)
+    """The first bad sample of each reason (every reason keeps an example, however many came after)."""
     time: dict[str, float] = field(default_factory=dict)
     """CPU seconds per phase (``PHASES``)."""
 
@@ -103,6 +100,7 @@ class PipelineStats:
         if bad.reason != "unreadable_shard":
             self.samples_bad += 1
         self.reasons[bad.reason] = self.reasons.get(bad.reason, 0) + 1
+        self.first_bad.setdefault(bad.reason, bad)
         self.bad.append(bad)
         del self.bad[:-max_examples]
 
@@ -111,6 +109,7 @@ class PipelineStats:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["reasons"], out["time"] = dict(self.reasons), dict(self.time)
         out["bad"] = [dataclasses.asdict(b) for b in self.bad]
+        out["first_bad"] = {reason: dataclasses.asdict(b) for reason, b in self.first_bad.items()}
         return out
 
     @classmethod
@@ -118,8 +117,12 @@ class PipelineStats:
         """Inverse of :meth:`to_dict`; also reads the ``[shard, key, reason, detail]`` lists of state version 1."""
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
+            if f.name in _ADDED_FIELDS and f.name not in data:
+                continue
             value = data[f.name]
-            if f.name == "reasons":
+            if f.name == "first_bad":
+                value = {reason: BadSample(**b) for reason, b in value.items()}
+            elif f.name == "reasons":
                 value = {k: int(v) for k, v in value.items()}
             elif f.name == "time":
                 value = {k: float(v) for k, v in value.items()}
@@ -137,6 +140,8 @@ class PipelineStats:
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if f.name == "capacity":
                 values[f.name] = mine or theirs
+            elif f.name == "first_bad":
+                values[f.name] = {**theirs, **mine}  # the first sum's example wins
             elif isinstance(mine, dict):
                 values[f.name] = {k: mine.get(k, 0) + theirs.get(k, 0) for k in {**mine, **theirs}}
             elif isinstance(mine, list):

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..failures import FailureBudget, SampleCodeError, SampleError, skip_reason
 from ..packing import StreamPacker
 from ..processing import IMAGE_MARKER, Prompt
 from .reader import read_header, stream_tar_samples
-from .shards import SampleError
 from .state import Cursor, EpochProgress, PlanItem, StreamSnapshot, position, split_position
 from .stats import PHASES, BadSample, BadSampleWarning, PipelineStats
 
@@ -122,16 +122,13 @@ class _Sample:
     vision: int  # vision cost (PackingConfig.vision_cost)
 
 
-class _Skip(Exception):
-    """A sample the forecast refuses: ``reason`` and ``detail`` go to :meth:`StreamRunner._bad`."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-
-
 class StreamRunner:
-    """One stream's reading, forecasting, packing and collation (runs in a DataLoader worker)."""
+    """One stream's reading, forecasting, packing and collation (runs in a DataLoader worker).
+
+    Failures follow ``vlm_pack.failures``: a sample with bad data is counted with its reason and skipped,
+    an error of code raises ``SampleCodeError`` naming the sample; each stage (the forecast, the processing
+    of packed samples) has its own :class:`~vlm_pack.failures.FailureBudget` of consecutive bad samples.
+    """
 
     def __init__(
         self,
@@ -163,21 +160,29 @@ class StreamRunner:
         self.collate = ds._collate()
         self.snapshot = snapshot
         self.flushed = False  # every sample read and the packer flushed: the bins left in ready are the last
+        limit, who = ds.config.max_consecutive_failures, f"PackedWebDataset stream {stream}"
+        self.forecast_budget = FailureBudget(limit, f"{who}, header-only forecast")
+        self.process_budget = FailureBudget(limit, f"{who}, processing packed samples")
 
     # -- bad data
-    def _bad(self, url: str, key: str | None, reason: str, detail: str) -> None:
+    def _bad(
+        self, url: str, key: str | None, reason: str, detail: str, budget: FailureBudget | None = None
+    ) -> None:
+        """Count, warn about and skip a bad sample (a shard: no ``budget``), or raise (``on_error``)."""
         bad = BadSample(url, key, reason, detail)
         if self.config.on_error == "raise":
             raise ValueError(f"bad sample: {bad} (on_error='warn' skips such samples and counts them)")
         warnings.warn(f"vlm-pack: skipping {bad}", BadSampleWarning, stacklevel=3)
         self.stats.count_bad(bad, self.ds.max_examples)
+        if budget is not None:
+            budget.failure(reason, f"key {key!r} in {url}", detail)
 
     # -- per sample: header-only forecast
     def _check_images(self, names: list[str], sizes: list[tuple[int, int]]) -> None:
         limit = self.config.max_image_pixels
         for (width, height), name in zip(sizes, names):
             if limit is not None and width * height > limit:
-                raise _Skip(
+                raise SampleError(
                     "image_too_large",
                     f"{name}: its header declares {width}x{height} = {width * height:,} pixels > "
                     f"max_image_pixels {limit:,}; refused before decoding (a decompression bomb or an "
@@ -187,19 +192,21 @@ class StreamRunner:
             try:
                 self.ds.spec.num_tokens(width, height)
             except ValueError as exc:
-                raise _Skip("image_rejected", f"{name} {width}x{height}: {exc}") from None
+                raise SampleError("image_rejected", f"{name} {width}x{height}: {exc}") from None
 
-    def _check_length(self, url: str, key: str | None, length: int) -> None:
+    def _overflow(self, url: str, key: str | None, length: int) -> str | None:
+        """Why a sample of ``length`` tokens fits no pack (None: it fits); raises under oversized="raise"."""
         config = self.config
         span = -(-length // config.pad_to_multiple_of) * config.pad_to_multiple_of
-        if span > config.capacity:
-            what = f"{length} tokens" + (f" (padded to {span})" if span != length else "")
-            if config.oversized == "raise":
-                raise ValueError(
-                    f"sample {key!r} in {url}: {what} > capacity {config.capacity}; raise capacity, cap the "
-                    "image processor's max_pixels, or pass oversized='skip'."
-                )
-            raise _Skip("too_long", f"{what} > capacity {config.capacity}")
+        if span <= config.capacity:
+            return None
+        what = f"{length} tokens" + (f" (padded to {span})" if span != length else "")
+        if config.oversized == "raise":
+            raise ValueError(
+                f"sample {key!r} in {url}: {what} > capacity {config.capacity}; raise capacity, cap the "
+                "image processor's max_pixels, or pass oversized='skip'."
+            )
+        return f"{what} > capacity {config.capacity}"
 
     def _vision_cost(self, sizes: list[tuple[int, int]]) -> int:
         config = self.config
@@ -210,41 +217,46 @@ class StreamRunner:
         else:
             cost = sum(self.ds.spec.num_patches(width, height) for width, height in sizes)
         if cost > config.vision_capacity:
-            raise _Skip("vision_too_large", f"vision cost {cost} > vision_capacity {config.vision_capacity}")
+            raise SampleError("vision_too_large", f"vision cost {cost} > vision_capacity {config.vision_capacity}")
         return cost
 
     def _forecast_sample(self, url: str, raw: dict[str, Any]) -> _Sample:
+        """The sample with its forecast; raises what makes it bad (``vlm_pack.failures`` sorts it out)."""
         ds = self.ds
         key = raw.get("__key__")
-        try:
-            conversation, names, sizes = read_header(raw, exif_transpose=self.config.exif_transpose)
-        except SampleError as exc:
-            raise _Skip(exc.reason, str(exc)) from None
+        conversation, names, sizes = read_header(raw, exif_transpose=self.config.exif_transpose)
         images = [raw[name] for name in names]
         n_markers = _count_markers(conversation) if ds.preprocessor.template is None else None
         if n_markers and n_markers != len(images):
-            raise _Skip(
+            raise SampleError(
                 "placeholder_mismatch",
                 f"the text has {n_markers} image placeholder(s) but the sample has {len(images)} image(s) "
                 f"({', '.join(names) or 'none'})",
             )
         self._check_images(names, sizes)
-        try:
-            length, _, prompt = ds.preprocessor.forecast_prompt(conversation, sizes, key)
-        except (ValueError, TypeError, AttributeError) as exc:
-            reason = "placeholder_mismatch" if "placeholder" in str(exc) else "bad_text"
-            raise _Skip(reason, str(exc)) from None
-        self._check_length(url, key, length)
+        length, _, prompt = ds.preprocessor.forecast_prompt(conversation, sizes, key)
         return _Sample(url, key, images, conversation, prompt, length, self._vision_cost(sizes))
 
     def _forecast(self, url: str, raw: dict[str, Any]) -> _Sample | None:
-        """The sample with its forecast, or None after reporting why it is skipped (timed as "forecast")."""
+        """The sample with its forecast, or None after reporting why it is skipped (timed as "forecast").
+
+        Raises ``SampleCodeError`` naming the sample for an error of code (``vlm_pack.failures``).
+        """
         started = time.thread_time()
+        key = raw.get("__key__")
         try:
-            return self._forecast_sample(url, raw)
-        except _Skip as skip:
-            self._bad(url, raw.get("__key__"), skip.reason, str(skip))
-            return None
+            try:
+                sample = self._forecast_sample(url, raw)
+            except Exception as exc:
+                reason = skip_reason(exc, "bad_text", f"key {key!r} in {url}", key)
+                self._bad(url, key, reason, str(exc), self.forecast_budget)
+                return None
+            overflow = self._overflow(url, key, sample.length)
+            if overflow is not None:
+                self._bad(url, key, "too_long", overflow, self.forecast_budget)
+                return None
+            self.forecast_budget.success()
+            return sample
         finally:
             self.stats.time["forecast"] += time.thread_time() - started
 
@@ -288,23 +300,27 @@ class StreamRunner:
 
     # -- collation
     def _process(self, samples: list[_Sample]) -> list[dict[str, Any] | None]:
-        """``process_sample`` of a bin's samples (timed as "preprocess"); None for each decode error.
+        """``process_sample`` of a bin's samples (timed as "preprocess"); None for each bad one (counted).
 
         ``process_pack`` writes the bin's ``pixel_values`` once (one image-processor call where that is
         exact, in the main process), so the collator joins the samples' views without copying them again.
         """
         ds = self.ds
         started = time.thread_time()
-        outs = ds.preprocessor.process_pack(
-            [(sample.images, sample.conversation) for sample in samples],
-            keys=[sample.key for sample in samples],
-            prompts=[sample.prompt for sample in samples],
-        )
+        try:
+            outs = ds.preprocessor.process_pack(
+                [(sample.images, sample.conversation) for sample in samples],
+                keys=[sample.key for sample in samples],
+                prompts=[sample.prompt for sample in samples],
+            )
+        except SampleCodeError as exc:  # name the sample's shard too
+            url = next((sample.url for sample in samples if sample.key == exc.key), None)
+            raise SampleCodeError(f"shard {url}, {exc}", exc.key) from exc
         self.stats.time["preprocess"] += time.thread_time() - started
         for sample, out in zip(samples, outs):
-            if isinstance(out, Exception):
-                self._bad(sample.url, sample.key, "decode_error", f"{type(out).__name__}: {out}")
-        return [None if isinstance(out, Exception) else out for out in outs]
+            if isinstance(out, SampleError):
+                self._bad(sample.url, sample.key, out.reason, str(out), self.process_budget)
+        return [None if isinstance(out, SampleError) else out for out in outs]
 
     def _warn_mismatch(self, sample: _Sample, processed_length: int) -> None:
         self.stats.forecast_mismatches += 1
@@ -340,10 +356,12 @@ class StreamRunner:
         while sum(map(self._padded, lengths)) > self.config.capacity and mismatched:
             j = mismatched.pop()
             sample = picked[j]
-            self._bad(sample.url, sample.key, "forecast_mismatch", f"processed {lengths[j]} tokens overflow the bin")
+            detail = f"processed {lengths[j]} tokens overflow the bin"
+            self._bad(sample.url, sample.key, "forecast_mismatch", detail, self.process_budget)
             del processed[j], picked[j], lengths[j]
         if not processed:
             return None
+        self.process_budget.success()
         started = time.thread_time()
         batch = self.collate(processed)
         self.stats.time["collate"] += time.thread_time() - started

@@ -5,15 +5,24 @@ word (the buffer is cleared). :class:`VLMPackingTaskEncoder` fills both gaps::
 
     CrudeWebdataset  ->  cooker (@stateless)           ->  select_samples_to_pack      ->  pack_selected_samples
     (decoder=None:       image sizes from the headers,      vlm_pack.pack (best fit         (@stateless) decode, process,
-     raw bytes)          forecast_length: exact tokens      decreasing) over the buffer     PackingCollator -> PackedBatch
-                         (no pixel decoded)                 every fitting sample packed     in a PackedVLMSample
-                                                            oversized: counted + warned     (restore keys by Energon)
+     raw bytes)          forecast_length: exact tokens      decreasing) over the buffer,    PackingCollator -> one row
+                         (no pixel decoded)                 on the padded spans the rows    in a PackedVLMSample
+                                                            will have; oversized: carried   (.keys, .left_out, restore
+                                                            by a pack of the same buffer    keys by Energon)
+
+Every pack is one row: the selection plans on each sample's span once padded to ``pad_to_multiple_of`` (as the
+collator lays it out, ``vlm_pack.packing.padded_lengths``), and the collator (``max_rows=1``) refuses a pack
+that would need two. ``pack.batch.metadata["__key__"]`` (= ``pack.batch.sample_keys`` = ``pack.keys``) names the
+samples in packed order.
 
 Policy for samples left out: best fit over the whole buffer places every sample that fits ``capacity``, so the
-only samples left out are those longer than ``capacity`` on their own. Each is logged as a warning naming its
-key, length and the capacity, and recorded as ``(key, reason)`` in :attr:`VLMPackingTaskEncoder.left_out` (of
-the process that packed it: with ``num_workers > 0`` the worker's copy, so read the warnings). ``oversized="raise"``
-stops at the first one instead.
+only samples left out are those longer than ``capacity`` on their own. Each is reported as ``(key, reason)`` in
+the :attr:`PackedVLMSample.left_out` of a pack of the same buffer, so the report travels with the packs from
+worker processes to the training loop and is restored with them (the left-out samples ride in that pack's
+group, the stateless packer recognises them by length); it is also logged as a warning and recorded in
+:attr:`VLMPackingTaskEncoder.left_out` of the process that selected it (with ``num_workers > 0`` a worker's copy,
+not the main process's). A buffer in which no sample fits has no pack to carry its report: only the warning
+and that list tell. ``oversized="raise"`` stops at the first one instead.
 Nothing is carried between buffers: a carry list would live outside Energon's saved state, and a restore
 would then repeat or lose those samples.
 
@@ -49,6 +58,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .. import PackedBatch, Preprocessor, pack
 from ..data import read_header
+from ..packing import padded_lengths
 from ..preprocessor import checked_preprocessor
 
 __all__ = ["PackedVLMSample", "VLMPackingTaskEncoder", "VLMSample", "packed_train_dataset"]
@@ -67,10 +77,13 @@ class VLMSample(Sample):
 
 @edataclass
 class PackedVLMSample(Sample):
-    """One pack: the collated :class:`~vlm_pack.PackedBatch` and the keys of its samples in packed order."""
+    """One pack: the collated :class:`~vlm_pack.PackedBatch` (one row), the keys of its samples in packed order
+    (also ``batch.metadata["__key__"]``) and ``left_out``: ``(key, reason)`` of the samples of the same packing
+    buffer that no pack holds (longer than ``capacity``), reported once, on one pack of that buffer."""
 
     batch: PackedBatch
     keys: list
+    left_out: list
 
 
 class VLMPackingTaskEncoder(DefaultTaskEncoder):
@@ -82,8 +95,10 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
             or ``tokenizer=`` + ``image_processor=``); its ``layout``: ``"expanded"`` (HF models) or
             ``"collapsed"`` (Megatron: one placeholder per image).
         config: the model config (family, token ids, merge size; see :class:`~vlm_pack.PackingCollator`).
-        pad_to_multiple_of: per-sample padding for context/sequence parallelism (``pad_multiple_for``).
-        oversized: ``"report"`` (warn, record in :attr:`left_out`, leave the sample out) or ``"raise"``
+        pad_to_multiple_of: per-sample padding for context/sequence parallelism (``pad_multiple_for``); packs
+            are planned on the padded spans, so each is one row.
+        oversized: ``"report"`` (leave the sample out, report it in a pack's ``left_out``, warn, record it in
+            :attr:`left_out`) or ``"raise"``
             (pair it with ``WorkerConfig(global_error_handler=megatron.energon.errors.reraise_exception)``:
             Energon's default handler logs a failed selection and skips its whole buffer).
 
@@ -107,10 +122,16 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         if oversized not in ("report", "raise"):
             raise ValueError(f"oversized must be 'report' or 'raise', got {oversized!r}")
         self.preprocessor = checked_preprocessor(preprocessor)
+        # max_rows=1: a pack is one row, or the collator raises naming its samples
         self.collator = preprocessor.collator(
-            capacity, config=config, layout=preprocessor.layout, pad_to_multiple_of=pad_to_multiple_of
+            capacity,
+            config=config,
+            layout=preprocessor.layout,
+            pad_to_multiple_of=pad_to_multiple_of,
+            max_rows=1,
         )
         self.capacity = capacity
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.oversized = oversized
         self.left_out: list[tuple[str, str]] = []
         self.cookers = [Cooker(self.cook_sample)]
@@ -131,27 +152,49 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
             length=int(length),
         )
 
+    def _too_long(self, sample: VLMSample) -> str | None:
+        """Why ``sample`` fits no pack (its padded span exceeds ``capacity``), or None when it fits one."""
+        span = int(padded_lengths([sample.length], self.pad_to_multiple_of)[0])
+        if span <= self.capacity:
+            return None
+        padding = f" (padded to {span})" if span != sample.length else ""
+        return f"{sample.length} tokens{padding} > capacity {self.capacity}"
+
     def select_samples_to_pack(self, samples: list[VLMSample]) -> list[list[VLMSample]]:
-        """Best-fit decreasing over the whole buffer; samples keep their buffer order inside a pack."""
-        plan = pack([s.length for s in samples], self.capacity, oversized="skip")
-        left = []
-        for miss in plan.unpacked:
-            sample = samples[miss.index]
-            reason = f"{sample.length} tokens > capacity {self.capacity}"
+        """Best-fit decreasing over the whole buffer on the padded spans; samples keep their buffer order inside
+        a pack. The samples left out go at the end of the first pack's group: ``pack_selected_samples`` reports
+        them on that pack."""
+        lengths = [s.length for s in samples]
+        plan = pack(lengths, self.capacity, oversized="skip", pad_to_multiple_of=self.pad_to_multiple_of)
+        left = [samples[miss.index] for miss in plan.unpacked]
+        for sample in left:
+            reason = self._too_long(sample)
             if self.oversized == "raise":
                 raise ValueError(
                     f"sample {sample.__key__!r}: {reason}; raise capacity or use oversized='report'"
                 )
             logger.warning("vlm-pack/energon: left out sample %r: %s", sample.__key__, reason)
-            left.append((sample.__key__, reason))
-        self.left_out.extend(left)
-        return [[samples[i] for i in sorted(b)] for b in plan.bins]
+            self.left_out.append((sample.__key__, reason))
+        groups = [[samples[i] for i in sorted(b)] for b in plan.bins]
+        if groups:
+            groups[0] += left
+        elif left:
+            logger.warning(
+                "vlm-pack/energon: no sample of this packing buffer fits capacity %d: %d sample(s) left out "
+                "with no pack to report them on: %s", self.capacity, len(left), [s.__key__ for s in left],
+            )
+        return groups
 
     @stateless
     def pack_selected_samples(self, samples: list[VLMSample]) -> PackedVLMSample:
-        """Decode and process the pack's samples and collate them into one :class:`PackedBatch` row."""
+        """Decode and process the pack's samples and collate them into one :class:`PackedBatch` row; the
+        samples too long for any pack (placed here by the selection) become the pack's ``left_out``."""
+        reasons = [self._too_long(s) for s in samples]
+        left_out = [(s.__key__, why) for s, why in zip(samples, reasons) if why is not None]
+        samples = [s for s, why in zip(samples, reasons) if why is None]
         processed = [self.preprocessor.process(s.images, s.conversation, s.__key__) for s in samples]
         for s, p in zip(samples, processed):
+            p["__key__"] = s.__key__  # batch.metadata["__key__"] in packed order
             tpi = p.get("tokens_per_image")
             n = len(p["input_ids"])
             if self.preprocessor.layout == "collapsed" and tpi is not None:  # one placeholder per image
@@ -162,8 +205,6 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
                     "not match the image processor (build both from the same checkpoint)"
                 )
         batch = self.collator.collate(processed)
-        if batch.num_rows != 1:
-            raise RuntimeError(f"pack of {[s.__key__ for s in samples]} did not fit one row of {self.capacity}")
         sources = tuple(src for s in samples for src in (s.__sources__ or ()))
         return PackedVLMSample(
             __key__="+".join(s.__key__ for s in samples),
@@ -171,7 +212,8 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
             __subflavors__=samples[0].__subflavors__,
             __sources__=sources or None,
             batch=batch,
-            keys=[samples[i].__key__ for i in batch.sample_index.tolist()],
+            keys=list(batch.sample_keys),
+            left_out=left_out,
         )
 
     def batch(self, samples: list[PackedVLMSample]) -> list[PackedVLMSample]:

@@ -3,9 +3,11 @@
 TRL 1.16 refuses ``packing=True`` and ``padding_free=True`` for vision datasets, but trains on packed rows when
 it is set up by hand. Four pieces do that::
 
-    WebDataset shards --packed_dataset--> datasets.Dataset, one row per pack      (plan: vlm_pack.pack over
-                                          {"keys", "conversations", "image_bytes",   header forecasts, no decode)
-                                           "lengths"}  (.to_iterable_dataset() streams it)
+    a datasets.Dataset, parquet, --packed_dataset--> datasets.Dataset, a row per pack (plan: PackedMapDataset's
+    JSON / JSONL (LLaVA), shards                     {"keys", "conversations",      over header forecasts, no
+    (anything forecast_sources reads)                 "image_bytes", "lengths"}     decode; read by row)
+                                                     (streaming=True: an IterableDataset; .left_out: samples
+                                                      left out, with their reasons)
         --TRLPackingCollator--> input_ids, labels [R, T]; position_ids [4, R, T] (Qwen mRoPE) or [R, T];
                                 pixel_values, image_grid_thw, mm_token_type_ids; NO attention_mask
                                 (transformers then masks per sample from the position restarts; Gemma 3
@@ -27,10 +29,14 @@ it is set up by hand. Four pieces do that::
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import uuid
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 try:
@@ -39,10 +45,12 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("vlm_pack.integrations.trl needs TRL and datasets: pip install 'vlm-pack[trl]'") from exc
 
+import numpy as np
 import torch
 
-from .. import Preprocessor, pack
-from ..data import SampleError, read_header, stream_tar_samples
+from .. import PackingConfig, Preprocessor
+from ..data import BadSampleWarning, PackedMapDataset, Sample, SampleError, normalise_record
+from ..data.sources import chunk_samples, chunks, open_sources
 from ..preprocessor import checked_preprocessor
 from ..testing import pad_samples
 
@@ -113,37 +121,15 @@ def packed_sft_config(output_dir: str, **kwargs: Any) -> SFTConfig:
 
 # ---------------------------------------------------------------------------------------------- dataset
 
-
-def _read_shards(urls: Sequence[str]) -> Iterator[tuple[str, list[bytes], Any, list[tuple[int, int]]]]:
-    """(key, image bytes, conversation, image (width, height) from the headers) of every sample."""
-    for url in urls:
-        for raw in stream_tar_samples(url):
-            try:
-                header = read_header(raw)
-            except SampleError as exc:
-                raise ValueError(f"{url}: sample {raw.get('__key__')!r}: {exc}") from exc
-            images = [raw[name] for name in header.image_names]
-            yield raw["__key__"], images, header.conversation, header.image_sizes
-
-
-def pack_rows(
-    urls: Sequence[str], bins: Sequence[Sequence[str]], lengths: Sequence[Sequence[int]]
-) -> Iterator[dict[str, Any]]:
-    """The rows of :func:`packed_dataset`, one per bin of sample keys (module level, so that ``datasets``
-    can fingerprint it)."""
-    wanted = {key for keys in bins for key in keys}
-    found = {key: (images, conv) for key, images, conv, _ in _read_shards(urls) if key in wanted}
-    for keys, bin_lengths in zip(bins, lengths):
-        yield {
-            "keys": list(keys),
-            "conversations": [json.dumps(found[key][1]) for key in keys],
-            "image_bytes": [found[key][0] for key in keys],
-            "lengths": list(bin_lengths),
-        }
+_ROWS_FORMAT = 2  # in the fingerprints of the Arrow files below: bump when what a row holds changes
+# PackedMapDataset warns about the samples its plan leaves out only when it builds the plan (not when it reads
+# it from its cache); packed_dataset reports them itself, every time, with those the reading left out.
+_PLAN_WARNING = r"vlm-pack: \d+ sample\(s\) left out of the plan"
+_IMAGE_COLUMN = "{}.png"  # a name the WebDataset layout reads as image {}; the bytes keep their own format
 
 
 def packed_dataset(
-    urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    sources: Any,
     preprocessor: Preprocessor,
     *,
     capacity: int,
@@ -151,50 +137,276 @@ def packed_dataset(
     seed: int | None = 0,
     streaming: bool = False,
     cache_dir: str | None = None,
+    layout: str | None = None,
+    image_root: str | os.PathLike[str] | None = None,
+    pad_to_multiple_of: int = 1,
+    num_proc: int = 1,
 ) -> datasets.Dataset | datasets.IterableDataset:
-    """A ``datasets.Dataset`` (``streaming=True``: ``IterableDataset``) of pack plans over WebDataset shards.
+    """A ``datasets.Dataset`` (``streaming=True``: ``IterableDataset``) of packs of ``sources``, one row each.
 
-    Every sample's expanded length is forecast from its image headers by ``preprocessor`` (the checkpoint's
-    parts: give the same one to :class:`TRLPackingCollator`, so that plan and rows agree; no decode), the
-    samples are packed into bins of ``capacity`` tokens (``vlm_pack.pack``, best fit decreasing; ``seed``
-    shuffles the bin order so that training sees no length curriculum; ``None`` keeps creation order) and each
-    bin becomes one row ``{"keys", "conversations" (JSON), "image_bytes", "lengths"}``, samples in data order.
-    Images are decoded only by :class:`TRLPackingCollator`. ``oversized="skip"`` leaves samples longer than
-    ``capacity`` out with a warning naming each; ``"raise"`` (default) stops, naming the first.
+    ``sources`` is anything :func:`vlm_pack.data.forecast_sources` reads: a ``datasets.Dataset`` (or a
+    ``save_to_disk`` folder, or an ``IterableDataset``), parquet files, JSON (LLaVA-Instruct, ShareGPT) or
+    JSONL files, WebDataset shards, folders or globs of them, or a list mixing these; records in any layout of
+    ``vlm_pack.data.LAYOUTS`` (``layout=`` forces one; ``image_root`` resolves relative image paths).
+
+    The plan is :class:`vlm_pack.PackedMapDataset`'s, over a ``datasets.Dataset``: given one, that dataset;
+    otherwise the records copied once into one (Arrow, in ``cache_dir``: each record's conversation and
+    its images' bytes, reused while the files are unchanged; an ``IterableDataset`` is copied on every call,
+    having nothing to tell an unchanged stream by). Every sample's expanded length is forecast from
+    its image headers by ``preprocessor`` (give the same one to :class:`TRLPackingCollator`, so that plan and
+    rows agree; no decode), the samples are packed into bins of ``capacity`` tokens (each sample counted
+    padded to ``pad_to_multiple_of``, as the collator lays it out), and ``seed`` shuffles the order of the
+    bins (so that training sees no length curriculum; ``None`` keeps the plan's order). The plan is cached
+    in ``cache_dir/vlm_pack_plans`` (default: vlm-pack's plan cache).
+
+    Each bin becomes one row ``{"keys", "conversations" (JSON), "image_bytes", "lengths"}``, samples in data
+    order, read row by row from the dataset (images undecoded; :class:`TRLPackingCollator` decodes them).
+
+    Samples left out are reported, never dropped silently: a record that cannot be read or forecast (a
+    corrupt image, a record in no layout) and, with ``oversized="skip"``, a sample longer than ``capacity``
+    are listed as ``(key, where, reason)`` in the returned dataset's ``left_out`` attribute, with one warning
+    naming the first. ``oversized="raise"`` (default) stops at the first sample longer than ``capacity``.
     """
-    url_list = [os.fspath(urls)] if isinstance(urls, (str, os.PathLike)) else [os.fspath(u) for u in urls]
     if oversized not in ("raise", "skip"):
         raise ValueError(f"oversized must be 'raise' or 'skip', got {oversized!r}")
     pre = checked_preprocessor(preprocessor)
-    keys, lengths = [], []
-    for key, _, conv, sizes in _read_shards(url_list):
-        keys.append(key)
-        lengths.append(pre.forecast(conv, sizes, key)[0])
-    if not keys:
-        raise ValueError(f"packed_dataset: no samples in {url_list}")
-    too_long = [(k, n) for k, n in zip(keys, lengths) if n > capacity]
-    if too_long and oversized == "raise":
-        key, n = too_long[0]
+    if pre.layout != "expanded":
         raise ValueError(
-            f"sample {key!r}: {n} tokens > capacity {capacity} ({len(too_long)} such samples); raise capacity, "
-            "lower the image processor's max_pixels, or pass oversized='skip'"
+            f"packed_dataset plans rows for Hugging Face models: give a Preprocessor with layout='expanded', "
+            f"not {pre.layout!r}"
         )
-    for key, n in too_long:
-        warnings.warn(f"packed_dataset: left out sample {key!r}: {n} tokens > capacity {capacity}", stacklevel=2)
-    plan = pack(lengths, capacity, oversized="skip", seed=seed)
-    bins = [sorted(b) for b in plan.bins]
-    ds = datasets.Dataset.from_generator(
+    config = PackingConfig(
+        capacity=capacity, oversized=oversized, pad_to_multiple_of=pad_to_multiple_of, shuffle_seed=seed
+    )
+    table, left_out, row_layout, root = _as_dataset(sources, layout, image_root, cache_dir)
+    plan = _plan(table, pre, config, row_layout, root, cache_dir, num_proc)
+    left_out += _where_read(table, [tuple(s) for s in plan.skipped])
+    if left_out:
+        key, where, reason = left_out[0]
+        warnings.warn(
+            f"packed_dataset: {len(left_out)} sample(s) left out (listed in the dataset's left_out), the "
+            f"first {key!r} ({where}): {reason}",
+            BadSampleWarning,
+            stacklevel=2,
+        )
+    ds = _rows_dataset(table, plan, row_layout, root, cache_dir)
+    out = ds.to_iterable_dataset() if streaming else ds
+    out.left_out = left_out
+    return out
+
+
+def _bins_in_order(plan: PackedMapDataset) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The dataset rows and forecast lengths of every pack of ``plan``, packs in the order of its epoch 0
+    (shuffled by its seed), samples in data order inside each."""
+    bins, lengths = [], []
+    for item in range(len(plan)):
+        b = plan.bin_of(item)[2]
+        rows, forecast = plan.rows_of(b), plan.lengths_of(b)
+        order = np.argsort(rows, kind="stable")
+        bins.append(tuple(rows[order].tolist()))
+        lengths.append(tuple(forecast[order].tolist()))
+    return bins, lengths
+
+
+def _rows_dataset(
+    table: datasets.Dataset,
+    plan: PackedMapDataset,
+    layout: str | None,
+    root: Path | None,
+    cache_dir: str | None,
+) -> datasets.Dataset:
+    """One row per pack of ``plan`` (:func:`pack_rows`), cached under a digest of what the rows hold."""
+    bins, lengths = _bins_in_order(plan)
+    digest = hashlib.sha256(
+        json.dumps([_ROWS_FORMAT, table._fingerprint, plan.plan_digest, layout, str(root)]).encode()
+    )
+    digest.update(json.dumps([bins, lengths]).encode())
+    return datasets.Dataset.from_generator(
         pack_rows,
         gen_kwargs={
             # tuples: datasets reads lists in gen_kwargs as data shards to split between jobs
-            "urls": tuple(url_list),
-            "bins": tuple(tuple(keys[i] for i in b) for b in bins),
-            "lengths": tuple(tuple(lengths[i] for i in b) for b in bins),
+            "dataset": table,
+            "bins": tuple(bins),
+            "lengths": tuple(lengths),
+            "layout": layout,
+            "image_root": None if root is None else str(root),
         },
         features=_FEATURES,
         cache_dir=cache_dir,
+        fingerprint=digest.hexdigest()[:32],
     )
-    return ds.to_iterable_dataset() if streaming else ds
+
+
+def _as_dataset(
+    sources: Any, layout: str | None, image_root: str | os.PathLike[str] | None, cache_dir: str | None
+) -> tuple[datasets.Dataset, list[tuple[str, str, str]], str | None, Path | None]:
+    """``sources`` as one ``datasets.Dataset``: ``(dataset, records left out, its layout, its image root)``.
+
+    One ``datasets.Dataset`` is used as it is. Other sources are copied into one, in the WebDataset layout
+    (``__key__``, ``json`` holding the normalised conversation, image ``i`` in column ``"{i}.png"``, None
+    past a record's last image), so that the conversation reaches the chat template exactly as read; a
+    record that cannot be read is kept out of it and returned as ``(key, where, reason)``.
+    """
+    opened = open_sources(sources, image_root=image_root)
+    if len(opened) == 1 and opened[0].kind == "dataset":
+        return opened[0].ref, [], layout, opened[0].image_root
+    most, fingerprint = _survey(opened, layout)
+    names = tuple(_IMAGE_COLUMN.format(i) for i in range(most))
+    string, binary = datasets.Value("string"), datasets.Value("binary")
+    columns = {"__key__": string, "__where__": string, "__error__": string, "json": binary}
+    features = datasets.Features({**columns, **dict.fromkeys(names, binary)})
+    table = datasets.Dataset.from_generator(
+        copied_records,
+        gen_kwargs={"sources": tuple(opened), "layout": layout, "names": names},
+        features=features,
+        cache_dir=cache_dir,
+        fingerprint=fingerprint,
+    )
+    errors = table.data.column("__error__").is_valid().to_numpy(zero_copy_only=False)
+    if not errors.any():
+        return table, [], None, None
+    bad = table.select(np.flatnonzero(errors)).select_columns(["__key__", "__where__", "__error__"])
+    left_out = [(r["__key__"], r["__where__"], r["__error__"]) for r in bad.to_list()]
+    return table.select(np.flatnonzero(~errors)), left_out, None, None
+
+
+def _where_read(table: datasets.Dataset, skipped: list[Any]) -> list[tuple[str, str, str]]:
+    """``(key, where, reason)`` of samples the plan left out, ``where`` the record's file (a shard, a JSON
+    file's record) rather than its row in the copy, when ``table`` is a copy."""
+    if not skipped or "__where__" not in table.column_names:
+        return skipped
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    keys, wheres = table.data.column("__key__"), table.data.column("__where__")
+    found = pc.is_in(keys, value_set=pa.array(sorted({key for key, _, _ in skipped})))
+    where_of = dict(zip(keys.filter(found).to_pylist(), wheres.filter(found).to_pylist()))
+    return [(key, where_of.get(key, where), reason) for key, where, reason in skipped]
+
+
+def _samples(opened: Sequence[Any], layout: str | None) -> Iterator[tuple[str, str, Sample | SampleError]]:
+    for chunk in chunks(opened):
+        yield from chunk_samples(opened, chunk, layout=layout)
+
+
+def _survey(opened: Sequence[Any], layout: str | None) -> tuple[int, str]:
+    """The most images one record of ``opened`` has, and a fingerprint of what the copy is made from (the
+    files' sizes and times, a dataset's fingerprint, every image file's; unique for an IterableDataset)."""
+    from .._version import __version__
+
+    stamp = hashlib.sha256(json.dumps([_ROWS_FORMAT, __version__, layout]).encode())
+    for src in opened:
+        if src.kind == "iterable":
+            stamp.update(uuid.uuid4().bytes)  # nothing to tell an unchanged stream by: copied every time
+        elif src.kind == "dataset":
+            stamp.update(src.ref._fingerprint.encode())
+        else:
+            stat = os.stat(src.name)
+            stamp.update(f"{src.kind}:{src.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    most = 0
+    for _, _, sample in _samples(opened, layout):
+        if isinstance(sample, Sample):
+            most = max(most, len(sample.images))
+            for image in sample.images:
+                if isinstance(image, str):  # an image file a JSON record names: changing it changes the copy
+                    stat = os.stat(image)
+                    stamp.update(f"{image}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return most, stamp.hexdigest()[:32]
+
+
+def copied_records(
+    sources: Sequence[Any], layout: str | None, names: Sequence[str]
+) -> Iterator[dict[str, Any]]:
+    """The rows :func:`_as_dataset` copies ``sources`` into (module level, for ``datasets``' generator)."""
+    for where, key, sample in _samples(list(sources), layout):
+        row: dict[str, Any] = {"__key__": key, "__where__": where, "__error__": None, "json": None}
+        row.update(dict.fromkeys(names))
+        if isinstance(sample, SampleError):
+            row["__error__"] = str(sample)
+            yield row
+            continue
+        conversation = sample.conversation
+        payload = {"caption": conversation} if isinstance(conversation, str) else {"messages": conversation}
+        row["__key__"], row["json"] = sample.key, json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        try:
+            row.update(zip(names, (_image_bytes(image) for image in sample.images)))
+        except OSError as e:
+            row["__error__"] = f"{sample.label}: an image could not be read ({e})"
+        yield row
+
+
+def _image_bytes(image: Any) -> bytes:
+    """One image of a ``vlm_pack.data.Sample`` (bytes, a path, a binary file, a PIL image) as bytes."""
+    if isinstance(image, bytes):
+        return image
+    if isinstance(image, str):
+        return Path(image).read_bytes()
+    if hasattr(image, "read"):
+        return image.read()
+    buf = io.BytesIO()  # a decoded PIL image: PNG keeps its pixels exactly
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _plan(
+    table: datasets.Dataset,
+    pre: Preprocessor,
+    config: PackingConfig,
+    layout: str | None,
+    image_root: Path | None,
+    cache_dir: str | None,
+    num_proc: int,
+) -> PackedMapDataset:
+    """The map-style dataset's plan of ``table`` (its forecast, bins and plan cache)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_PLAN_WARNING)
+        plan = PackedMapDataset(
+            table,
+            config=config,
+            processor=pre.processor,
+            tokenizer=pre.tokenizer,
+            image_processor=pre.image_processor,
+            family=pre.family,
+            template=pre.template,
+            layout=layout,
+            image_root=image_root,
+            cache=True if cache_dir is None else Path(cache_dir) / "vlm_pack_plans",
+            num_proc=num_proc,
+            # Only the plan is used: TRLPackingCollator collates the rows, with the model's config. Gemma 3's
+            # collator wants a sliding window up front: one as long as a row stands in for the model's here.
+            collator_kwargs={"sliding_window": config.capacity},
+        )
+    if plan.preprocessor.spec != pre.spec:
+        raise ValueError(
+            "packed_dataset plans with the vision spec the processor gives; this Preprocessor was given its "
+            "own spec=, which the plan cannot use: build it without spec="
+        )
+    return plan
+
+
+def pack_rows(
+    dataset: datasets.Dataset,
+    bins: Sequence[Sequence[int]],
+    lengths: Sequence[Sequence[int]],
+    layout: str | None,
+    image_root: str | None,
+) -> Iterator[dict[str, Any]]:
+    """The rows of :func:`packed_dataset`, one per bin of ``dataset`` rows, each record read by its row
+    (module level, for ``datasets``' generator)."""
+    arrow = dataset.with_format("arrow")  # image bytes stay encoded
+    for rows, bin_lengths in zip(bins, lengths):
+        samples = []
+        for row in rows:
+            (record,) = arrow[row : row + 1].to_pylist()
+            where = f"dataset[{row}]"
+            sample = normalise_record(record, layout=layout, key=str(row), where=where, image_root=image_root)
+            samples.append(sample)
+        yield {
+            "keys": [s.key for s in samples],
+            "conversations": [json.dumps(s.conversation, ensure_ascii=False) for s in samples],
+            "image_bytes": [[_image_bytes(image) for image in s.images] for s in samples],
+            "lengths": list(bin_lengths),
+        }
 
 
 # ---------------------------------------------------------------------------------------------- collator
@@ -210,15 +422,25 @@ class TRLPackingCollator:
     regroups their samples by best fit, never over ``capacity``). Returns ``input_ids``, ``labels``
     ``[R, T]``, ``position_ids`` ``[4, R, T]`` (Qwen-VL) or ``[R, T]``, the vision tensors,
     ``mm_token_type_ids`` (Qwen-VL), and ``num_real_tokens`` (a scalar, for :class:`PackedSFTTrainer`); no
-    ``attention_mask``.
+    ``attention_mask`` (Gemma 3: its mask mapping). ``pad_to_multiple_of``: as :func:`packed_dataset`'s.
 
     ``packed=False`` gives the unpacked reference instead: one sample per row, right padding, an
     ``attention_mask`` and labels padded with -100 (for a padded run to compare losses with).
     """
 
-    def __init__(self, capacity: int, preprocessor: Preprocessor, *, config: Any = None, packed: bool = True) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        preprocessor: Preprocessor,
+        *,
+        config: Any = None,
+        packed: bool = True,
+        pad_to_multiple_of: int = 1,
+    ) -> None:
         self.preprocessor = checked_preprocessor(preprocessor)
-        self.collator = self.preprocessor.collator(capacity, config=config)
+        self.collator = self.preprocessor.collator(
+            capacity, config=config, pad_to_multiple_of=pad_to_multiple_of
+        )
         self.packed = packed
 
     def samples(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, torch.Tensor]]:
@@ -244,14 +466,23 @@ class TRLPackingCollator:
 
 class _MaskMapping(dict):
     """Gemma 3's packed masks ``{"full_attention", "sliding_attention"}`` as SFTTrainer's loop can read them:
-    it counts a batch's tokens with ``attention_mask.sum()``, which here gives the real tokens of the row."""
+    it counts a batch's tokens with ``attention_mask.sum()``, which here gives the real tokens of the rows.
 
-    def __init__(self, masks: Mapping[str, torch.Tensor], num_real_tokens: int) -> None:
+    The count is an entry of the mapping (a 0-d tensor under ``NUM_TOKENS_KEY``; Gemma 3 reads only its layer
+    types' masks), so that it survives what happens to a batch on its way to the model: accelerate's
+    ``send_to_device`` rebuilds every mapping as ``type(m)({key: moved value})``, copy and pickle rebuild it
+    from its items, and the count moves to the device with the masks.
+    """
+
+    def __init__(self, masks: Mapping[str, Any] = (), num_real_tokens: int | None = None) -> None:
         super().__init__(masks)
-        self.num_real_tokens = int(num_real_tokens)
+        if num_real_tokens is not None:
+            self[NUM_TOKENS_KEY] = torch.tensor(int(num_real_tokens))
 
     def sum(self) -> torch.Tensor:
-        return torch.tensor(self.num_real_tokens)
+        if NUM_TOKENS_KEY not in self:
+            raise KeyError(f"the mask mapping has no {NUM_TOKENS_KEY!r}: build it as _MaskMapping(masks, n)")
+        return self[NUM_TOKENS_KEY]
 
 
 def _padded_inputs(samples: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, Any]:

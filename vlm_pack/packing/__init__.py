@@ -45,6 +45,12 @@ Three entry points:
 - :func:`balance_bins` deals bins to data-parallel ranks (Karmarkar-Karp) so each
   rank's attention + MLP + vision-tower work is balanced, not just its tokens.
 
+Padding: a collator with ``pad_to_multiple_of=m`` (context parallelism, ``pad_multiple_for``) gives every
+sample a span of its length rounded up to ``m``; plan on those spans (``pack(..., pad_to_multiple_of=m)``,
+``StreamPacker(..., pad_to_multiple_of=m)``, ``PackingConfig(pad_to_multiple_of=m)``, all through
+:func:`padded_lengths`) and each bin is exactly one row: ``[4093, 4097]`` at capacity 8192 is one bin raw
+but ``[4096, 4100]``, two bins, at ``m = 4``.
+
 Tie-breaking is part of the contract, so the bins are reproducible anywhere:
 samples are visited longest first (then larger vision cost, then lower index);
 best fit picks the bin with the least free token space among those the sample
@@ -55,7 +61,7 @@ every sample is in exactly one bin or in ``PackResult.unpacked`` with a reason.
 """
 
 from .balance import balance_bins, bin_costs, partition_imbalance
-from .bins import PackedBin, PackResult, Unpacked
+from .bins import PackedBin, PackResult, Unpacked, padded_lengths
 from .offline import STRATEGIES, pack
 from .stream import StreamPacker, StreamStats
 
@@ -69,5 +75,6 @@ __all__ = [
     "balance_bins",
     "bin_costs",
     "pack",
+    "padded_lengths",
     "partition_imbalance",
 ]

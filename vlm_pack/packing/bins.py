@@ -90,11 +90,41 @@ def _check_oversized(oversized: str) -> None:
         raise ValueError(f"oversized must be one of {_OVERSIZED}, got {oversized!r}")
 
 
-def _oversize_message(who: str, length: int, capacity: int) -> str:
+def padded_lengths(lengths: Any, multiple: int) -> np.ndarray:
+    """int64 ``[N]``: each length rounded up to a multiple of ``multiple``, the span the sample takes in a row.
+
+    ``PackingCollator(pad_to_multiple_of=multiple)`` pads every sample to this span, so a plan must be made on
+    these lengths for each of its bins to be one row: ``pack`` and ``StreamPacker`` (``pad_to_multiple_of=``)
+    and every planner of vlm-pack round with this one function. ``padded_lengths([4093, 4097], 4)`` is
+    ``[4096, 4100]``: one bin of 8192 raw, two once padded.
+    """
+    multiple = _as_positive_int(multiple, "pad_to_multiple_of")
+    lens = np.asarray(lengths, dtype=np.int64)
+    return lens if multiple == 1 else -(-lens // multiple) * multiple
+
+
+def _check_multiple(capacity: int, multiple: Any) -> int:
+    """``multiple`` as a positive int that divides ``capacity`` (else a full row could not be all samples)."""
+    multiple = _as_positive_int(multiple, "pad_to_multiple_of")
+    if capacity % multiple:
+        raise ValueError(
+            f"capacity {capacity} is not a multiple of pad_to_multiple_of {multiple}: use "
+            f"capacity={-(-capacity // multiple) * multiple} or {capacity // multiple * multiple}"
+        )
+    return multiple
+
+
+def _length_text(length: int, multiple: int) -> str:
+    """``"4097"``, or ``"4097 (padded to 4100)"`` when padding to ``multiple`` changes it."""
+    span = -(-length // multiple) * multiple
+    return str(length) if span == length else f"{length} (padded to {span}, a multiple of {multiple})"
+
+
+def _oversize_message(who: str, length: int, capacity: int, multiple: int = 1) -> str:
     return (
-        f"{who} has expanded length {length} > capacity {capacity}. Raise capacity to at least "
-        f"{length}, or pass oversized='truncate' (clip it to {capacity} tokens) or oversized='skip' "
-        f"(leave it out; it is reported with its reason)"
+        f"{who} has expanded length {_length_text(length, multiple)} > capacity {capacity}. Raise capacity to "
+        f"at least {-(-length // multiple) * multiple}, or pass oversized='truncate' (clip it to {capacity} "
+        f"tokens) or oversized='skip' (leave it out; it is reported with its reason)"
     )
 
 
@@ -126,7 +156,9 @@ class PackResult:
         bin_offsets: int64 ``[num_bins + 1]``: bin ``i`` is ``order[bin_offsets[i]:bin_offsets[i+1]]``.
         bin_lengths: int64 ``[num_bins]``: tokens used per bin (sum of ``lengths`` of its samples).
         bin_vision: int64 ``[num_bins]`` vision cost per bin, or None when packing had no vision budget.
-        lengths: int64 ``[num_samples]``: the lengths packing used (truncated ones clipped to capacity).
+        lengths: int64 ``[num_samples]``: the lengths packing used: padded to ``pad_to_multiple_of`` (the span
+            each sample takes in its row), truncated ones clipped to capacity.
+        pad_to_multiple_of: the multiple the lengths were padded to (1: as given).
         vision: int64 ``[num_samples]``: the per-sample vision costs given to :func:`pack`, or None.
         unpacked: samples in no bin, with the reason (``Unpacked(index, reason)``).
         truncated: sample index -> original length, for samples clipped to ``capacity``.
@@ -142,6 +174,7 @@ class PackResult:
         "lengths",
         "max_samples_per_bin",
         "order",
+        "pad_to_multiple_of",
         "strategy",
         "truncated",
         "unpacked",
@@ -164,8 +197,10 @@ class PackResult:
         truncated: dict[int, int] | None = None,
         bin_lengths: np.ndarray | None = None,
         bin_vision: np.ndarray | None = None,
+        pad_to_multiple_of: int = 1,
     ) -> None:
         self.order = order
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.bin_offsets = bin_offsets
         self.lengths = lengths
         self.capacity = capacity

@@ -12,9 +12,12 @@ from .bins import (
     Unpacked,
     _as_int_array,
     _as_positive_int,
+    _check_multiple,
     _check_oversized,
+    _length_text,
     _oversize_message,
     _vision_oversize_message,
+    padded_lengths,
 )
 from .histogram import _bfd_histogram, _ffd_histogram
 from .per_item import _bfd_capped, _bfd_constrained, _first_fit, _next_fit
@@ -58,6 +61,7 @@ def pack(
     max_samples_per_bin: int | None = None,
     oversized: str = "raise",
     seed: int | None = None,
+    pad_to_multiple_of: int = 1,
 ) -> PackResult:
     """Pack samples into bins of ``capacity`` tokens.
 
@@ -81,9 +85,13 @@ def pack(
         seed: if given, shuffle the order of the bins (not their contents) with this seed. The
             decreasing strategies open bins longest-sample first, so iterating them in creation
             order would feed a length curriculum to training; ``None`` keeps creation order.
+        pad_to_multiple_of: plan on each length rounded up to this multiple (:func:`padded_lengths`), the
+            span the collator gives a sample under ``PackingCollator(pad_to_multiple_of=...)``: pass the
+            collator's value, or a bin of the plan can need two rows. ``capacity`` must be a multiple of it.
 
     Returns:
-        A :class:`PackResult`. Deterministic: the same input and seed give the same bins.
+        A :class:`PackResult`. Deterministic: the same input and seed give the same bins. Its ``lengths``
+        and ``bin_lengths`` are the padded spans.
 
     Raises:
         ValueError / TypeError: naming the sample index, for non-integer, zero, negative or
@@ -93,12 +101,14 @@ def pack(
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     _check_oversized(oversized)
     capacity = _as_positive_int(capacity, "capacity")
-    lens, vis, vision_cap = _validated(lengths, vision, vision_capacity)
+    multiple = _check_multiple(capacity, pad_to_multiple_of)
+    raw, vis, vision_cap = _validated(lengths, vision, vision_capacity)
+    lens = padded_lengths(raw, multiple)
     n = lens.size
     sample_cap = n + 1  # no cap: a number no bin reaches
     if max_samples_per_bin is not None:
         sample_cap = _as_positive_int(max_samples_per_bin, "max_samples_per_bin")
-    lens, keep, unpacked, truncated = _apply_oversized(lens, vis, capacity, vision_cap, oversized)
+    lens, keep, unpacked, truncated = _apply_oversized(raw, lens, vis, capacity, vision_cap, oversized, multiple)
     sub = lens if keep is None else lens[keep]
     sub_vis = None if vis is None else (vis if keep is None else vis[keep])
 
@@ -142,6 +152,7 @@ def pack(
         truncated=truncated,
         bin_lengths=bin_lengths,
         bin_vision=bin_vision,
+        pad_to_multiple_of=multiple,
     )
 
 
@@ -162,9 +173,16 @@ def _validated(lengths: Any, vision: Any, vision_capacity: Any) -> tuple[np.ndar
 
 
 def _apply_oversized(
-    lens: np.ndarray, vis: np.ndarray | None, capacity: int, vision_cap: int, oversized: str
+    raw: np.ndarray,
+    lens: np.ndarray,
+    vis: np.ndarray | None,
+    capacity: int,
+    vision_cap: int,
+    oversized: str,
+    multiple: int,
 ) -> tuple[np.ndarray, np.ndarray | None, list[Unpacked], dict[int, int]]:
-    """Apply the ``oversized`` policy: (lengths, indices kept or None for all, unpacked, truncated)."""
+    """Apply the ``oversized`` policy to the padded ``lens`` (``raw``: as given, for the messages):
+    (lengths, indices kept or None for all, unpacked, truncated: index -> length as given)."""
     n = lens.size
     over = lens > capacity
     vision_over = vis > vision_cap if vis is not None else np.zeros(n, dtype=bool)
@@ -174,7 +192,9 @@ def _apply_oversized(
         first_long = int(np.argmax(over)) if over.any() else n
         first_vision = int(np.argmax(vision_over)) if vision_over.any() else n
         if first_long <= first_vision:
-            raise ValueError(_oversize_message(f"sample {first_long}", int(lens[first_long]), capacity))
+            raise ValueError(
+                _oversize_message(f"sample {first_long}", int(raw[first_long]), capacity, multiple)
+            )
         raise ValueError(
             _vision_oversize_message(f"sample {first_vision}", int(vis[first_vision]), vision_cap)
         )
@@ -184,14 +204,14 @@ def _apply_oversized(
     for sample in np.flatnonzero(drop).tolist():
         why = []
         if over[sample]:
-            why.append(f"length {int(lens[sample])} > capacity {capacity}")
+            why.append(f"length {_length_text(int(raw[sample]), multiple)} > capacity {capacity}")
         if vision_over[sample]:
             why.append(f"vision cost {int(vis[sample])} > vision_capacity {vision_cap} (cannot be truncated)")
         unpacked.append(Unpacked(sample, "; ".join(why)))
     truncated: dict[int, int] = {}
     if oversized == "truncate":
         clipped = np.flatnonzero(over & ~vision_over)
-        truncated = dict(zip(clipped.tolist(), lens[clipped].tolist()))
+        truncated = dict(zip(clipped.tolist(), raw[clipped].tolist()))
         lens = np.where(over & ~vision_over, capacity, lens)
     keep = np.flatnonzero(~drop) if drop.any() else None
     return lens, keep, unpacked, truncated

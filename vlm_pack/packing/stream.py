@@ -12,7 +12,13 @@ import numpy as np
 
 from .._checks import checked_count
 from ..config import PackingConfig
-from .bins import PackedBin, Unpacked, _oversize_message, _vision_oversize_message
+from .bins import (
+    PackedBin,
+    Unpacked,
+    _length_text,
+    _oversize_message,
+    _vision_oversize_message,
+)
 
 _MT_BITS = 40  # low bits of an index key hold (~mtime) so equal free space sorts most-recent first
 _MT_MASK = (1 << _MT_BITS) - 1
@@ -96,6 +102,9 @@ class StreamPacker:
     the CLI (its streaming-only knobs are ignored here); ``packer.config`` is the validated config.
     ``oversized="truncate"`` clips a too-long sample to ``capacity`` and lists it in
     ``stats.truncated`` (the caller cuts the sample itself), as :func:`pack` does.
+    ``pad_to_multiple_of`` (as :func:`pack`'s): each length is placed as its padded span
+    (:func:`padded_lengths`), the one the collator lays out, so that every bin is one row; the bins'
+    ``lengths`` are those spans.
     """
 
     def __init__(
@@ -108,6 +117,7 @@ class StreamPacker:
         vision_capacity: int | None = None,
         max_samples_per_bin: int | None = None,
         oversized: str = "raise",
+        pad_to_multiple_of: int = 1,
     ) -> None:
         # PackingConfig is the one place that validates these knobs (same names, same messages); its
         # leading fields are this signature's positional ones
@@ -119,6 +129,7 @@ class StreamPacker:
             vision_capacity=vision_capacity,
             max_samples_per_bin=max_samples_per_bin,
             oversized=oversized,
+            pad_to_multiple_of=pad_to_multiple_of,
         )
         self.config = config
         self.capacity = config.capacity
@@ -128,6 +139,7 @@ class StreamPacker:
         self.vision_capacity = config.vision_capacity
         self.max_samples_per_bin = config.max_samples_per_bin
         self.oversized = config.oversized
+        self.pad_to_multiple_of = config.pad_to_multiple_of
         self._threshold = config.fill_threshold
         # the caps as ints, "no cap" as a number no bin reaches, so the hot loops need no None test
         self._sample_cap = self.max_samples_per_bin or (1 << 62)
@@ -140,7 +152,10 @@ class StreamPacker:
         """A packer with ``config``'s packing knobs (the streaming-only knobs are the pipeline's)."""
         if not isinstance(config, PackingConfig):
             raise TypeError(f"config must be a vlm_pack.config.PackingConfig, got {type(config).__name__}")
-        return cls(**{name: getattr(config, name) for name in PACKER_KNOBS})
+        return cls(
+            **{name: getattr(config, name) for name in PACKER_KNOBS},
+            pad_to_multiple_of=config.pad_to_multiple_of,
+        )
 
     def _reset_state(self) -> None:
         self._index: list[int] = []  # sorted: free << 40 | (~mtime & mask)
@@ -188,14 +203,18 @@ class StreamPacker:
                 )
             )
             return None
+        multiple = self.pad_to_multiple_of
         if length > self.capacity:
             if self.oversized == "raise":
-                raise ValueError(_oversize_message(f"sample {key!r}", length, self.capacity))
+                raise ValueError(_oversize_message(f"sample {key!r}", length, self.capacity, multiple))
             if self.oversized == "skip":
-                self.stats.skipped.append(Unpacked(key, f"length {length} > capacity {self.capacity}"))
+                why = f"length {_length_text(length, multiple)} > capacity {self.capacity}"
+                self.stats.skipped.append(Unpacked(key, why))
                 return None
             self.stats.truncated.append((key, length))
             length = self.capacity
+        if multiple > 1:  # capacity is a multiple of it: a length that fits also fits once padded
+            length = -(-length // multiple) * multiple
         return length, vision
 
     def _emit(self, packed: PackedBin, out: list[PackedBin]) -> None:
@@ -282,7 +301,8 @@ class StreamPacker:
         out: list[PackedBin] = []
         if isinstance(lengths, np.ndarray):
             lengths = lengths.tolist()
-        if visions is None and self.vision_capacity is None and self.max_samples_per_bin is None:
+        caps = (self.vision_capacity, self.max_samples_per_bin)
+        if visions is None and caps == (None, None) and self.pad_to_multiple_of == 1:
             self._add_plain(keys, lengths, out)
             return out
         if isinstance(visions, np.ndarray):
@@ -395,7 +415,7 @@ class StreamPacker:
         stats = self.stats
         return {
             "version": _STATE_VERSION,
-            "config": {name: getattr(self, name) for name in PACKER_KNOBS},
+            "config": self._config_state(),
             "clock": self._clock,
             "open": [
                 {**_bin_state(packed), "mtime": packed._mtime}
@@ -409,6 +429,14 @@ class StreamPacker:
             "dropped": [_bin_state(packed) for packed in self.dropped],
         }
 
+    def _config_state(self) -> dict[str, Any]:
+        """The knobs a state is saved with; ``pad_to_multiple_of`` only when set, so that states of the
+        default packer keep the first release's format (and such states load as unpadded)."""
+        config = {name: getattr(self, name) for name in PACKER_KNOBS}
+        if self.pad_to_multiple_of != 1:
+            config["pad_to_multiple_of"] = self.pad_to_multiple_of
+        return config
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (also after a JSON round trip). The configuration must match.
 
@@ -417,12 +445,12 @@ class StreamPacker:
         """
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"unsupported StreamPacker state version {state.get('version')!r}")
-        theirs = state["config"]
-        diff = {
-            name: (theirs.get(name), getattr(self, name))
-            for name in PACKER_KNOBS
-            if theirs.get(name) != getattr(self, name)
+        theirs, ours = state["config"], self._config_state()
+        pairs = {
+            name: (theirs.get(name, _DEFAULTS.get(name)), ours.get(name, _DEFAULTS.get(name)))
+            for name in (*PACKER_KNOBS, *_DEFAULTS)
         }
+        diff = {name: pair for name, pair in pairs.items() if pair[0] != pair[1]}
         if diff:
             raise ValueError(
                 "StreamPacker state was saved with a different configuration (saved, current): "
@@ -449,6 +477,7 @@ class StreamPacker:
 
 
 _STATE_VERSION = 1
+_DEFAULTS = {"pad_to_multiple_of": 1}  # knobs a state may lack: saved only when not at this default
 # StreamStats' integer counters (every field but capacity and the skipped/truncated lists), derived
 # once so that a new counter is saved, restored and compared without another list to update
 _COUNTERS = tuple(f.name for f in fields(StreamStats) if f.type == "int" and f.name != "capacity")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._checks import family_entry
+from .._checks import canonical_family, family_entry
 from .anyres import LlavaNextSpec, LlavaOnevisionSpec, LlavaSpec
 from .megatron import MegatronSpec
 from .pixtral import PixtralSpec
@@ -51,35 +51,17 @@ _FAMILY_FACTORIES: dict[str, Callable[..., VisionSpec]] = {
 FAMILIES: tuple[str, ...] = tuple(_FAMILY_FACTORIES)
 
 
-def _normalize_family(family: str) -> str:
-    key = family.strip().lower().replace("-", "_").replace(".", "_")
-    aliases = {
-        "qwen2vl": "qwen2_vl",
-        "qwen25_vl": "qwen2_5_vl",
-        "qwen3vl": "qwen3_vl",
-        "glm4_1v": "glm4v",
-        "llava_1_5": "llava",
-        "llava1_5": "llava",
-        "llava_1_6": "llava_next",
-        "llava_ov": "llava_onevision",
-        "internvl2": "internvl",
-        "internvl2_5": "internvl",
-        "internvl3": "internvl",
-        "got_ocr2": "internvl",
-    }
-    return aliases.get(key, key)
-
-
 def vision_spec(family: str, **overrides: Any) -> VisionSpec:
-    """The spec of ``family`` with its released checkpoint's parameters, ``overrides`` replacing some.
+    """The spec of ``family`` (any spelling: ``"Qwen2.5-VL"``, see :func:`vlm_pack._checks.canonical_family`)
+    with its released checkpoint's parameters, ``overrides`` replacing some.
 
     >>> vision_spec("qwen2_vl").num_tokens(1920, 1080)
     2691
     >>> vision_spec("qwen2_vl", max_pixels=200704).num_tokens(1920, 1080)  # capped at 256 tokens
     252
     """
-    key = _normalize_family(family)
-    spelled = "" if key == family else f"(names are matched as lowercase with '_': {family!r} is {key!r}.)"
+    key = canonical_family(family, strict=False)  # the one normaliser every entry point uses
+    spelled = "" if key == family else f"({family!r} reads as {key!r}.)"
     factory = family_entry(_FAMILY_FACTORIES, key, "vision spec", spelled)
     try:
         return factory(**overrides)

@@ -214,7 +214,9 @@ class Idefics3Spec(VisionSpec):
         return self.tiles(width, height) * (self.max_image_size // self.patch_size) ** 2
 
     def extra_tokens(self, width: int, height: int) -> int:
-        """Tile markers and newlines around the ``<image>`` tokens (each special marker one token)."""
+        """Tile markers and newlines around the ``<image>`` tokens, each ``<row_r_col_c>`` marker one token (as
+        in the released tokenizers, which hold them as added tokens). The forecasts with a tokenizer count the
+        markers through it instead (``processing._idefics3_extra_tokens``), exact for any tokenizer."""
         cols, rows = self.tile_grid(width, height)
         if rows == 0:
             return self.wrapper_tokens
