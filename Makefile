@@ -1,4 +1,4 @@
-.PHONY: setup demo test lint bench clean matrix wheel
+.PHONY: setup demo test test-fast lint bench clean matrix wheel
 
 setup:
 	bash scripts/setup_env.sh
@@ -9,6 +9,10 @@ demo: setup
 test: setup
 	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -q
+
+# the inner loop: every test not marked slow (each module's core behaviour, under a minute on 2 cores)
+test-fast: setup
+	.venv/bin/python -m pytest -q -m "not slow"
 
 lint: setup
 	.venv/bin/ruff check .

@@ -206,7 +206,8 @@ def main() -> None:
     peer = PaddedLoader(tok, ip)
 
     def packed(workers: int):
-        ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=args.capacity, shuffle_seed=0)
+        ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=args.capacity, shuffle_seed=0,
+                              oversized="skip")  # a too-long sample is counted as too_long, not fatal
         packed.ds = ds
         return PackedDataLoader(ds, num_workers=workers)
 

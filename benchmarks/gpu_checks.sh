@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks of benchmarks/RESULTS.md as one script, for a lent CUDA machine whose python3 already holds
-# torch + transformers (webdataset/braceexpand travel as wheels in .whl/). Logs go to ${OUT:-gpu-out}/.
+# torch (webdataset, braceexpand and, where its transformers is older than 5.18, transformers itself travel
+# as wheels in .whl/, made with `pip download --no-deps`; see the device notes). Logs go to ${OUT:-gpu-out}/.
 # Each step has its own time limit so that one slow step cannot eat the others' time.
+#   bash benchmarks/gpu_checks.sh                       # every step
+#   bash benchmarks/gpu_checks.sh pytest_gpu train_step # the named steps only
 set -u
+only=" $* "
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -13,6 +17,7 @@ fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 step() {  # step NAME SECONDS CMD...
     local name=$1 secs=$2; shift 2
+    if [ "$only" != "  " ] && [[ "$only" != *" $name "* ]]; then return; fi
     echo "=== $name: $*" | tee -a "$OUT/summary.txt"
     local t0=$SECONDS
     timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
@@ -22,7 +27,7 @@ step() {  # step NAME SECONDS CMD...
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/summary.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/summary.txt"
-step pytest_gpu 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_equivalence.py tests/test_attention.py tests/test_remap.py
+step pytest_gpu 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_equivalence.py tests/test_attention.py tests/test_remap.py
 step equiv_varlen 60 python3 examples/check_equivalence.py --device cuda --dtype bfloat16 --attn varlen
 step equiv_broken 60 python3 examples/check_equivalence.py --device cuda --dtype bfloat16 --attn varlen --mistake positions
 step kernels 60 python3 benchmarks/bench_train_step.py --device cuda --kernels

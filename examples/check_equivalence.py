@@ -20,9 +20,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from vlm_pack import offline
-from vlm_pack.collate import PackingCollator
-from vlm_pack.processing import process_sample
+from vlm_pack import Preprocessor, offline
 from vlm_pack.testing import (
     check_packed_equivalence,
     default_packed_forward,
@@ -135,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = build(args.attn, dtype)
     reference = build("sdpa", dtype)
+    pre = Preprocessor(tokenizer, image_processor, family=family)
 
     samples = []
     for k, (question, answer, sizes) in enumerate(CONVERSATIONS):
@@ -146,11 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             {"role": "assistant", "content": answer},
         ]
-        samples.append(
-            process_sample(
-                images, conversation, tokenizer=tokenizer, image_processor=image_processor, family=family
-            )
-        )
+        samples.append(pre.process(images, conversation))
 
     tolerance = args.tolerance
     if dtype == torch.float32:
@@ -160,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.dtype} noise floor (padded batch, {args.dtype} vs float32): {noise:.6f}")
         tolerance = tolerance or max(1.001, 1 + 3 * (noise - 1))
 
-    collator = PackingCollator(args.capacity, tokenizer=tokenizer, config=model.config)
+    collator = pre.collator(args.capacity, config=model.config)
     style = "sdpa" if args.attn == "varlen" else args.attn  # model_inputs style of the packed rows
     packed_forward = {
         "none": None,

@@ -27,11 +27,10 @@ from typing import Any
 import torch
 import webdataset as wds
 
-from vlm_pack.collate import PackingCollator, pad_multiple_for
+from vlm_pack import Preprocessor, pad_multiple_for
 from vlm_pack.data import image_fields, parse_text
 from vlm_pack.demo import demo_shards
 from vlm_pack.offline import build_tokenizer, image_processor
-from vlm_pack.processing import process_sample
 from vlm_pack.remap import remap_cu_seqlens_padded
 
 
@@ -47,6 +46,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = build_tokenizer(family)
     image_proc = image_processor(family)
     image_token_id = tokenizer.image_token_id
+    layouts = ("collapsed", "expanded")
+    parts = {layout: Preprocessor(tokenizer, image_proc, family=family, layout=layout) for layout in layouts}
     samples = {"collapsed": [], "expanded": []}
     keys = []
     for sample in wds.WebDataset([str(s) for s in demo_shards(args.data_dir)], shardshuffle=False):
@@ -55,17 +56,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         conversation = parse_text(sample)
         for layout, out in samples.items():
-            out.append(
-                process_sample(
-                    images,
-                    conversation,
-                    tokenizer=tokenizer,
-                    image_processor=image_proc,
-                    family=family,
-                    layout=layout,
-                    key=sample["__key__"],
-                )
-            )
+            out.append(parts[layout].process(images, conversation, key=sample["__key__"]))
         keys.append(sample["__key__"])
         if len(keys) == args.max_samples:
             break
@@ -73,9 +64,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     multiple = pad_multiple_for(cp=args.cp)
     capacity = -(-args.capacity // multiple) * multiple
     batches = {
-        layout: PackingCollator(
-            capacity, tokenizer=tokenizer, family=family, layout=layout, pad_to_multiple_of=multiple
-        )(items)
+        layout: parts[layout].collator(capacity, pad_to_multiple_of=multiple)(items)
         for layout, items in samples.items()
     }
     collapsed, expanded = batches["collapsed"], batches["expanded"]

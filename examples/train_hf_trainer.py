@@ -27,34 +27,30 @@ from typing import Any
 import torch
 import webdataset as wds
 
-from vlm_pack.collate import PackingCollator
+from vlm_pack import Preprocessor, image_size
 from vlm_pack.data import image_fields, parse_text
 from vlm_pack.demo import demo_shards
 from vlm_pack.offline import build_tokenizer, image_processor, tiny_model
-from vlm_pack.processing import forecast_length, process_sample
-from vlm_pack.vision import image_size, vision_spec_from_processor
 
 
 class DemoDataset(torch.utils.data.Dataset):
     """Samples of WebDataset shards, processed (decoded, resized, tokenized) on access."""
 
-    def __init__(self, urls: list[str], tokenizer: Any, image_proc: Any, max_samples: int) -> None:
+    def __init__(self, urls: list[str], pre: Preprocessor, max_samples: int) -> None:
         self.raw = []
         for sample in wds.WebDataset(urls, shardshuffle=False):
             images = [sample[f] for f in image_fields(sample)]
             self.raw.append((sample["__key__"], images, parse_text(sample)))
             if len(self.raw) == max_samples:
                 break
-        self.tokenizer, self.image_proc = tokenizer, image_proc
+        self.pre = pre
 
     def __len__(self) -> int:
         return len(self.raw)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         key, images, conversation = self.raw[i]
-        return process_sample(
-            images, conversation, tokenizer=self.tokenizer, image_processor=self.image_proc, key=key
-        )
+        return self.pre.process(images, conversation, key=key)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -74,22 +70,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     tokenizer = build_tokenizer("qwen2_vl")
     image_proc = image_processor("qwen2_vl", size={"shortest_edge": 3136, "longest_edge": args.max_pixels})
-    dataset = DemoDataset(
-        [str(s) for s in demo_shards(args.data_dir)], tokenizer, image_proc, args.max_samples
-    )
+    pre = Preprocessor(tokenizer, image_proc)
+    dataset = DemoDataset([str(s) for s in demo_shards(args.data_dir)], pre, args.max_samples)
     # A row must hold the longest sample: drop (and name) longer ones, forecast from headers, no decode.
-    spec = vision_spec_from_processor(image_proc)
-    lengths = [
-        forecast_length(conv, [image_size(b) for b in images], tokenizer=tokenizer, spec=spec, key=key)[0]
-        for key, images, conv in dataset.raw
-    ]
+    lengths = [pre.forecast(conv, [image_size(b) for b in images], key=key)[0] for key, images, conv in dataset.raw]
     keep = [i for i, n in enumerate(lengths) if n <= args.capacity]
     for i in sorted(set(range(len(dataset))) - set(keep)):
         print(f"skipped {dataset.raw[i][0]}: {lengths[i]} tokens > capacity {args.capacity}")
     train = torch.utils.data.Subset(dataset, keep)
 
     model = tiny_model("qwen2_vl", tokenizer).train()
-    collator = PackingCollator(args.capacity, tokenizer=tokenizer, config=model.config, return_style="sdpa")
+    collator = pre.collator(args.capacity, config=model.config, return_style="sdpa")
     rows: list[int] = []
 
     def data_collator(samples: list[dict[str, torch.Tensor]]) -> dict[str, Any]:

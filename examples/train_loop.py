@@ -26,13 +26,10 @@ from typing import Any
 import torch
 import webdataset as wds
 
-from vlm_pack.collate import PackingCollator
+from vlm_pack import Preprocessor, image_size, pack
 from vlm_pack.data import image_fields, parse_text
 from vlm_pack.demo import demo_shards
 from vlm_pack.offline import build_tokenizer, image_processor, tiny_model
-from vlm_pack.packing import pack
-from vlm_pack.processing import forecast_length, process_sample
-from vlm_pack.vision import image_size, vision_spec_from_processor
 
 
 def read_shards(urls: list[str], max_samples: int) -> list[dict[str, Any]]:
@@ -54,21 +51,15 @@ def read_shards(urls: list[str], max_samples: int) -> list[dict[str, Any]]:
 class ProcessedDataset(torch.utils.data.Dataset):
     """Map-style dataset: decodes and processes sample ``i`` when the DataLoader asks for it."""
 
-    def __init__(self, raw: list[dict[str, Any]], tokenizer: Any, image_proc: Any) -> None:
-        self.raw, self.tokenizer, self.image_proc = raw, tokenizer, image_proc
+    def __init__(self, raw: list[dict[str, Any]], pre: Preprocessor) -> None:
+        self.raw, self.pre = raw, pre
 
     def __len__(self) -> int:
         return len(self.raw)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         s = self.raw[i]
-        out = process_sample(
-            s["images"],
-            s["conversation"],
-            tokenizer=self.tokenizer,
-            image_processor=self.image_proc,
-            key=s["key"],
-        )
+        out = self.pre.process(s["images"], s["conversation"], key=s["key"])
         return {**out, "__key__": s["key"]}
 
 
@@ -88,21 +79,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     tokenizer = build_tokenizer("qwen2_vl")
     image_proc = image_processor("qwen2_vl", size={"shortest_edge": 3136, "longest_edge": args.max_pixels})
-    spec = vision_spec_from_processor(image_proc)  # the forecast follows the processor's own parameters
+    pre = Preprocessor(tokenizer, image_proc)  # the forecast follows the processor's own parameters
     raw = read_shards([str(s) for s in demo_shards(args.data_dir)], args.max_samples)
 
     # 1. Forecast every sample's expanded length from its text and image headers (no decode), then pack.
     lengths = [
-        forecast_length(
-            s["conversation"],
-            [image_size(b) for b in s["images"]],
-            tokenizer=tokenizer,
-            spec=spec,
-            key=s["key"],
-        )[0]
-        for s in raw
+        pre.forecast(s["conversation"], [image_size(b) for b in s["images"]], key=s["key"])[0] for s in raw
     ]
-    plan = pack(lengths, args.capacity, oversized="skip", seed=0)  # seed: shuffled pack order
+    plan = pack(lengths, args.capacity, oversized="skip", shuffle_seed=0)  # shuffled pack order
     for u in plan.unpacked:
         print(f"skipped {raw[u.index]['key']}: {u.reason}")
     samples_per_pack = plan.order.size / plan.num_bins
@@ -115,9 +99,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 2. One DataLoader batch = one pack of the plan; the collator lays it out as one row.
     model = tiny_model("qwen2_vl", tokenizer).train()
-    collator = PackingCollator(args.capacity, tokenizer=tokenizer, config=model.config)
+    collator = pre.collator(args.capacity, config=model.config)
     loader = torch.utils.data.DataLoader(
-        ProcessedDataset(raw, tokenizer, image_proc),
+        ProcessedDataset(raw, pre),
         batch_sampler=plan.bins,
         collate_fn=collator,
         num_workers=args.num_workers,

@@ -85,6 +85,7 @@ def qkv(total, heads, kv_heads, dim=16, seed=0, requires_grad=False):
 @pytest.mark.parametrize("case", list(LENGTH_CASES))
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kv_heads", [4, 1])
+@pytest.mark.slow
 def test_backends_match_per_sample_reference(backend, case, causal, kv_heads):
     lengths = LENGTH_CASES[case]
     cu = cu_from_lengths(lengths)
@@ -96,6 +97,7 @@ def test_backends_match_per_sample_reference(backend, case, causal, kv_heads):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.slow
 def test_gqa_two_groups_int64_cu_and_custom_scale(backend):
     lengths = LENGTH_CASES["random-a"]
     cu = cu_from_lengths(lengths).long()  # int64 is accepted and converted
@@ -109,6 +111,7 @@ def test_gqa_two_groups_int64_cu_and_custom_scale(backend):
 
 @pytest.mark.parametrize("backend", CPU_GRAD_BACKENDS)
 @pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.slow
 def test_gradients_match_reference(backend, causal):
     lengths = [*random_lengths(5, 200), 1]
     cu = cu_from_lengths(lengths)
@@ -146,6 +149,7 @@ def test_cuda_backends_match_reference_in_bf16(causal):
 
 @pytest.mark.parametrize("lengths", [[1, 130, 5, 0, 300, 1, 77], [128, 128, 44], [600], [3] * 50])
 @pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.slow
 def test_document_block_mask_equals_create_block_mask(lengths, causal):
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -260,6 +264,7 @@ def packed_row_logprobs(lengths, logits, ids):
     return torch.cat([lp[a : b - 1] for a, b in itertools.pairwise(cu)])
 
 
+@pytest.mark.slow
 def test_llama_packed_varlen_matches_per_sample_and_sdpa_packing():
     model = tiny_llama()
     lengths = [7, 1, 33, 2, 20]
@@ -295,6 +300,7 @@ def test_llama_packed_varlen_matches_per_sample_and_sdpa_packing():
     assert (leaky - alone).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 def test_llama_packed_training_step_gradients_match_sdpa():
     lengths = [30, 1, 17, 12]
     g = torch.Generator().manual_seed(1)
@@ -318,6 +324,7 @@ def test_llama_packed_training_step_gradients_match_sdpa():
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.slow
 def test_llama_padded_batch_and_generate_match_sdpa(side):
     model = tiny_llama()
     g = torch.Generator().manual_seed(2)
@@ -338,6 +345,7 @@ def test_llama_padded_batch_and_generate_match_sdpa(side):
         assert torch.equal(got_gen, want_gen)
 
 
+@pytest.mark.slow
 def test_llama_unpadded_batch_without_position_ids_matches_sdpa():
     # transformers then makes (1, T) position ids shared by all rows: each row is one sequence.
     model = tiny_llama()
@@ -386,6 +394,7 @@ def qwen2_vl_samples(tokenizer, image_processor, seed=0):
     return samples
 
 
+@pytest.mark.slow
 def test_qwen2_vl_packed_images_varlen_matches_per_sample_and_sdpa():
     from vlm_pack.offline import build_tokenizer, image_processor, tiny_model
 
@@ -460,6 +469,7 @@ def test_non_causal_call_honours_its_own_cu_seq_lens_q():
     torch.testing.assert_close(out[0].double(), reference_attention(*flat, cu, False), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_inference_mode_tensors_run_and_are_not_cached():
     """torch.inference_mode() tensors have no version counter: the identity caches must not touch it."""
     from vlm_pack.attention import hf_varlen_attention_forward
@@ -489,6 +499,7 @@ def test_inference_mode_tensors_run_and_are_not_cached():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_in_place_edit_of_cu_seqlens_is_not_served_from_cache():
     q, k, v = qkv(9, 2, 2, seed=5)
     cu = torch.tensor([0, 3, 9], dtype=torch.int32)
@@ -508,6 +519,7 @@ def test_bare_mrope_rows_are_refused():
         cu_seqlens_from_position_ids(rope)
 
 
+@pytest.mark.slow
 def test_qwen2_5_vl_windowed_vision_ignores_inherited_boundaries_and_switches_back():
     """Qwen2.5-VL's windowed vision tower under varlen: the text's cu_seq_lens_q reaching it through
     **kwargs is ignored even when it spans exactly the tower's tokens; set_attn_implementation("sdpa")
@@ -539,6 +551,7 @@ def test_qwen2_5_vl_windowed_vision_ignores_inherited_boundaries_and_switches_ba
 # ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_packed_right_padded_rows_with_a_mask_equal_each_sample_alone():
     """Two packed rows right-padded to one length, with a padding attention_mask AND per-sample
     position_ids: the mask only drops the padding; the positions keep every sample to itself."""

@@ -116,6 +116,7 @@ FAMILIES = list(END_OF_TURN)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_released_template_gives_the_processors_ids_spans_and_forecast(family):
     proc = _processor(family)
     tok = proc.tokenizer
@@ -199,6 +200,7 @@ def test_text_only_template_takes_strings():
 
 
 @pytest.mark.parametrize("family, ok", [("internvl", True), ("idefics3", False)])
+@pytest.mark.slow
 def test_collapsed_layout_keeps_one_token_per_image_where_the_family_has_one_run(family, ok):
     proc = _processor(family)
     if not ok:
@@ -214,6 +216,7 @@ def test_collapsed_layout_keeps_one_token_per_image_where_the_family_has_one_run
 
 
 @pytest.mark.parametrize("family", offline.FAMILIES)
+@pytest.mark.slow
 def test_offline_tiny_model_runs_a_processed_sample(family):
     """Every family's genuine transformers class, built from a tiny config, reads what process_sample gives."""
     path = TEMPLATES / f"{family}.jinja"  # Qwen3-VL: vlm-pack's own Qwen format
@@ -246,6 +249,7 @@ def test_offline_tiny_model_runs_a_processed_sample(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_forecast_sources_with_the_processor_gives_the_processors_lengths(family, tmp_path):
     """A dataset forecast with the checkpoint's processor (its template, its image wrappers) before any pixel
     is decoded: every record's length is transformers' own, for families whose processor wraps each image

@@ -18,12 +18,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from vlm_pack import Preprocessor, forecast_sources
 from vlm_pack.cli import main
 from vlm_pack.demo import demo_jsonl, demo_plan, demo_records, demo_shards, draw_image
 from vlm_pack.offline import build_tokenizer, image_processor
-from vlm_pack.processing import process_sample
-from vlm_pack.report import Baseline, forecast_lengths, padded_batches, scan_samples
-from vlm_pack.vision import vision_spec_from_processor
+from vlm_pack.report import Baseline, padded_batches
 
 SMALL = 200704  # Qwen max_pixels: <= 256 tokens per image, cheap to process for real
 
@@ -62,6 +61,7 @@ def _run(capsys, argv: list[str]) -> tuple[int, str, str]:
 # ------------------------------------------------------------------------------------------------ demo
 
 
+@pytest.mark.slow
 def test_demo_is_deterministic_and_realistic():
     a, b = demo_plan(64), demo_plan(64)
     assert a == b
@@ -83,6 +83,7 @@ def test_demo_is_deterministic_and_realistic():
     assert np.asarray(im.convert("L").reduce(16)).std() > 5
 
 
+@pytest.mark.slow
 def test_demo_command_prints_the_table_and_writes_the_report(demo_run, capsys):
     out, code = demo_run
     assert code == 0
@@ -124,6 +125,7 @@ def test_demo_command_prints_the_table_and_writes_the_report(demo_run, capsys):
             assert np.asarray(im.convert("L")).std() > 20  # a drawing, not a blank canvas
 
 
+@pytest.mark.slow
 def test_analyze_without_sources_uses_the_demo(tmp_path, demo_run, capsys):
     code, out, err = _run(capsys, ["analyze", "--capacity", "12288", "--out", str(tmp_path), "--no-plots"])
     assert code == 0 and "vlm-pack demo (320 samples)" in out and "stand-in" not in err
@@ -145,21 +147,20 @@ def test_python_dash_m_entry_point():
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava_next"])
+@pytest.mark.slow
 def test_forecast_equals_processed_length(shards, raw_samples, family):
     """Header-only lengths == real processor output, EXIF-rotated photos, WebP and 3-image samples included."""
     wanted = {"demo-000003", "demo-000016", "demo-000066", "demo-000075"}  # text-only, 3 images, EXIF 6, WebP
     kw = {"size": {"shortest_edge": 3136, "longest_edge": SMALL}} if family == "qwen2_vl" else {}
     proc = image_processor(family, **kw)
     tok = build_tokenizer(family)
-    samples = [s for s in scan_samples(shards[:2]) if s.key in wanted]
-    assert len(samples) == len(wanted)
-    table = forecast_lengths(samples, tokenizer=tok, spec=vision_spec_from_processor(proc), family=family)
+    pre = Preprocessor(tok, proc, family=family)
+    table = forecast_sources(shards[:2], preprocessor=pre, progress=False)
+    assert wanted <= set(table.keys)
     records = {r["key"]: r for r in demo_records(80)}
-    for i, key in enumerate(table.keys):
-        images = [data for data, _ in records[key]["images"]]
-        out = process_sample(
-            images, records[key]["conversation"], tokenizer=tok, image_processor=proc, family=family
-        )
+    for key in sorted(wanted):
+        i = table.keys.index(key)
+        out = pre.process([data for data, _ in records[key]["images"]], records[key]["conversation"])
         assert table.lengths[i] == len(out["input_ids"]), key
         assert table.vision_tokens[i] == int(out["tokens_per_image"].sum()), key
         # Where each image's tokens start, as drawn in packs.png.
@@ -170,6 +171,7 @@ def test_forecast_equals_processed_length(shards, raw_samples, family):
             assert table.image_starts[lo:hi].tolist() == starts.tolist(), key
 
 
+@pytest.mark.slow
 def test_jsonl_manifest_matches_shards(tmp_path, capsys):
     n = 24
     manifest = demo_jsonl(tmp_path / "jsonl", num_samples=n)
@@ -221,11 +223,11 @@ def test_processor_folder_gives_the_same_as_family_flags(tmp_path, shards, capsy
 # ------------------------------------------------------------------------------------------------ pack plan
 
 
+@pytest.mark.slow
 def test_pack_plan_holds_every_sample_once(tmp_path, shards, capsys):
     plan = tmp_path / "plans" / "plan.jsonl"
-    code, out, _ = _run(
-        capsys, ["pack", *map(str, shards), "--capacity", "8192", "--out", str(plan), "--no-progress"]
-    )
+    base = ["pack", *map(str, shards), "--capacity", "8192", "--oversized", "skip", "--no-progress"]
+    code, out, _ = _run(capsys, [*base, "--out", str(plan)])
     assert code == 0 and "packs of 8,192 tokens" in out
     packs = [json.loads(line) for line in plan.read_text().splitlines()]
     meta = json.loads((tmp_path / "plans" / "plan.meta.json").read_text())
@@ -238,32 +240,21 @@ def test_pack_plan_holds_every_sample_once(tmp_path, shards, capsys):
         assert p["tokens"] == sum(p["lengths"]) <= 8192
         assert len(p["keys"]) == len(p["lengths"]) == len(p["sources"])
     assert meta["packs"] == len(packs) >= meta["lower_bound"]
-    # Shuffled pack order by default (no length curriculum), creation order on request.
+    # Creation order by default (shuffle_seed=None, PackingConfig's default); shuffled with --shuffle-seed.
+    firsts = [p["lengths"][0] for p in packs]
+    assert firsts == sorted(firsts, reverse=True) and meta["shuffle_seed"] is None
     plan2 = tmp_path / "plan2.jsonl"
-    assert (
-        main(
-            [
-                "pack",
-                *map(str, shards),
-                "--capacity",
-                "8192",
-                "--out",
-                str(plan2),
-                "--no-shuffle",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    assert main([*base, "--shuffle-seed", "0", "--out", str(plan2)]) == 0
     packs2 = [json.loads(line) for line in plan2.read_text().splitlines()]
     assert sorted(map(tuple, (p["keys"] for p in packs))) == sorted(map(tuple, (p["keys"] for p in packs2)))
-    firsts = [p["lengths"][0] for p in packs2]
-    assert firsts == sorted(firsts, reverse=True) and firsts != [p["lengths"][0] for p in packs]
+    assert [p["lengths"][0] for p in packs2] != firsts
+    assert json.loads((tmp_path / "plan2.meta.json").read_text())["packing_config"]["shuffle_seed"] == 0
 
 
 def test_pack_plan_vision_budget_and_truncation(tmp_path, shards, capsys):
     plan = tmp_path / "plan.jsonl"
-    args = ["pack", str(shards[0]), "--capacity", "8192", "--out", str(plan), "--max-images-per-pack", "2"]
+    args = ["pack", str(shards[0]), "--capacity", "8192", "--out", str(plan), "--vision-capacity", "2",
+            "--vision-cost", "images"]  # fmt: skip
     assert main([*args, "--oversized", "truncate"]) == 0
     packs = [json.loads(line) for line in plan.read_text().splitlines()]
     meta = json.loads((tmp_path / "plan.meta.json").read_text())
@@ -315,6 +306,9 @@ def test_clear_errors(tmp_path, shards, capsys):
         json.dumps(good) + "\n" + json.dumps({**good, "key": "bad", "images": ["gone.jpg"]}) + "\n"
     )
     code, _, err = _run(capsys, ["analyze", str(manifest), "--no-plots", "--out", str(tmp_path / "r")])
+    assert code == 0 and "m.jsonl:2" in err and "'bad'" in err and "gone.jpg" in err  # skipped, named
+    argv = ["analyze", str(manifest), "--no-plots", "--on-error", "raise", "--out", str(tmp_path / "r")]
+    code, _, err = _run(capsys, argv)
     assert code == 1 and "m.jsonl:2" in err and "'bad'" in err and "gone.jpg" in err
 
 
@@ -335,21 +329,24 @@ def test_bad_samples_skip_mode_lists_them(tmp_path, capsys, write_tar):
         "c.png": b"\x89PNG\r\n\x1a\n-truncated",
     }
     write_tar(shard, list(members.items()))
-    code, _, err = _run(capsys, ["analyze", str(shard), "--no-plots", "--out", str(tmp_path / "r1")])
+    argv = ["analyze", str(shard), "--no-plots", "--on-error", "raise", "--out", str(tmp_path / "r1")]
+    code, _, err = _run(capsys, argv)
     assert code == 1 and "'b'" in err and "placeholder" in err
-    code, out, _ = _run(
-        capsys, ["analyze", str(shard), "--no-plots", "--on-error", "skip", "--out", str(tmp_path / "r2")]
-    )
+    # on_error="skip" is the default, as everywhere: listed in the report and named on stderr
+    code, out, err = _run(capsys, ["analyze", str(shard), "--no-plots", "--out", str(tmp_path / "r2")])
     assert code == 0 and "invalid samples skipped: 2" in out
+    assert "2 sample(s) could not be read" in err and "'b'" in err and "--on-error raise" in err
     invalid = json.loads((tmp_path / "r2" / "report.json").read_text())["dataset"]["invalid"]
     assert [i["key"] for i in invalid] == ["b", "c"]
 
 
+@pytest.mark.slow
 def test_errors_say_what_to_do(tmp_path, shards, capsys, write_tar):
     # A corrupt image stops the run: the message names shard, key and field, and the way to go on.
     shard = tmp_path / "corrupt.tar"
     write_tar(shard, [("x.txt", b"a caption"), ("x.jpg", b"\xff\xd8 not a jpeg")])
-    code, _, err = _run(capsys, ["analyze", str(shard), "--no-plots", "--out", str(tmp_path / "r0")])
+    argv = ["analyze", str(shard), "--no-plots", "--on-error", "raise", "--out", str(tmp_path / "r0")]
+    code, _, err = _run(capsys, argv)
     assert code == 1 and "corrupt.tar" in err and "'x'" in err and "--on-error skip" in err
 
     # An empty shard: named, not "the sources are empty".
@@ -363,8 +360,8 @@ def test_errors_say_what_to_do(tmp_path, shards, capsys, write_tar):
     assert code == 1 and "empty-000.tar" in err
 
     # A capacity below every sample is a mistake, not a table of zeros or an empty plan.
-    lengths = forecast_lengths(
-        scan_samples([shards[0]]), tokenizer=build_tokenizer("qwen2_vl"), spec=_qwen2_spec(), progress=False
+    lengths = forecast_sources(
+        [shards[0]], tokenizer=build_tokenizer("qwen2_vl"), spec=_qwen2_spec(), progress=False
     ).lengths
     shortest = int(lengths.min())
     argv = ["analyze", str(shards[0]), "--no-plots", "--no-progress", "--capacity", "16"]
@@ -372,8 +369,13 @@ def test_errors_say_what_to_do(tmp_path, shards, capsys, write_tar):
     assert code == 1 and out == "" and f"shortest sample is {shortest:,} tokens" in err
     assert "--oversized truncate" in err and not (tmp_path / "r2" / "report.json").exists()
     plan = tmp_path / "plan.jsonl"
-    code, out, err = _run(capsys, ["pack", str(shards[0]), "--capacity", "16", "--out", str(plan)])
+    argv_pack = ["pack", str(shards[0]), "--capacity", "16", "--out", str(plan)]
+    code, out, err = _run(capsys, [*argv_pack, "--oversized", "skip"])
     assert code == 1 and f"shortest sample is {shortest:,} tokens" in err and not plan.exists()
+    # oversized="raise", the default of a plan as everywhere: the first too-long sample, and the way on
+    code, out, err = _run(capsys, argv_pack)
+    assert code == 1 and "fit no pack of capacity 16" in err and "(key '" in err and not plan.exists()
+    assert "--oversized skip" in err and "--oversized truncate" in err
     # One capacity too small among good ones: the table is printed, with a warning on stderr.
     code, out, err = _run(capsys, [*argv, "8192", "--out", str(tmp_path / "r3")])
     assert code == 0 and "8,192" in out and "capacity 16 packs none of the 64 samples" in err
@@ -385,6 +387,7 @@ def _qwen2_spec():
     return vision_spec("qwen2_vl")
 
 
+@pytest.mark.slow
 def test_table_shows_per_pack_numbers_exactly(demo_run):
     out, code = demo_run
     assert code == 0
@@ -465,11 +468,11 @@ def test_grad_accum_recommends_the_closest_to_the_target():
     assert "1 (13.0)" in text and "2 (26.0)" in text and "closest to 16" in text
 
 
+@pytest.mark.slow
 def test_packs_png_shows_every_capacity(shards):
-    from vlm_pack.report import analyze, forecast_lengths, plot_packs
+    from vlm_pack.report import analyze, plot_packs
 
-    table = forecast_lengths(scan_samples([shards[0]]), tokenizer=build_tokenizer("qwen2_vl"),
-                             spec=_qwen2_spec(), progress=False)  # fmt: skip
+    table = forecast_sources([shards[0]], tokenizer=build_tokenizer("qwen2_vl"), spec=_qwen2_spec(), progress=False)
     _, results = analyze(table, [8192, 12288, 16384])
     fig = plot_packs(table, results, num_packs=3)
     titles = [ax.get_title() for ax in fig.axes]
@@ -520,14 +523,16 @@ def test_verify_decodes_images_and_catches_truncated_ones(tmp_path, capsys, writ
     base = [str(shard), "--capacity", "4096", "--no-plots"]
     code, out, _ = _run(capsys, ["analyze", *base, "--out", str(tmp_path / "r0")])
     assert code == 0 and "2 samples" in out  # header-only: the truncated image passes
-    code, _, err = _run(capsys, ["analyze", *base, "--verify", "--out", str(tmp_path / "r1")])
+    code, _, err = _run(capsys, ["analyze", *base, "--verify", "--on-error", "raise", "--out", str(tmp_path / "r1")])
     assert code == 1 and "cut.tar" in err and "'bad'" in err and "truncated" in err
     code, _, _ = _run(capsys, ["analyze", *base, "--verify", "--on-error", "skip", "--out", str(tmp_path / "r2")])
     report = json.loads((tmp_path / "r2" / "report.json").read_text())
     assert code == 0 and [i["key"] for i in report["dataset"]["invalid"]] == ["bad"]
     assert report["images_checked"] == "decoded (--verify)" and report["dataset"]["samples"] == 1
     plan = tmp_path / "plan.jsonl"
-    code, _, err = _run(capsys, ["pack", str(shard), "--capacity", "4096", "--verify", "--out", str(plan)])
+    code, _, err = _run(
+        capsys, ["pack", str(shard), "--capacity", "4096", "--verify", "--on-error", "raise", "--out", str(plan)]
+    )
     assert code == 1 and "'bad'" in err and not plan.exists()
 
 
@@ -536,6 +541,7 @@ _EMBEDDING_TOKEN = {"llava": "<image>", "idefics3": "<image>", "internvl": "<IMG
 
 
 @pytest.mark.parametrize("family", list(_EMBEDDING_TOKEN))
+@pytest.mark.slow
 def test_processor_folder_of_any_family_counts_with_its_own_template(tmp_path, capsys, family):
     """`analyze --processor DIR` on a checkpoint folder whose chat template vlm-pack has no format for: the
     template, the tokenizer and the image processor saved there give transformers' own lengths."""

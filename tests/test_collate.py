@@ -121,6 +121,7 @@ def test_qwen_layout_labels_positions_padding(qwen):
     assert torch.equal(b.tokens_per_image, torch.cat([s["tokens_per_image"] for s in with_images]))
 
 
+@pytest.mark.slow
 def test_packed_forward_matches_each_sample_alone(qwen):
     tok, model, samples, _ = qwen
     b = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=4)(samples)
@@ -200,7 +201,7 @@ def test_strategies_keep_every_sample(qwen):
     assert nf.sample_index.tolist() == list(range(len(samples)))  # next-fit keeps the data order
     bfd = PackingCollator(64, tokenizer=tok, family="qwen2_vl")(samples)
     assert bfd.num_rows == -(-sum(lens) // 64)  # as few rows as the lengths allow here
-    one = PackingCollator(64, tokenizer=tok, family="qwen2_vl", max_samples_per_row=1)(samples)
+    one = PackingCollator(64, tokenizer=tok, family="qwen2_vl", max_samples_per_bin=1)(samples)
     assert one.num_rows == len(samples)
 
 
@@ -329,6 +330,7 @@ def test_model_input_styles(qwen):
     assert b.input_ids.device.type == "cpu"
 
 
+@pytest.mark.slow
 def test_flash_style_inputs_run_varlen_attention(qwen):
     """The flattened row + cu_seq_lens_q/k through a varlen attention gives the sdpa rows' logits."""
     from vlm_pack.attention import use_varlen_attention
@@ -348,6 +350,7 @@ def test_flash_style_inputs_run_varlen_attention(qwen):
 FLASH_KWARGS_REACH_THE_VISION_TOWER = {"5.18.0"}
 
 
+@pytest.mark.slow
 def test_flash_style_through_transformers_flash_dispatch(qwen):
     """model_inputs("flash_attention_2") under an attention whose name says "flash": transformers then runs
     the vision tower's own varlen branch (cu_seq_lens_q = the images' boundaries) next to the text model's,
@@ -404,6 +407,7 @@ def test_flash_style_through_transformers_flash_dispatch(qwen):
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.slow
 def test_qwen_family_real_processor_forward(family):
     tok = build_tokenizer(family)
     small = {"shortest_edge": 4096, "longest_edge": 128 * 128} if family == "qwen3_vl" else QWEN_SMALL
@@ -434,6 +438,7 @@ def test_qwen_family_real_processor_forward(family):
 
 
 @pytest.mark.parametrize("family", ["llava", "llava_next"])
+@pytest.mark.slow
 def test_llava_processor_outputs_forward(family):
     """Samples straight from an HF processor ([1, L] tensors with attention_mask) pack and run."""
     proc = processor(family)
@@ -566,6 +571,7 @@ def test_qwen_samples_without_the_mrope_family_raise(qwen):
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.slow
 def test_qwen_video_samples(family):
     """Videos (pixel_values_videos, video_grid_thw, Qwen2.5-VL second_per_grid_ts) pack in sample order
     and every sample's logits equal the model's on that sample alone."""
@@ -657,7 +663,7 @@ def _smallest_length_that_splits(tp: int, cp: int, sequence_parallel: bool, fp8:
 
 
 def test_pad_multiple_for_is_the_parallel_padding_rule():
-    from vlm_pack.parallel import check_parallel_config
+    from vlm_pack.context_parallel import check_parallel_config
 
     for tp, cp, sp, fp8, want in _PAD_RULE_TABLE:
         case = f"tp={tp} cp={cp} sequence_parallel={sp} fp8={fp8}"
@@ -695,6 +701,7 @@ def test_dataloader_workers_and_trainer_style(qwen):
         assert torch.isfinite(model(**as_dict).loss)
 
 
+@pytest.mark.slow
 def test_hf_trainer_step(qwen, tmp_path):
     """As an HF Trainer data_collator (return_style="sdpa"): one real optimisation step on packed rows."""
     from transformers import Trainer, TrainingArguments
@@ -743,6 +750,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_megatron_core_is_imported_only_when_packed_seq_params_are_asked_for():
     import subprocess
     import sys

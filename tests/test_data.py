@@ -299,6 +299,7 @@ def _pipeline(corpus, qwen, **overrides) -> PackedWebDataset:
         tokenizer=tok,
         image_processor=ip,
         capacity=CAPACITY,
+        oversized="skip",  # the corpus's too-long sample is counted as too_long
         shuffle_seed=3,
         shuffle_buffer=4,
         buffer_size=4,
@@ -388,6 +389,7 @@ def test_bad_data_is_warned_with_shard_and_key_or_raised(corpus, qwen):
         list(strict)
 
 
+@pytest.mark.slow
 def test_resume_after_interruption_gives_the_same_remaining_packs(corpus, qwen, reference):
     ref = [_summary(b) for b in reference[1]]
     # The state after k batches, as a checkpoint taken at that point would hold it (plain JSON data).
@@ -426,6 +428,7 @@ def test_resume_after_interruption_gives_the_same_remaining_packs(corpus, qwen, 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.parametrize("workers", [0, 3])
+@pytest.mark.slow
 def test_resume_with_another_worker_count_loses_and_repeats_nothing(corpus, qwen, workers):
     first = _pipeline(corpus, qwen)
     loader = PackedDataLoader(first, num_workers=2)
@@ -440,6 +443,7 @@ def test_resume_with_another_worker_count_loses_and_repeats_nothing(corpus, qwen
     assert stats.reasons == {**dict.fromkeys(BAD_REASONS, 1), "unreadable_shard": 2}
 
 
+@pytest.mark.slow
 def test_epochs_follow_each_other_and_reshuffle(corpus, qwen, reference):
     ds = _pipeline(corpus, qwen)
     loader = PackedDataLoader(ds, num_workers=2)
@@ -472,6 +476,7 @@ def _forecast_matches(batch) -> bool:
     return [forecast[k] for k in batch.metadata["__key__"]] == batch.seq_lens.tolist()
 
 
+@pytest.mark.slow
 def test_split_by_node_and_worker_then_resume_on_fewer_ranks(corpus, qwen, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     kwargs = dict(pad_to_multiple_of=8, vision_capacity=2, vision_cost="images")
@@ -509,6 +514,7 @@ def test_split_by_node_and_worker_then_resume_on_fewer_ranks(corpus, qwen, monke
     assert ds.stats.reasons == {**dict.fromkeys(BAD_REASONS, 1), "unreadable_shard": 2}
 
 
+@pytest.mark.slow
 def test_llava_next_forecast_equals_processed_length(tmp_path):
     tok, ip = build_tokenizer("llava_next"), image_processor("llava_next")
     rng = random.Random(5)
@@ -583,6 +589,7 @@ def _small_shards(root: Path) -> list[str]:
     return write_shards(records, root, maxcount=2)
 
 
+@pytest.mark.slow
 def test_url_forms_and_more_workers_than_shards(tmp_path, qwen):
     tok, ip = qwen
     urls = _small_shards(tmp_path / "s")
@@ -668,7 +675,8 @@ from vlm_pack.data.pipeline import PackedDataLoader, PackedWebDataset
 from vlm_pack.offline import build_tokenizer, image_processor
 urls, state_path = json.loads(sys.argv[1]), sys.argv[2]
 ds = PackedWebDataset(urls, tokenizer=build_tokenizer("qwen2_vl"), image_processor=image_processor("qwen2_vl"),
-                      capacity=256, shuffle_seed=3, shuffle_buffer=4, buffer_size=4, min_fill_ratio=0.9)
+                      capacity=256, oversized="skip", shuffle_seed=3, shuffle_buffer=4, buffer_size=4,
+                      min_fill_ratio=0.9)
 with open(state_path) as f:
     ds.load_state_dict(json.load(f))
 warnings.simplefilter("ignore")
@@ -677,6 +685,7 @@ print(json.dumps({"batches": out, "read": ds.stats.samples_read}))
 """
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_from_a_json_file(corpus, qwen, reference, tmp_path):
     """The checkpoint is a JSON file; a fresh interpreter (other hash seed) continues with the same packs."""
     import os
@@ -737,6 +746,7 @@ def _legacy_pipeline(urls, qwen, **knobs) -> PackedWebDataset:
 
 
 @pytest.mark.filterwarnings("ignore::vlm_pack.data.BadSampleWarning")
+@pytest.mark.slow
 def test_a_state_saved_by_the_untyped_version_1_still_resumes(tmp_path, qwen, monkeypatch):
     monkeypatch.chdir(tmp_path)
     urls = _legacy_shards(tmp_path)
@@ -783,19 +793,19 @@ def test_packing_config_or_keyword_knobs(tmp_path, qwen):
     tok, ip = qwen
     urls = _small_shards(tmp_path / "s")
     by_keywords = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, buffer_size=8)
-    config = PackingConfig(capacity=256, buffer_size=8, oversized="skip")
-    assert by_keywords.config == config
+    config = PackingConfig(capacity=256, buffer_size=8)
+    assert by_keywords.config == config and config.oversized == "raise"  # the same defaults either way
     by_config = PackedWebDataset(urls, config, tokenizer=tok, image_processor=ip)
     assert [list(b.metadata["__key__"]) for b in by_config] == [list(b.metadata["__key__"]) for b in by_keywords]
     # keywords over a config; validation is PackingConfig's
     assert PackedWebDataset(urls, config, tokenizer=tok, image_processor=ip, capacity=512).capacity == 512
     with pytest.raises(ValueError, match="min_fill_ratio must be a float in"):
         PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=2)
-    with pytest.raises(TypeError, match=r"unknown argument\(s\) \['capcity'\]; packing knobs: \["):
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) \['capcity'\]; packing settings: \["):
         PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capcity=256)
     with pytest.raises(TypeError, match="needs capacity="):
         PackedWebDataset(urls, tokenizer=tok, image_processor=ip)
-    with pytest.raises(ValueError, match="'truncate' is for offline packing"):
+    with pytest.raises(ValueError, match="PackedWebDataset cannot do oversized='truncate'"):
         PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, oversized="truncate")
 
 
@@ -810,6 +820,7 @@ def _good_and_garbage(root: Path) -> list[str]:
 
 
 @pytest.mark.filterwarnings("ignore::vlm_pack.data.BadSampleWarning")
+@pytest.mark.slow
 def test_a_stream_that_yields_no_batch_still_completes_the_epoch_with_a_plain_dataloader(tmp_path, qwen):
     tok, ip = qwen
     urls = _good_and_garbage(tmp_path)
@@ -893,6 +904,7 @@ def test_an_image_header_over_max_image_pixels_is_refused_before_decoding(tmp_pa
 
 
 @pytest.mark.filterwarnings("ignore::vlm_pack.data.BadSampleWarning")
+@pytest.mark.slow
 def test_a_plain_dataloader_gets_only_batches_and_counts_bad_samples_after_each_streams_last_batch(tmp_path, qwen):
     tok, ip = qwen
     good = _small_shards(tmp_path / "good")  # two shards of two good samples

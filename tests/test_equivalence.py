@@ -120,7 +120,7 @@ def _collator(family: str, samples, per_pack: int, **kwargs) -> PackingCollator:
         capacity,
         tokenizer=_tokenizer(family),
         config=model.config,
-        max_samples_per_row=per_pack,
+        max_samples_per_bin=per_pack,
         **kwargs,
     )
 
@@ -203,6 +203,7 @@ _CASES = [
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize(("family", "n", "per_pack"), _CASES, ids=[f"{f}-{n}x{p}" for f, n, p in _CASES])
+@pytest.mark.slow
 def test_hf_packed_matches_batched(family, n, per_pack, attn):
     report, _ = _check(family, n, per_pack, attn)
     assert report.passed, str(report)
@@ -214,6 +215,7 @@ def test_hf_packed_matches_batched(family, n, per_pack, attn):
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava_next"])
+@pytest.mark.slow
 def test_cp_padding_keeps_real_tokens_exact(family):
     """pad_to_multiple_of=8 (2 * CP with CP=4): padding between samples changes no real token."""
     samples = list(_samples(family, 4))
@@ -226,6 +228,7 @@ def test_cp_padding_keeps_real_tokens_exact(family):
     assert report.passed, str(report)
 
 
+@pytest.mark.slow
 def test_label_tokens_only():
     """targets="labels" scores what the loss sees: the assistant tokens, fewer than all transitions."""
     samples = list(_samples("qwen2_vl", 4))
@@ -283,6 +286,7 @@ _CONTROLS = [
 @pytest.mark.parametrize(
     ("family", "mistake", "forward"), _CONTROLS, ids=[f"{f}-{m}" for f, m, _ in _CONTROLS]
 )
+@pytest.mark.slow
 def test_negative_controls_fail_the_harness(family, mistake, forward):
     if mistake == "use_cache":  # what the model does when the caller leaves use_cache out
         assert _model(family).config.get_text_config().use_cache is True
@@ -310,6 +314,7 @@ def test_report_is_readable_and_names_worst_tokens():
     report.raise_if_failed()  # passing: no exception
 
 
+@pytest.mark.slow
 def test_processor_outputs_and_a_trainer_style_collator():
     """What a user hands over first: HF processor outputs ([1, L] tensors, attention_mask) and the
     collator they train with (return_style="sdpa" returns model kwargs, not a PackedBatch)."""
@@ -387,6 +392,7 @@ def _collapsed_samples(n: int, layout: str = "collapsed") -> tuple:
     return tuple(out)
 
 
+@pytest.mark.slow
 def test_collapsed_model_is_the_hf_model():
     """CollapsedLlavaModel on collapsed ids == LlavaNextForConditionalGeneration on the expanded ids."""
     _, model, _ = _collapsed()
@@ -426,6 +432,7 @@ def _expanded_length_by_loop(ids: list[int], tokens_per_image: list[int], image_
 
 
 @pytest.mark.parametrize("per_pack", [1, 4, 16])
+@pytest.mark.slow
 def test_collapsed_model_needs_remapped_cu_seqlens(per_pack):
     """Megatron's LLaVA bug (seed 004): collapsed cu_seqlens after expansion are wrong; remapped are exact.
     The model attends through varlen attention (its default), as Megatron's THD path does."""
@@ -438,7 +445,7 @@ def test_collapsed_model_needs_remapped_cu_seqlens(per_pack):
         tokenizer=tok,
         config=model.config,
         layout="collapsed",
-        max_samples_per_row=per_pack,
+        max_samples_per_bin=per_pack,
     )
     batch = collator(samples)
     assert batch.input_ids.shape[0] == 1 and batch.layout == "collapsed"
@@ -480,6 +487,7 @@ def test_collapsed_model_needs_remapped_cu_seqlens(per_pack):
     assert not wrong.passed and wrong.metric > WRONG, str(wrong)
 
 
+@pytest.mark.slow
 def test_collapsed_model_varlen_attention_is_the_mask_path():
     """attention="varlen" (vlm_pack.attention through attn_implementation "vlm_pack_varlen") takes its
     boundaries from the cu_seqlens it is given: its logits are the dense block-diagonal mask path's for
@@ -492,7 +500,7 @@ def test_collapsed_model_varlen_attention_is_the_mask_path():
         tokenizer=tok,
         config=model.config,
         layout="collapsed",
-        max_samples_per_row=4,
+        max_samples_per_bin=4,
     )(samples)
     inputs = dict(pixel_values=batch.pixel_values, image_sizes=batch.image_sizes)
     lm_config = model.model.model.language_model.config
@@ -525,6 +533,7 @@ def test_collapsed_model_varlen_attention_is_the_mask_path():
         collapsed_packed_forward(attention="flash")
 
 
+@pytest.mark.slow
 def test_collapsed_model_with_cp_padding():
     tok, model, _ = _collapsed()
     samples = list(_collapsed_samples(4))
@@ -534,7 +543,7 @@ def test_collapsed_model_with_cp_padding():
         config=model.config,
         layout="collapsed",
         pad_to_multiple_of=8,
-        max_samples_per_row=2,
+        max_samples_per_bin=2,
     )
     batch = collator(samples)
     assert (batch.cu_seqlens_padded_expanded.diff() % 8 == 0).all()
@@ -592,7 +601,7 @@ if __name__ == "__main__":  # the figures of benchmarks/RESULTS.md, section "equ
             tokenizer=tok,
             config=cmodel.config,
             layout="collapsed",
-            max_samples_per_row=per_pack,
+            max_samples_per_bin=per_pack,
         )(samples)
         for how in ("remapped", "collapsed"):
             r = check_packed_equivalence(

@@ -20,6 +20,7 @@ def _load(name: str) -> ModuleType:
     return module
 
 
+@pytest.mark.slow
 def test_train_loop_with_pack_plan(capsys):
     result = _load("train_loop").main(
         ["--steps", "2", "--max-samples", "16", "--target-samples-per-update", "4"]
@@ -33,6 +34,7 @@ def test_train_loop_with_pack_plan(capsys):
     assert result["efficiency"] > 0.8 and result["grad_accum"] >= 1
 
 
+@pytest.mark.slow
 def test_hf_trainer_with_packing_collator(capsys):
     pytest.importorskip("accelerate", reason="transformers' Trainer requires accelerate")
     result = _load("train_hf_trainer").main(
@@ -45,6 +47,7 @@ def test_hf_trainer_with_packing_collator(capsys):
     assert result["rows"] and max(result["rows"]) < 4
 
 
+@pytest.mark.slow
 def test_megatron_collapsed(capsys):
     result = _load("megatron_collapsed").main(["--max-samples", "4", "--cp", "2"])
     out = capsys.readouterr().out
@@ -56,6 +59,7 @@ def test_megatron_collapsed(capsys):
     assert all(e % 4 == 0 for e in expanded)  # 2 * CP padding, in expanded space
 
 
+@pytest.mark.slow
 def test_trl_sft_packed_matches_unpacked(capsys):
     pytest.importorskip("trl", reason="needs the [trl] extra")
     result = _load("train_trl_sft").main(["--steps", "1", "--max-samples", "8"])
@@ -63,6 +67,7 @@ def test_trl_sft_packed_matches_unpacked(capsys):
     assert result["diffs"]["loss"] <= 1e-5 and result["num_tokens"][0] == result["num_tokens"][1] > 0
 
 
+@pytest.mark.slow
 def test_energon_restart_gives_every_sample_once(capsys):
     pytest.importorskip("megatron.energon", reason="needs the [energon] extra")
     result = _load("train_energon").main(["--samples", "8", "--ranks", "2", "--workers", "0"])

@@ -128,6 +128,7 @@ def test_stream_an_image_processor_bug_is_raised_and_its_refusals_counted(tmp_pa
                 _epoch(ds)
 
 
+@pytest.mark.slow
 def test_stream_a_turn_whose_content_is_no_text_is_bad_data_not_a_bug(tmp_path, qwen):
     turns = [{"role": "user", "content": 5}, {"role": "assistant", "content": "five"}]
     records = [_record("a", _png(0)), {"key": "odd", "conversation": turns}, _record("b", _png(1))]
@@ -214,6 +215,7 @@ def test_stream_some_corrupt_images_are_counted_and_the_rest_packed(tmp_path, qw
 # -- (d) a failure budget: more bad samples in a row than the limit raise --------------------------------
 
 
+@pytest.mark.slow
 def test_stream_more_consecutive_bad_samples_than_the_limit_raise(tmp_path, qwen):
     good = [_record(f"g{i}", None, f"caption {i}") for i in range(3)]
     records = [_record(f"bad{i:03d}", _GARBAGE) for i in range(101)] + good

@@ -137,6 +137,7 @@ def _check(family: str, attn: str, packed_forward=None):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_packed_row_matches_each_sample_alone(family, attn):
     report = _check(family, attn)
     assert report.passed, str(report)
@@ -203,6 +204,7 @@ _CONTROLS += [("gemma3", "row-causal-mask", _row_causal_mask), ("glm4v", "3-row-
 @pytest.mark.parametrize(
     ("family", "mistake", "forward"), _CONTROLS, ids=[f"{f}-{m}" for f, m, _ in _CONTROLS]
 )
+@pytest.mark.slow
 def test_negative_controls_fail(family, mistake, forward):
     report = _check(family, "sdpa", packed_forward=forward)
     assert not report.passed and report.metric > WRONG, str(report)
@@ -215,6 +217,7 @@ def test_negative_controls_fail(family, mistake, forward):
 HF_GEMMA3_PACKED = {"5.18.0": "exact", "5.19.0": "exact", "5.24.0": "leaks"}
 
 
+@pytest.mark.slow
 def test_gemma3_through_transformers_own_packed_mask():
     import transformers
 
@@ -225,6 +228,7 @@ def test_gemma3_through_transformers_own_packed_mask():
     assert outcome == HF_GEMMA3_PACKED.get(transformers.__version__, outcome) in ("exact", "leaks"), str(report)
 
 
+@pytest.mark.slow
 def test_gemma3_reference_needs_its_token_type_ids():
     """Without token_type_ids Gemma 3 is a different (causal) model: the reference must keep them."""
     model = _model("gemma3", "sdpa")
@@ -236,6 +240,7 @@ def test_gemma3_reference_needs_its_token_type_ids():
     assert (two_way - causal).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 def test_onevision_row_wide_batch_num_images_breaks_the_token_counts():
     collator, samples = _one_row("llava_onevision")
     kwargs = collator(list(samples)).model_inputs("sdpa")
@@ -249,6 +254,7 @@ def test_onevision_row_wide_batch_num_images_breaks_the_token_counts():
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma3"])
+@pytest.mark.slow
 def test_flash_style_inputs_through_varlen_attention_match_each_sample_alone(family):
     """``model_inputs("flash_attention_2")`` (rows flattened, ``cu_seq_lens_q/k``) on vlm-pack's varlen
     attention (torch on CPU) vs each sample alone through sdpa. Gemma 3 is left out: transformers' flash
@@ -308,6 +314,7 @@ def _gemma3_masks_alone(model, sample: dict) -> dict[str, torch.Tensor]:
     return seen
 
 
+@pytest.mark.slow
 def test_gemma3_masks_are_transformers_masks_of_each_sample_alone():
     """Oracle: the masks transformers' Gemma 3 itself uses for each sample alone (sdpa, bool), placed on the
     diagonal."""
@@ -352,6 +359,7 @@ def test_glm4v_positions_are_the_models_get_rope_index_per_sample():
 
 
 @pytest.mark.parametrize("family", ["llava_onevision", "internvl", "gemma3", "glm4v"])
+@pytest.mark.slow
 def test_collapsed_layout_expands_to_the_expanded_batch(family):
     """One placeholder per image (families whose image tokens form one run): the collapsed batch, each
     placeholder repeated ``tokens_per_image`` times, is the expanded batch: ids, positions, boundaries."""

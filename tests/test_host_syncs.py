@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vlm_pack import attention
 from vlm_pack.attention import use_varlen_attention
-from vlm_pack.parallel import PerTokenLoss, token_cross_entropy
+from vlm_pack.loss import PerTokenLoss, token_cross_entropy
 
 aten = torch.ops.aten
 # Operations whose result size or value the host must read from the device.
@@ -168,6 +168,7 @@ def syncs_per_step(layers: int, style: str, counter: SyncCounter, kernel_calls: 
 
 
 @pytest.mark.parametrize("style", ["flash_kwargs", "flash_kwargs_k_copy", "position_ids", "mask"])
+@pytest.mark.slow
 def test_sync_count_does_not_grow_with_layers(style, count_syncs, gpu_path):
     two = syncs_per_step(2, style, count_syncs, gpu_path)
     eight = syncs_per_step(8, style, count_syncs, gpu_path)

@@ -73,6 +73,7 @@ def _oracle(proc, conversation: list[dict], images: list) -> int:
 
 @pytest.mark.parametrize("markers", [True, False], ids=["markers", "no-markers"])
 @pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
+@pytest.mark.slow
 def test_an_epoch_keeps_every_image_sample_whatever_the_markers_tokenize_to(family, markers):
     tok = _tokenizer(family, markers)
     marker_ids = tok("<row_1_col_1>", add_special_tokens=False)["input_ids"]

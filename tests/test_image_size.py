@@ -199,6 +199,7 @@ FUZZ_FILES = ["plain.jpg", "progressive.jpg", "cmyk.jpg", "exif6.jpg", "xmp6.jpg
     pos=st.integers(0, 1999),
     blob=st.binary(min_size=1, max_size=8),
 )
+@pytest.mark.slow
 def test_image_size_fuzz_agrees_with_pillow_or_raises_value_error(image_files, name, op, pos, blob):
     """Damaged headers: Pillow's size, or ValueError naming the source; never another exception."""
     original = image_files[name].read_bytes()

@@ -16,11 +16,12 @@ pytest.importorskip("megatron.energon", reason="needs the [energon] extra")
 from megatron.energon import WorkerConfig, get_savable_loader
 from megatron.energon.errors import reraise_exception
 
-from vlm_pack import Preprocessor, pad_multiple_for, process_sample
+from vlm_pack import Preprocessor, pad_multiple_for
 from vlm_pack.data import write_shards
 from vlm_pack.demo import demo_records
 from vlm_pack.integrations.energon import VLMPackingTaskEncoder, packed_train_dataset
 from vlm_pack.offline import build_tokenizer, image_processor
+from vlm_pack.processing import process_sample
 
 NUM = 16
 CAPACITY = 2048
@@ -72,6 +73,7 @@ def _take(loader, n):
     return keys
 
 
+@pytest.mark.slow
 def test_packs_hold_the_processed_samples_within_capacity(setup):
     _, tok, ip, records = setup
     packs = list(_loader(setup, 0, 1, 0))
@@ -89,6 +91,7 @@ def test_packs_hold_the_processed_samples_within_capacity(setup):
 
 
 @pytest.mark.parametrize(("workers", "multiple"), [(0, 1), (2, 1), (1, pad_multiple_for(cp=2))])
+@pytest.mark.slow
 def test_one_epoch_over_two_ranks_gives_every_sample_once(setup, workers, multiple):
     packs = [p for rank in range(2) for p in _loader(setup, rank, 2, workers, _encoder(setup, pad_to_multiple_of=multiple))]
     keys = [k for p in packs for k in p.keys]
@@ -97,6 +100,7 @@ def test_one_epoch_over_two_ranks_gives_every_sample_once(setup, workers, multip
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.slow
 def test_restart_mid_epoch_resumes_the_same_packs(setup, workers):
     """Saved after 2 packs and restored in a new loader, each rank yields exactly the packs (hence samples) of
     the uninterrupted run: none repeated, none lost."""
@@ -112,8 +116,9 @@ def test_restart_mid_epoch_resumes_the_same_packs(setup, workers):
         assert head + tail == full, f"rank {rank}, {workers} workers: the restart changed the packs"
 
 
+@pytest.mark.slow
 def test_oversized_samples_are_reported_not_lost(setup, caplog):
-    encoder = _encoder(setup, capacity=512)
+    encoder = _encoder(setup, capacity=512, oversized="skip")
     with caplog.at_level(logging.WARNING, logger="vlm_pack.integrations.energon"):
         packed = [k for p in _loader(setup, 0, 1, 0, encoder) for k in p.keys]
     left = [key for key, _ in encoder.left_out]
@@ -122,11 +127,18 @@ def test_oversized_samples_are_reported_not_lost(setup, caplog):
     assert all(reason.endswith("> capacity 512") for _, reason in encoder.left_out)
 
 
+@pytest.mark.slow
 def test_oversized_raise_names_the_sample(setup):
-    with pytest.raises(ValueError, match=r"sample 'demo-\d+': \d+ tokens > capacity 512"):
-        list(_loader(setup, 0, 1, 0, _encoder(setup, capacity=512, oversized="raise")))
+    """oversized="raise" is the default here as everywhere; "truncate" is refused (no sample is ever cut)."""
+    with pytest.raises(ValueError, match=r"sample 'demo-\d+': \d+ tokens > capacity 512.*oversized='skip'"):
+        list(_loader(setup, 0, 1, 0, _encoder(setup, capacity=512)))
+    with pytest.raises(ValueError, match="VLMPackingTaskEncoder cannot do oversized='truncate'"):
+        _encoder(setup, capacity=512, oversized="truncate")
+    with pytest.raises(ValueError, match=r"oversized='report' is now oversized='skip'"):
+        _encoder(setup, capacity=512, oversized="report")
 
 
+@pytest.mark.slow
 def test_collapsed_layout_gives_megatron_packed_seq_params(setup):
     encoder = _encoder(setup, layout="collapsed", pad_to_multiple_of=4)
     pack = next(iter(_loader(setup, 0, 1, 0, encoder)))
@@ -139,6 +151,7 @@ def test_collapsed_layout_gives_megatron_packed_seq_params(setup):
     assert batch.input_ids.shape[1] < CAPACITY  # one placeholder per image
 
 
+@pytest.mark.slow
 def test_a_processor_of_any_family_packs_every_sample_at_its_processed_length(setup):
     """InternVL through its processor (released template, <img>...</img> around each image's tiles): the
     cooker's header forecasts are the processed lengths, so every sample is packed and none is refused."""
@@ -179,12 +192,13 @@ def edge(tmp_path_factory, setup):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.slow
 def test_padded_packs_keep_every_sample_and_report_the_left_out_ones_on_the_packs(setup, edge, workers):
     """pad_to_multiple_of=pad_multiple_for(cp=2): every sample is in exactly one pack (each one row, its keys in
     batch.metadata in packed order) or, longer than capacity, in the ``left_out`` of a pack, which reaches the main
     process also from worker processes."""
     path, lengths = edge
-    encoder = _encoder(setup, capacity=EDGE_CAPACITY, pad_to_multiple_of=pad_multiple_for(cp=2))
+    encoder = _encoder(setup, capacity=EDGE_CAPACITY, pad_to_multiple_of=pad_multiple_for(cp=2), oversized="skip")
     wc = WorkerConfig(rank=0, world_size=1, num_workers=workers, global_error_handler=reraise_exception)
     loader = get_savable_loader(packed_train_dataset(str(path), encoder, worker_config=wc, packing_buffer_size=16,
                                                      repeat=False), watchdog_timeout_seconds=None)
@@ -204,6 +218,7 @@ def test_padded_packs_keep_every_sample_and_report_the_left_out_ones_on_the_pack
         assert sorted(k for k, _ in encoder.left_out) == sorted(left)
 
 
+@pytest.mark.slow
 def test_three_samples_that_fit_only_unpadded_make_two_packs(setup, tmp_path):
     """The issue's repro: 30, 33 and 36 tokens, capacity 100, pad_to_multiple_of=4, no worker."""
     pre = Preprocessor(setup[1], setup[2], family="qwen2_vl")

@@ -14,6 +14,7 @@ datasets = pytest.importorskip("datasets")
 from trl import SFTConfig  # noqa: E402
 
 from vlm_pack import Preprocessor  # noqa: E402
+from vlm_pack.data import SampleError  # noqa: E402
 from vlm_pack.demo import demo_shards  # noqa: E402
 from vlm_pack.integrations.trl import (  # noqa: E402
     PackedSFTTrainer,
@@ -74,6 +75,7 @@ def test_dataset_rows_are_packs_within_capacity(parts):
         packed_dataset(shards, Preprocessor(tok, ip), capacity=512, cache_dir=str(tmp / "c2"))
 
 
+@pytest.mark.slow
 def test_trl_loss_on_packed_rows_equals_padded_batch(parts):
     """TRL's own compute_loss (fused LM head) on one packed row == on the same samples padded, one per row."""
     tok, ip, shards, tmp = parts
@@ -100,6 +102,7 @@ def test_trl_loss_on_packed_rows_equals_padded_batch(parts):
     assert abs(loss_broken.item() - loss_padded.item()) > 1e-3
 
 
+@pytest.mark.slow
 def test_streaming_dataset_trains_and_num_tokens_is_the_real_count(parts):
     tok, ip, shards, tmp = parts
     ds = packed_dataset(shards, Preprocessor(tok, ip), capacity=CAPACITY, streaming=True,
@@ -129,6 +132,7 @@ def test_importing_vlm_pack_and_integrations_imports_neither_trainer_library():
 
 
 @pytest.mark.parametrize("family", ["internvl", "gemma3"])
+@pytest.mark.slow
 def test_any_family_through_its_processor_trains_on_packed_rows_as_on_padded(parts, family):
     """A checkpoint's processor (its released template, its image wrappers): the plan's forecasts are the
     processed lengths, and TRL's loss on a packed row equals the loss on the same samples padded."""
@@ -255,6 +259,7 @@ def _train_one_epoch(ds, pre: Preprocessor, family: str, capacity: int, tmp) -> 
 
 
 @pytest.mark.parametrize(("family", "capacity"), [("qwen2_vl", 256), ("gemma3", 1024), ("llava", 2048)])
+@pytest.mark.slow
 def test_train_runs_every_family_on_packed_rows(tmp_path, family, capacity):
     """PackedSFTTrainer.train() end to end (accelerate moves each batch to the device: Gemma 3's mask mapping
     must survive it), one epoch: every sample trained on exactly once, num_tokens the real token count."""
@@ -299,6 +304,7 @@ def _left_out_keys(ds) -> list[str]:
 
 
 @pytest.mark.parametrize("source", ["dataset-bytes", "dataset-pil", "parquet"])
+@pytest.mark.slow
 def test_datasets_and_parquet_train_every_sample_once_or_report_it(tmp_path, source):
     """A TRL user's own data (a datasets.Dataset, images as bytes or PIL, or a parquet file) through
     packed_dataset and trainer.train(): each sample is trained on exactly once per epoch, or reported."""
@@ -370,6 +376,7 @@ def _write_jsonl(tmp_path, records) -> str:
 
 
 @pytest.mark.parametrize("source", ["llava-json", "jsonl", "tar", "parquet", "saved-dataset", "mixed"])
+@pytest.mark.slow
 def test_every_source_kind_becomes_packs_of_all_its_samples(tmp_path, source):
     """Every source forecast_sources reads: each sample in exactly one row, the row's lengths are the lengths
     the collator's processing gives (the plan PackedMapDataset makes), and no row exceeds the capacity."""
@@ -424,3 +431,6 @@ def test_records_left_out_name_the_file_they_were_read_from(tmp_path):
     assert where["s-000"][0] == shards[0] and "image" in where["s-000"][1]
     assert where["s-003"][0] == f"{jsonl}:1" and "not found" in where["s-003"][1]
     assert sorted(k for row in ds["keys"] for k in row) == ["s-001", "s-002", "s-004", "s-005"]
+    # on_error="raise" (PackingConfig's other value) stops at the first record that cannot be read, named
+    with pytest.raises(SampleError, match=r"s-003.*not found.*on_error='skip'"):
+        packed_dataset([*shards, jsonl], pre, capacity=512, cache_dir=str(tmp_path / "hf2"), on_error="raise")

@@ -84,6 +84,7 @@ def _rows(batches) -> list[int]:
     return [r for b in batches for r in plan_info(b)["rows"]]
 
 
+@pytest.mark.slow
 def test_two_ranks_see_every_sample_once_per_epoch(dataset, model, lengths, tmp_path):
     ranks = [
         _packed(dataset, model, tmp_path, world_size=2, rank=r, num_proc=2 if r == 0 else 1) for r in (0, 1)
@@ -199,6 +200,7 @@ def test_oversized_and_unreadable_samples_are_reported(columns, model, lengths):
         )
 
 
+@pytest.mark.slow
 def test_hf_trainer_trains_on_the_packs(dataset, model, tmp_path):
     from transformers import Trainer, TrainingArguments
 
@@ -246,6 +248,7 @@ def test_an_image_that_fails_to_decode_is_warned_about_and_left_out(columns, mod
 
 
 @pytest.mark.parametrize("family", ["internvl", "idefics3", "gemma3"])
+@pytest.mark.slow
 def test_a_processor_whose_images_are_wrapped_plans_and_loads_every_sample(columns, family):
     """With the checkpoint's processor (its released template, its image wrappers) every row is planned at
     transformers' own length and loads into its pack: nothing is left out as a forecast mismatch."""
@@ -343,6 +346,7 @@ def _epoch_rows(ds) -> list[int]:
 
 
 @pytest.mark.parametrize("variant", ["template_string", "processor_template", "closure", "default", "max_pixels"])
+@pytest.mark.slow
 def test_a_rebuild_with_anything_that_changes_tokens_replans(dataset, model, tmp_path, variant):
     tok, ip = model
     _, changed, first, second = next(v for v in _variants(tok, ip) if v[0] == variant)
@@ -360,6 +364,7 @@ def test_a_rebuild_with_anything_that_changes_tokens_replans(dataset, model, tmp
     assert not again.from_cache and _epoch_rows(again) == list(range(N))
 
 
+@pytest.mark.slow
 def test_an_unchanged_rebuild_reuses_the_plan(dataset, model, tmp_path):
     """Equal parts built anew (a copy of the template text, a new closure over an equal value, a new image
     processor with the same settings) are the same plan: the cache is keyed by content, not identity."""
@@ -402,6 +407,7 @@ def test_a_template_that_cannot_be_fingerprinted_is_not_cached(dataset, model, t
     assert _epoch_rows(second) == list(range(N))
 
 
+@pytest.mark.slow
 def test_the_fingerprint_is_the_same_in_every_process():
     """The plan's key holds no id, address or hash-seeded order: two processes with other string hash seeds
     (a rank, a restarted job) name the same callable template, with a set in its code, by the same digest."""

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vlm_pack import PackingCollator, PerTokenLoss, balance_bins, pack, process_sample, token_cross_entropy
+from vlm_pack import PackingCollator, PerTokenLoss, Preprocessor, balance_bins, pack, token_cross_entropy
 from vlm_pack.demo import demo_records
 from vlm_pack.offline import build_tokenizer, image_processor, tiny_model
-from vlm_pack.testing import pad_samples
+from vlm_pack.padded_batch import pad_samples
 
 CAPACITY = 1024
 WORLD = 2
@@ -25,8 +26,9 @@ WORLD = 2
 def _samples() -> tuple[list[dict[str, torch.Tensor]], object]:
     tok = build_tokenizer("qwen2_vl")
     ip = image_processor("qwen2_vl", size={"shortest_edge": 3136, "longest_edge": 25088})
+    pre = Preprocessor(tok, ip)
     samples = [
-        process_sample([data for data, _ in rec["images"]], rec["conversation"], tokenizer=tok, image_processor=ip)
+        pre.process([data for data, _ in rec["images"]], rec["conversation"])
         for rec in demo_records(12)[2:]  # the first two are longer than CAPACITY
     ]
     return samples, tok
@@ -59,6 +61,7 @@ def _rank_main(rank: int, tmpdir: str, samples, tok, bins, parts) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_process_balanced_packs_match_single_process_loss(tmp_path):
     samples, tok = _samples()
     plan = pack([len(s["input_ids"]) for s in samples], CAPACITY)

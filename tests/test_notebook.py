@@ -36,6 +36,7 @@ def test_saved_notebook_has_its_outputs():
     assert not _outputs(nb, "error")
 
 
+@pytest.mark.slow
 def test_notebook_executes(tmp_path, monkeypatch):
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel inherits it: keep the inline backend
     nb = nbformat.read(NOTEBOOK, as_version=4)
@@ -55,6 +56,7 @@ def test_notebook_executes(tmp_path, monkeypatch):
         nbformat.write(nb, NOTEBOOK)
 
 
+@pytest.mark.slow
 def test_prose_token_counts_are_the_hf_processors():
     """The prose's Qwen2-VL counts are what the HF image processor makes of real images of those sizes."""
     import re

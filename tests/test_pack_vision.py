@@ -66,6 +66,7 @@ def _records(n: int) -> list[dict]:
     # LLaVA-NeXT pads tiles to the call's most: processed sample by sample (up to ~2900 tokens an image)
     [("qwen2_vl", 512, True), ("llava_next", 8192, False)],
 )
+@pytest.mark.slow
 def test_pipeline_batches_equal_the_per_sample_path_bit_for_bit(tmp_path, family, capacity, one_call):
     tok, ip = build_tokenizer(family), image_processor(family)
     urls = write_shards(_records(14), tmp_path / "shards", maxcount=5)

@@ -142,6 +142,7 @@ def test_docstring_example():
 @pytest.mark.parametrize("strategy", ["bfd", "ffd", "ff", "nf"])
 @FAST
 @given(lengths=lengths_st, capacity=st.integers(1, 96), data=st.data())
+@pytest.mark.slow
 def test_matches_reference_unconstrained(strategy, lengths, capacity, data):
     lengths = [min(x, capacity) for x in lengths]
     res = pack(lengths, capacity, strategy=strategy)
@@ -155,6 +156,7 @@ def test_matches_reference_unconstrained(strategy, lengths, capacity, data):
     capacity=st.sampled_from([7, 64, 100, 1000, 4096]),
     seed=st.integers(0, 2**32 - 1),
 )
+@pytest.mark.slow
 def test_bfd_histogram_matches_reference_many_duplicates(n, capacity, seed):
     # many equal lengths and equal free spaces: exercises whole-bucket moves and the tie-break
     rng = np.random.default_rng(seed)
@@ -187,6 +189,7 @@ def test_bfd_both_stack_representations_agree(n, capacity, seed):
 @pytest.mark.parametrize(
     ("dist", "capacity"), [("uniform", 2048), ("lognormal", 8192), ("vlm", 16384), ("tiny", 64)]
 )
+@pytest.mark.slow
 def test_histogram_paths_equal_one_item_at_a_time(strategy, dist, capacity):
     # the whole-length-at-a-time cores against the independent per-item cores (a samples-per-bin
     # cap of n takes that path and never binds, since no bin can hold all n samples here)
@@ -222,6 +225,7 @@ def test_bfd_large_matches_reference_bin_count_and_bins():
     vcap=st.integers(6, 12),
     max_n=st.one_of(st.none(), st.integers(1, 5)),
 )
+@pytest.mark.slow
 def test_matches_reference_with_vision_and_max_samples(strategy, items, capacity, vcap, max_n):
     lengths = [a for a, _ in items]
     vision = [b for _, b in items]
@@ -235,6 +239,7 @@ def test_matches_reference_with_vision_and_max_samples(strategy, items, capacity
 @pytest.mark.parametrize("strategy", ["bfd", "ffd", "ff", "nf"])
 @FAST
 @given(lengths=lengths_st, max_n=st.integers(1, 4))
+@pytest.mark.slow
 def test_max_samples_only(strategy, lengths, max_n):
     res = pack(lengths, 64, strategy=strategy, max_samples_per_bin=max_n)
     assert res.bins == ref_pack(lengths, 64, strategy, max_n=max_n)
@@ -247,6 +252,7 @@ def test_max_samples_only(strategy, lengths, max_n):
     vision=st.data(),
     policy=st.sampled_from(["truncate", "skip"]),
 )
+@pytest.mark.slow
 def test_oversized_policies_lose_nothing(lengths, vision, policy):
     v = vision.draw(st.lists(st.integers(0, 30), min_size=len(lengths), max_size=len(lengths)))
     res = pack(lengths, 100, vision=v, vision_capacity=20, oversized=policy)
@@ -268,9 +274,9 @@ def test_seed_shuffles_bins_deterministically():
     rng = np.random.default_rng(1)
     lengths = rng.integers(1, 500, 2000)
     base = pack(lengths, 512)
-    a = pack(lengths, 512, seed=7)
-    b = pack(lengths, 512, seed=7)
-    c = pack(lengths, 512, seed=8)
+    a = pack(lengths, 512, shuffle_seed=7)
+    b = pack(lengths, 512, shuffle_seed=7)
+    c = pack(lengths, 512, shuffle_seed=8)
     assert a.bins == b.bins and a.order.tolist() == b.order.tolist()
     assert a.bins != base.bins and a.bins != c.bins
     assert sorted(map(tuple, a.bins)) == sorted(map(tuple, base.bins))
@@ -281,6 +287,7 @@ def test_seed_shuffles_bins_deterministically():
     assert pack(torch.as_tensor(lengths), 512).bins == base.bins
 
 
+@pytest.mark.slow
 def test_large_capacity_path_and_many_bins():
     # capacity >= 2**16 (no uint16 sort) and more than 2**16 bins (two-pass id sort)
     rng = np.random.default_rng(3)
@@ -399,6 +406,7 @@ stream_st = st.lists(st.tuples(st.integers(1, 64), st.integers(0, 4)), max_size=
     max_n=st.one_of(st.none(), st.integers(1, 4)),
     use_vision=st.booleans(),
 )
+@pytest.mark.slow
 def test_stream_matches_reference_and_loses_nothing(items, buffer_size, ratio, max_n, use_vision):
     vcap = 6 if use_vision else None
     samples = [(i, L, v if use_vision else 0) for i, (L, v) in enumerate(items)]
@@ -581,6 +589,7 @@ def test_balance_attention_differs_from_tokens():
     k=st.integers(1, 6),
     equal=st.booleans(),
 )
+@pytest.mark.slow
 def test_balance_partitions_all_bins(costs, k, equal):
     if equal:
         costs = costs[: len(costs) - len(costs) % k]
@@ -633,11 +642,12 @@ def test_pack_accepts_every_integer_container(make):
     assert pack(make([]), 8).bins == []
 
 
+@pytest.mark.slow
 def test_edge_sizes_and_flat_arrays_agree_with_bins():
     for strategy in ("bfd", "ffd", "ff", "nf"):
         ones = pack([1] * 5, 1, strategy=strategy)  # capacity 1: one sample per bin
         assert ones.bins == [[i] for i in range(5)] and ones.efficiency == 1.0
-        full = pack([8] * 4, 8, strategy=strategy, seed=1)  # every sample fills its bin
+        full = pack([8] * 4, 8, strategy=strategy, shuffle_seed=1)  # every sample fills its bin
         assert sorted(full.bins) == [[0], [1], [2], [3]] and full.lower_bound == full.num_bins == 4
         many = pack(np.full(200_000, 3, dtype=np.uint16), 10, strategy=strategy)
         assert many.num_bins == math.ceil(200_000 / 3) and int(many.bin_sizes.max()) == 3
@@ -795,6 +805,7 @@ def test_pack_plans_on_the_spans_the_collator_pads_to():
 @pytest.mark.parametrize("strategy", ["bfd", "ffd", "ff", "nf"])
 @given(lengths=st.lists(st.integers(1, 100), min_size=1, max_size=60), multiple=st.sampled_from([1, 2, 4, 8, 16]))
 @FAST
+@pytest.mark.slow
 def test_pack_with_a_multiple_equals_pack_of_the_padded_lengths(strategy, lengths, multiple):
     padded = padded_lengths(lengths, multiple)
     res = pack(lengths, 96, strategy=strategy, pad_to_multiple_of=multiple, oversized="skip")

@@ -14,7 +14,14 @@ from collections import Counter
 import datasets
 import pytest
 
-from vlm_pack import PackedDataLoader, PackedWebDataset, PackingConfig, Preprocessor, pad_multiple_for
+from vlm_pack import (
+    PackedDataLoader,
+    PackedWebDataset,
+    PackingCollator,
+    PackingConfig,
+    Preprocessor,
+    pad_multiple_for,
+)
 from vlm_pack.data import write_shards
 from vlm_pack.data.map_style import PackedMapDataset, plan_info
 from vlm_pack.data.stats import BadSampleWarning
@@ -66,6 +73,7 @@ def _check_rows(batches, lengths_of) -> Counter:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.slow
 def test_stream_epoch_with_padding_gives_every_sample_once_one_row_per_bin(parts, shards, workers):
     tok, ip = parts
     ds = PackedWebDataset(shards, tokenizer=tok, image_processor=ip, family="qwen2_vl", capacity=CAPACITY,
@@ -79,8 +87,10 @@ def test_stream_bin_that_the_collator_would_split_raises_naming_its_samples(part
     """A collator set to hold fewer samples per row than the packer plans refuses the bin (it used to split it
     into two rows silently)."""
     tok, ip = parts
+    collator = PackingCollator(CAPACITY, tokenizer=tok, family="qwen2_vl", pad_to_multiple_of=MULTIPLE,
+                               max_samples_per_bin=1, max_rows=1)
     ds = PackedWebDataset(shards, tokenizer=tok, image_processor=ip, family="qwen2_vl", capacity=CAPACITY,
-                          pad_to_multiple_of=MULTIPLE, collator_kwargs={"max_samples_per_row": 1})
+                          pad_to_multiple_of=MULTIPLE, collator=collator)
     with pytest.raises(ValueError, match=r"\(key 'edge-\d+'\).* need \d rows of capacity 100 and at most 1 samples"):
         list(PackedDataLoader(ds))
 
@@ -103,10 +113,12 @@ def test_map_style_epoch_with_padding_gives_every_row_once_one_row_per_pack(part
     assert sorted(r for b in batches for r in plan_info(b)["rows"]) == list(range(len(LENGTHS)))
 
 
-def test_map_style_pack_that_the_collator_would_split_raises_naming_its_samples(parts, table):
+def test_map_style_collator_cannot_disagree_with_the_plan_on_a_packing_setting(parts, table):
+    """A packing setting given to the collator only (where the plan would not see it) is refused, naming the
+    dataset keyword that gives it to both."""
     tok, ip = parts
     config = PackingConfig(capacity=CAPACITY, pad_to_multiple_of=MULTIPLE)
-    packed = PackedMapDataset(table, config=config, tokenizer=tok, image_processor=ip, family="qwen2_vl",
-                              cache=False, collator_kwargs={"max_samples_per_row": 1})
-    with pytest.raises(ValueError, match=r"\(key '\d+'\).* need \d rows of capacity 100 and at most 1 samples"):
-        [packed[i] for i in range(len(packed))]
+    for name in ("max_samples_per_bin", "pad_to_multiple_of"):
+        with pytest.raises(TypeError, match=rf"pass {name}= to PackedMapDataset"):
+            PackedMapDataset(table, config=config, tokenizer=tok, image_processor=ip, family="qwen2_vl",
+                             cache=False, collator_kwargs={name: 1})

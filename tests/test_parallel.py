@@ -1,4 +1,5 @@
-"""Context-parallel sharding, the distributed label roll and per-token loss (vlm_pack.parallel).
+"""Context-parallel sharding, the distributed label roll (vlm_pack.context_parallel) and per-token loss
+(vlm_pack.loss).
 
 Single-process properties run in the test process; the distributed ones run in 2 and 4 gloo processes
 spawned once per world size (module fixtures), each process running every check of its world and
@@ -20,18 +21,16 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_pack.parallel import (
-    PerTokenLoss,
+from vlm_pack.context_parallel import (
     all_gather_from_context_parallel,
     check_parallel_config,
     context_parallel_index,
     gather_from_context_parallel,
-    reduce_token_loss,
     roll_packed_context_parallel,
     shard_for_context_parallel,
-    token_cross_entropy,
 )
-from vlm_pack.remap import roll_packed
+from vlm_pack.labels import roll_packed
+from vlm_pack.loss import PerTokenLoss, reduce_token_loss, token_cross_entropy
 
 VOCAB = 32
 
@@ -356,7 +355,7 @@ def _spawn(world: int, tmp_path_factory) -> list[dict]:
         patch.setenv("OMP_NUM_THREADS", "1")
         patch.setenv("MKL_NUM_THREADS", "1")
         # forkserver: fresh processes like spawn, but torch is imported once in the server, not per rank.
-        mp.set_forkserver_preload(["torch", "torch.distributed", "vlm_pack.parallel"])
+        mp.set_forkserver_preload(["torch", "torch.distributed", "vlm_pack.context_parallel", "vlm_pack.loss"])
         mp.start_processes(
             _worker, args=(world, str(tmp / "rendezvous"), str(tmp)), nprocs=world, start_method="forkserver"
         )
@@ -385,28 +384,33 @@ def _assert_check(results: list[dict], name: str) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_shard_then_all_gather_is_identity(world, request):
     """Token ids, labels and 1-row / 4-row mRoPE positions come back in packed order on every rank."""
     _assert_check(request.getfixturevalue(f"gloo{world}"), "shard_gather")
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_distributed_roll_equals_single_process_roll(world, request):
     """Labels, a bool loss mask and a float (T, 3) tensor, random packed rows, CP = 2 and 4."""
     _assert_check(request.getfixturevalue(f"gloo{world}"), "roll")
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_context_parallel_forward_matches_unsharded(world, request):
     """Per-rank attention with all-gathered K/V: same log-probs, per-token loss and gradients as 1 process."""
     _assert_check(request.getfixturevalue(f"gloo{world}"), "cp_model")
 
 
+@pytest.mark.slow
 def test_data_parallel_grad_accumulation_loss_is_per_token(gloo2):
     """DP = 2 x grad-accum = 2 with unequal token counts: loss and gradients of the global token mean."""
     _assert_check(gloo2, "dp_grad_accum")
 
 
+@pytest.mark.slow
 def test_dp2_cp2_loss_and_gradients_match_single_process(gloo4):
     _assert_check(gloo4, "dp2_cp2_model")
 
@@ -620,6 +624,12 @@ def test_check_parallel_config():
         check_parallel_config(cp=4, packing="in_batch", micro_batch_size=4, pad_to_multiple_of=8)
     with pytest.raises(ValueError, match="packing must be"):
         check_parallel_config(cp=1, packing="online")
+    # One pad rule: what the check requires is what pad_multiple_for gives the collator, for every layout.
+    from vlm_pack.collate import pad_multiple_for
+
+    for cp, tp, sp in itertools.product((1, 2, 3, 4), (1, 2, 4), (False, True)):
+        multiple = pad_multiple_for(tp=tp, cp=cp, sequence_parallel=sp)
+        assert check_parallel_config(cp=cp, tp=tp, sequence_parallel=sp, pad_to_multiple_of=multiple) == multiple
 
 
 def test_sharding_a_multi_row_collator_batch():

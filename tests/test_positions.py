@@ -68,6 +68,7 @@ def hf_rope(model, ids, img, vid, types, **kw):
 
 
 @pytest.mark.parametrize("family", QWEN)
+@pytest.mark.slow
 def test_matches_get_rope_index_on_random_samples(models, family):
     model = models[0][family]
     cfg = model.config

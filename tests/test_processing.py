@@ -42,6 +42,7 @@ def test_qwen_expansion_matches_grid_and_labels_only_assistant(family):
 
 @pytest.mark.parametrize("family", ["llava", "llava_next"])
 @pytest.mark.parametrize("size", [(300, 200), (640, 480), (200, 900)])
+@pytest.mark.slow
 def test_llava_ids_equal_hf_processor(family, size):
     """The expansion must be exactly what the released HF processor produces for the same text."""
     tok = build_tokenizer(family)
@@ -99,6 +100,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava", "llava_next"])
+@pytest.mark.slow
 def test_forecast_from_header_equals_processed_length(family):
     """The packer's forecast (text + header sizes) is the length the sample really has after preprocessing."""
     import io
@@ -150,6 +152,7 @@ MULTI = [
 
 
 @pytest.mark.parametrize("family", ["llava", "llava_next"])
+@pytest.mark.slow
 def test_multi_image_ids_equal_hf_processor_on_the_whole_prompt(family, tmp_path):
     """Tokens across segment boundaries merge as when the processor tokenizes the whole prompt."""
     tok = build_tokenizer(family)
@@ -286,8 +289,14 @@ def test_preprocessor_forecast_collator_and_errors():
     assert tok(pre.render(conv, 2), add_special_tokens=False)["input_ids"] == ids
     collator = pre.collator(4096)
     assert collator.family == "qwen2_vl" and collator.spatial_merge_size == ip.merge_size
-    collapsed = Preprocessor(tok, ip, layout="collapsed").process(images, conv)
+    collapsed_pre = Preprocessor(tok, ip, layout="collapsed")
+    collapsed = collapsed_pre.process(images, conv)
     assert int((collapsed["input_ids"] == tok.image_token_id).sum()) == 2
+    # Its collator lays rows out in the layout its samples are processed in: one placeholder per image, and
+    # the expanded boundaries of the same sample alone.
+    batch = collapsed_pre.collator(4096)([collapsed])
+    assert batch.layout == "collapsed" and int((batch.input_ids == tok.image_token_id).sum()) == 2
+    assert batch.cu_seqlens_expanded.tolist() == [0, length]
     with pytest.raises(ValueError, match="needs tokenizer="):
         Preprocessor(image_processor=ip)
     with pytest.raises(ValueError, match="layout must be 'expanded' or 'collapsed'"):

@@ -66,6 +66,7 @@ def readme_run(tmp_path_factory):
     return after, outputs, folder
 
 
+@pytest.mark.slow
 def test_api_tour(readme_run):
     from PIL import ImageOps
 
@@ -90,6 +91,7 @@ def test_api_tour(readme_run):
     assert math.isfinite(ns["loss"].item()) and ns["report"].passed and "PASS" in outputs[0]
 
 
+@pytest.mark.slow
 def test_streaming_resumes_exactly_once(readme_run):
     after, outputs, folder = readme_run
     ns = after[1]
@@ -103,6 +105,7 @@ def test_streaming_resumes_exactly_once(readme_run):
     assert outputs[1].splitlines()[0] == "40 40"
 
 
+@pytest.mark.slow
 def test_what_a_batch_carries(readme_run):
     after, outputs, _ = readme_run
     ns = after[2]
@@ -117,6 +120,7 @@ def test_what_a_batch_carries(readme_run):
     assert info["epoch"] == 0 and outputs[2].splitlines()[1] == str(keys)
 
 
+@pytest.mark.slow
 def test_megatron_remap_matches_a_hand_count(readme_run):
     after, outputs, _ = readme_run
     ns = after[3]
@@ -137,6 +141,7 @@ def test_megatron_remap_matches_a_hand_count(readme_run):
     assert outputs[3].splitlines()[-1] == "True"
 
 
+@pytest.mark.slow
 def test_map_style_dataset_covers_every_row_once(readme_run):
     """The map-style block: rank 0's packs plus rank 1's (from the same cached plan) hold every row once."""
     after, outputs, folder = readme_run

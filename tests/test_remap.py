@@ -1,4 +1,4 @@
-"""remap.py: collapsed <-> expanded cu_seqlens against plain reference loops, and roll_packed."""
+"""remap.py: collapsed <-> expanded cu_seqlens against plain reference loops; labels.roll_packed."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vlm_pack.labels import roll_packed
 from vlm_pack.remap import (
-    collapse_cu_seqlens,
     expansion_map,
     remap_cu_seqlens,
     remap_cu_seqlens_padded,
-    roll_packed,
     segment_ids,
 )
 
@@ -83,7 +82,7 @@ def test_remap_matches_reference_loop(samples, seed):
     assert out.dtype == torch.int32
     assert out.tolist() == ref_remap(cu, ids, counts)
     # The inverse recovers the collapsed boundaries.
-    back = collapse_cu_seqlens(out, t_ids, IMG, torch.tensor(counts))
+    back = remap_cu_seqlens(out, t_ids, IMG, torch.tensor(counts), inverse=True)
     assert back.tolist() == cu
     # One count for every image (fixed-size encoders, e.g. LLaVA-1.5's 576).
     same = remap_cu_seqlens(t_cu, t_ids, IMG, 576)
@@ -185,7 +184,7 @@ def test_padded_real_longer_than_padded_raises():
 def test_collapse_rejects_boundary_inside_an_image():
     ids = torch.tensor([TEXT, IMG, TEXT])
     with pytest.raises(ValueError, match=r"cu_seqlens\[1\] = 3 falls inside an image"):
-        collapse_cu_seqlens(torch.tensor([0, 3, 6]), ids, IMG, torch.tensor([4]))
+        remap_cu_seqlens(torch.tensor([0, 3, 6]), ids, IMG, torch.tensor([4]), inverse=True)
 
 
 def test_validate_false_skips_checks_and_stays_in_bounds():
@@ -212,6 +211,7 @@ def test_roll_packed_example():
     st.integers(-3, 3),
     st.integers(1, 3),
 )
+@pytest.mark.slow
 def test_roll_packed_matches_loop(lengths, shifts, lead):
     total = sum(lengths)
     values = torch.arange(lead * total).reshape(lead, total) + 1
@@ -221,6 +221,16 @@ def test_roll_packed_matches_loop(lengths, shifts, lead):
     out = roll_packed(values, torch.tensor(cu), shifts=shifts, fill=-1)
     for r in range(lead):
         assert out[r].tolist() == ref_roll(values[r].tolist(), cu, shifts, -1)
+
+
+def test_roll_packed_by_one_with_empty_samples():
+    """The label shift (+-1, its own fast path) where empty samples sit first, inside and last."""
+    cu = [0, 0, 3, 3, 5, 5]
+    values = [1, 2, 3, 4, 5]
+    for shifts in (-1, 1):
+        out = roll_packed(torch.tensor([values, values]), torch.tensor(cu), shifts=shifts, fill=-1)
+        assert out.tolist() == [ref_roll(values, cu, shifts, -1)] * 2
+    assert roll_packed(torch.tensor([1, 2, 3, 4, 5]), torch.tensor(cu)).tolist() == [2, 3, 0, 5, 0]
 
 
 def test_roll_packed_float_and_bool():

@@ -1,6 +1,6 @@
-"""Records where users keep them: every layout normalised, every source forecast exactly.
+"""Records where users keep them: every record format normalised, every source forecast exactly.
 
-The same samples (images made with Pillow, conversations written by hand) are stored in each layout the
+The same samples (images made with Pillow, conversations written by hand) are stored in each record format the
 way its tools write it (``datasets`` with ``Image`` features, ``to_parquet``, ``save_to_disk``, a
 LLaVA-Instruct JSON array with an image folder, ShareGPT / LLaMA-Factory JSON and JSONL, vlm-pack's JSONL,
 WebDataset shards). The oracle is the real HF image processor and tokenizer through ``process_sample`` on
@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from vlm_pack.data.forecast import forecast_sources
-from vlm_pack.data.records import LAYOUTS, detect_layout, normalise_record
+from vlm_pack.data.records import RECORD_FORMATS, detect_record_format, normalise_record
 from vlm_pack.data.shards import SampleError, write_shards
 from vlm_pack.data.sources import iter_samples
 from vlm_pack.offline import build_tokenizer, image_processor
@@ -108,7 +108,7 @@ def llava_oracle(model, data):
 
 
 def _messages_parts(s) -> list[dict]:
-    # TRL / HF hub layout: content parts; Arrow stores every struct field, so "text" is None on images
+    # TRL / HF hub record format: content parts; Arrow stores every struct field, so "text" is None on images
     user = [{"type": "image", "text": None} for _ in s["blobs"]] + [{"type": "text", "text": s["q"]}]
     return [
         {"role": "user", "content": user},
@@ -211,6 +211,7 @@ def test_forecast_is_the_processed_length_on_every_source(kind, model, data, ora
     np.testing.assert_array_equal(table.index, np.arange(len(SAMPLES)))
 
 
+@pytest.mark.slow
 def test_forecast_in_two_processes_equals_one(model, data, oracle, tmp_path):
     tok, _, spec = model
     root, samples = data
@@ -226,7 +227,7 @@ def test_forecast_in_two_processes_equals_one(model, data, oracle, tmp_path):
         assert two.keys == one.keys and two.sources == one.sources
 
 
-def test_layouts_are_detected_and_normalised(data):
+def test_record_formats_are_detected_and_normalised(data):
     root, samples = data
     s = samples[1]  # two images
     expected = [
@@ -239,14 +240,14 @@ def test_layouts_are_detected_and_normalised(data):
         "messages": {"images": s["blobs"], "messages": _messages_parts(s)},
         "caption": {"image": s["names"], "caption": "two noise images"},
     }
-    for layout, record in cases.items():
-        assert detect_layout(record) == layout
+    for record_format, record in cases.items():
+        assert detect_record_format(record) == record_format
         sample = normalise_record(record, key="k", where="here", image_root=root)
-        if layout == "caption":
+        if record_format == "caption":
             assert sample.conversation == "two noise images"
-        elif layout == "sharegpt":
+        elif record_format == "sharegpt":
             assert sample.conversation == s["conversation"]
-        elif layout == "llava":  # role/content turns, the text as written (newlines after <image> kept)
+        elif record_format == "llava":  # role/content turns, the text as written (newlines after <image> kept)
             assert sample.conversation == [
                 {"role": "user", "content": "<image>\n<image>\n" + s["q"]},
                 {"role": "assistant", "content": s["a"]},
@@ -265,20 +266,21 @@ def test_layouts_are_detected_and_normalised(data):
     # an override picks the fields: this record has both a caption and messages
     both = {"caption": "short", "messages": _messages_parts(samples[2])}
     assert normalise_record(both).conversation[0]["role"] == "user"
-    assert normalise_record(both, layout="caption").conversation == "short"
+    assert normalise_record(both, record_format="caption").conversation == "short"
 
 
-def test_a_record_fitting_no_layout_lists_its_keys_and_the_layouts(tmp_path):
+def test_a_record_fitting_no_format_lists_its_keys_and_the_formats(tmp_path):
     path = tmp_path / "odd.jsonl"
     path.write_text(json.dumps({"prompt": "hi", "response": "yo", "picture": "a.jpg"}) + "\n")
     with pytest.raises(SampleError) as err:
-        list(iter_samples(str(path)))
+        list(iter_samples(str(path), on_error="raise"))
     message = str(err.value)
     assert f"{path}:1" in message and "['picture', 'prompt', 'response']" in message
-    for name in LAYOUTS:
+    assert "fits no record format" in message and "record_format= / --format" in message
+    for name in RECORD_FORMATS:
         assert f"{name}:" in message
-    # skipped instead: counted with its reason, nothing else lost
-    ((where, key, item),) = iter_samples(str(path), on_error="skip")
+    # skipped (the default): comes as its error, for the caller to count with its reason; nothing lost
+    ((where, key, item),) = iter_samples(str(path))
     assert isinstance(item, SampleError) and where == f"{path}:1" and key == "odd-1"
 
 
@@ -292,8 +294,8 @@ def test_missing_image_names_the_record_and_the_fix(model, data, tmp_path):
         match=r"llava.json\[0\] \(key 's0'\): image 0 'images/s0_0.png' not found"
         r".*image_root \(--image-root\)",
     ):
-        forecast_sources(str(path), tokenizer=tok, spec=spec, progress=False)
-    table = forecast_sources(str(path), tokenizer=tok, spec=spec, progress=False, on_error="skip")
+        forecast_sources(str(path), tokenizer=tok, spec=spec, progress=False, on_error="raise")
+    table = forecast_sources(str(path), tokenizer=tok, spec=spec, progress=False)  # on_error="skip"
     assert table.keys == ["s2"] and [k for k, _, _ in table.invalid] == ["s0", "s1", "s3"]
     np.testing.assert_array_equal(table.index, [2])
 
@@ -318,6 +320,7 @@ def test_sources_accept_folders_globs_and_reject_others(model, data, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["parquet", "save_to_disk", "llava", "sharegpt-jsonl", "own-jsonl"])
+@pytest.mark.slow
 def test_cli_analyze_and_pack_read_every_source(kind, data, oracle, llava_oracle, tmp_path, capsys):
     from vlm_pack.cli import main
 
@@ -326,7 +329,7 @@ def test_cli_analyze_and_pack_read_every_source(kind, data, oracle, llava_oracle
     lengths, vision = llava_oracle if kind == "llava" else oracle
     extra = ["--workers", "2"] if kind == "parquet" else []
     if kind == "llava":
-        extra = ["--layout", "llava", "--image-root", str(root)]
+        extra = ["--format", "llava", "--image-root", str(root)]
     out = tmp_path / "report"
     argv = ["analyze", source, "--capacity", "512", "--no-plots", "--no-progress", "--out", str(out), *extra]
     assert main(argv) == 0, capsys.readouterr().err

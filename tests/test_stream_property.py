@@ -162,6 +162,7 @@ def _run_rank(loader: PackedDataLoader, stop: int | None) -> list[str]:
     then=st.tuples(st.integers(1, 2), st.integers(0, 2)),  # ... and after it
     stops=st.tuples(st.integers(0, 5), st.integers(0, 5)),  # batches each rank delivers before it stops
 )
+@pytest.mark.slow
 def test_every_good_sample_exactly_once_across_a_resume(shards, shuffle_seed, first, then, stops):
     tok, ip = _qwen()
     config = PackingConfig(

@@ -182,6 +182,7 @@ def test_qwen_checkpoint_defaults_and_reference_values():
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "glm4v"])
+@pytest.mark.slow
 def test_qwen_style_full_preprocessing(family):
     params = {"qwen2_vl": QWEN2_CKPT, "qwen3_vl": QWEN3_CKPT, "glm4v": GLM4V_CKPT}[family]
     cls = Glm4vImageProcessorPil if family == "glm4v" else Qwen2VLImageProcessorPil
@@ -336,6 +337,7 @@ def test_llava_sweep_matches_processor(case):
 
 
 @pytest.mark.parametrize("case", ["llava-ckpt", "llava_next-ckpt", "llava_next-pinpoints-full"])
+@pytest.mark.slow
 def test_llava_full_processor_call(case):
     proc = make_llava_processor(case)
     spec = vision_spec_from_processor(proc)
@@ -390,6 +392,7 @@ def test_onevision_sweep_matches_processor(case):
     assert_all_equal(sizes, expected, [spec.num_tokens(w, h) for w, h in sizes], case)
 
 
+@pytest.mark.slow
 def test_onevision_full_preprocessing_and_multi_image():
     ip = LlavaOnevisionImageProcessorPil(
         size={"height": 384, "width": 384}, image_grid_pinpoints=OV_PINPOINTS
@@ -432,6 +435,7 @@ def test_internvl_sweep_matches_processor(case):
     assert_all_equal(sizes, [2 + 256 * t for t in tiles], [spec.total_tokens(w, h) for w, h in sizes], case)
 
 
+@pytest.mark.slow
 def test_internvl_full_preprocessing():
     ip = GotOcr2ImageProcessorPil(**INTERNVL_CKPT)
     spec = vision_spec("internvl")
@@ -471,6 +475,7 @@ def test_idefics3_sweep_matches_processor(case):
     assert_all_equal(sizes, expected, [spec.total_tokens(w, h) for w, h in sizes], case)
 
 
+@pytest.mark.slow
 def test_idefics3_full_processor_call():
     tok = tokenizer_with(*IDEFICS_TOKENS)
     image_id = tok.convert_tokens_to_ids("<image>")
@@ -528,6 +533,7 @@ def test_gemma3_sweep_matches_processor(pas):
     )
 
 
+@pytest.mark.slow
 def test_gemma3_full_processor_call():
     tok = tokenizer_with("<start_of_image>", "<end_of_image>", "<image_soft_token>")
     tok.boi_token, tok.eoi_token, tok.image_token = "<start_of_image>", "<end_of_image>", "<image_soft_token>"

@@ -34,14 +34,13 @@ from typing import Any
 import torch
 
 from ._checks import canonical_family
+from .labels import IGNORE_INDEX, roll_packed
 from .masks import gemma3_attention_masks
 from .positions import is_mrope_family
-from .remap import roll_packed
 from .vision_inputs import VISION_KEYS
 
 __all__ = [
     "HF_STYLES",
-    "IGNORE_INDEX",
     "STYLES",
     "VISION_KEYS",
     "PackedBatch",
@@ -49,7 +48,6 @@ __all__ = [
     "packed_seq_params_class",
 ]
 
-IGNORE_INDEX = -100
 HF_STYLES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 STYLES = (*HF_STYLES, "megatron")
 #: Model types whose image tokens attend both ways inside an image (``token_type_ids``): they get masks.

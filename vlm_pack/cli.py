@@ -29,13 +29,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vlm_pack.config import ON_ERROR, OVERSIZED, VISION_COST, PackingConfig
+
 __all__ = ["build_parser", "load_forecaster", "main"]
+
+# The defaults of every setting a flag shares with PackingConfig: its own (capacity aside).
+_DEFAULTS = PackingConfig(capacity=1)
 
 _CHAT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next")
 _SOURCES_HELP = (
     "WebDataset .tar shards (globs, {000..009}), .parquet files (HF Image columns), .json (LLaVA-Instruct, "
     "ShareGPT, LLaMA-Factory) and .jsonl files, save_to_disk folders, or folders of these"
 )
+
+
+def _budget(text: str) -> int | None:
+    return None if text.strip().lower() == "none" else _positive_int(text)
 
 
 def _positive_int(text: str) -> int:
@@ -111,9 +120,10 @@ def _add_forecast_args(p: argparse.ArgumentParser) -> None:
         "dataset records; default: each file's own folder). LLaVA-Instruct: its image folder.",
     )
     d.add_argument(
-        "--layout",
+        "--format",
+        dest="record_format",
         choices=("webdataset", "llava", "sharegpt", "messages", "caption"),
-        help="the records' layout (default: detected per record): llava {id, image, conversations: "
+        help="the records' format (default: detected per record): llava {id, image, conversations: "
         "[{from, value}]}; sharegpt {messages | conversations, images}; messages {messages | conversation "
         "with content parts, images}; caption {caption | text, image(s)}",
     )
@@ -126,9 +136,18 @@ def _add_forecast_args(p: argparse.ArgumentParser) -> None:
     )
     d.add_argument(
         "--on-error",
-        choices=("raise", "skip"),
-        default="raise",
-        help="a sample that cannot be read or forecast: stop (default) or skip it and list it in the report",
+        choices=ON_ERROR,
+        default=_DEFAULTS.on_error,
+        help="a sample that cannot be read or forecast: skip it and list it in the report (default; more "
+        "than --max-consecutive-failures in a row stop the run), or raise: stop at the first",
+    )
+    d.add_argument(
+        "--max-consecutive-failures",
+        type=_budget,
+        default=_DEFAULTS.max_consecutive_failures,
+        metavar="N",
+        help=f"the failure budget: more unreadable samples than N in a row stop the run (default "
+        f"{_DEFAULTS.max_consecutive_failures}; 'none': no limit)",
     )
     d.add_argument(
         "--verify",
@@ -141,6 +160,9 @@ def _add_forecast_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_pack_args(p: argparse.ArgumentParser, *, multi: bool) -> None:
+    """The packing flags: ``PackingConfig``'s settings, named as there (``--max-samples-per-bin`` is
+    ``max_samples_per_bin``), with its values and defaults; an analysis alone counts too-long samples by
+    default (``--oversized skip``) instead of stopping at the first: measuring them is its job."""
     g = p.add_argument_group("packing")
     if multi:
         g.add_argument(
@@ -153,31 +175,40 @@ def _add_pack_args(p: argparse.ArgumentParser, *, multi: bool) -> None:
     else:
         g.add_argument("--capacity", type=_positive_int, required=True, help="tokens per pack")
     g.add_argument("--strategy", choices=("bfd", "ffd", "ff", "nf"), default="bfd", help="default bfd")
+    oversized = "skip" if multi else _DEFAULTS.oversized
     g.add_argument(
         "--oversized",
-        choices=("skip", "truncate"),
-        default="skip",
-        help="a sample longer than the capacity: skip it (default) or count it cut to the capacity; both are "
-        "reported",
+        choices=OVERSIZED,
+        default=oversized,
+        help=f"a sample longer than the capacity: raise (stop, naming it), skip (leave it out) or truncate "
+        f"(count it cut to the capacity); skipped and cut samples are reported (default {oversized})",
     )
     g.add_argument(
-        "--max-samples-per-pack",
+        "--max-samples-per-bin",
         type=_positive_int,
         metavar="N",
         help="at most N samples per pack (default: no cap); caps the attention blocks a pack holds",
     )
-    v = g.add_mutually_exclusive_group()
-    v.add_argument(
-        "--max-images-per-pack",
+    g.add_argument(
+        "--vision-capacity",
         type=_positive_int,
         metavar="N",
-        help="at most N images per pack (default: no cap); a sample with more images is skipped and reported",
+        help="at most N of --vision-cost per pack (default: no cap; bounds the ViT's activation memory); a "
+        "sample over it on its own is handled as --oversized says (truncate: skipped, reported)",
     )
-    v.add_argument(
-        "--max-patches-per-pack",
+    g.add_argument(
+        "--vision-cost",
+        choices=VISION_COST,
+        default=_DEFAULTS.vision_cost,
+        help=f"what --vision-capacity counts: vision-encoder patches or images (default {_DEFAULTS.vision_cost})",
+    )
+    g.add_argument(
+        "--pad-to-multiple-of",
         type=_positive_int,
-        metavar="N",
-        help="vision-encoder patches per pack (bounds the ViT's activation memory)",
+        default=_DEFAULTS.pad_to_multiple_of,
+        metavar="M",
+        help="plan each sample on its length rounded up to M, the span a collator with pad_to_multiple_of=M "
+        "gives it (context parallelism; default 1)",
     )
 
 
@@ -243,11 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_forecast_args(k)
     _add_pack_args(k, multi=False)
     k.add_argument("--out", metavar="FILE", required=True, help="the plan, e.g. plan.jsonl")
-    k.add_argument("--seed", type=int, default=0, help="shuffle the order of packs (default 0)")
     k.add_argument(
-        "--no-shuffle",
-        action="store_true",
-        help="keep creation order (decreasing strategies open the longest packs first: a length curriculum)",
+        "--shuffle-seed",
+        type=int,
+        default=_DEFAULTS.shuffle_seed,
+        metavar="N",
+        help="shuffle the order of packs with seed N (default: creation order; decreasing strategies open "
+        "the longest packs first, a length curriculum)",
     )
 
     m = sub.add_parser(
@@ -367,17 +400,19 @@ def _check_spec_keys(spec: Any, overrides: dict[str, Any]) -> None:
 
 
 def _packing_config(args: argparse.Namespace, capacity: int) -> Any:
-    """The one :class:`~vlm_pack.config.PackingConfig` the packing flags describe (at ``capacity``)."""
-    from vlm_pack.config import PackingConfig
-
-    images = args.max_images_per_pack is not None
-    return PackingConfig(
+    """The one :class:`~vlm_pack.config.PackingConfig` the flags describe (at ``capacity``)."""
+    return PackingConfig.resolve(
+        f"vlm-pack {args.command}",
         capacity=capacity,
-        max_samples_per_bin=args.max_samples_per_pack,
-        vision_capacity=args.max_images_per_pack if images else args.max_patches_per_pack,
-        vision_cost="images" if images else "patches",
+        max_samples_per_bin=args.max_samples_per_bin,
+        vision_capacity=args.vision_capacity,
+        vision_cost=args.vision_cost,
         oversized=args.oversized,
+        pad_to_multiple_of=args.pad_to_multiple_of,
+        on_error=args.on_error,
         exif_transpose=not args.no_exif_transpose,
+        max_consecutive_failures=args.max_consecutive_failures,
+        shuffle_seed=getattr(args, "shuffle_seed", None),
     )
 
 
@@ -418,7 +453,7 @@ def _baseline(args: argparse.Namespace) -> Any:
 
 
 def _forecast(
-    args: argparse.Namespace, sources: Sequence[str | os.PathLike[str]]
+    args: argparse.Namespace, sources: Sequence[str | os.PathLike[str]], config: Any
 ) -> tuple[Any, dict[str, Any]]:
     from vlm_pack.data.forecast import forecast_sources
     from vlm_pack.data.shards import SampleError
@@ -428,13 +463,14 @@ def _forecast(
         table = forecast_sources(
             list(sources),
             preprocessor=pre,
-            layout=args.layout,
+            record_format=args.record_format,
             image_root=args.image_root,
-            exif_transpose=not args.no_exif_transpose,
+            exif_transpose=config.exif_transpose,
             verify=args.verify,
-            on_error=args.on_error,
+            on_error=config.on_error,
             num_workers=args.workers,
             progress=False if args.no_progress else None,
+            max_consecutive_failures=config.max_consecutive_failures,
         )
     except SampleError as e:
         raise ValueError(
@@ -451,6 +487,13 @@ def _forecast(
         raise ValueError(
             f"no valid samples in {names}: all {len(table.invalid):,} were skipped; the first, {key!r} "
             f"({where}): {reason}"
+        )
+    if table.invalid:  # on_error="skip": left out, listed in the report, and said here
+        key, where, reason = table.invalid[0]
+        print(
+            f"vlm-pack: warning: {len(table.invalid):,} sample(s) could not be read and are left out (listed "
+            f"in the report); the first, {key!r} ({where}): {reason}. --on-error raise stops at the first.",
+            file=sys.stderr,
         )
     meta = {
         "family": pre.family,
@@ -476,6 +519,30 @@ def _too_small(table: Any, capacities: Sequence[int]) -> str:
     )
 
 
+def _refuse_oversized(table: Any, config: Any) -> None:
+    """Under ``--oversized raise``: stop at the first sample that fits no pack of ``config``, naming it (its
+    key and where it lives) and the flags that go on."""
+    import numpy as np
+
+    from vlm_pack.packing import padded_lengths
+
+    if config.oversized != "raise" or len(table) == 0:
+        return
+    over = padded_lengths(table.lengths, config.pad_to_multiple_of) > config.capacity
+    if config.vision_capacity is not None:
+        cost = table.num_images if config.vision_cost == "images" else table.num_patches
+        over |= cost > config.vision_capacity
+    if over.any():
+        i = int(np.flatnonzero(over)[0])
+        raise ValueError(
+            f"{table.sources[i]} (key {table.keys[i]!r}): {int(table.lengths[i]):,} tokens, "
+            f"{int(table.num_images[i])} image(s) fit no pack of capacity {config.capacity:,}"
+            + (f" and vision capacity {config.vision_capacity} {config.vision_cost}" if config.vision_capacity else "")
+            + f" ({int(over.sum()):,} such samples). Raise --capacity, or pass --oversized skip (leave them "
+            "out, listed) or --oversized truncate (cut them to the capacity)."
+        )
+
+
 def _run_analysis(
     args: argparse.Namespace, sources: Sequence[str | os.PathLike[str]], label: str, demo: bool
 ) -> int:
@@ -484,10 +551,12 @@ def _run_analysis(
     config = _packing_config(args, args.capacity[0])
     baseline = _baseline(args)
     _check_writable("--out", Path(args.out), folder=True)
-    table, meta = _forecast(args, sources)
+    table, meta = _forecast(args, sources, config)
     packing = {k: v for k, v in config.to_dict().items() if k in ("max_samples_per_bin", "vision_capacity",
-               "vision_cost", "oversized")}  # fmt: skip
+               "vision_cost", "oversized", "pad_to_multiple_of")}  # fmt: skip
     meta = {"source": label, "sources": [str(s) for s in sources], **meta, "packing_config": packing}
+    for capacity in args.capacity:
+        _refuse_oversized(table, config.replace(capacity=capacity))
     report, results = analyze(
         table, args.capacity, baseline=baseline, strategy=args.strategy, meta=meta, config=config
     )
@@ -569,11 +638,12 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out!r} is a directory; give the plan's file name, e.g. plan.jsonl.")
     config = _packing_config(args, args.capacity)
     _check_writable("--out", out, folder=False)
-    table, meta = _forecast(args, args.sources)
+    table, meta = _forecast(args, args.sources, config)
     if len(table) == 0:
         raise ValueError("no samples to pack: the sources are empty (or every sample was invalid).")
     _stand_in_note(meta)
-    result = table.pack(config, args.strategy, seed=None if args.no_shuffle else args.seed)
+    _refuse_oversized(table, config)
+    result = table.pack(config, args.strategy)
     if result.num_bins == 0:
         raise ValueError(
             _too_small(table, [args.capacity]) + "; raise --capacity or pass --oversized truncate. "
@@ -592,7 +662,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         "strategy": args.strategy,
         "oversized": args.oversized,
         "packing_config": config.to_dict(),
-        "shuffle_seed": None if args.no_shuffle else args.seed,
+        "shuffle_seed": config.shuffle_seed,
         "samples": len(table) + len(table.invalid),
         "packed_samples": int(result.order.size),
         "packs": result.num_bins,

@@ -67,7 +67,6 @@ import torch.nn.functional as F
 from ._checks import canonical_family
 from .batch import (
     HF_STYLES,
-    IGNORE_INDEX,
     SAMPLE_KEY_NAMES,
     STYLES,
     TWO_WAY_IMAGE_FAMILIES,
@@ -75,6 +74,7 @@ from .batch import (
     PackedBatch,
     packed_seq_params_class,
 )
+from .labels import IGNORE_INDEX
 from .positions import MRopeOptions, is_mrope_family, packed_position_ids
 from .remap import remap_cu_seqlens_padded
 from .vision_inputs import join_vision
@@ -112,7 +112,7 @@ def pad_multiple_for(tp: int = 1, cp: int = 1, sequence_parallel: bool = False, 
       sample, ``length / (cp * tp_sp)``, must be a multiple of 16, so ``16 * cp * tp_sp``.
 
     ``pad_multiple_for(cp=2)`` is 4, ``pad_multiple_for(tp=4, cp=2, sequence_parallel=True)`` is 16; the
-    result always passes ``vlm_pack.parallel.check_parallel_config``.
+    result always passes ``vlm_pack.check_parallel_config``.
     """
     for name, v in (("tp", tp), ("cp", cp)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -177,7 +177,7 @@ class PackingCollator:
             fewest rows), ``"ffd"``, ``"ff"`` (first fit in data order), ``"nf"`` (consecutive samples,
             data order kept across rows). Inside a row samples keep their input order and rows are sorted
             by their first sample, so the layout is reproducible and easy to read.
-        max_samples_per_row: optional cap on samples per row.
+        max_samples_per_bin: optional cap on samples per row (a bin of the plan; ``PackingConfig``'s name).
         max_rows: at most this many rows per call (None: as many as the samples need). ``1`` when each call
             gets one planned bin (``pack``, ``StreamPacker``, a ``PackedMapDataset`` / ``PackedWebDataset`` /
             Energon pack): the bin becomes exactly one row, or the call raises naming its samples (a plan
@@ -211,7 +211,7 @@ class PackingCollator:
         pad_to_multiple_of: int = 1,
         pad_to_capacity: bool = True,
         strategy: str = "bfd",
-        max_samples_per_row: int | None = None,
+        max_samples_per_bin: int | None = None,
         max_rows: int | None = None,
         return_style: str | None = None,
     ) -> None:
@@ -264,7 +264,7 @@ class PackingCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pad_to_capacity = bool(pad_to_capacity)
         self.strategy = strategy
-        self.max_samples_per_row = max_samples_per_row
+        self.max_samples_per_bin = max_samples_per_bin
         if max_rows is not None and (type(max_rows) is not int or max_rows < 1):
             raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}")
         self.max_rows = max_rows
@@ -506,7 +506,7 @@ class PackingCollator:
                     "samples before collating (vlm_pack.packing.pack(..., oversized='skip') reports them)"
                 )
         result = pack(
-            padded, self.capacity, strategy=self.strategy, max_samples_per_bin=self.max_samples_per_row
+            padded, self.capacity, strategy=self.strategy, max_samples_per_bin=self.max_samples_per_bin
         )
         if self.max_rows is not None and result.num_bins > self.max_rows:
             raise ValueError(self._too_many_rows(items, padded, result.num_bins))
@@ -538,7 +538,7 @@ class PackingCollator:
         names = ", ".join(s.name for s in items)
         spans = [s.expanded_len for s in items]
         padding = f", padded to multiples of {multiple}: {padded}" if padded != spans else ""
-        cap = f" and at most {self.max_samples_per_row} samples" if self.max_samples_per_row else ""
+        cap = f" and at most {self.max_samples_per_bin} samples" if self.max_samples_per_bin else ""
         return (
             f"{names} need {num_rows} rows of capacity {self.capacity}{cap} (expanded lengths {spans}"
             f"{padding}; {sum(padded)} tokens) but this collator makes at most {self.max_rows} row(s) per call "

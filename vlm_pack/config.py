@@ -19,14 +19,63 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-_OVERSIZED = ("raise", "skip", "truncate")
+#: The values of ``oversized`` (a sample longer than ``capacity``) at every entry point; default "raise".
+OVERSIZED = ("raise", "skip", "truncate")
+#: The values of ``on_error`` (a sample whose data cannot be read) at every entry point; default "skip".
+ON_ERROR = ("raise", "skip")
+# Names a setting had before it got one name everywhere: old name -> the name to use.
+RENAMED = {
+    "max_samples_per_row": "max_samples_per_bin",
+    "max_samples_per_pack": "max_samples_per_bin",
+    "seed": "shuffle_seed",
+}
+# Values a setting had before it got one vocabulary: (setting, old value) -> the value to use.
+_OLD_VALUES = {("on_error", "warn"): "skip", ("oversized", "report"): "skip"}
 #: Default ``max_image_pixels``: Pillow's own default ``Image.MAX_IMAGE_PIXELS`` (1024**3 // 4 // 3), fixed
 #: here so that a training script that switches Pillow's check off (``Image.MAX_IMAGE_PIXELS = None``)
 #: does not switch this one off too.
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
-_VISION_COST = ("patches", "images")
+#: The values of ``vision_cost`` (what ``vision_capacity`` counts).
+VISION_COST = ("patches", "images")
 #: Default ``max_consecutive_failures``: Megatron-Energon's default failure tolerance.
 DEFAULT_MAX_CONSECUTIVE_FAILURES = 100
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Refuse a ``value`` of setting ``name`` outside ``choices``; an old value names its replacement."""
+    if value in choices:
+        return
+    new = _OLD_VALUES.get((name, value)) if isinstance(value, str) else None
+    hint = f" ({name}={value!r} is now {name}={new!r})" if new else ""
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}{hint}")
+
+
+def check_renamed(who: str, names: Any) -> None:
+    """Raise ``TypeError`` for an argument of ``who`` that uses a setting's old name, naming the new one."""
+    if "layout" in names:
+        raise TypeError(
+            f"{who}: layout= names the token layout only (Preprocessor(layout='expanded' | 'collapsed')); the "
+            "record format (webdataset, llava, sharegpt, messages, caption) is record_format="
+        )
+    old = sorted(set(names) & set(RENAMED))
+    if old:
+        fixes = ", ".join(f"{name}= is now {RENAMED[name]}=" for name in old)
+        raise TypeError(f"{who}: {fixes} (one name per setting everywhere: PackingConfig's)")
+
+
+def collator_options(who: str, collator_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``collator_kwargs`` of a dataset, refusing a packing setting: the plan and the collator must agree on
+    it, so it is a keyword of the dataset (``pad_to_multiple_of=``), which passes it to both."""
+    options = dict(collator_kwargs or {})
+    packing = {f.name for f in dataclasses.fields(PackingConfig)} | set(RENAMED)
+    settings = sorted(set(options) & packing)
+    if settings:
+        names = ", ".join(f"{RENAMED.get(name, name)}=" for name in settings)
+        raise TypeError(
+            f"{who}: collator_kwargs {settings} hold packing settings; pass {names} to {who} itself (it plans "
+            "with them and gives the collator the same values)"
+        )
+    return options
 
 
 def _positive_int(value: Any, name: str, *, optional: bool = False) -> int | None:
@@ -58,7 +107,8 @@ class PackingConfig:
     Streaming:
         shuffle_seed: shuffle shards and samples with this seed per epoch (None: keep the order).
         shuffle_buffer: samples held for shuffling (ignored without ``shuffle_seed``).
-        on_error: a sample that cannot be read: "warn" (skip, count, warn) or "raise".
+        on_error: a sample whose data cannot be read: "skip" (skipped, counted by reason, warned about, and
+            reported; within the ``max_consecutive_failures`` budget) or "raise".
         exif_transpose: apply EXIF orientation, as ``ImageOps.exif_transpose`` and the forecast do.
         max_image_pixels: refuse an image whose header declares more pixels, before decoding, counted as
             ``image_too_large`` (default: Pillow's default limit, ``DEFAULT_MAX_IMAGE_PIXELS``; None: no cap).
@@ -79,7 +129,7 @@ class PackingConfig:
     pad_to_multiple_of: int = 1
     shuffle_seed: int | None = None
     shuffle_buffer: int = 256
-    on_error: str = "warn"
+    on_error: str = "skip"
     exif_transpose: bool = True
     max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
     max_consecutive_failures: int | None = DEFAULT_MAX_CONSECUTIVE_FAILURES
@@ -95,10 +145,9 @@ class PackingConfig:
         set_(self, "drop_last", bool(self.drop_last))
         for name in ("max_samples_per_bin", "vision_capacity", "max_image_pixels", "max_consecutive_failures"):
             set_(self, name, _positive_int(getattr(self, name), name, optional=True))
-        if self.vision_cost not in _VISION_COST:
-            raise ValueError(f"vision_cost must be one of {_VISION_COST}, got {self.vision_cost!r}")
-        if self.oversized not in _OVERSIZED:
-            raise ValueError(f"oversized must be one of {_OVERSIZED}, got {self.oversized!r}")
+        if self.vision_cost not in VISION_COST:
+            raise ValueError(f"vision_cost must be one of {VISION_COST}, got {self.vision_cost!r}")
+        check_choice("oversized", self.oversized, OVERSIZED)
         set_(self, "pad_to_multiple_of", _positive_int(self.pad_to_multiple_of, "pad_to_multiple_of"))
         if self.capacity % self.pad_to_multiple_of:
             raise ValueError(
@@ -110,8 +159,7 @@ class PackingConfig:
         ):
             raise ValueError(f"shuffle_seed must be an int or None, got {self.shuffle_seed!r}")
         set_(self, "shuffle_buffer", _positive_int(self.shuffle_buffer, "shuffle_buffer"))
-        if self.on_error not in ("warn", "raise"):
-            raise ValueError(f"on_error must be 'warn' or 'raise', got {self.on_error!r}")
+        check_choice("on_error", self.on_error, ON_ERROR)
         set_(self, "exif_transpose", bool(self.exif_transpose))
 
     @property
@@ -120,8 +168,43 @@ class PackingConfig:
         # round() first so that 0.7 * 10 = 7.000000000000001 does not become 8
         return max(1, math.ceil(round(self.min_fill_ratio * self.capacity, 9)))
 
+    @classmethod
+    def resolve(
+        cls, who: str, config: PackingConfig | None = None, *, refuse: tuple[str, ...] = (), **knobs: Any
+    ) -> PackingConfig:
+        """The config an entry point ``who`` runs with: ``config`` with ``knobs`` (its keyword arguments)
+        applied over it, or one built from ``knobs`` alone; the same names, values and defaults either way.
+
+        ``refuse``: ``oversized`` values ``who`` cannot do (a dataset that cannot cut a sample refuses
+        "truncate"); an old name (``max_samples_per_row``, ``seed`` ...) raises ``TypeError`` naming the new one.
+        """
+        check_renamed(who, knobs)
+        valid = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(knobs) - valid)
+        if unknown:
+            raise TypeError(f"{who}: unknown argument(s) {unknown}; packing settings: {sorted(valid)}")
+        if config is None:
+            if knobs.get("capacity") is None:
+                raise TypeError(f"{who} needs capacity= (tokens per packed row) or config=PackingConfig(...)")
+            config = cls(**knobs)
+        else:
+            if not isinstance(config, cls):
+                raise TypeError(f"{who}: config must be a PackingConfig, got {type(config).__name__}")
+            if knobs.get("capacity") is None:
+                knobs.pop("capacity", None)
+            config = config.replace(**knobs) if knobs else config
+        if config.oversized in refuse:
+            can = [v for v in OVERSIZED if v not in refuse]
+            raise ValueError(
+                f"{who} cannot do oversized={config.oversized!r} (it never cuts a sample): pass oversized="
+                + " or ".join(repr(v) for v in can)
+                + " (a too-long sample is reported as too_long), or pack offline with vlm_pack.pack"
+            )
+        return config
+
     def replace(self, **changes: Any) -> PackingConfig:
         """A copy with ``changes`` applied and validated; an unknown name lists the valid ones."""
+        check_renamed("PackingConfig.replace", changes)
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
         if unknown:
             raise TypeError(f"unknown packing option(s) {unknown}; valid: {sorted(self.to_dict())}")
@@ -132,6 +215,7 @@ class PackingConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PackingConfig:
+        check_renamed("PackingConfig.from_dict", data)
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"unknown packing option(s) {unknown} in the saved config")

@@ -46,7 +46,7 @@ __all__ = [
 #: Why a sample (or a shard) was skipped: the reasons bad data is counted under.
 REASONS: dict[str, str] = {
     "unreadable_shard": "a shard that cannot be opened or read to its end (counted, not a sample)",
-    "missing_text": "a record without a text it can be read from (it fits no layout)",
+    "missing_text": "a record without a text it can be read from (it fits no record format)",
     "bad_text": "a text that does not parse, or that the chat template refuses",
     "corrupt_image": "an image whose header does not read, or that is missing",
     "image_too_large": "an image whose header declares more than max_image_pixels (not decoded)",

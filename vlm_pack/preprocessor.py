@@ -33,7 +33,7 @@ from .processing import (
     process_sample,
 )
 
-__all__ = ["Preprocessor", "checked_preprocessor"]
+__all__ = ["Preprocessor"]
 
 
 @dataclass(frozen=True)
@@ -84,13 +84,25 @@ class Preprocessor:
             object.__setattr__(self, "family", family or getattr(self.spec, "family", None))
         object.__setattr__(self, "family", canonical_family(self.family))  # any spelling; unknown: ValueError
 
+    @classmethod
+    def check(cls, obj: Any) -> Preprocessor:
+        """``obj`` when it is a :class:`Preprocessor`; else a TypeError saying how to build one (what an
+        adapter taking one is given instead, a tokenizer or a processor, is no Preprocessor)."""
+        if not isinstance(obj, cls):
+            raise TypeError(
+                f"expected a vlm_pack.Preprocessor, got {type(obj).__name__}: pass Preprocessor(tokenizer=tok, "
+                "image_processor=ip) (with layout='collapsed' for Megatron) or Preprocessor(processor=processor)"
+            )
+        return obj
+
     def collator(self, capacity: int, **options: Any) -> Any:
         """The :class:`~vlm_pack.PackingCollator` for these parts: ``options`` (its keyword arguments, e.g.
-        ``config=model.config``) win; the tokenizer, the family, the token a processor scatters image
-        features into and the image processor's ``merge_size`` fill in what they leave out."""
+        ``config=model.config``) win; the tokenizer, the layout, the family, the token a processor scatters
+        image features into and the image processor's ``merge_size`` fill in what they leave out."""
         from .collate import PackingCollator
 
         options.setdefault("tokenizer", self.tokenizer)
+        options.setdefault("layout", self.layout)  # rows in the layout its samples are processed in
         if options.get("config") is None:
             options.setdefault("family", self.family)
             if self.processor is not None:
@@ -161,14 +173,3 @@ class Preprocessor:
         """The keyword arguments of :func:`process_sample` these parts stand for."""
         names = ("tokenizer", "image_processor", "processor", "family", "layout", "template")
         return {name: getattr(self, name) for name in names}
-
-
-def checked_preprocessor(obj: Any) -> Preprocessor:
-    """``obj`` when it is a :class:`Preprocessor`; else a TypeError saying how to build one (the adapters take
-    one object where they used to take ``tokenizer=`` / ``image_processor=``)."""
-    if not isinstance(obj, Preprocessor):
-        raise TypeError(
-            f"expected a vlm_pack.Preprocessor, got {type(obj).__name__}: pass Preprocessor(tokenizer=tok, "
-            "image_processor=ip) (with layout='collapsed' for Megatron) or Preprocessor(processor=processor)"
-        )
-    return obj

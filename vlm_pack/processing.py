@@ -1,6 +1,7 @@
 """Turn one conversation with images into the token ids a VLM trains on, and forecast that length.
 
-Two entry points share one rendering (:func:`vlm_pack.chat.render_conversation`: the checkpoint's own chat
+A user calls these through :class:`vlm_pack.Preprocessor` (``process``, ``forecast``, ``tokenize``), which
+holds the checkpoint's parts once; the functions here are what it calls. Two entry points share one rendering (:func:`vlm_pack.chat.render_conversation`: the checkpoint's own chat
 template, or vlm-pack's format for tokenizers without one), so the forecast is the processed length:
 
 - ``forecast_length(conversation, image_sizes, ...)``: the expanded length from the text and the image
@@ -53,6 +54,7 @@ from .chat import (
     render_conversation,
 )
 from .failures import ImageDecodeError, SampleError, skip_reason
+from .labels import IGNORE_INDEX
 
 __all__ = [
     "IMAGE_MARKER",
@@ -60,7 +62,6 @@ __all__ = [
     "Prompt",
     "chat_format",
     "forecast_length",
-    "forecast_prompt",
     "load_image",
     "process_pack",
     "process_sample",
@@ -110,10 +111,6 @@ def _image_token(tokenizer: Any, family: str | None = None) -> tuple[str, int]:
         f"the tokenizer has none of the image tokens {candidates}: set tokenizer.image_token and "
         "tokenizer.image_token_id (or add the token with tokenizer.add_special_tokens), or pass processor=."
     )
-
-
-def _image_token_id(tokenizer: Any, family: str | None = None) -> int:
-    return _image_token(tokenizer, family)[1]
 
 
 def _placeholder(tokenizer: Any, processor: Any, family: str | None) -> str:
@@ -314,7 +311,9 @@ def _skeleton(
 
 @dataclass(frozen=True)
 class Prompt:
-    """A conversation rendered once by :func:`forecast_prompt`, for ``process_sample(..., prompt=...)``.
+    """A conversation rendered once by ``Preprocessor.forecast_prompt``, for ``Preprocessor.process(...,
+    prompt=...)``: a pipeline that forecasts every sample and processes the packed ones so renders (and,
+    without a ``processor``, tokenizes) each conversation once.
 
     ``tokens``: the collapsed ids and trained mask of ``rendering`` where :func:`process_sample` tokenizes the
     prompt itself (``tokenizer`` + ``image_processor``); None with a ``processor``, which tokenizes its own
@@ -348,23 +347,6 @@ def forecast_length(
         conversation, image_sizes, tokenizer, spec, processor, image_processor, family, template, key, keep=False
     )
     return length, counts
-
-
-def forecast_prompt(
-    conversation: Conversation, image_sizes: Sequence[tuple[int, int]], **options: Any
-) -> tuple[int, list[int], Prompt]:
-    """:func:`forecast_length`, and the :class:`Prompt` it rendered for ``process_sample(..., prompt=...)``.
-
-    A pipeline that forecasts every sample and processes the packed ones so renders (and, without a
-    ``processor``, tokenizes) each conversation once. ``options``: the keyword arguments of
-    :func:`forecast_length`.
-    """
-    names = ("tokenizer", "spec", "processor", "image_processor", "family", "template", "key")
-    unknown = sorted(set(options) - set(names))
-    if unknown:
-        raise TypeError(f"forecast_prompt: unknown argument(s) {unknown}; it takes {list(names)}")
-    args = [options.get(name) for name in names]
-    return _forecast(conversation, image_sizes, *args, keep=True)  # type: ignore[return-value]
 
 
 def _forecast(
@@ -493,7 +475,7 @@ def _with_processor(processor: Any, rendering: Rendering, images: list[Any], key
         if name in out:
             out[name] = out[name][0]
     out.update(
-        input_ids=ids, labels=torch.where(trained, ids, torch.full_like(ids, -100)), tokens_per_image=counts
+        input_ids=ids, labels=torch.where(trained, ids, torch.full_like(ids, IGNORE_INDEX)), tokens_per_image=counts
     )
     return out
 
@@ -558,7 +540,7 @@ def _expand_text(ids_list: list[int], mask: list[bool], image_id: int, counts: l
     """``input_ids`` / ``labels`` (L,) with each image token repeated ``counts[i]`` times, ``tokens_per_image``."""
     input_ids = torch.tensor(ids_list, dtype=torch.long)
     trained = torch.tensor(mask, dtype=torch.bool) & (input_ids != image_id)
-    labels = torch.where(trained, input_ids, torch.full_like(input_ids, -100))
+    labels = torch.where(trained, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
     per_image = torch.tensor(counts, dtype=torch.long)
     if counts:
         repeats = torch.ones_like(input_ids)
@@ -640,8 +622,8 @@ def process_sample(
     (``pixel_values``; by family ``image_grid_thw``, ``image_sizes``, ``batch_num_images``,
     ``pixel_attention_mask``, and the per-token ``mm_token_type_ids`` / ``token_type_ids`` (L,)).
     ``layout="collapsed"`` keeps one image token per image (families with one run of them per image).
-    ``prompt``: the :class:`Prompt` :func:`forecast_prompt` rendered for this conversation with the same
-    arguments (not rendered or tokenized again).
+    ``prompt``: the :class:`Prompt` ``Preprocessor.forecast_prompt`` rendered for this conversation with the
+    same arguments (not rendered or tokenized again).
     """
     if processor is not None:
         tokenizer = tokenizer or processor.tokenizer

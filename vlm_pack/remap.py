@@ -22,8 +22,8 @@ A collapsed position ``p`` with ``k`` placeholders before it lands at ``p + sum_
 map moves every entry of ``cu_seqlens`` and of ``cu_seqlens_padded`` (Megatron-LM PR 3427 measured
 ``token_mult_prob_error`` 1.10-1.13 when a model attends with the *collapsed* boundaries after expanding,
 1.000000 with the remapped ones). :func:`remap_cu_seqlens` applies the map with one ``cumsum`` and one
-gather; :func:`collapse_cu_seqlens` inverts it with ``searchsorted``. Neither loops over tokens or
-samples, and neither reads a value back to the host unless asked to validate.
+gather, and inverts it (``inverse=True``: expanded -> collapsed) with ``searchsorted``. It loops over
+neither tokens nor samples, and reads no value back to the host unless asked to validate.
 
 With per-sample padding (context parallelism needs every sample's expanded length to be a multiple of
 ``2 * CP``), the padded offsets and the real lengths are two different things::
@@ -32,13 +32,8 @@ With per-sample padding (context parallelism needs every sample's expanded lengt
     cu_seqlens_padded      [0,                 8,                          20,       24]   offsets
     cu_seqlens             [0,             6,                     15,  16]               real lengths
 
-:func:`remap_cu_seqlens_padded` remaps both at once.
-
-:func:`roll_packed` is the per-sample shift that next-token labels and multi-token prediction need::
-
-    tensor        1 2 3 | 4 5
-    cu_seqlens   [0,     3,   5]
-    shifts=-1     2 3 0 | 5 0        never 2 3 4 5 1
+:func:`remap_cu_seqlens_padded` remaps both at once. The per-sample shift of labels over these boundaries is
+:func:`vlm_pack.labels.roll_packed`.
 """
 
 from __future__ import annotations
@@ -46,11 +41,10 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "collapse_cu_seqlens",
+    "check_offsets",
     "expansion_map",
     "remap_cu_seqlens",
     "remap_cu_seqlens_padded",
-    "roll_packed",
     "segment_ids",
 ]
 
@@ -105,6 +99,17 @@ def _check_cu(cu: torch.Tensor, total: int, name: str, what: str) -> None:
         raise ValueError(
             f"{name} ends at {last} but {what} holds {total} tokens: the last entry must be the total"
         )
+
+
+def check_offsets(
+    cu: torch.Tensor, total: int, name: str, what: str, *tensors: torch.Tensor, validate: bool | None = None
+) -> None:
+    """``cu`` is a 1-D ``[N + 1]`` tensor of offsets; with ``validate`` (``None``: when ``cu`` and ``tensors``
+    are on the CPU, where the check is free; on an accelerator it would be a host sync) also that it starts
+    at 0, never decreases and ends at ``total``, the length of ``what``. ValueError naming ``name`` if not."""
+    _check_1d(cu, name)
+    if _should_validate(validate, cu, *tensors):
+        _check_cu(cu, total, name, what)
 
 
 class _Expansion:
@@ -202,30 +207,50 @@ def remap_cu_seqlens(
     image_token_id: int,
     tokens_per_image: int | torch.Tensor,
     *,
+    inverse: bool = False,
     validate: bool | None = None,
 ) -> torch.Tensor:
-    """Collapsed -> expanded sample boundaries.
+    """Collapsed -> expanded sample boundaries (``inverse=True``: expanded -> collapsed).
 
     Args:
-        cu_seqlens: ``[N + 1]`` offsets into the collapsed buffer ``input_ids`` (starting at 0, ending at
-            its length). Works for ``cu_seqlens_padded`` too (offsets of padded samples); for real lengths
-            inside a padded buffer use :func:`remap_cu_seqlens_padded`.
-        input_ids: ``[L]`` or ``[R, T]`` collapsed ids, one ``image_token_id`` per image.
+        cu_seqlens: ``[N + 1]`` offsets (starting at 0) into the collapsed buffer ``input_ids``, ending at its
+            length; with ``inverse``, offsets into the expanded buffer, ending at its length. Works for
+            ``cu_seqlens_padded`` too (offsets of padded samples); for real lengths inside a padded buffer
+            use :func:`remap_cu_seqlens_padded`.
+        input_ids: ``[L]`` or ``[R, T]`` collapsed ids, one ``image_token_id`` per image (also with
+            ``inverse``: adjacent images cannot be told apart once expanded).
         image_token_id: the placeholder id (Megatron LLaVA uses -200).
         tokens_per_image: embeddings per placeholder: one int, or ``[num_placeholders]`` in order.
+        inverse: map expanded offsets back to collapsed ones.
         validate: check the inputs (``None``: on CPU only, because on CUDA a check is a host sync).
 
     Returns:
-        ``[N + 1]`` expanded offsets, same dtype and device as ``cu_seqlens``.
+        ``[N + 1]`` remapped offsets, same dtype and device as ``cu_seqlens``.
 
     Raises:
         ValueError: when ``cu_seqlens`` does not start at 0, decreases or does not end at the buffer
-            length, or when the counts do not match the placeholders (with ``validate``).
+            length, when the counts do not match the placeholders, or (``inverse``) when a boundary falls
+            inside an image's embeddings, which has no collapsed position (with ``validate``).
     """
     ids, check = _ids_and_validation(cu_seqlens, input_ids, validate)
+    if not inverse:
+        if check:
+            _check_cu(cu_seqlens, ids.numel(), "cu_seqlens", "input_ids")
+        return _Expansion(ids, image_token_id, tokens_per_image, check)(cu_seqlens).to(cu_seqlens.dtype)
+    emap = expansion_map(ids, image_token_id, tokens_per_image, validate=check)
     if check:
-        _check_cu(cu_seqlens, ids.numel(), "cu_seqlens", "input_ids")
-    return _Expansion(ids, image_token_id, tokens_per_image, check)(cu_seqlens).to(cu_seqlens.dtype)
+        _check_cu(cu_seqlens, int(emap[-1]), "cu_seqlens", "the expanded buffer")
+    target = cu_seqlens.to(device=emap.device, dtype=torch.int64)
+    pos = torch.searchsorted(emap, target)
+    if check:
+        hit = emap[pos.clamp(max=emap.numel() - 1)] == target
+        if not bool(hit.all()):
+            i = int(torch.nonzero(~hit)[0, 0])
+            raise ValueError(
+                f"cu_seqlens[{i}] = {int(target[i])} falls inside an image's embeddings: a sample boundary "
+                "must lie between tokens of the collapsed row"
+            )
+    return pos.to(cu_seqlens.dtype)
 
 
 def remap_cu_seqlens_padded(
@@ -273,37 +298,6 @@ def remap_cu_seqlens_padded(
     return real.to(cu_seqlens.dtype), expand(padded).to(cu_seqlens_padded.dtype)
 
 
-def collapse_cu_seqlens(
-    cu_seqlens: torch.Tensor,
-    input_ids: torch.Tensor,
-    image_token_id: int,
-    tokens_per_image: int | torch.Tensor,
-    *,
-    validate: bool | None = None,
-) -> torch.Tensor:
-    """Expanded -> collapsed sample boundaries (the inverse of :func:`remap_cu_seqlens`).
-
-    ``cu_seqlens`` ``[N + 1]`` are offsets in the expanded buffer; ``input_ids`` is the *collapsed* buffer
-    (one placeholder per image: adjacent images cannot be told apart once expanded). A boundary that falls
-    inside an image's embeddings has no collapsed position and raises ``ValueError`` (with ``validate``).
-    """
-    ids, check = _ids_and_validation(cu_seqlens, input_ids, validate)
-    emap = expansion_map(ids, image_token_id, tokens_per_image, validate=check)
-    if check:
-        _check_cu(cu_seqlens, int(emap[-1]), "cu_seqlens", "the expanded buffer")
-    target = cu_seqlens.to(device=emap.device, dtype=torch.int64)
-    pos = torch.searchsorted(emap, target)
-    if check:
-        hit = emap[pos.clamp(max=emap.numel() - 1)] == target
-        if not bool(hit.all()):
-            i = int(torch.nonzero(~hit)[0, 0])
-            raise ValueError(
-                f"cu_seqlens[{i}] = {int(target[i])} falls inside an image's embeddings: a sample boundary "
-                "must lie between tokens of the collapsed row"
-            )
-    return pos.to(cu_seqlens.dtype)
-
-
 def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Sample index of every position ``[total]`` (int64) from ``cu_seqlens`` ``[N + 1]``.
 
@@ -314,34 +308,3 @@ def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     # index_add (not index_put) counts repeated boundaries of empty samples.
     marks.index_add_(0, cu[1:].clamp(max=total), torch.ones_like(cu[1:]))
     return torch.cumsum(marks[:total], 0)
-
-
-def roll_packed(
-    tensor: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    shifts: int = -1,
-    fill: int | float | bool = 0,
-) -> torch.Tensor:
-    """Shift every packed sample along the last dimension on its own, filling what comes in with ``fill``.
-
-    ``tensor`` is ``[..., L]`` (any leading dims share the boundaries); ``cu_seqlens`` ``[N + 1]`` must
-    partition ``[0, L]`` (pass ``cu_seqlens_padded`` for a padded buffer: the padding then shifts with its
-    sample). ``shifts=-1`` gives next-token targets: ``[1,2,3 | 4,5] -> [2,3,0 | 5,0]``; ``shifts=+1``
-    shifts right: ``[0,1,2 | 0,4]``. One gather: no Python loop over samples, no host sync.
-    """
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
-        raise ValueError("roll_packed needs a tensor with a sequence (last) dimension")
-    _check_1d(cu_seqlens, "cu_seqlens")
-    total = tensor.shape[-1]
-    if _should_validate(None, tensor, cu_seqlens):
-        _check_cu(cu_seqlens, total, "cu_seqlens", "the tensor's last dimension")
-    shifts = int(shifts)
-    seg = segment_ids(cu_seqlens.to(tensor.device), total)
-    pos = torch.arange(total, device=tensor.device)
-    src = pos - shifts
-    inside = (src >= 0) & (src < total)
-    src = src.clamp(0, max(total - 1, 0))
-    keep = inside & (seg[src] == seg)
-    moved = tensor.index_select(-1, src)
-    # a Python scalar fill: a tensor built from it on CUDA would be a host-to-device copy (a sync)
-    return moved.masked_fill(~keep, fill)

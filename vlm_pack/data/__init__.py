@@ -8,11 +8,14 @@
 - :mod:`vlm_pack.data.pipeline`: ``PackedWebDataset`` (shards -> forecast -> pack -> preprocess -> collate,
   split by rank and worker, resumable; knobs from a ``PackingConfig``) and ``PackedDataLoader`` (a
   DataLoader that tracks it);
-- :mod:`vlm_pack.data.stream`: one stream's work inside a DataLoader worker (``StreamRunner``), the metadata
-  each batch carries (``stream_info``) and the ``StreamEnd`` marker;
+- :mod:`vlm_pack.data.stream`: one stream's work inside a DataLoader worker (``StreamRunner``, reading only
+  the frozen ``WorkerSpec`` the dataset builds), the metadata each batch carries (``stream_info``) and the
+  ``StreamEnd`` marker;
+- :mod:`vlm_pack.data.tracker`: ``StreamTracker``, the main process's record of what each stream delivered
+  (``observe``, ``state_dict`` / ``load_state_dict``, epochs, stats);
 - :mod:`vlm_pack.data.state`: the typed resume state (``PipelineState`` ...) and its versioned JSON;
 - :mod:`vlm_pack.data.stats`: ``PipelineStats``, ``BadSample``, the skip reasons ``BAD_REASONS``;
-- :mod:`vlm_pack.data.records`: one record normaliser for every layout (``LAYOUTS``: webdataset, llava,
+- :mod:`vlm_pack.data.records`: one record normaliser for every record format (``RECORD_FORMATS``: webdataset, llava,
   sharegpt, messages, caption) -> ``Sample``;
 - :mod:`vlm_pack.data.sources`: readers of ``datasets`` objects, ``save_to_disk`` folders, parquet, JSON,
   JSONL and shards, cut into chunks (``open_sources``, ``iter_samples``);
@@ -26,7 +29,7 @@ from .forecast import LengthTable, forecast_sources
 from .map_style import PackedMapDataset, PackedSampler, plan_info
 from .pipeline import PackedDataLoader, PackedWebDataset
 from .reader import SampleHeader, lazy_tar_samples, read_header, stream_tar_samples
-from .records import LAYOUTS, Sample, detect_layout, normalise_record
+from .records import RECORD_FORMATS, Sample, detect_record_format, normalise_record
 from .shards import (
     IMAGE_EXTENSIONS,
     SampleError,
@@ -43,7 +46,7 @@ from .stream import StreamEnd, stream_info
 __all__ = [
     "BAD_REASONS",
     "IMAGE_EXTENSIONS",
-    "LAYOUTS",
+    "RECORD_FORMATS",
     "BadSample",
     "BadSampleWarning",
     "LengthTable",
@@ -57,7 +60,7 @@ __all__ = [
     "SampleError",
     "SampleHeader",
     "StreamEnd",
-    "detect_layout",
+    "detect_record_format",
     "forecast_sources",
     "image_fields",
     "iter_samples",

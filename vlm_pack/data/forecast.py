@@ -14,7 +14,6 @@ decoded), tokenizes the conversation with the family's chat format and counts th
 from __future__ import annotations
 
 import io
-import itertools
 import multiprocessing
 import os
 from collections import deque
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..config import DEFAULT_MAX_CONSECUTIVE_FAILURES, ON_ERROR, check_choice
 from ..failures import FailureBudget, SampleError, skip_reason
 from ..processing import _image_extra_tokens
 from .records import Sample
@@ -86,12 +86,12 @@ class LengthTable:
         return len(self.keys)
 
     def pack(
-        self, config: PackingConfig, strategy: str = "bfd", *, lengths: np.ndarray | None = None,
-        seed: int | None = None,
+        self, config: PackingConfig, strategy: str = "bfd", *, lengths: np.ndarray | None = None
     ) -> PackResult:
         """:func:`vlm_pack.packing.pack` of these samples with ``config``'s knobs, the vision budget counted
         as ``config.vision_cost``, each length padded to ``config.pad_to_multiple_of`` (the span the collator
-        lays out). ``lengths`` ``[N]`` replaces :attr:`lengths`."""
+        lays out), bins in an order shuffled by ``config.shuffle_seed`` (None: creation order). ``lengths``
+        ``[N]`` replaces :attr:`lengths`."""
         from ..packing import pack
 
         vision = None
@@ -105,7 +105,7 @@ class LengthTable:
             vision_capacity=config.vision_capacity,
             max_samples_per_bin=config.max_samples_per_bin,
             oversized=config.oversized,
-            seed=seed,
+            shuffle_seed=config.shuffle_seed,
             pad_to_multiple_of=config.pad_to_multiple_of,
         )
 
@@ -160,7 +160,7 @@ class _Forecaster:
 
     sources: list[Source]
     pre: Preprocessor
-    layout: str | None
+    record_format: str | None
     exif_transpose: bool
     on_error: str
     verify: bool = False
@@ -264,7 +264,7 @@ def _add(f: _Forecaster, p: _Pending, ids: list[int], out: _ChunkResult) -> None
 def _forecast_chunk(chunk: Chunk) -> _ChunkResult:
     f = _WORKER
     assert f is not None, "forecast worker not initialised"
-    read = ((where, key, sample, None) for where, key, sample in chunk_samples(f.sources, chunk, layout=f.layout))
+    read = ((where, key, sample, None) for where, key, sample in chunk_samples(f.sources, chunk, record_format=f.record_format))
     return _forecast_items(f, read)
 
 
@@ -314,23 +314,6 @@ def _spend(budget: FailureBudget, result: _ChunkResult) -> None:
             continue
         reason, (key, where, message) = failures[ordinal]
         budget.failure(reason, where if str(key) in where else f"{where} (key {key!r})", message)
-
-
-def forecast_sized(
-    items: Iterable[tuple[str, str, Sample | SampleError, list[tuple[int, int]]]],
-    preprocessor: Preprocessor,
-    *,
-    on_error: str = "raise",
-    chunk_rows: int = 1024,
-) -> LengthTable:
-    """:func:`forecast_sources` of samples whose image sizes are already read: ``(where, key, sample or its
-    read error, image (width, height) list)``, in this process (``vlm_pack.report.forecast_lengths``)."""
-    f = _Forecaster([], preprocessor, None, True, on_error)
-    f.image_id = _placeholder_id(preprocessor)
-    results, it = [], iter(items)
-    while chunk := list(itertools.islice(it, chunk_rows)):
-        results.append(_forecast_items(f, chunk))
-    return _table(results)
 
 
 def _placeholder_id(pre: Preprocessor) -> int:
@@ -400,15 +383,15 @@ def forecast_sources(
     family: str | None = None,
     template: Callable[..., Any] | None = None,
     preprocessor: Preprocessor | None = None,
-    layout: str | None = None,
+    record_format: str | None = None,
     image_root: str | os.PathLike[str] | None = None,
     exif_transpose: bool = True,
     verify: bool = False,
-    on_error: str = "raise",
+    on_error: str = "skip",
     num_workers: int = 1,
     progress: bool | None = None,
     chunk_rows: int = 1024,
-    max_consecutive_failures: int | None = None,
+    max_consecutive_failures: int | None = DEFAULT_MAX_CONSECUTIVE_FAILURES,
 ) -> LengthTable:
     """Forecast every record of ``sources`` (``datasets`` objects, parquet / JSON / JSONL files, shards,
     folders, globs: see ``sources.open_sources``) from text and image headers: a :class:`LengthTable`.
@@ -419,19 +402,20 @@ def forecast_sources(
         template: a callable replacing the family's chat format (see ``processing.tokenize_conversation``).
         preprocessor: a :class:`~vlm_pack.Preprocessor` instead of the four above (a
             ``processor``'s own chat template renders the prompts).
-        layout: force one record layout (``records.LAYOUTS``); default: detected per record.
+        record_format: force one record format (``records.RECORD_FORMATS``: webdataset, llava, sharegpt,
+            messages, caption); default: detected per record.
         image_root: folder relative image paths resolve against (default: the source file's folder).
         exif_transpose: size images as ``ImageOps.exif_transpose`` shows them (as ``load_image`` does).
         verify: also decode every image's pixels (slower; catches files cut short after their header).
-        on_error: ``"raise"`` (a ``SampleError`` naming where the record lives and its key) or ``"skip"``
-            (listed in ``LengthTable.invalid``).
+        on_error: ``"skip"`` (default: listed in ``LengthTable.invalid`` with its reason) or ``"raise"`` (a
+            ``SampleError`` naming where the record lives and its key); ``PackingConfig.on_error``'s values.
         num_workers: processes reading and forecasting chunks (1: this process).
         progress: a tqdm bar with total and ETA (``None``: only on a terminal).
         chunk_rows: records per chunk (parquet: whole row groups).
         max_consecutive_failures: with ``on_error="skip"``, the failure budget of ``vlm_pack.failures``:
             more invalid records than this in a row (source order) raise ``FailureBudgetError`` naming the
-            most common reason (a training plan passes ``PackingConfig.max_consecutive_failures``; None, the
-            default here: no limit, as an analysis lists every invalid sample).
+            most common reason (default: ``PackingConfig``'s, ``DEFAULT_MAX_CONSECUTIVE_FAILURES``; None:
+            no limit, every invalid record is listed).
 
     Records with bad data are invalid (``on_error``); an error of code (a ``template`` raising
     ``AttributeError`` / ``TypeError`` ..., a bug) raises ``SampleCodeError`` naming the record.
@@ -443,12 +427,11 @@ def forecast_sources(
     pre = preprocessor or Preprocessor(tokenizer, family=family, template=template, spec=spec)
     if pre.spec is None:
         raise TypeError("forecast_sources needs spec= (or a preprocessor with an image processor)")
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    check_choice("on_error", on_error, ON_ERROR)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
     opened = open_sources(sources, image_root=image_root)
-    forecaster = _Forecaster(opened, pre, layout, exif_transpose, on_error, verify)
+    forecaster = _Forecaster(opened, pre, record_format, exif_transpose, on_error, verify)
     forecaster.image_id = _placeholder_id(pre)
     totals = [s.num_rows for s in opened]
     total = None if None in totals else sum(t for t in totals if t is not None)

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import PackingConfig
+from ..config import PackingConfig, collator_options
 from ..failures import FailureBudget, example, no_good_sample, skip_reason, tally
 from .records import normalise_record
 from .shards import SampleError
@@ -390,7 +390,7 @@ def _const_id(const: Any) -> Any:
 def plan_info(batch: Any) -> dict[str, Any] | None:
     """The plan metadata a :class:`PackedMapDataset` batch carries (None for other batches): ``epoch``,
     ``rank``, ``step``, ``index`` (the item), ``bin`` (its pack in the plan), ``rows`` (dataset rows,
-    in the pack's order; a row that failed to load under ``on_error="warn"`` is missing, with a
+    in the pack's order; a row that failed to load under ``on_error="skip"`` is missing, with a
     ``BadSampleWarning``), ``left_out`` (``[row, reason]`` of those rows), ``lengths`` (processed) and
     ``plan`` (the plan's digest)."""
     metadata = getattr(batch, "metadata", None)
@@ -421,21 +421,24 @@ class PackedMapDataset(torch.utils.data.Dataset):
     """Packs of a ``datasets.Dataset``, by index (see the module docstring).
 
     Args:
-        dataset: a ``datasets.Dataset`` (or the folder ``save_to_disk`` wrote) in any record layout of
-            ``vlm_pack.data.records``; image columns may be ``Image`` features (bytes or paths) or paths.
-        config: a ``PackingConfig`` (or give ``capacity``): ``capacity``, ``max_samples_per_bin``,
-            ``vision_capacity`` / ``vision_cost``, ``oversized`` ("raise" or "skip"), ``pad_to_multiple_of``,
-            ``on_error`` ("warn": skip unreadable records, listed in ``skipped``; "raise"),
-            ``exif_transpose``, ``shuffle_seed`` (pack order per epoch; None keeps the plan's order).
+        dataset: a ``datasets.Dataset`` (or the folder ``save_to_disk`` wrote) in any record format of
+            ``vlm_pack.data.RECORD_FORMATS``; image columns may be ``Image`` features (bytes or paths) or paths.
+        config: a ``PackingConfig``; each of its settings can also be a keyword (``capacity=8192``), alone (a
+            config is built, with the same defaults) or over ``config``: ``capacity``,
+            ``max_samples_per_bin``, ``vision_capacity`` / ``vision_cost``, ``oversized`` ("raise", default,
+            or "skip"; a plan never cuts a sample, so "truncate" is refused), ``pad_to_multiple_of``,
+            ``on_error`` ("skip", default: unreadable records are listed in ``skipped``; "raise"),
+            ``exif_transpose``, ``shuffle_seed`` (pack order per epoch; None keeps the plan's order),
+            ``max_consecutive_failures``.
         processor / tokenizer + image_processor: the checkpoint's.
         family, template: the chat format (see ``processing.tokenize_conversation``).
-        layout, image_root: see ``records.normalise_record``.
+        record_format, image_root: see ``records.normalise_record`` (default: detected per record).
         world_size, rank: data-parallel ranks; ``rank=None`` indexes every rank's packs interleaved.
         strategy: ``vlm_pack.pack`` strategy.
         cache: a folder (plans named by digest), a ``.npz`` file (one plan, rebuilt when stale), or None
             for no cache. Default: ``$VLM_PACK_CACHE`` or ``~/.cache/vlm_pack``, plus ``/plans``.
         num_proc: processes for the forecast.
-        collator_kwargs: passed to ``PackingCollator`` (``return_style`` included).
+        collator_kwargs: passed to ``PackingCollator`` (not packing settings: those are keywords here).
         progress: a tqdm bar over the forecast (None: only on a terminal).
 
     Attributes: ``skipped`` (``(key, where, reason)`` of samples left out), ``from_cache`` (the plan was
@@ -445,15 +448,14 @@ class PackedMapDataset(torch.utils.data.Dataset):
     def __init__(
         self,
         dataset: Any,
-        *,
         config: PackingConfig | None = None,
-        capacity: int | None = None,
+        *,
         processor: Any = None,
         tokenizer: Any = None,
         image_processor: Any = None,
         family: str | None = None,
         template: Callable[..., Any] | None = None,
-        layout: str | None = None,
+        record_format: str | None = None,
         image_root: str | os.PathLike[str] | None = None,
         world_size: int = 1,
         rank: int | None = None,
@@ -462,17 +464,12 @@ class PackedMapDataset(torch.utils.data.Dataset):
         num_proc: int = 1,
         collator_kwargs: dict[str, Any] | None = None,
         progress: bool | None = None,
+        **knobs: Any,
     ) -> None:
         from ..preprocessor import Preprocessor
 
-        if config is None:
-            if capacity is None:
-                raise ValueError("PackedMapDataset needs config=PackingConfig(...) or capacity=")
-            config = PackingConfig(capacity=capacity)
-        elif capacity is not None and capacity != config.capacity:
-            raise ValueError(f"capacity={capacity} disagrees with config.capacity={config.capacity}")
-        if config.oversized == "truncate":
-            raise ValueError("oversized='truncate' cuts samples; a map-style plan takes 'raise' or 'skip'")
+        config = PackingConfig.resolve("PackedMapDataset", config, refuse=("truncate",), **knobs)
+        collator_kwargs = collator_options("PackedMapDataset", collator_kwargs)
         if processor is not None:
             tokenizer = tokenizer if tokenizer is not None else processor.tokenizer
             image_processor = image_processor if image_processor is not None else processor.image_processor
@@ -491,15 +488,15 @@ class PackedMapDataset(torch.utils.data.Dataset):
         self.dataset = source.ref
         self.config, self.world_size, self.rank, self.strategy = config, world_size, rank, strategy
         self.preprocessor = Preprocessor(tokenizer, image_processor, processor, family, template)
-        self.layout, self.image_root = layout, source.image_root
-        if "return_style" in (collator_kwargs or {}):
+        self.record_format, self.image_root = record_format, source.image_root
+        if "return_style" in collator_kwargs:
             raise ValueError(
                 "items are PackedBatch (they carry the plan metadata): use trainer_collator(style) for the HF "
                 "Trainer, or batch.model_inputs(style) in a training loop, instead of return_style"
             )
         # max_rows=1: a pack of the plan is one row, or the collator raises naming its samples
         self.collator_kwargs = {
-            "pad_to_multiple_of": config.pad_to_multiple_of, "max_rows": 1, **(collator_kwargs or {})
+            "pad_to_multiple_of": config.pad_to_multiple_of, "max_rows": 1, **collator_kwargs
         }
         self.epoch = 0
         self._arrow: Any = None
@@ -552,7 +549,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
                 **{f: getattr(self.config, f) for f in _PLAN_FIELDS},
                 "strategy": self.strategy,
                 "world_size": self.world_size,
-                "layout": self.layout,
+                "record_format": self.record_format,
                 "image_root": None if self.image_root is None else str(self.image_root),
             },
         }
@@ -565,10 +562,10 @@ class PackedMapDataset(torch.utils.data.Dataset):
         table = forecast_sources(
             self.dataset,
             preprocessor=self.preprocessor,
-            layout=self.layout,
+            record_format=self.record_format,
             image_root=self.image_root,
             exif_transpose=cfg.exif_transpose,
-            on_error="raise" if cfg.on_error == "raise" else "skip",
+            on_error=cfg.on_error,
             num_workers=num_proc,
             progress=progress,
             max_consecutive_failures=cfg.max_consecutive_failures,
@@ -582,7 +579,8 @@ class PackedMapDataset(torch.utils.data.Dataset):
                 f"{table.sources[i]} (key {table.keys[i]!r}): {int(table.lengths[i])} tokens exceed capacity "
                 f"{cfg.capacity}; raise capacity or pass PackingConfig(oversized='skip')."
             )
-        result = table.pack(cfg.replace(oversized="skip"), self.strategy, lengths=lengths)
+        # the plan keeps creation order: shuffle_seed orders its packs per epoch (set_epoch), not here
+        result = table.pack(cfg.replace(oversized="skip", shuffle_seed=None), self.strategy, lengths=lengths)
         skipped += [[table.keys[u.index], table.sources[u.index], u.reason] for u in result.unpacked]
         if skipped:
             shown = "; ".join(f"{k} ({w}): {r}" for k, w, r in skipped[:3])
@@ -668,7 +666,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         return batch
 
     def _load(self, row: int, forecast: int) -> dict[str, Any] | tuple[str, str]:
-        """``_process``, or ``(reason, example)`` for a row with bad data: under ``on_error="warn"`` it is
+        """``_process``, or ``(reason, example)`` for a row with bad data: under ``on_error="skip"`` it is
         warned about, left out and counted in this process's failure budget (``vlm_pack.failures``); an
         error of code raises ``SampleCodeError`` naming the row."""
         sample = f"dataset row {row}"
@@ -693,7 +691,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
             self._arrow = self.dataset.with_format("arrow")
         (record,) = self._arrow[row : row + 1].to_pylist()
         sample = normalise_record(
-            record, layout=self.layout, key=str(row), where=f"dataset[{row}]", image_root=self.image_root
+            record, record_format=self.record_format, key=str(row), where=f"dataset[{row}]", image_root=self.image_root
         )
         images = [im if not isinstance(im, str) else Path(im) for im in sample.images]
         out = self.preprocessor.process(images, sample.conversation, sample.key)

@@ -67,16 +67,17 @@ each: more than ``max_consecutive_failures`` bad samples in a row (per stream an
 which no sample was good. An epoch in which no shard could be opened at all (a mistyped path) raises
 ``ValueError`` naming the shards instead of yielding nothing.
 
-Where things live: this module (the dataset and its loader, main-process bookkeeping),
-:mod:`~vlm_pack.data.stream` (one stream's work in a worker), :mod:`~vlm_pack.data.state` (the typed,
-versioned resume state), :mod:`~vlm_pack.data.stats` (counters and bad-sample reasons).
+Where things live: this module (the dataset and its loader: which stream a process serves, progress
+display), :mod:`~vlm_pack.data.stream` (one stream's work in a worker, from a frozen ``WorkerSpec`` the
+dataset builds once), :mod:`~vlm_pack.data.tracker` (``StreamTracker``: the main process's record of what
+each stream delivered, ``observe`` / ``state_dict`` / ``load_state_dict``), :mod:`~vlm_pack.data.state`
+(the typed, versioned resume state), :mod:`~vlm_pack.data.stats` (counters and bad-sample reasons).
+Imports go one way: pipeline -> stream, tracker -> state -> stats (``tests/test_architecture.py``).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import hashlib
+import functools
 import logging
 import os
 import time
@@ -86,13 +87,12 @@ from typing import Any
 
 import torch
 
-from ..config import PackingConfig
-from ..failures import no_good_sample
+from ..config import PackingConfig, collator_options
 from ..packing.stream import PACKER_KNOBS
 from ..preprocessor import Preprocessor
-from .state import EpochProgress, PipelineState, fresh_plan, remaining_plan
 from .stats import BAD_REASONS, BadSample, BadSampleWarning, PipelineStats
-from .stream import StreamEnd, StreamRunner, identity, stream_info
+from .stream import StreamEnd, StreamRunner, WorkerSpec, identity, stream_info
+from .tracker import StreamTracker
 
 __all__ = [
     "BAD_REASONS",
@@ -106,7 +106,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("vlm_pack.data")
-
 
 
 def _expand_urls(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
@@ -131,25 +130,15 @@ def _worker_layout() -> tuple[int, int, int, int]:
     return rank, world, worker, num_workers
 
 
+def _given(collator: Callable[[list[dict[str, Any]]], Any]) -> Callable[[list[dict[str, Any]]], Any]:
+    """The collator factory of a collator the user passed (a module function: it pickles to workers)."""
+    return collator
+
+
 def _stream_config(config: PackingConfig | None, knobs: dict[str, Any]) -> PackingConfig:
-    """The pipeline's config: ``config`` with ``knobs`` applied, or one built from ``knobs`` alone (where
-    ``oversized`` defaults to "skip": a too-long sample in a stream is reported, not fatal)."""
-    valid = {f.name for f in dataclasses.fields(PackingConfig)}
-    unknown = sorted(set(knobs) - valid)
-    if unknown:
-        raise TypeError(f"PackedWebDataset: unknown argument(s) {unknown}; packing knobs: {sorted(valid)}")
-    if config is None:
-        if "capacity" not in knobs:
-            raise TypeError("PackedWebDataset needs capacity= (tokens per packed row) or config=PackingConfig(...)")
-        config = PackingConfig(**{"oversized": "skip", **knobs})
-    elif knobs:
-        config = config.replace(**knobs)
-    if config.oversized == "truncate":
-        raise ValueError(
-            "oversized='truncate' is for offline packing; a stream skips ('skip', counted as too_long) or "
-            "raises ('raise') on a sample longer than capacity."
-        )
-    return config
+    """The pipeline's config: ``config`` with ``knobs`` applied over it, or one built from ``knobs`` alone
+    (``PackingConfig.resolve``: the same defaults either way); a stream cannot cut a sample: no "truncate"."""
+    return PackingConfig.resolve("PackedWebDataset", config, refuse=("truncate",), **knobs)
 
 
 class PackedWebDataset(torch.utils.data.IterableDataset):
@@ -163,15 +152,17 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
             ``buffer_size``, ``min_fill_ratio``, ``drop_last``, ``max_samples_per_bin``, ``vision_capacity``,
             ``vision_cost``, ``oversized``, ``pad_to_multiple_of``, ``shuffle_seed``, ``shuffle_buffer``,
             ``on_error``, ``exif_transpose``, ``max_image_pixels``, ``max_consecutive_failures``). Each can
-            also be passed as a keyword (``capacity=8192``), alone (a config is built, with
-            ``oversized="skip"``) or over ``config``.
+            also be passed as a keyword (``capacity=8192``), alone (a config is built, with the same defaults)
+            or over ``config``. ``oversized``: "raise" (default) or "skip" (counted as ``too_long``); a stream
+            cannot cut a sample, so "truncate" is refused.
         tokenizer, image_processor: the model's HF tokenizer and image processor; or ``processor``.
         family: chat format of ``vlm_pack.processing`` (``qwen2_vl`` ... ``llava_next``); default: from the
             tokenizer (``vlm_pack.offline``) or the image processor.
         template: ``callable(conversation, num_images) -> [(text, trained), ...]`` replacing the family's
             chat format (see ``vlm_pack.processing.ChatFormat.render``).
         collator, collator_kwargs: the collator (default ``PackingCollator(capacity, **collator_kwargs)``
-            with ``pad_to_multiple_of`` from the config).
+            with ``pad_to_multiple_of`` from the config: packing settings are keywords of the dataset, never
+            ``collator_kwargs``).
         progress: ``"log"`` (INFO on ``vlm_pack.data`` every ``log_every`` s), ``"tqdm"`` or ``None``.
         max_examples: bad samples kept as examples per stream in ``stats.bad``.
     """
@@ -201,17 +192,12 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
             raise ValueError("PackedWebDataset needs tokenizer= and image_processor= (or processor=).")
         if progress not in (None, "log", "tqdm"):
             raise ValueError(f"progress must be None, 'log' or 'tqdm', got {progress!r}")
-        collator_kwargs = dict(collator_kwargs or {})
-        if "pad_to_multiple_of" in collator_kwargs:  # one value for the packer's spans and the collator
-            knobs.setdefault("pad_to_multiple_of", collator_kwargs.pop("pad_to_multiple_of"))
+        collator_kwargs = collator_options("PackedWebDataset", collator_kwargs)
         self.config = _stream_config(config, knobs)
         self.urls = _expand_urls(urls)
         self.preprocessor = Preprocessor(tokenizer, image_processor, processor, family, template)
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self.spec, self.family = self.preprocessor.spec, self.preprocessor.family
-        # too-long samples are reported by the stream with their shard and key, never by the packer
-        self.packer_config = {k: getattr(self.config, k) for k in PACKER_KNOBS} | {"oversized": "raise"}
-        self.shuffle_buffer = self.config.shuffle_buffer if self.config.shuffle_seed is not None else 0
         self.collator = collator
         # max_rows=1: a bin of the packer is one row, or the collator raises naming its samples
         self.collator_kwargs = {
@@ -220,9 +206,27 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         self.progress = progress
         self.log_every = float(log_every)
         self.max_examples = int(max_examples)
-        self._urls_digest = hashlib.sha1("\n".join(self.urls).encode()).hexdigest()
-        self._progress = EpochProgress(epoch=0)
-        self._totals = PipelineStats(capacity=self.capacity)  # earlier epochs
+        # too-long samples are reported by the stream with their shard and key, never by the packer
+        packer = {k: getattr(self.config, k) for k in PACKER_KNOBS} | {"oversized": "raise"}
+        shuffle_buffer = self.config.shuffle_buffer if self.config.shuffle_seed is not None else 0
+        make_collator = (
+            functools.partial(_given, collator)
+            if collator is not None
+            else functools.partial(self.preprocessor.collator, self.capacity, **self.collator_kwargs)
+        )
+        # what a stream's worker needs (all it sees of this dataset), and the one owner of the progress
+        self._work = WorkerSpec(
+            urls=tuple(self.urls),
+            config=self.config,
+            preprocessor=self.preprocessor,
+            packer=packer,
+            shuffle_buffer=shuffle_buffer,
+            make_collator=make_collator,
+            max_examples=self.max_examples,
+        )
+        self._tracker = StreamTracker(
+            self.urls, self.config.shuffle_seed, shuffle_buffer, packer, capacity=self.capacity
+        )
         self._iterated_in_worker = False
         self._bar: Any = None
         self._last_log = (time.monotonic(), 0, 0)
@@ -237,78 +241,27 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         state["_bar"] = None
         return state
 
-    # -- epoch and state (main process) ------------------------------------------------------------
+    # -- epoch and state (main process): the tracker's -------------------------------------------
     @property
     def epoch(self) -> int:
-        return self._progress.epoch
+        return self._tracker.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` (shuffles shards with ``(shuffle_seed, epoch)``); keeps progress if it is current.
 
         Without calls, each completed epoch is followed by the next one.
         """
-        if int(epoch) != self._progress.epoch:
-            self._fold()
-            self._progress = EpochProgress(epoch=int(epoch))
-
-    def _fold(self) -> None:
-        self._totals = self._totals.merge(self._epoch_stats(self._progress))
-
-    def _epoch_stats(self, progress: EpochProgress) -> PipelineStats:
-        stats = PipelineStats(capacity=self.capacity)
-        if progress.base is not None:
-            stats = stats.merge(progress.base)
-        for stream in sorted(progress.streams):
-            stats = stats.merge(progress.streams[stream].stats)
-        return stats
+        self._tracker.set_epoch(epoch)
 
     @property
     def stats(self) -> PipelineStats:
         """Counters over every batch the main process has observed (all epochs), summed over streams."""
-        return self._totals.merge(self._epoch_stats(self._progress))
-
-    def _typed_state(self) -> PipelineState:
-        return PipelineState(
-            urls_digest=self._urls_digest,
-            num_urls=len(self.urls),
-            shuffle_seed=self.config.shuffle_seed,
-            shuffle_buffer=self.shuffle_buffer,
-            packer=dict(self.packer_config),
-            progress=self._progress,
-            totals=self._totals,
-        )
+        return self._tracker.stats
 
     def state_dict(self) -> dict[str, Any]:
         """Position of the stream after the last observed batch: plain JSON data with a ``"version"`` key
         (:class:`~vlm_pack.data.state.PipelineState` typed, :meth:`load_state_dict` reads it back)."""
-        return self._typed_state().to_json()
-
-    def _check_compatible(self, saved: PipelineState) -> None:
-        if saved.urls_digest != self._urls_digest:
-            raise ValueError(
-                f"the state was saved for another shard list ({saved.num_urls} URLs, digest "
-                f"{saved.urls_digest[:12]}); build the pipeline with the same URLs, in the same order."
-            )
-        mine = self._typed_state()
-        diff = {
-            name: (getattr(saved, name), getattr(mine, name))
-            for name in ("shuffle_seed", "shuffle_buffer", "packer")
-            if getattr(saved, name) != getattr(mine, name)
-        }
-        if diff:
-            raise ValueError(f"the state was saved with another configuration (saved, current): {diff}")
-
-    def _merged_stats(self, values: list[PipelineStats | None]) -> PipelineStats | None:
-        # Ranks that resumed from one merged state carry the same counts: count them once.
-        present = [v for v in values if v is not None]
-        if not present:
-            return None
-        if all(v == present[0] for v in present):
-            return present[0]
-        out = PipelineStats(capacity=self.capacity)
-        for value in present:
-            out = out.merge(value)
-        return out
+        return self._tracker.state_dict()
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """Resume from :meth:`state_dict` (or a list of every rank's state dicts, merged).
@@ -317,63 +270,13 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         version raises ``ValueError`` naming it. Takes effect for the next iteration: create the
         DataLoader iterator after this call.
         """
-        raw = [state] if isinstance(state, dict) else list(state)
-        if not raw:
-            raise ValueError("load_state_dict: empty list of states")
-        states = [PipelineState.from_json(s) for s in raw]
-        for saved in states:
-            self._check_compatible(saved)
-        # A rank that had not started iterating saved an untouched epoch: it adds no stream and no count,
-        # but its share of the epoch is still to do.
-        started = [s for s in states if s.progress.layout is not None] or states[:1]
-        if any(s.progress.epoch != started[0].progress.epoch for s in states):
-            raise ValueError("load_state_dict: the states are from different epochs")
-        self._progress = self._merged_progress([s.progress for s in started])
-        self._progress.complete = all(s.progress.complete for s in states)
-        totals = self._merged_stats([s.totals for s in started])
-        self._totals = totals if totals is not None else PipelineStats(capacity=self.capacity)
-
-    def _merged_progress(self, saved: list[EpochProgress]) -> EpochProgress:
-        """One progress from every rank's (same epoch, generation and layout)."""
-        first = saved[0]
-        for other in saved[1:]:
-            if (other.generation, other.layout) != (first.generation, first.layout):
-                raise ValueError("load_state_dict: the states are from different layouts (world x workers)")
-        progress = copy.deepcopy(first)
-        progress.streams = {}
-        for one in saved:  # a rank's state may hold another rank's streams, as it loaded them: latest wins
-            for stream, snapshot in one.streams.items():
-                if stream not in progress.streams or progress.streams[stream].seq < snapshot.seq:
-                    progress.streams[stream] = snapshot
-            progress.last_stream.update(one.last_stream)
-        progress.base = self._merged_stats([one.base for one in saved])
-        return progress
-
-    def _resolve(self, progress: EpochProgress, layout: tuple[int, int]) -> tuple[EpochProgress, bool]:
-        """The progress an iteration with ``layout`` starts from, and whether it resumes streams exactly.
-
-        A pure function of the saved progress, so workers and the main process agree.
-        """
-        resolved = copy.deepcopy(progress)
-        if resolved.complete:
-            resolved = EpochProgress(epoch=resolved.epoch + 1)
-        if resolved.plan is None:
-            resolved.plan = fresh_plan(len(self.urls), self.config.shuffle_seed, resolved.epoch)
-        if resolved.layout is not None and resolved.layout != layout:
-            base = self._epoch_stats(resolved)
-            resolved.plan = remaining_plan(resolved)
-            resolved.generation += 1
-            resolved.streams, resolved.last_stream, resolved.base = {}, {}, base
-        resolved.layout = layout
-        return resolved, bool(resolved.streams)
+        self._tracker.load_state_dict(state)
 
     def _begin(self, num_workers: int) -> None:
         """Move the main process's progress to the iteration about to start with ``num_workers``, as its
         workers will (so a rank whose streams get no work after a re-deal still records the new layout)."""
         _, world, _, _ = _worker_layout()
-        if self._progress.complete:
-            self._fold()
-        self._progress, _ = self._resolve(self._progress, (world, max(1, num_workers)))
+        self._tracker.begin((world, max(1, num_workers)))
 
     def observe(self, item: Any) -> Any:
         """Record that the consumer received ``item`` (its snapshot becomes the state); return the batch,
@@ -388,84 +291,20 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         meta = stream_info(item)
         if meta is None:
             raise ValueError("observe(): the batch carries no stream metadata; pass batches of this pipeline.")
-        self._record(meta)
+        if self._tracker.observe(meta):
+            self._report_progress()
         return None if isinstance(item, StreamEnd) else item
 
-    def _follow(self, meta: dict[str, Any]) -> EpochProgress | None:
-        """The progress ``meta`` belongs to (moving on to it if it starts the next epoch or generation);
-        None for a stale item of a finished epoch."""
-        progress = self._progress
-        layout = tuple(meta["layout"])
-        if (meta["epoch"], meta["generation"], layout) == (progress.epoch, progress.generation, progress.layout):
-            return progress
-        if progress.complete and meta["epoch"] == progress.epoch:
-            return None
-        resolved, _ = self._resolve(progress, layout)  # type: ignore[arg-type]
-        if (meta["epoch"], meta["generation"]) != (resolved.epoch, resolved.generation):
-            raise ValueError(
-                f"observe(): batch of epoch {meta['epoch']} (generation {meta['generation']}) does not follow "
-                f"the state (epoch {progress.epoch}); call set_epoch() / load_state_dict() before iterating."
-            )
-        if progress.complete:
-            self._fold()
-        self._progress = resolved
-        return resolved
-
-    def _record(self, meta: dict[str, Any]) -> None:
-        progress = self._follow(meta)
-        if progress is None:
-            return
-        snapshot = meta["snapshot"]
-        stream = snapshot.stream
-        old = progress.streams.get(stream)
-        if old is not None and old.seq >= snapshot.seq:
-            return
-        world = progress.layout[0]  # type: ignore[index]
-        progress.streams[stream] = snapshot
-        progress.last_stream[stream % world] = stream
-        n_streams = progress.n_streams
-        # this rank's streams with work (another rank's tracker follows the others)
-        assert progress.plan is not None
-        with_work = [s for s in range(stream % world, n_streams, world) if progress.plan[s::n_streams]]
-        was_complete = progress.complete
-        progress.complete = all(s in progress.streams and progress.streams[s].done for s in with_work)
-        self._report_progress()
-        if progress.complete and not was_complete:
-            self._check_read_something()
-
-    def _check_read_something(self) -> None:
-        """Refuse an epoch that read no sample because every shard failed to open (a mistyped path), or in
-        which no sample was good (every one skipped as bad data: ``vlm_pack.failures``)."""
-        stats = self._epoch_stats(self._progress)
-        failed = [bad for bad in stats.bad if bad.reason == "unreadable_shard"]
-        if stats.samples_bad and not stats.samples_packed and not stats.samples_dropped:
-            counts = {r: n for r, n in stats.reasons.items() if r != "unreadable_shard"}
-            examples = {r: b.example for r, b in stats.first_bad.items()}
-            raise no_good_sample(f"PackedWebDataset epoch {self.epoch}", counts, examples)
-        if stats.samples_read or not failed:
-            return
-        shown = "; ".join(f"{bad.shard} ({bad.detail})" for bad in failed[:3])
-        more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
-        raise ValueError(
-            f"PackedWebDataset: none of the {stats.reasons['unreadable_shard']} shard(s) this epoch could be "
-            f"read, so it yields no batch: {shown}{more}. Check the paths (a brace pattern such as "
-            "'data/shard-{000000..000099}.tar' must match existing files; relative paths are relative to "
-            f"{os.getcwd()}) and that the files are tar archives."
-        )
-
     def _mark_complete(self) -> None:
-        was_complete = self._progress.complete
-        self._progress.complete = True
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if not was_complete:
-            self._check_read_something()
+        self._tracker.mark_complete()
 
     def _report_progress(self) -> None:
         if self.progress is None:
             return
-        stats = self._epoch_stats(self._progress)
+        stats = self._tracker.epoch_stats()
         if self.progress == "tqdm":
             self._report_tqdm(stats)
             return
@@ -498,7 +337,7 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
     def _runner(self) -> StreamRunner:
         """The runner of the stream this process (DataLoader worker, or the main process) serves."""
         rank, world, worker, num_workers = _worker_layout()
-        progress, exact = self._resolve(self._progress, (world, num_workers))
+        progress, exact = self._tracker.resolve((world, num_workers))
         # Rotate workers so the DataLoader's round robin starts with the stream that was due next.
         rotation = 0
         last = progress.last_stream.get(rank)
@@ -514,7 +353,7 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
                 stacklevel=3,
             )
         snapshot = progress.streams.get(stream) if exact else None
-        return StreamRunner(self, stream, progress.plan[stream::n_streams], progress, snapshot)
+        return StreamRunner(self._work, stream, progress.plan[stream::n_streams], progress, snapshot)
 
     def __iter__(self) -> Iterator[Any]:
         in_worker = torch.utils.data.get_worker_info() is not None
@@ -534,11 +373,6 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
             if batch is not None:
                 yield batch
         self._mark_complete()
-
-    def _collate(self) -> Callable[[list[dict[str, Any]]], Any]:
-        if self.collator is not None:
-            return self.collator
-        return self.preprocessor.collator(self.capacity, **self.collator_kwargs)
 
 
 class PackedDataLoader:

@@ -6,7 +6,7 @@ stream packs::
     shard.tar ──┬─ stream_tar_samples(url)     every member's bytes, sequential     PackedWebDataset
                 │   (webdataset gopen: local, pipe:, http...)
                 └─ lazy_tar_samples(tar, url)  json/txt bytes; image members as     vlm-pack analyze
-                    (random-access TarFile)      seekable file objects (not read)     (scan_samples)
+                    (random-access TarFile)      seekable file objects (not read)     (forecast_sources)
                           │
                           ▼   webdataset group_by_keys: key = name up to the first dot, field = the rest
     {"__key__": "000018", "__url__": url, "json": b"...", "0.png": <bytes|file>, "1.webp": ...}

@@ -1,9 +1,9 @@
 """One record normaliser behind every source: any record a user keeps -> one :class:`Sample`.
 
-A record is one row of a dataset as its source stores it; its *layout* says which fields hold the text and
-the images. The layout is detected from the record (``layout=`` overrides it)::
+A record is one row of a dataset as its source stores it; its *record format* says which fields hold the text
+and the images. The format is detected from the record (``record_format=`` overrides it)::
 
-    layout       text field                                   images field      who writes it
+    format       text field                                   images field      who writes it
     webdataset   json {"messages" ...} | txt                  jpg, 0.png, ...   vlm-pack shards, WebDataset
     llava        conversations [{"from", "value"}]            image (a path     LLaVA-Instruct JSON
                                                                or a list)
@@ -14,7 +14,7 @@ the images. The layout is detected from the record (``layout=`` overrides it)::
                  [{"type": "image"}, {"type": "text", ...}]                     vlm-pack JSONL
     caption      caption | text                                images | image    image-caption pairs
 
-Every layout becomes vlm-pack's message format (``processing.py``): turns ``{"role": "system" | "user" |
+Every record format becomes vlm-pack's message format (``processing.py``): turns ``{"role": "system" | "user" |
 "assistant", "content": str | [{"type": "image"} | {"type": "text", "text": ...}]}`` with ``<image>``
 marking where an image goes in string content, or a caption string. The turns go through
 :func:`vlm_pack.chat.normalise_conversation`, the normaliser every ``Preprocessor`` method uses too, and keep
@@ -23,7 +23,7 @@ Images stay as stored: encoded ``bytes`` (an HF ``Image`` feature read with ``de
 ``{"bytes", "path"}``), a path (relative paths resolved against ``image_root``), a binary file object (a tar
 member) or a PIL image.
 
-A record that fits no layout raises :class:`SampleError` listing its keys and the accepted layouts.
+A record that fits no record format raises :class:`SampleError` listing its keys and the accepted formats.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from typing import Any
 from ..chat import normalise_conversation
 from .shards import SampleError, image_fields, parse_text
 
-__all__ = ["LAYOUTS", "Sample", "detect_layout", "normalise_record", "record_key"]
+__all__ = ["RECORD_FORMATS", "Sample", "detect_record_format", "normalise_record", "record_key"]
 
-#: Accepted layouts, each with one record example (shown in the error for a record that fits none).
-LAYOUTS: dict[str, str] = {
+#: Accepted record formats, each with one record example (shown in the error for a record that fits none).
+RECORD_FORMATS: dict[str, str] = {
     "webdataset": '{"__key__": "000017", "json": b\'{"messages": [...]}\' | "txt": b"...", "jpg" | "0.png": b"..."}',
     "llava": '{"id": "000017", "image": "coco/000017.jpg" | [...], "conversations": [{"from": "human", '
     '"value": "<image>\\nWhat is shown?"}, {"from": "gpt", "value": "A dog."}]}',
@@ -51,7 +51,7 @@ LAYOUTS: dict[str, str] = {
     '"image"}, {"type": "text", "text": "What is shown?"}]}, {"role": "assistant", "content": ...}]}',
     "caption": '{"image" | "images": ..., "caption" | "text": "a dog on a beach"}',
 }
-# Text and image fields each layout reads, in order of preference.
+# Text and image fields each record format reads, in order of preference.
 _TEXT_FIELDS = {
     "llava": ("conversations",),
     "sharegpt": ("messages", "conversations"),
@@ -99,8 +99,8 @@ def _first_turn(turns: Any) -> Mapping[str, Any]:
     return {}
 
 
-def detect_layout(record: Mapping[str, Any]) -> str | None:
-    """The layout of ``record`` (a key of :data:`LAYOUTS`), or None when it fits none."""
+def detect_record_format(record: Mapping[str, Any]) -> str | None:
+    """The record format of ``record`` (a key of :data:`RECORD_FORMATS`), or None when it fits none."""
     if "__key__" in record and ("json" in record or "txt" in record):
         return "webdataset"
     if "conversations" in record and "messages" not in record:
@@ -118,14 +118,14 @@ def detect_layout(record: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _no_layout(record: Mapping[str, Any], where: str, layout: str | None) -> SampleError:
+def _no_format(record: Mapping[str, Any], where: str, record_format: str | None) -> SampleError:
     keys = sorted(str(k) for k in record)
-    accepted = "\n".join(f"    {name}: {example}" for name, example in LAYOUTS.items())
-    head = "fits no layout" if layout is None else f"does not fit the layout {layout!r}"
+    accepted = "\n".join(f"    {name}: {example}" for name, example in RECORD_FORMATS.items())
+    head = "fits no record format" if record_format is None else f"does not fit the format {record_format!r}"
     return SampleError(
         "missing_text",
-        f"{where}: the record {head}; its keys are {keys}. Accepted layouts:\n{accepted}\n"
-        "Rename its fields to one of these (or pass layout= / --layout to choose one).",
+        f"{where}: the record {head}; its keys are {keys}. Accepted record formats:\n{accepted}\n"
+        "Rename its fields to one of these (or pass record_format= / --format to choose one).",
     )
 
 
@@ -141,7 +141,7 @@ def _json_object(data: Any) -> dict[str, Any] | None:
 def _turns(turns: Any, where: str) -> list[dict[str, Any]]:
     """ShareGPT/LLaVA ``{"from", "value"}`` or chat ``{"role", "content"}`` turns -> vlm-pack messages, text as
     written: :func:`vlm_pack.chat.normalise_conversation`, the one normaliser of every entry point."""
-    if isinstance(turns, str):  # a caption is a layout of its own, never a field of turns
+    if isinstance(turns, str):  # a caption is a record format of its own, never a field of turns
         raise SampleError("bad_text", f"{where}: the conversation must be a non-empty list of turns")
     try:
         return normalise_conversation(turns)  # type: ignore[return-value]
@@ -195,51 +195,51 @@ def record_key(record: Any, default: str) -> str:
 def normalise_record(
     record: Mapping[str, Any],
     *,
-    layout: str | None = None,
+    record_format: str | None = None,
     key: str | None = None,
     where: str = "record",
     image_root: str | os.PathLike[str] | None = None,
 ) -> Sample:
-    """``record`` (one row in any layout of :data:`LAYOUTS`) -> a :class:`Sample`.
+    """``record`` (one row in any record format of :data:`RECORD_FORMATS`) -> a :class:`Sample`.
 
     Args:
         record: the row as its source stores it.
-        layout: one of :data:`LAYOUTS` (default: :func:`detect_layout`).
+        record_format: one of :data:`RECORD_FORMATS` (default: :func:`detect_record_format`).
         key: the sample key when the record has no ``key`` / ``__key__`` / ``id`` field.
         where: where the record lives, for messages.
         image_root: folder relative image paths are resolved against.
 
     Raises:
-        SampleError: ``"missing_text"`` for a record that fits no layout (the message lists its keys and
-        the accepted layouts), ``"bad_text"`` for a malformed conversation, ``"corrupt_image"`` for an
+        SampleError: ``"missing_text"`` for a record that fits no record format (the message lists its
+        keys and the accepted formats), ``"bad_text"`` for a malformed conversation, ``"corrupt_image"`` for an
         image that is missing or not an image value.
     """
     if not isinstance(record, Mapping):
         raise SampleError("bad_text", f"{where}: a record must be a dict, got {type(record).__name__}")
-    if layout is not None and layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+    if record_format is not None and record_format not in RECORD_FORMATS:
+        raise ValueError(f"record_format must be one of {sorted(RECORD_FORMATS)}, got {record_format!r}")
     key = record_key(record, key if key is not None else where)
     label = _label(where, key)
-    chosen = layout or detect_layout(record)
+    chosen = record_format or detect_record_format(record)
     root = Path(image_root) if image_root is not None else None
     if chosen == "webdataset":
         if "__key__" not in record:
-            raise _no_layout(record, label, layout)
+            raise _no_format(record, label, record_format)
         try:
             conversation = parse_text(record)
         except SampleError as e:
             payload = _json_object(record.get("json"))
-            if payload is not None and e.reason == "bad_text":  # JSON in no layout: name its own keys
-                raise _no_layout(payload, label, layout) from None
+            if payload is not None and e.reason == "bad_text":  # JSON in no record format: its own keys
+                raise _no_format(payload, label, record_format) from None
             raise SampleError(e.reason, f"{label}: {e}") from None
         # An Arrow row (a dataset, parquet) has every image column: None there means no such image.
         images = [record[n] for n in image_fields(record) if record[n] is not None]
         return Sample(key, conversation, _images(images, label, root), where)
     if chosen is None:
-        raise _no_layout(record, label, layout)
+        raise _no_format(record, label, record_format)
     text_field = next((f for f in _TEXT_FIELDS[chosen] if f in record), None)
     if text_field is None:
-        raise _no_layout(record, label, layout)
+        raise _no_format(record, label, record_format)
     text = record[text_field]
     if chosen == "caption" or isinstance(text, str):
         if not isinstance(text, str):

@@ -15,7 +15,7 @@ name up to its first dot); the rest of the name is the field::
 Images keep their encoded bytes (no re-encoding, so a JPEG stays the same JPEG); the order of a sample's
 images is the order of its ``<image>`` placeholders: the unnumbered field first, then ``0.*``, ``1.*`` ...
 The text is either ``txt`` (a caption: the image(s) followed by the caption as the assistant's answer) or
-``json`` holding a conversation in one of the accepted layouts (see :func:`parse_text`).
+``json`` holding a conversation in one of the accepted record formats (see :func:`parse_text`).
 
 ``write_shards(records, "out/shard-%06d.tar", maxcount=1000)`` converts a list or generator of records;
 ``write_shards_from_folder(folder, out)`` converts a folder of images with same-stem ``.txt``/``.json``.
@@ -353,7 +353,7 @@ def parse_text(sample: Mapping[str, Any]) -> str | list[dict[str, Any]]:
 
     Raises:
         SampleError (a ValueError): reason ``"missing_text"`` when the sample has no text field, ``"bad_text"``
-        for undecodable JSON / UTF-8 or an unknown layout (the message says which).
+        for undecodable JSON / UTF-8 or an unknown record format (the message says which).
     """
     if "json" in sample:
         try:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import ON_ERROR, check_choice
 from .records import Sample, normalise_record, record_key
 from .shards import SampleError
 
@@ -364,7 +365,7 @@ def _tar_records(path: Path) -> Iterator[tuple[str, str, Any]]:
 
 
 def chunk_samples(
-    sources: Sequence[Source], chunk: Chunk, *, layout: str | None = None
+    sources: Sequence[Source], chunk: Chunk, *, record_format: str | None = None
 ) -> Iterator[tuple[str, str, Sample | SampleError]]:
     """``(where, default key, sample)`` for every record of ``chunk``; a record that cannot be normalised
     comes as its :class:`SampleError` instead (whose message names where it lives and its key)."""
@@ -373,7 +374,7 @@ def chunk_samples(
         if not isinstance(record, SampleError):
             try:
                 record = normalise_record(
-                    record, layout=layout, key=key, where=where, image_root=src.image_root
+                    record, record_format=record_format, key=key, where=where, image_root=src.image_root
                 )
             except SampleError as e:
                 key, record = record_key(record, key), e
@@ -383,21 +384,21 @@ def chunk_samples(
 def iter_samples(
     sources: Any | Sequence[Any],
     *,
-    layout: str | None = None,
+    record_format: str | None = None,
     image_root: str | os.PathLike[str] | None = None,
-    on_error: str = "raise",
+    on_error: str = "skip",
 ) -> Iterator[tuple[str, str, Sample | SampleError]]:
     """``(where, default key, sample)`` for every record of ``sources`` (see :func:`open_sources`), in
     order, read in this process.
 
-    A record that cannot be normalised raises its :class:`SampleError` (``on_error="raise"``) or comes as
-    the error in place of the sample (``on_error="skip"``).
+    A record that cannot be normalised comes as its :class:`SampleError` in place of the sample, for the
+    caller to count and report (``on_error="skip"``, the default everywhere), or raises it
+    (``on_error="raise"``). ``record_format``: one of ``RECORD_FORMATS`` (default: detected per record).
     """
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    check_choice("on_error", on_error, ON_ERROR)
     opened = open_sources(sources, image_root=image_root)
     for chunk in chunks(opened):
-        for where, key, sample in chunk_samples(opened, chunk, layout=layout):
+        for where, key, sample in chunk_samples(opened, chunk, record_format=record_format):
             if isinstance(sample, SampleError) and on_error == "raise":
                 raise sample
             yield where, key, sample

@@ -8,6 +8,10 @@ the bad samples read after it). Only a stream that yields no batch at all (an un
 samples) ends with a :class:`StreamEnd` marker, so the main process always learns that the stream is done
 and what it counted; a plain ``DataLoader`` over streams that each yield a batch never sees one (unless
 every sample of the bins after a stream's last yielded batch fails to decode).
+
+A runner knows nothing of the dataset: :class:`WorkerSpec` (frozen, built once by ``PackedWebDataset`` and
+pickled to each worker) carries what a stream needs, and the stream's share of the epoch comes as plan items
+with its last snapshot (from :class:`~vlm_pack.data.tracker.StreamTracker`, which the main process keeps).
 """
 
 from __future__ import annotations
@@ -16,25 +20,50 @@ import math
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..failures import FailureBudget, SampleCodeError, SampleError, skip_reason
-from ..packing import StreamPacker
+from ..packing import StreamPacker, padded_lengths
 from ..processing import IMAGE_MARKER, Prompt
 from .reader import read_header, stream_tar_samples
 from .state import Cursor, EpochProgress, PlanItem, StreamSnapshot, position, split_position
 from .stats import PHASES, BadSample, BadSampleWarning, PipelineStats
 
 if TYPE_CHECKING:
-    from .pipeline import PackedWebDataset
+    from ..config import PackingConfig
+    from ..preprocessor import Preprocessor
 
-__all__ = ["StreamEnd", "StreamRunner", "stream_info"]
+__all__ = ["StreamEnd", "StreamRunner", "WorkerSpec", "stream_info"]
 
 _META = "__stream__"  # where a yielded batch carries its stream metadata (see stream_info)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything one stream's worker needs, and nothing of the dataset that built it (pickled to workers).
+
+    ``PackedWebDataset`` builds one; :class:`StreamRunner` reads only this (no reference back to the
+    dataset, so ``data.stream`` does not depend on ``data.pipeline``).
+    """
+
+    urls: tuple[str, ...]
+    """The shard URLs; plan items index them."""
+    config: PackingConfig
+    """The packing and streaming knobs (capacity, pad_to_multiple_of, on_error, oversized, ...)."""
+    preprocessor: Preprocessor
+    """Forecasts a sample from its headers and processes a bin's samples."""
+    packer: dict[str, Any]
+    """``StreamPacker`` keyword arguments (saved in the resume state, which must match them)."""
+    shuffle_buffer: int
+    """Samples in the shuffle buffer; 0: no shuffling within a stream."""
+    make_collator: Callable[[], Callable[[list[dict[str, Any]]], Any]]
+    """Builds the collator (once per stream, in its worker)."""
+    max_examples: int = 100
+    """Bad samples kept as examples in a stream's ``PipelineStats.bad``."""
 
 
 class StreamEnd:
@@ -132,23 +161,23 @@ class StreamRunner:
 
     def __init__(
         self,
-        ds: PackedWebDataset,
+        spec: WorkerSpec,
         stream: int,
         items: list[PlanItem],
         progress: EpochProgress,
         snapshot: StreamSnapshot | None,
     ) -> None:
-        self.ds = ds
-        self.config = ds.config
+        self.work = spec
+        self.config = config = spec.config
         self.stream = stream
         self.items = items
         self.epoch = progress.epoch
         self.generation = progress.generation
         self.layout = progress.layout
-        self.packer = StreamPacker(**ds.packer_config)
+        self.packer = StreamPacker(**spec.packer)
         self.rng = (
-            np.random.default_rng([ds.config.shuffle_seed, self.epoch, self.generation, stream])
-            if ds.shuffle_buffer
+            np.random.default_rng([config.shuffle_seed, self.epoch, self.generation, stream])
+            if spec.shuffle_buffer
             else None
         )
         self.shuffle: list[int] = []
@@ -156,11 +185,11 @@ class StreamRunner:
         self.ready: deque[list[int]] = deque()
         self.cursor = Cursor()
         self.seq = 0
-        self.stats = PipelineStats(capacity=ds.config.capacity, time={p: 0.0 for p in PHASES})
-        self.collate = ds._collate()
+        self.stats = PipelineStats(capacity=config.capacity, time={p: 0.0 for p in PHASES})
+        self.collate = spec.make_collator()
         self.snapshot = snapshot
         self.flushed = False  # every sample read and the packer flushed: the bins left in ready are the last
-        limit, who = ds.config.max_consecutive_failures, f"PackedWebDataset stream {stream}"
+        limit, who = config.max_consecutive_failures, f"PackedWebDataset stream {stream}"
         self.forecast_budget = FailureBudget(limit, f"{who}, header-only forecast")
         self.process_budget = FailureBudget(limit, f"{who}, processing packed samples")
 
@@ -171,9 +200,9 @@ class StreamRunner:
         """Count, warn about and skip a bad sample (a shard: no ``budget``), or raise (``on_error``)."""
         bad = BadSample(url, key, reason, detail)
         if self.config.on_error == "raise":
-            raise ValueError(f"bad sample: {bad} (on_error='warn' skips such samples and counts them)")
+            raise ValueError(f"bad sample: {bad} (on_error='skip' skips such samples and counts them)")
         warnings.warn(f"vlm-pack: skipping {bad}", BadSampleWarning, stacklevel=3)
-        self.stats.count_bad(bad, self.ds.max_examples)
+        self.stats.count_bad(bad, self.work.max_examples)
         if budget is not None:
             budget.failure(reason, f"key {key!r} in {url}", detail)
 
@@ -190,14 +219,14 @@ class StreamRunner:
                     "(None: no cap) if such images are expected.",
                 )
             try:
-                self.ds.spec.num_tokens(width, height)
+                self.work.preprocessor.spec.num_tokens(width, height)
             except ValueError as exc:
                 raise SampleError("image_rejected", f"{name} {width}x{height}: {exc}") from None
 
     def _overflow(self, url: str, key: str | None, length: int) -> str | None:
         """Why a sample of ``length`` tokens fits no pack (None: it fits); raises under oversized="raise"."""
         config = self.config
-        span = -(-length // config.pad_to_multiple_of) * config.pad_to_multiple_of
+        span = self._padded(length)
         if span <= config.capacity:
             return None
         what = f"{length} tokens" + (f" (padded to {span})" if span != length else "")
@@ -215,18 +244,18 @@ class StreamRunner:
         if config.vision_cost == "images":
             cost = len(sizes)
         else:
-            cost = sum(self.ds.spec.num_patches(width, height) for width, height in sizes)
+            cost = sum(self.work.preprocessor.spec.num_patches(width, height) for width, height in sizes)
         if cost > config.vision_capacity:
             raise SampleError("vision_too_large", f"vision cost {cost} > vision_capacity {config.vision_capacity}")
         return cost
 
     def _forecast_sample(self, url: str, raw: dict[str, Any]) -> _Sample:
         """The sample with its forecast; raises what makes it bad (``vlm_pack.failures`` sorts it out)."""
-        ds = self.ds
+        preprocessor = self.work.preprocessor
         key = raw.get("__key__")
         conversation, names, sizes = read_header(raw, exif_transpose=self.config.exif_transpose)
         images = [raw[name] for name in names]
-        n_markers = _count_markers(conversation) if ds.preprocessor.template is None else None
+        n_markers = _count_markers(conversation) if preprocessor.template is None else None
         if n_markers and n_markers != len(images):
             raise SampleError(
                 "placeholder_mismatch",
@@ -234,7 +263,7 @@ class StreamRunner:
                 f"({', '.join(names) or 'none'})",
             )
         self._check_images(names, sizes)
-        length, _, prompt = ds.preprocessor.forecast_prompt(conversation, sizes, key)
+        length, _, prompt = preprocessor.forecast_prompt(conversation, sizes, key)
         return _Sample(url, key, images, conversation, prompt, length, self._vision_cost(sizes))
 
     def _forecast(self, url: str, raw: dict[str, Any]) -> _Sample | None:
@@ -262,15 +291,15 @@ class StreamRunner:
 
     # -- packing
     def _padded(self, length: int) -> int:
-        multiple = self.config.pad_to_multiple_of
-        return -(-length // multiple) * multiple
+        """The span ``length`` tokens take in a row: the one rounding rule of every planner."""
+        return int(padded_lengths(length, self.config.pad_to_multiple_of))
 
     def _push(self, pos: int) -> None:
         if self.rng is None:
             self._pack(pos)
             return
         self.shuffle.append(pos)
-        if len(self.shuffle) > self.ds.shuffle_buffer:
+        if len(self.shuffle) > self.work.shuffle_buffer:
             self._pack(self._draw())
 
     def _draw(self) -> int:
@@ -305,10 +334,9 @@ class StreamRunner:
         ``process_pack`` writes the bin's ``pixel_values`` once (one image-processor call where that is
         exact, in the main process), so the collator joins the samples' views without copying them again.
         """
-        ds = self.ds
         started = time.thread_time()
         try:
-            outs = ds.preprocessor.process_pack(
+            outs = self.work.preprocessor.process_pack(
                 [(sample.images, sample.conversation) for sample in samples],
                 keys=[sample.key for sample in samples],
                 prompts=[sample.prompt for sample in samples],
@@ -353,7 +381,8 @@ class StreamRunner:
             picked.append(sample)
             lengths.append(length)
         # A longer-than-forecast sample may overflow the bin: drop mismatched samples until it fits.
-        while sum(map(self._padded, lengths)) > self.config.capacity and mismatched:
+        multiple = self.config.pad_to_multiple_of
+        while int(padded_lengths(lengths, multiple).sum()) > self.config.capacity and mismatched:
             j = mismatched.pop()
             sample = picked[j]
             detail = f"processed {lengths[j]} tokens overflow the bin"
@@ -413,7 +442,7 @@ class StreamRunner:
 
         Shard errors are reported as ``unreadable_shard`` and end the item.
         """
-        url = self.ds.urls[item.shard]
+        url = self.work.urls[item.shard]
         wanted = set(item.pending) if collect is None else collect
         everything_from_start = collect is None and item.start is not None
         last = math.inf if everything_from_start else max(wanted, default=-1)
@@ -459,7 +488,7 @@ class StreamRunner:
         item_of_shard = {item.shard: item for item in self.items}
         for shard, indices in sorted(snapshot.held_by_shard().items()):
             for index, raw in self._read_item(item_of_shard[shard], 0, collect=indices):
-                sample = self._forecast(self.ds.urls[shard], raw)
+                sample = self._forecast(self.work.urls[shard], raw)
                 if sample is not None:
                     self.samples[position(shard, index)] = sample
         missing = [pos for pos in snapshot.held_positions() if pos not in self.samples]
@@ -467,7 +496,7 @@ class StreamRunner:
             shard, index = split_position(missing[0])
             raise RuntimeError(
                 f"resume: {len(missing)} buffered sample(s) could not be read again (first: shard "
-                f"{self.ds.urls[shard]}, index {index}); the shards changed since the state was saved."
+                f"{self.work.urls[shard]}, index {index}); the shards changed since the state was saved."
             )
 
     def _read_all(self) -> Iterator[list[int]]:
@@ -476,7 +505,7 @@ class StreamRunner:
         first_item, first_sample = self.cursor.item, self.cursor.sample
         for item_number in range(first_item, len(self.items)):
             item = self.items[item_number]
-            url = self.ds.urls[item.shard]
+            url = self.work.urls[item.shard]
             pending = set(item.pending)
             start = first_sample if item_number == first_item else 0
             for index, raw in self._read_item(item, start):

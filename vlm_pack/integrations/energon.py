@@ -22,7 +22,8 @@ worker processes to the training loop and is restored with them (the left-out sa
 group, the stateless packer recognises them by length); it is also logged as a warning and recorded in
 :attr:`VLMPackingTaskEncoder.left_out` of the process that selected it (with ``num_workers > 0`` a worker's copy,
 not the main process's). A buffer in which no sample fits has no pack to carry its report: only the warning
-and that list tell. ``oversized="raise"`` stops at the first one instead.
+and that list tell. That is ``oversized="skip"``; ``oversized="raise"`` (the default, as everywhere in vlm-pack)
+stops at the first one instead, and "truncate" is refused (the encoder never cuts a sample).
 Nothing is carried between buffers: a carry list would live outside Energon's saved state, and a restore
 would then repeat or lose those samples.
 
@@ -56,10 +57,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "vlm_pack.integrations.energon needs Megatron-Energon: pip install 'vlm-pack[energon]'"
     ) from exc
 
-from .. import PackedBatch, Preprocessor, pack
+from ..batch import PackedBatch
+from ..config import PackingConfig
 from ..data import read_header
-from ..packing import padded_lengths
-from ..preprocessor import checked_preprocessor
+from ..packing import pack, padded_lengths
+from ..preprocessor import Preprocessor
 
 __all__ = ["PackedVLMSample", "VLMPackingTaskEncoder", "VLMSample", "packed_train_dataset"]
 
@@ -97,10 +99,11 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         config: the model config (family, token ids, merge size; see :class:`~vlm_pack.PackingCollator`).
         pad_to_multiple_of: per-sample padding for context/sequence parallelism (``pad_multiple_for``); packs
             are planned on the padded spans, so each is one row.
-        oversized: ``"report"`` (leave the sample out, report it in a pack's ``left_out``, warn, record it in
-            :attr:`left_out`) or ``"raise"``
-            (pair it with ``WorkerConfig(global_error_handler=megatron.energon.errors.reraise_exception)``:
-            Energon's default handler logs a failed selection and skips its whole buffer).
+        oversized: a sample longer than ``capacity``: ``"raise"`` (default, as ``PackingConfig``'s; pair it
+            with ``WorkerConfig(global_error_handler=megatron.energon.errors.reraise_exception)``: Energon's
+            default handler logs a failed selection and skips its whole buffer) or ``"skip"`` (leave the
+            sample out, report it in a pack's ``left_out``, warn, record it in :attr:`left_out`).
+            ``"truncate"`` is refused: the encoder never cuts a sample.
 
     Use with ``get_train_dataset(..., batch_size=None, packing_buffer_size=N, task_encoder=encoder)`` or
     :func:`packed_train_dataset`.
@@ -116,12 +119,15 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         *,
         config: Any = None,
         pad_to_multiple_of: int = 1,
-        oversized: str = "report",
+        oversized: str = "raise",
     ) -> None:
         super().__init__()
-        if oversized not in ("report", "raise"):
-            raise ValueError(f"oversized must be 'report' or 'raise', got {oversized!r}")
-        self.preprocessor = checked_preprocessor(preprocessor)
+        # PackingConfig validates the settings (names, values, capacity a multiple of pad_to_multiple_of)
+        PackingConfig.resolve(
+            "VLMPackingTaskEncoder", capacity=capacity, pad_to_multiple_of=pad_to_multiple_of,
+            oversized=oversized, refuse=("truncate",),
+        )
+        self.preprocessor = Preprocessor.check(preprocessor)
         # max_rows=1: a pack is one row, or the collator raises naming its samples
         self.collator = preprocessor.collator(
             capacity,
@@ -171,7 +177,7 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
             reason = self._too_long(sample)
             if self.oversized == "raise":
                 raise ValueError(
-                    f"sample {sample.__key__!r}: {reason}; raise capacity or use oversized='report'"
+                    f"sample {sample.__key__!r}: {reason}; raise capacity or use oversized='skip'"
                 )
             logger.warning("vlm-pack/energon: left out sample %r: %s", sample.__key__, reason)
             self.left_out.append((sample.__key__, reason))

@@ -48,11 +48,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import numpy as np
 import torch
 
-from .. import PackingConfig, Preprocessor
+from ..config import PackingConfig
 from ..data import BadSampleWarning, PackedMapDataset, Sample, SampleError, normalise_record
 from ..data.sources import chunk_samples, chunks, open_sources
-from ..preprocessor import checked_preprocessor
-from ..testing import pad_samples
+from ..padded_batch import pad_samples
+from ..preprocessor import Preprocessor
 
 __all__ = [
     "NUM_TOKENS_KEY",
@@ -125,29 +125,33 @@ _ROWS_FORMAT = 2  # in the fingerprints of the Arrow files below: bump when what
 # PackedMapDataset warns about the samples its plan leaves out only when it builds the plan (not when it reads
 # it from its cache); packed_dataset reports them itself, every time, with those the reading left out.
 _PLAN_WARNING = r"vlm-pack: \d+ sample\(s\) left out of the plan"
-_IMAGE_COLUMN = "{}.png"  # a name the WebDataset layout reads as image {}; the bytes keep their own format
+_IMAGE_COLUMN = "{}.png"  # a name the WebDataset record format reads as image {}; the bytes keep their own format
 
 
 def packed_dataset(
     sources: Any,
     preprocessor: Preprocessor,
+    config: PackingConfig | None = None,
     *,
-    capacity: int,
-    oversized: str = "raise",
-    seed: int | None = 0,
     streaming: bool = False,
     cache_dir: str | None = None,
-    layout: str | None = None,
+    record_format: str | None = None,
     image_root: str | os.PathLike[str] | None = None,
-    pad_to_multiple_of: int = 1,
     num_proc: int = 1,
+    **knobs: Any,
 ) -> datasets.Dataset | datasets.IterableDataset:
     """A ``datasets.Dataset`` (``streaming=True``: ``IterableDataset``) of packs of ``sources``, one row each.
 
     ``sources`` is anything :func:`vlm_pack.data.forecast_sources` reads: a ``datasets.Dataset`` (or a
     ``save_to_disk`` folder, or an ``IterableDataset``), parquet files, JSON (LLaVA-Instruct, ShareGPT) or
-    JSONL files, WebDataset shards, folders or globs of them, or a list mixing these; records in any layout of
-    ``vlm_pack.data.LAYOUTS`` (``layout=`` forces one; ``image_root`` resolves relative image paths).
+    JSONL files, WebDataset shards, folders or globs of them, or a list mixing these; records in any format of
+    ``vlm_pack.data.RECORD_FORMATS`` (``record_format=`` forces one; ``image_root`` resolves relative image
+    paths).
+
+    ``config`` (a :class:`~vlm_pack.PackingConfig`) and keywords over it (``capacity=``, ``oversized=``,
+    ``pad_to_multiple_of=``, ``shuffle_seed=``, ``on_error=``, ``max_samples_per_bin=`` ...: its settings, with
+    its defaults) say how to plan, as for :class:`~vlm_pack.PackedMapDataset`. A plan never cuts a sample:
+    ``oversized="truncate"`` is refused.
 
     The plan is :class:`vlm_pack.PackedMapDataset`'s, over a ``datasets.Dataset``: given one, that dataset;
     otherwise the records copied once into one (Arrow, in ``cache_dir``: each record's conversation and
@@ -155,31 +159,31 @@ def packed_dataset(
     having nothing to tell an unchanged stream by). Every sample's expanded length is forecast from
     its image headers by ``preprocessor`` (give the same one to :class:`TRLPackingCollator`, so that plan and
     rows agree; no decode), the samples are packed into bins of ``capacity`` tokens (each sample counted
-    padded to ``pad_to_multiple_of``, as the collator lays it out), and ``seed`` shuffles the order of the
-    bins (so that training sees no length curriculum; ``None`` keeps the plan's order). The plan is cached
-    in ``cache_dir/vlm_pack_plans`` (default: vlm-pack's plan cache).
+    padded to ``pad_to_multiple_of``, as the collator lays it out), and ``shuffle_seed`` shuffles the order
+    of the bins (``None``, the default, keeps the plan's order: the Trainer's sampler shuffles the rows of a
+    ``Dataset``; give ``streaming=True`` a seed, or it sees a length curriculum). The plan is cached in
+    ``cache_dir/vlm_pack_plans`` (default: vlm-pack's plan cache).
 
     Each bin becomes one row ``{"keys", "conversations" (JSON), "image_bytes", "lengths"}``, samples in data
     order, read row by row from the dataset (images undecoded; :class:`TRLPackingCollator` decodes them).
 
-    Samples left out are reported, never dropped silently: a record that cannot be read or forecast (a
-    corrupt image, a record in no layout) and, with ``oversized="skip"``, a sample longer than ``capacity``
-    are listed as ``(key, where, reason)`` in the returned dataset's ``left_out`` attribute, with one warning
-    naming the first. ``oversized="raise"`` (default) stops at the first sample longer than ``capacity``.
+    Samples left out are reported, never dropped silently: under ``on_error="skip"`` (default) a record that
+    cannot be read or forecast (a corrupt image, a record in no format) and, with ``oversized="skip"``, a
+    sample longer than ``capacity`` are listed as ``(key, where, reason)`` in the returned dataset's
+    ``left_out`` attribute, with one warning naming the first. ``oversized="raise"`` (default) stops at the
+    first sample longer than ``capacity``, ``on_error="raise"`` at the first record that cannot be read.
     """
-    if oversized not in ("raise", "skip"):
-        raise ValueError(f"oversized must be 'raise' or 'skip', got {oversized!r}")
-    pre = checked_preprocessor(preprocessor)
+    config = PackingConfig.resolve("packed_dataset", config, refuse=("truncate",), **knobs)
+    pre = Preprocessor.check(preprocessor)
     if pre.layout != "expanded":
         raise ValueError(
             f"packed_dataset plans rows for Hugging Face models: give a Preprocessor with layout='expanded', "
             f"not {pre.layout!r}"
         )
-    config = PackingConfig(
-        capacity=capacity, oversized=oversized, pad_to_multiple_of=pad_to_multiple_of, shuffle_seed=seed
-    )
-    table, left_out, row_layout, root = _as_dataset(sources, layout, image_root, cache_dir)
-    plan = _plan(table, pre, config, row_layout, root, cache_dir, num_proc)
+    table, left_out, row_format, root = _as_dataset(sources, record_format, image_root, cache_dir)
+    if left_out and config.on_error == "raise":
+        raise SampleError("bad_text", f"{left_out[0][2]} (on_error='skip' leaves such records out, listed)")
+    plan = _plan(table, pre, config, row_format, root, cache_dir, num_proc)
     left_out += _where_read(table, [tuple(s) for s in plan.skipped])
     if left_out:
         key, where, reason = left_out[0]
@@ -189,7 +193,7 @@ def packed_dataset(
             BadSampleWarning,
             stacklevel=2,
         )
-    ds = _rows_dataset(table, plan, row_layout, root, cache_dir)
+    ds = _rows_dataset(table, plan, row_format, root, cache_dir)
     out = ds.to_iterable_dataset() if streaming else ds
     out.left_out = left_out
     return out
@@ -211,14 +215,14 @@ def _bins_in_order(plan: PackedMapDataset) -> tuple[list[tuple[int, ...]], list[
 def _rows_dataset(
     table: datasets.Dataset,
     plan: PackedMapDataset,
-    layout: str | None,
+    record_format: str | None,
     root: Path | None,
     cache_dir: str | None,
 ) -> datasets.Dataset:
     """One row per pack of ``plan`` (:func:`pack_rows`), cached under a digest of what the rows hold."""
     bins, lengths = _bins_in_order(plan)
     digest = hashlib.sha256(
-        json.dumps([_ROWS_FORMAT, table._fingerprint, plan.plan_digest, layout, str(root)]).encode()
+        json.dumps([_ROWS_FORMAT, table._fingerprint, plan.plan_digest, record_format, str(root)]).encode()
     )
     digest.update(json.dumps([bins, lengths]).encode())
     return datasets.Dataset.from_generator(
@@ -228,7 +232,7 @@ def _rows_dataset(
             "dataset": table,
             "bins": tuple(bins),
             "lengths": tuple(lengths),
-            "layout": layout,
+            "record_format": record_format,
             "image_root": None if root is None else str(root),
         },
         features=_FEATURES,
@@ -238,26 +242,26 @@ def _rows_dataset(
 
 
 def _as_dataset(
-    sources: Any, layout: str | None, image_root: str | os.PathLike[str] | None, cache_dir: str | None
+    sources: Any, record_format: str | None, image_root: str | os.PathLike[str] | None, cache_dir: str | None
 ) -> tuple[datasets.Dataset, list[tuple[str, str, str]], str | None, Path | None]:
-    """``sources`` as one ``datasets.Dataset``: ``(dataset, records left out, its layout, its image root)``.
+    """``sources`` as one ``datasets.Dataset``: ``(dataset, records left out, record format, image root)``.
 
-    One ``datasets.Dataset`` is used as it is. Other sources are copied into one, in the WebDataset layout
+    One ``datasets.Dataset`` is used as it is. Other sources are copied into one, in the WebDataset record format
     (``__key__``, ``json`` holding the normalised conversation, image ``i`` in column ``"{i}.png"``, None
     past a record's last image), so that the conversation reaches the chat template exactly as read; a
     record that cannot be read is kept out of it and returned as ``(key, where, reason)``.
     """
     opened = open_sources(sources, image_root=image_root)
     if len(opened) == 1 and opened[0].kind == "dataset":
-        return opened[0].ref, [], layout, opened[0].image_root
-    most, fingerprint = _survey(opened, layout)
+        return opened[0].ref, [], record_format, opened[0].image_root
+    most, fingerprint = _survey(opened, record_format)
     names = tuple(_IMAGE_COLUMN.format(i) for i in range(most))
     string, binary = datasets.Value("string"), datasets.Value("binary")
     columns = {"__key__": string, "__where__": string, "__error__": string, "json": binary}
     features = datasets.Features({**columns, **dict.fromkeys(names, binary)})
     table = datasets.Dataset.from_generator(
         copied_records,
-        gen_kwargs={"sources": tuple(opened), "layout": layout, "names": names},
+        gen_kwargs={"sources": tuple(opened), "record_format": record_format, "names": names},
         features=features,
         cache_dir=cache_dir,
         fingerprint=fingerprint,
@@ -284,17 +288,19 @@ def _where_read(table: datasets.Dataset, skipped: list[Any]) -> list[tuple[str, 
     return [(key, where_of.get(key, where), reason) for key, where, reason in skipped]
 
 
-def _samples(opened: Sequence[Any], layout: str | None) -> Iterator[tuple[str, str, Sample | SampleError]]:
+def _samples(
+    opened: Sequence[Any], record_format: str | None
+) -> Iterator[tuple[str, str, Sample | SampleError]]:
     for chunk in chunks(opened):
-        yield from chunk_samples(opened, chunk, layout=layout)
+        yield from chunk_samples(opened, chunk, record_format=record_format)
 
 
-def _survey(opened: Sequence[Any], layout: str | None) -> tuple[int, str]:
+def _survey(opened: Sequence[Any], record_format: str | None) -> tuple[int, str]:
     """The most images one record of ``opened`` has, and a fingerprint of what the copy is made from (the
     files' sizes and times, a dataset's fingerprint, every image file's; unique for an IterableDataset)."""
     from .._version import __version__
 
-    stamp = hashlib.sha256(json.dumps([_ROWS_FORMAT, __version__, layout]).encode())
+    stamp = hashlib.sha256(json.dumps([_ROWS_FORMAT, __version__, record_format]).encode())
     for src in opened:
         if src.kind == "iterable":
             stamp.update(uuid.uuid4().bytes)  # nothing to tell an unchanged stream by: copied every time
@@ -304,7 +310,7 @@ def _survey(opened: Sequence[Any], layout: str | None) -> tuple[int, str]:
             stat = os.stat(src.name)
             stamp.update(f"{src.kind}:{src.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     most = 0
-    for _, _, sample in _samples(opened, layout):
+    for _, _, sample in _samples(opened, record_format):
         if isinstance(sample, Sample):
             most = max(most, len(sample.images))
             for image in sample.images:
@@ -315,10 +321,10 @@ def _survey(opened: Sequence[Any], layout: str | None) -> tuple[int, str]:
 
 
 def copied_records(
-    sources: Sequence[Any], layout: str | None, names: Sequence[str]
+    sources: Sequence[Any], record_format: str | None, names: Sequence[str]
 ) -> Iterator[dict[str, Any]]:
     """The rows :func:`_as_dataset` copies ``sources`` into (module level, for ``datasets``' generator)."""
-    for where, key, sample in _samples(list(sources), layout):
+    for where, key, sample in _samples(list(sources), record_format):
         row: dict[str, Any] = {"__key__": key, "__where__": where, "__error__": None, "json": None}
         row.update(dict.fromkeys(names))
         if isinstance(sample, SampleError):
@@ -352,7 +358,7 @@ def _plan(
     table: datasets.Dataset,
     pre: Preprocessor,
     config: PackingConfig,
-    layout: str | None,
+    record_format: str | None,
     image_root: Path | None,
     cache_dir: str | None,
     num_proc: int,
@@ -368,7 +374,7 @@ def _plan(
             image_processor=pre.image_processor,
             family=pre.family,
             template=pre.template,
-            layout=layout,
+            record_format=record_format,
             image_root=image_root,
             cache=True if cache_dir is None else Path(cache_dir) / "vlm_pack_plans",
             num_proc=num_proc,
@@ -388,7 +394,7 @@ def pack_rows(
     dataset: datasets.Dataset,
     bins: Sequence[Sequence[int]],
     lengths: Sequence[Sequence[int]],
-    layout: str | None,
+    record_format: str | None,
     image_root: str | None,
 ) -> Iterator[dict[str, Any]]:
     """The rows of :func:`packed_dataset`, one per bin of ``dataset`` rows, each record read by its row
@@ -399,7 +405,9 @@ def pack_rows(
         for row in rows:
             (record,) = arrow[row : row + 1].to_pylist()
             where = f"dataset[{row}]"
-            sample = normalise_record(record, layout=layout, key=str(row), where=where, image_root=image_root)
+            sample = normalise_record(
+                record, record_format=record_format, key=str(row), where=where, image_root=image_root
+            )
             samples.append(sample)
         yield {
             "keys": [s.key for s in samples],
@@ -437,7 +445,7 @@ class TRLPackingCollator:
         packed: bool = True,
         pad_to_multiple_of: int = 1,
     ) -> None:
-        self.preprocessor = checked_preprocessor(preprocessor)
+        self.preprocessor = Preprocessor.check(preprocessor)
         self.collator = self.preprocessor.collator(
             capacity, config=config, pad_to_multiple_of=pad_to_multiple_of
         )

@@ -60,7 +60,7 @@ def pack(
     vision_capacity: int | None = None,
     max_samples_per_bin: int | None = None,
     oversized: str = "raise",
-    seed: int | None = None,
+    shuffle_seed: int | None = None,
     pad_to_multiple_of: int = 1,
 ) -> PackResult:
     """Pack samples into bins of ``capacity`` tokens.
@@ -82,7 +82,7 @@ def pack(
             caller must then cut the sample itself) or ``"skip"`` (listed in ``result.unpacked``).
             A sample whose vision cost alone exceeds ``vision_capacity`` cannot be truncated: it
             raises under ``"raise"`` and is skipped (and reported) under ``"truncate"``/``"skip"``.
-        seed: if given, shuffle the order of the bins (not their contents) with this seed. The
+        shuffle_seed: if given, shuffle the order of the bins (not their contents) with this seed. The
             decreasing strategies open bins longest-sample first, so iterating them in creation
             order would feed a length curriculum to training; ``None`` keeps creation order.
         pad_to_multiple_of: plan on each length rounded up to this multiple (:func:`padded_lengths`), the
@@ -133,8 +133,8 @@ def pack(
         offsets = np.zeros(num_bins + 1, dtype=np.int64)
         np.cumsum(np.bincount(item_bin, minlength=num_bins), out=offsets[1:])
 
-    if seed is not None and offsets.size > 2:
-        new_to_old = np.random.default_rng(seed).permutation(offsets.size - 1)
+    if shuffle_seed is not None and offsets.size > 2:
+        new_to_old = np.random.default_rng(shuffle_seed).permutation(offsets.size - 1)
         order, offsets = _permute_bins(order, offsets, new_to_old)
         bin_lengths = bin_lengths[new_to_old]
         bin_vision = None if bin_vision is None else bin_vision[new_to_old]

@@ -2,12 +2,11 @@
 
 The analysis behind ``vlm-pack analyze`` (and the notebook), in four steps::
 
-    sources ----------> SampleInfo --------------> LengthTable ---------------> Report ------> table / JSON / PNG
-    (shards, parquet,   key, conversation,         per sample: text tokens,     per capacity:
-     JSON(L), datasets) image (width, height)      vision tokens, images,       padded baseline vs packed,
-                        from headers only          where each image sits        grad-accum equivalent
-       scan_samples()                 forecast_lengths()          analyze()        format_report() / write_report()
-       '--- vlm_pack.data.forecast_sources(): both steps, in parallel processes ---'
+    sources ------------------------------> LengthTable ---------------> Report ------> table / JSON / PNG
+    (shards, parquet,   text + image headers  per sample: text tokens,     per capacity:
+     JSON(L), datasets) (nothing decoded)     vision tokens, images,       padded baseline vs packed,
+                                              where each image sits        grad-accum equivalent
+             vlm_pack.forecast_sources()                    analyze()        format_report() / write_report()
 
 Lengths are *expanded* lengths, the positions a sample occupies in the language model: its text tokens
 (chat template included) plus the placeholders its images become (``vision.VisionSpec.sample_tokens``).
@@ -29,29 +28,23 @@ packs_per_device``), so the gradient accumulation changes too. Two are reported:
 (``ceil(target / per_step)``). ``target_samples_per_update`` defaults to the padded run's ``batch_size *
 world_size * grad_accum``.
 
-Modules: ``sources`` (reading), ``lengths`` (forecast), ``analysis`` (metrics), ``plots``, ``output``.
+Modules: ``analysis`` (metrics), ``plots``, ``output``; the forecast is ``vlm_pack.data.forecast``.
 """
 
+from ..data.forecast import LengthTable
 from .analysis import Baseline, analyze, analyze_capacity, padded_batches
-from .lengths import LengthTable, forecast_lengths
 from .output import format_report, write_report
 from .plots import plot_efficiency, plot_lengths, plot_packs
-from .sources import SampleInfo, SampleReadError, expand_sources, scan_samples
 
 __all__ = [
     "Baseline",
     "LengthTable",
-    "SampleInfo",
-    "SampleReadError",
     "analyze",
     "analyze_capacity",
-    "expand_sources",
-    "forecast_lengths",
     "format_report",
     "padded_batches",
     "plot_efficiency",
     "plot_lengths",
     "plot_packs",
-    "scan_samples",
     "write_report",
 ]

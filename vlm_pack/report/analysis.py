@@ -11,9 +11,8 @@ import numpy as np
 
 from vlm_pack._version import __version__
 from vlm_pack.config import PackingConfig
+from vlm_pack.data.forecast import LengthTable
 from vlm_pack.packing import PackResult
-
-from .lengths import LengthTable
 
 
 @dataclass(frozen=True)
@@ -135,17 +134,11 @@ def _grad_accum_metrics(
 
 
 def _analysis_config(capacity: int, config: PackingConfig | None) -> PackingConfig:
-    """``config`` at ``capacity`` (``oversized="skip"`` and no caps when None); an analysis cannot raise."""
+    """``config`` at ``capacity``; when None, ``oversized="skip"`` and no caps: an analysis counts the samples
+    too long for a capacity rather than stopping at the first (``"raise"`` in ``config`` stops)."""
     if config is None:
-        config = PackingConfig(capacity=int(capacity), oversized="skip")
-    else:
-        config = config.replace(capacity=int(capacity))
-    if config.oversized not in ("skip", "truncate"):
-        raise ValueError(
-            f"oversized must be 'skip' or 'truncate' for an analysis, got {config.oversized!r}: "
-            "pass config=config.replace(oversized='skip')"
-        )
-    return config
+        return PackingConfig(capacity=int(capacity), oversized="skip")
+    return config.replace(capacity=int(capacity))
 
 
 def _pack_metrics(table: LengthTable, result: PackResult, vision_kept: np.ndarray) -> dict[str, Any]:
@@ -181,7 +174,8 @@ def analyze_capacity(
     ``capacity``. Default: ``oversized="skip"`` and no caps, e.g. at most 8 images a pack:
     ``config=PackingConfig(capacity, oversized="skip", vision_capacity=8, vision_cost="images")``.
     Samples longer than ``capacity`` are skipped (``oversized="skip"``) or counted at ``capacity``
-    (``"truncate"``, as a padded run with ``max_length=capacity`` would cut them); both are reported.
+    (``"truncate"``, as a padded run with ``max_length=capacity`` would cut them); both are reported;
+    ``"raise"`` raises ``ValueError`` at the first.
     The padded baseline is the same at every capacity: a padded run has no capacity, so it batches every
     sample of ``table`` at its full length, in one fixed random order (``seed``).
     Returns ``(metrics, PackResult)``.

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 
 from vlm_pack.config import PackingConfig
+from vlm_pack.data.forecast import LengthTable
 from vlm_pack.packing import PackResult
 
 from .analysis import Baseline
-from .lengths import LengthTable
 from .plots import _pyplot, plot_efficiency, plot_lengths, plot_packs
 
 

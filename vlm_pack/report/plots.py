@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 
 from vlm_pack.config import PackingConfig
+from vlm_pack.data.forecast import LengthTable
 from vlm_pack.packing import PackResult
 
 from .analysis import Baseline, analyze_capacity
-from .lengths import LengthTable
 
 
 def _pyplot() -> Any:

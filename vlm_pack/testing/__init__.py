@@ -1,6 +1,7 @@
 """Packed-vs-batched equivalence: the test that proves a packing setup right, as a library feature.
 
-A packing setup is correct when every sample, packed into a row with others, gets exactly the per-token
+An opt-in module (``import vlm_pack`` never loads it; nothing in the library imports it). A packing setup
+is correct when every sample, packed into a row with others, gets exactly the per-token
 log-probs it gets in an ordinary padded batch. ``check_packed_equivalence`` runs the model both ways on the
 same samples and compares them token by token::
 
@@ -27,7 +28,7 @@ model built from real transformers parts, with ``collapsed_batched_forward`` / `
 Typical use, before a long run::
 
     from vlm_pack.testing import check_packed_equivalence
-    report = check_packed_equivalence(model, samples[:16], collator)   # samples from process_sample
+    report = check_packed_equivalence(model, samples[:16], collator)   # samples: Preprocessor.process
     print(report)
     report.raise_if_failed()
 
@@ -35,7 +36,8 @@ What lives where:
 
 - ``metric.py``: ``token_mult_prob_error`` and ``next_token_logprobs``;
 - ``harness.py``: ``check_packed_equivalence``, its ``EquivalenceReport`` (``TokenDiff``, ``SampleDiff``,
-  ``PackedEquivalenceError``), ``pad_samples`` and the default forwards of Hugging Face models;
+  ``PackedEquivalenceError``) and the default forwards of Hugging Face models, on the padded reference
+  batch of ``vlm_pack.padded_batch.pad_samples`` (re-exported here);
 - ``reference.py``: ``CollapsedLlavaModel``, a Megatron-like collapsed-placeholder LLaVA, and its forwards.
 """
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from ..vision_inputs import VISION_KEYS, join_vision
+from ..labels import IGNORE_INDEX
+from ..padded_batch import TOKEN_KEYS, pad_samples
 from .metric import next_token_logprobs, token_mult_prob_error
 
 __all__ = [
@@ -38,54 +39,9 @@ __all__ = [
     "pad_samples",
 ]
 
-#: Per-token keys padded to the longest sample by ``pad_samples``; vision keys are concatenated.
-_TOKEN_KEYS = ("input_ids", "mm_token_type_ids", "token_type_ids")
-
-
 # --------------------------------------------------------------------------------------------------------
-# The batched reference and the default forwards
+# The batched reference (``pad_samples``: vlm_pack.padded_batch) and the default forwards
 # --------------------------------------------------------------------------------------------------------
-
-
-def pad_samples(samples: Sequence[dict[str, torch.Tensor]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Model inputs for the padded reference batch: one sample per row, right padding, an attention mask.
-
-    ::
-
-        samples  a0 a1 a2 a3 | b0 b1         input_ids       a0 a1 a2 a3      attention_mask  1 1 1 1
-                                                              b0 b1 P  P                       1 1 0 0
-
-    Args:
-        samples: dicts from ``process_sample`` (1-D ``input_ids`` (L,); optional ``mm_token_type_ids`` /
-            ``token_type_ids`` (L,), and the vision tensors of ``vision_inputs.VISION_KEYS``).
-        pad_token_id: id written in the padding (never attended to, never scored).
-
-    Returns:
-        ``input_ids`` (B, Lmax), ``attention_mask`` (B, Lmax), ``mm_token_type_ids`` / ``token_type_ids``
-        (B, Lmax) when the samples have them, and the vision tensors joined in sample order as each model
-        reads them (``vision_inputs.join_vision``; with one sample: the sample's own tensors).
-    """
-    if not samples:
-        raise ValueError("pad_samples: no samples")
-    for i, s in enumerate(samples):
-        if "input_ids" not in s or s["input_ids"].ndim != 1 or len(s["input_ids"]) == 0:
-            raise ValueError(f"sample {i}: needs a non-empty 1-D 'input_ids' (as process_sample returns)")
-    out: dict[str, torch.Tensor] = {}
-    for key in _TOKEN_KEYS:
-        have = [key in s for s in samples]
-        if not any(have):
-            continue
-        if not all(have):
-            missing = have.index(False)
-            raise ValueError(f"sample {missing} lacks {key!r} that other samples have")
-        pad = pad_token_id if key == "input_ids" else 0
-        out[key] = torch.nn.utils.rnn.pad_sequence(
-            [s[key] for s in samples], batch_first=True, padding_value=pad
-        )
-    lengths = torch.tensor([len(s["input_ids"]) for s in samples])
-    out["attention_mask"] = (torch.arange(out["input_ids"].shape[1]) < lengths[:, None]).long()
-    out.update(join_vision([{k: v for k, v in s.items() if k in VISION_KEYS and v.numel()} for s in samples]))
-    return out
 
 
 def default_batched_forward(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -252,7 +208,7 @@ def _one_example(index: int, sample: Any) -> dict[str, Any]:
         raise ValueError(f"sample {index}: needs 'input_ids' (a dict from process_sample or an HF processor)")
     out = dict(sample)
     mask = out.pop("attention_mask", None)
-    for key in ("input_ids", "labels", *_TOKEN_KEYS[1:]):
+    for key in ("input_ids", "labels", *TOKEN_KEYS[1:]):
         if out.get(key) is None:
             out.pop(key, None)
             continue
@@ -269,7 +225,7 @@ def _one_example(index: int, sample: Any) -> dict[str, Any]:
         if keep.numel() != out["input_ids"].numel():
             raise ValueError(f"sample {index}: attention_mask and input_ids differ in length")
         if not bool(keep.all()):
-            for key in ("input_ids", "labels", *_TOKEN_KEYS[1:]):
+            for key in ("input_ids", "labels", *TOKEN_KEYS[1:]):
                 if key in out:
                     out[key] = out[key][keep]
     return out
@@ -327,7 +283,7 @@ def _gather_tokens(
     if targets == "labels":
         if labels is None:
             raise ValueError("targets='labels' needs 'labels' in every sample")
-        mask = labels[row, offset + 1 : offset + length] != -100
+        mask = labels[row, offset + 1 : offset + length] != IGNORE_INDEX
     else:
         mask = torch.ones_like(nxt, dtype=torch.bool)
     return lp, nxt, mask
@@ -386,7 +342,7 @@ def _reference_logprobs(
         logp = next_token_logprobs(logits, ids)
         labels = (
             torch.nn.utils.rnn.pad_sequence(
-                [s["labels"] for s in chunk], batch_first=True, padding_value=-100
+                [s["labels"] for s in chunk], batch_first=True, padding_value=IGNORE_INDEX
             )
             if targets == "labels"
             else None
@@ -429,7 +385,7 @@ def _placement_problems(
             # HF convention: the sample's own labels, its first position -100 (the previous sample's
             # last token must not learn to predict it).
             want_labels = samples[i]["labels"].clone()
-            want_labels[0] = -100
+            want_labels[0] = IGNORE_INDEX
             if not torch.equal(packed_labels[row, off : off + length].cpu(), want_labels.cpu()):
                 problems.append(
                     f"sample {i}: packed labels differ from the sample's labels (with -100 at its first token)"

@@ -1,4 +1,4 @@
-"""Context parallelism for packed rows: per-sample sharding, the distributed label roll, per-token loss.
+"""Context parallelism for packed rows: per-sample sharding, gathering back, the distributed label roll.
 
 With context parallelism (CP) every packed row is split along the sequence over ``cp_size`` ranks. Splitting
 the row into ``cp_size`` contiguous slices would cross sample boundaries and give the last rank all the
@@ -38,12 +38,9 @@ needs the first token of chunk ``k + 1``::
 :func:`roll_packed_context_parallel` sends, for all samples at once, the first token of each front chunk to
 rank ``r - 1`` and the first token of each back chunk to rank ``r + 1`` in one ``batch_isend_irecv``.
 
-A loss averaged per rank or per micro-batch weights each token by ``1 / tokens in its rank's share``: packing
-and CP then change the loss (tokens of a full pack count less than those of a sparse one).
-:class:`PerTokenLoss` and :func:`reduce_token_loss` sum token losses and token counts over the data-parallel
-x context-parallel group and the gradient-accumulation micro-batches, so that the optimised loss is exactly
-``sum of token losses / number of real tokens`` of the whole step. :func:`check_parallel_config` rejects the
-configurations that silently break this (seed rules of Megatron Bridge).
+The per-token loss that CP needs (each rank holds a different number of loss tokens) is in ``vlm_pack.loss``.
+:func:`check_parallel_config` rejects the configurations that silently break either (seed rules of Megatron
+Bridge).
 
 Only ``torch.distributed`` is used (NCCL on GPU, gloo on CPU).
 """
@@ -60,22 +57,19 @@ import torch
 import torch.distributed as dist
 
 from .batch import thd_params_kwargs
+from .collate import pad_multiple_for
+from .labels import IGNORE_INDEX, roll_packed
 
 __all__ = [
     "ContextParallelShard",
-    "PerTokenLoss",
     "all_gather_from_context_parallel",
     "check_parallel_config",
     "context_parallel_index",
     "gather_from_context_parallel",
-    "reduce_token_loss",
+    "group_size_rank",
     "roll_packed_context_parallel",
     "shard_for_context_parallel",
-    "token_cross_entropy",
 ]
-
-IGNORE_INDEX = -100
-
 
 # --------------------------------------------------------------------------------------------------------
 # Index computation (pure, vectorised)
@@ -249,14 +243,6 @@ def _fields(batch: Any) -> dict[str, Any]:
     return out
 
 
-def _roll_labels_full(labels: torch.Tensor, cu: torch.Tensor, fill: int) -> torch.Tensor:
-    """Single-process per-sample left shift of (..., T) along the last dim using padded offsets."""
-    out = torch.cat([labels[..., 1:], labels.new_full((*labels.shape[:-1], 1), fill)], dim=-1)
-    ends = cu[1:][cu[1:] > cu[:-1]] - 1
-    out[..., ends] = fill
-    return out
-
-
 def shard_for_context_parallel(
     batch: Any,
     cp_size: int,
@@ -315,7 +301,7 @@ def shard_for_context_parallel(
     def take(value: torch.Tensor, name: str) -> torch.Tensor:
         view, dim = _token_view(value, total, name)
         if name == "labels" and shift_labels:
-            view = _roll_labels_full(view, cu.to(view.device), IGNORE_INDEX)
+            view = roll_packed(view, cu.to(view.device), shifts=-1, fill=IGNORE_INDEX)
         return view.index_select(dim, index.to(view.device))
 
     out = {name: take(fields[name], name) for name in _TOKEN_FIELDS if fields.get(name) is not None}
@@ -367,7 +353,8 @@ def gather_from_context_parallel(
     return out.index_copy(dim, index.flatten().to(stacked.device), stacked)
 
 
-def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+def group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(size, rank)`` in ``group``; ``(1, 0)`` without an initialised process group (one process)."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
@@ -391,7 +378,7 @@ def all_gather_from_context_parallel(
         group: the context-parallel process group (default: world).
         dim: the token dim.
     """
-    cp_size, _ = _group_size_rank(group)
+    cp_size, _ = group_size_rank(group)
     if cp_size == 1:
         return gather_from_context_parallel([local_output], cu_seqlens_padded, dim)
     local_output = local_output.contiguous()
@@ -413,14 +400,14 @@ class _AllGatherWithGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
-        size, _ = _group_size_rank(group)
+        size, _ = group_size_rank(group)
         out = local.new_empty((size, *local.shape))
         dist.all_gather(list(out.unbind(0)), local, group=group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        _, rank = _group_size_rank(ctx.group)
+        _, rank = group_size_rank(ctx.group)
         grad = grad.contiguous()
         if dist.get_backend(ctx.group) == "nccl":
             mine = grad.new_empty(grad.shape[1:])
@@ -442,7 +429,7 @@ def _exchange_with_neighbours(
     """Send ``to_prev`` to rank r - 1 and ``to_next`` to rank r + 1 of ``group`` in one
     ``batch_isend_irecv``; return (what r - 1 sent, what r + 1 sent), each shaped like the tensor sent
     the other way (unfilled on the first / last rank)."""
-    cp_size, cp_rank = _group_size_rank(group)
+    cp_size, cp_rank = group_size_rank(group)
     wire = torch.uint8 if to_prev.dtype == torch.bool else to_prev.dtype  # gloo/NCCL send no bool
     to_prev, to_next = to_prev.to(wire).contiguous(), to_next.to(wire).contiguous()
     from_next, from_prev = torch.empty_like(to_prev), torch.empty_like(to_next)
@@ -490,7 +477,7 @@ def roll_packed_context_parallel(
     """
     if shifts != -1:
         raise ValueError(f"roll_packed_context_parallel supports shifts=-1 (the label shift), got {shifts}")
-    cp_size, cp_rank = _group_size_rank(group)
+    cp_size, cp_rank = group_size_rank(group)
     # Offsets are read on the host (free when the collator's CPU tensor is passed): no sync per call.
     cu = _check_cu_seqlens_padded(cu_seqlens_padded.cpu(), cp_size)
     x = tensor.movedim(dim, -1)
@@ -506,13 +493,11 @@ def roll_packed_context_parallel(
     front_first, back_first, back_last = (
         t.to(x.device) for t in (front_first, back_first, local_cu[1:][chunk > 0] - 1)
     )
-    # Shift the whole local buffer; only chunk ends are then wrong, and the front chunk end of rank cp-1
-    # is already right (its next chunk, cp, is its own back chunk).
-    out = torch.cat([x[..., 1:], x.new_full((*x.shape[:-1], 1), fill)], dim=-1)
-    if cp_size == 1:  # one chunk per sample (any length)
-        out[..., (cu[1:][cu[1:] > cu[:-1]] - 1).to(x.device)] = fill
-        return out.movedim(-1, dim)
-    if front_first.numel() == 0:
+    # Each sample's local tokens (its front then its back chunk) shift as one sample: only the chunk ends
+    # are then wrong, and the front chunk end of rank cp-1 is already right (its next chunk, cp, is its own
+    # back chunk). With cp_size 1 the local buffer is the whole row and this is the whole answer.
+    out = roll_packed(x, local_cu.to(x.device), shifts=-1, fill=fill)
+    if cp_size == 1 or front_first.numel() == 0:
         return out.movedim(-1, dim)
     recv_prev, recv_next = _exchange_with_neighbours(x[..., front_first], x[..., back_first], group)
     if cp_rank < cp_size - 1:
@@ -522,176 +507,6 @@ def roll_packed_context_parallel(
     if cp_rank == 0:
         out[..., back_last] = fill
     return out.movedim(-1, dim)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Per-token loss across ranks and micro-batches
-# --------------------------------------------------------------------------------------------------------
-
-
-def token_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of cross-entropy over the tokens whose label is not ``ignore_index``, and their number.
-
-    Args:
-        logits: (..., T, V) predictions for the *already shifted* ``labels`` (no internal shift: under CP
-            use :func:`roll_packed_context_parallel` or ``shard_for_context_parallel(shift_labels=True)``).
-        labels: (..., T) target ids.
-
-    Returns:
-        ``(loss_sum, num_tokens)``: float32 (float64 for float64 logits) scalar, differentiable, and the
-        int64 token count.
-    """
-    flat_labels = labels.reshape(-1)
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    if flat_logits.dtype != torch.float64:  # low-precision logits: sum in float32
-        flat_logits = flat_logits.float()
-    loss_sum = torch.nn.functional.cross_entropy(
-        flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum"
-    )
-    return loss_sum, (flat_labels != ignore_index).sum()
-
-
-def _all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """SUM all-reduce of a small stats tensor (moved to the GPU and back when the backend is NCCL)."""
-    if _group_size_rank(group)[0] == 1:
-        return values
-    device = values.device
-    wire = values.to("cuda", copy=True) if dist.get_backend(group) == "nccl" else values.clone()
-    dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group)
-    return wire.to(device)
-
-
-def reduce_token_loss(
-    loss_sum: torch.Tensor, num_tokens: torch.Tensor | int, group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
-    """Global per-token mean loss over ``group``: sum of all ranks' token losses / all ranks' tokens.
-
-    One all-reduce of ``[loss_sum, num_tokens]`` (float64). The value is identical on every rank; its
-    gradient on each rank is ``d loss_sum / total_tokens``, so *summing* gradients over ``group`` (Megatron
-    with ``average_in_collective=False``) yields exactly the gradient of the global mean. With a gradient
-    reduction that averages over the group (PyTorch DDP, FSDP) multiply the result by the group size, or
-    use :class:`PerTokenLoss` which does it for you. A step without any loss token gives 0, not NaN.
-
-    Args:
-        loss_sum: scalar, this rank's sum of token losses (differentiable).
-        num_tokens: this rank's number of loss tokens.
-        group: the data-parallel x context-parallel group (default: world).
-    """
-    stats = torch.stack(
-        [loss_sum.detach().double(), torch.as_tensor(num_tokens, device=loss_sum.device).double().reshape(())]
-    )
-    total_sum, total_tokens = _all_reduce_sum(stats, group).unbind()
-    denom = total_tokens.clamp(min=1)
-    local = loss_sum / denom.to(loss_sum.dtype)
-    # value: the global mean; gradient: through this rank's sum only.
-    return local - local.detach() + (total_sum / denom).to(loss_sum.dtype)
-
-
-class PerTokenLoss:
-    """Token-weighted loss over data-parallel x context-parallel ranks and gradient-accumulation steps.
-
-    The optimised loss of a step is ``sum of every loss token's loss / number of loss tokens``, over all
-    micro-batches of all ranks of ``group``: packing, CP sharding and unequal token counts between ranks or
-    micro-batches re-weight nothing. Two ways to get the global token count:
-
-    - counted ahead (labels are known before the forward; one all-reduce per step)::
-
-          ptl = PerTokenLoss(group=dp_cp_group, grad_reduction="mean")  # PyTorch DDP averages gradients
-          ptl.begin_step(sum(int((mb_labels != -100).sum()) for mb_labels in my_micro_batch_labels))
-          for mb in micro_batches:
-              loss_sum, n = token_cross_entropy(model(mb), mb_labels)
-              ptl.loss_for_backward(loss_sum, n).backward()
-          step_loss = ptl.end_step()  # global mean, for logging
-
-    - deferred (Megatron ``calculate_per_token_loss``): ``ptl.begin_step()`` without a count, backward on
-      the unnormalised sums, then ``ptl.end_step(model.parameters())`` divides the (reduced) gradients by
-      the global token count.
-
-    Args:
-        group: the group the gradients are reduced over (data-parallel x context-parallel; default world).
-        grad_reduction: ``"mean"`` if that reduction averages (DDP, FSDP), ``"sum"`` if it sums (Megatron
-            with ``average_in_collective=False``, or a manual all-reduce SUM).
-    """
-
-    def __init__(
-        self, group: dist.ProcessGroup | None = None, grad_reduction: Literal["mean", "sum"] = "mean"
-    ) -> None:
-        if grad_reduction not in ("mean", "sum"):
-            raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
-        self.group = group
-        self.grad_reduction = grad_reduction
-        self._global_tokens: int | None = None
-        self._expected_local: int | None = None
-        self._loss_sum: torch.Tensor | float = 0.0  # on the loss's device until end_step
-        self._tokens: torch.Tensor | int = 0
-        self._open = False
-
-    @property
-    def global_tokens(self) -> int | None:
-        """Loss tokens of the current step over the whole group (known after ``begin_step(count)``)."""
-        return self._global_tokens
-
-    def _factor(self) -> float:
-        return float(_group_size_rank(self.group)[0]) if self.grad_reduction == "mean" else 1.0
-
-    def begin_step(self, local_num_tokens: int | torch.Tensor | None = None) -> None:
-        """Start an optimizer step; with this rank's token count of the whole step, all-reduce it now."""
-        self._loss_sum, self._tokens, self._open = 0.0, 0, True
-        self._global_tokens = self._expected_local = None
-        if local_num_tokens is not None:
-            count = torch.as_tensor(local_num_tokens, dtype=torch.float64).cpu()
-            self._expected_local = int(count)
-            self._global_tokens = int(_all_reduce_sum(count.reshape(1), self.group)[0])
-
-    def loss_for_backward(self, loss_sum: torch.Tensor, num_tokens: int | torch.Tensor) -> torch.Tensor:
-        """The micro-batch loss to call ``.backward()`` on; records it for :meth:`end_step`."""
-        if not self._open:
-            raise RuntimeError("call PerTokenLoss.begin_step() before loss_for_backward()")
-        # Accumulate on the loss's device: a float()/int() here would stall the GPU once per micro-batch;
-        # end_step reads both back once per step.
-        self._loss_sum = self._loss_sum + loss_sum.detach().double()
-        self._tokens = self._tokens + num_tokens
-        scale = self._factor()
-        if self._global_tokens is not None:
-            scale /= max(self._global_tokens, 1)
-        return loss_sum * scale
-
-    def end_step(self, parameters: Iterable[torch.nn.Parameter] | None = None) -> torch.Tensor:
-        """Finish the step: return the global per-token mean loss (float64 scalar, same on every rank).
-
-        In deferred mode, divide the gradients of ``parameters`` by the global token count (after the
-        gradient reduction or before it: the scaling is linear).
-        """
-        if not self._open:
-            raise RuntimeError("call PerTokenLoss.begin_step() before end_step()")
-        self._open = False
-        device = self._loss_sum.device if isinstance(self._loss_sum, torch.Tensor) else None
-        pair = [
-            torch.as_tensor(x, dtype=torch.float64, device=device).reshape(())
-            for x in (self._loss_sum, self._tokens)
-        ]
-        stats = torch.stack(pair).cpu()  # the step's one device-to-host copy
-        local_tokens = int(stats[1])
-        if self._expected_local is not None and self._expected_local != local_tokens:
-            raise ValueError(
-                f"begin_step counted {self._expected_local} loss tokens on this rank but the micro-batches "
-                f"passed to loss_for_backward had {local_tokens}: count the same (shifted) labels"
-            )
-        total_sum, total_tokens = _all_reduce_sum(stats, self.group).unbind()
-        if self._global_tokens is None:
-            self._global_tokens = int(total_tokens)
-            if parameters is None:
-                raise ValueError(
-                    "deferred PerTokenLoss (begin_step() without a token count) needs end_step(parameters) "
-                    "to divide the gradients by the global token count"
-                )
-            inv = 1.0 / max(self._global_tokens, 1)
-            for p in parameters:
-                if p.grad is not None:
-                    p.grad.mul_(inv)
-        return total_sum / total_tokens.clamp(min=1)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -730,11 +545,11 @@ def check_parallel_config(
     micro_batch_size = _as_int(micro_batch_size, "micro_batch_size", 1)
     if packing not in ("offline", "in_batch"):
         raise ValueError(f"packing must be 'offline' or 'in_batch', got {packing!r}")
-    required = (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)
+    required = pad_multiple_for(tp=tp, cp=cp, sequence_parallel=sequence_parallel)
     if cp > 1 and not per_token_loss:
         raise ValueError(
             f"context parallelism (cp={cp}) requires per-token loss: each CP rank holds a different number "
-            "of loss tokens, so averaging per rank re-weights tokens. Use PerTokenLoss / reduce_token_loss "
+            "of loss tokens, so averaging per rank re-weights tokens. Use vlm_pack.PerTokenLoss "
             "(Megatron: calculate_per_token_loss=True and ddp average_in_collective=False)."
         )
     if pad_to_multiple_of % required:
@@ -762,7 +577,7 @@ def check_parallel_config(
     if not per_token_loss and cp == 1:
         warnings.warn(
             "per_token_loss=False with packing: a mean per micro-batch (or per rank) weights each token by "
-            "1 / tokens in its pack, so packing changes the loss. Use PerTokenLoss / reduce_token_loss.",
+            "1 / tokens in its pack, so packing changes the loss. Use vlm_pack.PerTokenLoss.",
             UserWarning,
             stacklevel=2,
         )

@@ -1,0 +1,170 @@
+"""The import graph of vlm_pack has no cycle, and no submodule imports the top-level package.
+
+Every ``import`` / ``from ... import`` statement counts: at module level, inside functions and under
+``if TYPE_CHECKING:`` (a cycle hidden in a function or a type-only import is still two modules that need
+each other). Relative imports are resolved; ``from pkg import name`` is an edge to ``pkg.name`` when that is
+a module, else to ``pkg`` (its ``__init__``). The parent packages Python imports implicitly are not edges.
+
+The top-level ``vlm_pack`` re-exports lazily (``__getattr__`` over a table of submodules), so it depends on
+nearly every module without an import statement saying so: a submodule importing it (``from .. import
+Preprocessor``) would close a loop the graph cannot see. Submodules import what they need from the module
+that defines it; ``from vlm_pack import offline`` (a submodule) is fine.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import vlm_pack
+
+PACKAGE = Path(vlm_pack.__file__).parent
+
+
+def _modules(root: Path) -> dict[str, tuple[Path, bool]]:
+    """``{dotted name: (file, is a package __init__)}`` for every ``.py`` under the package ``root``."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: set[str]) -> list[str]:
+    """The modules of ``known`` one import statement of ``module`` names."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        if node.level:
+            here = module.split(".") if is_package else module.split(".")[:-1]
+            base = here[: len(here) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+        else:
+            target = node.module or ""
+        submodules = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
+        # the other names are read from ``target`` itself (its __init__ for a package)
+        names = submodules + ([target] if len(submodules) < len(node.names) else [])
+    out = []
+    for name in names:
+        while name and name not in known:  # ``import a.b.c`` of a name inside module ``a.b``: ``a.b``
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            out.append(name)
+    return out
+
+
+def import_edges(root: Path) -> dict[str, dict[str, int]]:
+    """``{module: {imported module: line of the first such import}}`` within the package at ``root``."""
+    modules = _modules(root)
+    known = set(modules)
+    edges: dict[str, dict[str, int]] = {name: {} for name in modules}
+    for module, (path, is_package) in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                for target in _targets(module, is_package, node, known):
+                    edges[module].setdefault(target, node.lineno)
+    return edges
+
+
+def cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iterative), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
+
+
+def _describe(component: list[str], edges: dict[str, dict[str, int]]) -> str:
+    members = set(component)
+    lines = [
+        f"  {module.replace('.', '/')}.py:{line} imports {target}"
+        for module in component
+        for target, line in sorted(edges[module].items())
+        if target in members
+    ]
+    return " <-> ".join(component) + "\n" + "\n".join(lines)
+
+
+def test_no_import_cycle_in_vlm_pack():
+    edges = import_edges(PACKAGE)
+    assert len(edges) > 40 and edges["vlm_pack.data.pipeline"], "the graph was not built"
+    found = cycles(edges)
+    assert not found, "import cycles (move the shared piece down into a lower module):\n" + "\n".join(
+        _describe(component, edges) for component in found
+    )
+
+
+def test_no_submodule_imports_the_top_level_package():
+    edges = import_edges(PACKAGE)
+    offenders = [
+        f"{module.replace('.', '/')}.py:{edges[module]['vlm_pack']}"
+        for module in sorted(edges)
+        if module != "vlm_pack" and "vlm_pack" in edges[module]
+    ]
+    assert not offenders, (
+        "these modules import names from the top-level vlm_pack (which lazily re-exports nearly every "
+        f"module): import them from the module that defines them instead: {offenders}"
+    )
+
+
+def test_the_checker_finds_cycles_through_function_and_type_only_imports(tmp_path):
+    # a package with one cycle through an in-function relative import, one through a TYPE_CHECKING
+    # import of a package's __init__, and edges that are no cycle (a parent package, a submodule by name)
+    pkg = tmp_path / "pkg"
+    files = {
+        "__init__.py": "from .a import A\n",
+        "a.py": "A = 1\ndef f():\n    from .sub import deep\n    return deep\n",
+        "b.py": "from . import a\n",
+        "sub/__init__.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .deep import D\n",
+        "sub/deep.py": "from ..a import A\nD = A\n",
+        "c.py": "import pkg.sub.deep as d\n",
+        "d.py": "from .sub import deep\n",
+        "e.py": "def g():\n    from . import f\n",
+        "f.py": "from .e import g\n",
+    }
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(textwrap.dedent(text))
+    edges = import_edges(pkg)
+    assert edges["pkg.b"] == {"pkg.a": 1}
+    assert edges["pkg.c"] == {"pkg.sub.deep": 1}
+    assert edges["pkg.d"] == {"pkg.sub.deep": 1}  # a submodule by name: not the package's __init__
+    assert edges["pkg.sub"] == {"pkg.sub.deep": 3}
+    assert cycles(edges) == [["pkg.a", "pkg.sub.deep"], ["pkg.e", "pkg.f"]]
