@@ -436,3 +436,13 @@ def test_the_fingerprint_is_the_same_in_every_process():
         for seed in ("1", "2")
     }
     assert len(digests) == 1 and len(next(iter(digests))) == 64
+
+
+def test_files_instead_of_one_dataset_are_refused_with_the_fix(dataset, model, tmp_path):
+    """A user who points the map-style dataset at their files (a glob of shards, a parquet file) gets an error
+    that says what it found and what to use instead, not a bare unpacking error."""
+    dataset.to_parquet(str(tmp_path / "a.parquet"))
+    dataset.to_parquet(str(tmp_path / "b.parquet"))
+    for given, found in ((str(tmp_path / "*.parquet"), "found 2 source"), (str(tmp_path / "a.parquet"), "found 1")):
+        with pytest.raises(ValueError, match=rf"{found}.*reads rows by index.*datasets.load_dataset.*packed_dataset"):
+            _packed(given, model, None)

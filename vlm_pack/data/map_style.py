@@ -479,12 +479,16 @@ class PackedMapDataset(torch.utils.data.Dataset):
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if rank is not None and not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}) or None, got {rank!r}")
-        (source,) = open_sources([dataset], image_root=image_root)
-        if source.kind != "dataset":
+        opened = open_sources([dataset], image_root=image_root)
+        if len(opened) != 1 or opened[0].kind != "dataset":
+            named = ", ".join(s.name for s in opened[:3]) + (", ..." if len(opened) > 3 else "")
             raise ValueError(
-                "PackedMapDataset reads rows by index: give a datasets.Dataset or a save_to_disk folder "
-                "(load parquet / JSON with datasets.load_dataset first); for streaming use PackedWebDataset."
+                f"PackedMapDataset({dataset!r}) found {len(opened)} source(s) that are not one dataset "
+                f"({named}): it reads rows by index, so give one datasets.Dataset or save_to_disk folder "
+                "(load parquet / JSON / shards with datasets.load_dataset first); for streaming use "
+                "PackedWebDataset, for TRL integrations.trl.packed_dataset (it takes any source)."
             )
+        (source,) = opened
         self.dataset = source.ref
         self.config, self.world_size, self.rank, self.strategy = config, world_size, rank, strategy
         self.preprocessor = Preprocessor(tokenizer, image_processor, processor, family, template)
