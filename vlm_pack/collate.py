@@ -75,6 +75,7 @@ from .batch import (
     packed_seq_params_class,
 )
 from .labels import IGNORE_INDEX
+from .packing.bins import round_up
 from .positions import MRopeOptions, is_mrope_family, packed_position_ids
 from .remap import remap_cu_seqlens_padded
 from .vision_inputs import join_vision
@@ -146,9 +147,6 @@ def _attr(obj: Any, *names: str) -> Any:
             return value
     return None
 
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 class PackingCollator:
@@ -618,7 +616,7 @@ def _check_arguments(
     if capacity % pad_to_multiple_of:
         raise ValueError(
             f"capacity {capacity} is not a multiple of pad_to_multiple_of {pad_to_multiple_of}: use "
-            f"capacity={_round_up(capacity, pad_to_multiple_of)} or "
+            f"capacity={round_up(capacity, pad_to_multiple_of)} or "
             f"{capacity // pad_to_multiple_of * pad_to_multiple_of}"
         )
     if layout not in ("expanded", "collapsed"):

@@ -51,6 +51,7 @@ import torch
 from ..config import PackingConfig
 from ..data import BadSampleWarning, PackedMapDataset, Sample, SampleError, normalise_record
 from ..data.sources import chunk_samples, chunks, open_sources
+from ..labels import IGNORE_INDEX
 from ..padded_batch import pad_samples
 from ..preprocessor import Preprocessor
 
@@ -497,7 +498,7 @@ def _padded_inputs(samples: list[dict[str, torch.Tensor]], pad_token_id: int) ->
     """One sample per row, right-padded, with an attention mask; labels padded with -100."""
     inputs = pad_samples(samples, pad_token_id=pad_token_id)
     inputs["labels"] = torch.nn.utils.rnn.pad_sequence(
-        [s["labels"] for s in samples], batch_first=True, padding_value=-100
+        [s["labels"] for s in samples], batch_first=True, padding_value=IGNORE_INDEX
     )
     return inputs
 

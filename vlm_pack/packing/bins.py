@@ -100,7 +100,13 @@ def padded_lengths(lengths: Any, multiple: int) -> np.ndarray:
     """
     multiple = _as_positive_int(multiple, "pad_to_multiple_of")
     lens = np.asarray(lengths, dtype=np.int64)
-    return lens if multiple == 1 else -(-lens // multiple) * multiple
+    return lens if multiple == 1 else round_up(lens, multiple)
+
+
+def round_up(value: Any, multiple: int) -> Any:
+    """``value`` (an int or an integer array) rounded up to a multiple of ``multiple``: the one rounding rule
+    of the planners (:func:`padded_lengths`, ``StreamPacker``) and of ``PackingCollator``'s padding checks."""
+    return -(-value // multiple) * multiple
 
 
 def _check_multiple(capacity: int, multiple: Any) -> int:
@@ -109,21 +115,21 @@ def _check_multiple(capacity: int, multiple: Any) -> int:
     if capacity % multiple:
         raise ValueError(
             f"capacity {capacity} is not a multiple of pad_to_multiple_of {multiple}: use "
-            f"capacity={-(-capacity // multiple) * multiple} or {capacity // multiple * multiple}"
+            f"capacity={round_up(capacity, multiple)} or {capacity // multiple * multiple}"
         )
     return multiple
 
 
 def _length_text(length: int, multiple: int) -> str:
     """``"4097"``, or ``"4097 (padded to 4100)"`` when padding to ``multiple`` changes it."""
-    span = -(-length // multiple) * multiple
+    span = round_up(length, multiple)
     return str(length) if span == length else f"{length} (padded to {span}, a multiple of {multiple})"
 
 
 def _oversize_message(who: str, length: int, capacity: int, multiple: int = 1) -> str:
     return (
         f"{who} has expanded length {_length_text(length, multiple)} > capacity {capacity}. Raise capacity to "
-        f"at least {-(-length // multiple) * multiple}, or pass oversized='truncate' (clip it to {capacity} "
+        f"at least {round_up(length, multiple)}, or pass oversized='truncate' (clip it to {capacity} "
         f"tokens) or oversized='skip' (leave it out; it is reported with its reason)"
     )
 

@@ -18,6 +18,7 @@ from .bins import (
     _length_text,
     _oversize_message,
     _vision_oversize_message,
+    round_up,
 )
 
 _MT_BITS = 40  # low bits of an index key hold (~mtime) so equal free space sorts most-recent first
@@ -214,7 +215,7 @@ class StreamPacker:
             self.stats.truncated.append((key, length))
             length = self.capacity
         if multiple > 1:  # capacity is a multiple of it: a length that fits also fits once padded
-            length = -(-length // multiple) * multiple
+            length = round_up(length, multiple)
         return length, vision
 
     def _emit(self, packed: PackedBin, out: list[PackedBin]) -> None:
