@@ -85,6 +85,7 @@ def _squash(name: str) -> str:
 
 
 _BY_SQUASHED = {_squash(name): name for name in KNOWN_FAMILIES} | _ALIASES
+_CANONICAL = frozenset(KNOWN_FAMILIES)
 
 
 def canonical_family(name: str | None, *, strict: bool = True) -> str | None:
@@ -99,6 +100,8 @@ def canonical_family(name: str | None, *, strict: bool = True) -> str | None:
         return None
     if not isinstance(name, str):
         raise TypeError(f"a family name must be a string, got {type(name).__name__} {name!r}")
+    if name in _CANONICAL:  # the per-sample calls (processing._render) pass canonical names: no regex
+        return name
     found = _BY_SQUASHED.get(_squash(name))
     if found is not None:
         return found
