@@ -14,7 +14,7 @@ import importlib.util
 import os
 
 TRANSFORMERS_REQUIREMENT = ">=5.18,<6"
-TRANSFORMERS_MINIMUM = (5, 18)
+TRANSFORMERS_MINIMUM = (5, 6)
 
 
 def installed_transformers_version() -> str | None:

@@ -33,6 +33,7 @@ A plain string is a caption: the images are the prompt and the whole caption is 
 
 from __future__ import annotations
 
+import copy
 import io
 import itertools
 import os
@@ -115,8 +116,11 @@ def _image_token(tokenizer: Any, family: str | None = None) -> tuple[str, int]:
 
 def _placeholder(tokenizer: Any, processor: Any, family: str | None) -> str:
     """The token a chat template writes once per image (what the processor then expands)."""
-    if processor is not None and getattr(processor, "image_token", None):
-        return str(processor.image_token)
+    # Gemma 3's template writes <start_of_image>: transformers >= 5.7 names it the processor's image_token,
+    # 5.6 its boi_token (image_token there is the embedding token it expands into).
+    for name in ("boi_token", "image_token"):
+        if processor is not None and getattr(processor, name, None):
+            return str(getattr(processor, name))
     for name in ("boi_token", "context_image_token"):  # Gemma 3, InternVL tokenizers
         if getattr(tokenizer, name, None):
             return str(getattr(tokenizer, name))
@@ -211,7 +215,9 @@ def tokenize_conversation(
     return _collapsed_ids(rendering, tokenizer, num_images, key)
 
 
-def _collapsed_ids(rendering: Rendering, tokenizer: Any, num_images: int, key: Any) -> tuple[list[int], list[bool]]:
+def _collapsed_ids(
+    rendering: Rendering, tokenizer: Any, num_images: int, key: Any
+) -> tuple[list[int], list[bool]]:
     ids, mask = _tokenize(tokenizer, rendering)
     image_id = tokenizer.convert_tokens_to_ids(rendering.placeholder)
     mask = [m and i != image_id for i, m in zip(ids, mask)]
@@ -233,7 +239,9 @@ def _idefics3_prompt(cols: int, rows: int, image: str, fake: str, global_tag: st
     tail = f"{fake}{global_tag}{image}{fake}"
     if rows == 0 and cols == 0:
         return tail
-    crops = ("".join(f"{fake}<row_{r}_col_{c}>{image}" for c in range(1, cols + 1)) for r in range(1, rows + 1))
+    crops = (
+        "".join(f"{fake}<row_{r}_col_{c}>{image}" for c in range(1, cols + 1)) for r in range(1, rows + 1)
+    )
     return "".join(row + "\n" for row in crops) + "\n" + tail
 
 
@@ -252,7 +260,9 @@ def _idefics3_extra_tokens(tokenizer: Any, processor: Any, cols: int, rows: int)
 
     image = named("image_token", IMAGE_MARKER)
     fake = named("fake_image_token", "<fake_token_around_image>")
-    global_tag = str(getattr(processor, "global_image_tag", None) or named("global_image_token", "<global-img>"))
+    global_tag = str(
+        getattr(processor, "global_image_tag", None) or named("global_image_token", "<global-img>")
+    )
     key = (len(tokenizer), image, fake, global_tag, cols, rows)
     try:
         cache = _IDEFICS3_EXTRAS.setdefault(tokenizer, {})
@@ -305,7 +315,9 @@ def _skeleton(
             out.append((text, n))
         return out
     if family in _PROCESSOR_WRAPS:
-        counts = [n + _image_extra_tokens(spec, tokenizer, processor, w, h) for n, (w, h) in zip(counts, sizes)]
+        counts = [
+            n + _image_extra_tokens(spec, tokenizer, processor, w, h) for n, (w, h) in zip(counts, sizes)
+        ]
     return [(placeholder, n - 1) for n in counts]
 
 
@@ -344,7 +356,16 @@ def forecast_length(
     as there; only the image expansions are counted instead of written out.
     """
     length, counts, _ = _forecast(
-        conversation, image_sizes, tokenizer, spec, processor, image_processor, family, template, key, keep=False
+        conversation,
+        image_sizes,
+        tokenizer,
+        spec,
+        processor,
+        image_processor,
+        family,
+        template,
+        key,
+        keep=False,
     )
     return length, counts
 
@@ -411,13 +432,17 @@ def load_image(source: Any, name: str = "image") -> Any:
         if isinstance(source, Image.Image):
             image = source
         else:
-            image = Image.open(io.BytesIO(bytes(source)) if not isinstance(source, (str, os.PathLike)) else source)
+            image = Image.open(
+                io.BytesIO(bytes(source)) if not isinstance(source, (str, os.PathLike)) else source
+            )
             image = ImageOps.exif_transpose(image)
         return image.convert("RGB")  # decodes the pixels: a truncated file fails here
     # Pillow's decoders report bad files as OSError (UnidentifiedImageError, "image file is truncated"),
     # SyntaxError (broken PNG chunks), EOFError, struct.error or ValueError, and bombs as their own error
     except (OSError, SyntaxError, EOFError, ValueError, struct.error, Image.DecompressionBombError) as exc:
-        raise ImageDecodeError("decode_error", f"{name} does not decode: {type(exc).__name__}: {exc}") from exc
+        raise ImageDecodeError(
+            "decode_error", f"{name} does not decode: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _load_images(images: Sequence[Any], key: Any) -> list[Any]:
@@ -425,10 +450,12 @@ def _load_images(images: Sequence[Any], key: Any) -> list[Any]:
     return [load_image(image, f"sample {key!r}, image {i}") for i, image in enumerate(images)]
 
 
-def _shift(spans: Sequence[tuple[int, int]], replacements: list[dict[str, Any]]) -> list[tuple[int, int]]:
-    """Character spans of the rendered prompt moved to the expanded prompt (placeholders replaced)."""
-    ends = torch.tensor([r["span"][1] for r in replacements], dtype=torch.long)
-    gained = torch.tensor([0] + [r["new_span"][1] - r["span"][1] for r in replacements], dtype=torch.long)
+def _shift(
+    spans: Sequence[tuple[int, int]], ends: torch.Tensor, new_ends: torch.Tensor
+) -> list[tuple[int, int]]:
+    """Character spans of the rendered prompt moved to the expanded prompt, where the placeholder ending at
+    ``ends[i]`` became the text ending at ``new_ends[i]``."""
+    gained = torch.cat([torch.zeros(1, dtype=torch.long), new_ends - ends])
     out = []
     for start, end in spans:
         i, j = (int(torch.searchsorted(ends, c, right=True)) for c in (start, end))
@@ -438,27 +465,91 @@ def _shift(spans: Sequence[tuple[int, int]], replacements: list[dict[str, Any]])
 
 _TEXT_KEYS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets")
 
+# Processor classes seen to return ``text_replacement_offsets`` (transformers >= 5.7 added it): True / False.
+_REPORTS_REPLACEMENTS: dict[type, bool] = {}
+# Marks one placeholder's ends in the text handed to a processor that does not report its replacements; a
+# private-use character, so no chat template writes it (checked per prompt).
+_EDGE = "\ue000"
+
+
+class _RecordingTokenizer:
+    """A processor's tokenizer that takes ``_EDGE`` marks out of the text it is handed, keeping where they
+    were: the spans of the expanded prompt each image's placeholder became."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.replaced: list[tuple[int, int]] = []
+
+    def __call__(self, text: Any, *args: Any, **kwargs: Any) -> Any:
+        texts = [text] if isinstance(text, str) else list(text)
+        pieces = texts[0].split(_EDGE)
+        if len(pieces) % 2 == 0:
+            raise RuntimeError(
+                "the processor split an image's placeholder from its marks; report this to vlm-pack"
+            )
+        ends = list(itertools.accumulate(len(piece) for piece in pieces))
+        self.replaced = [(ends[i], ends[i + 1]) for i in range(0, len(pieces) - 1, 2)]
+        texts[0] = "".join(pieces)
+        return self.tokenizer(texts[0] if isinstance(text, str) else texts, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
+def _call_processor(
+    processor: Any, rendering: Rendering, images: list[Any]
+) -> tuple[Any, list[tuple[int, int]]]:
+    """``processor(text=[prompt], images=[images])`` with offsets, and the ``[(start, end), ...]`` characters
+    of the rendered prompt each image's placeholder was replaced by, in the expanded prompt.
+
+    transformers >= 5.7 reports them (``return_text_replacement_offsets``). Older processors each replace the
+    placeholder inside their own ``__call__`` and hand the expanded text to their tokenizer, so there the
+    placeholders are marked with ``_EDGE`` on both sides and the processor gets a tokenizer that takes the marks
+    out before tokenizing, keeping where they were: the ids and every other output are the processor's own.
+    """
+    kind = type(processor)
+    call = dict(
+        return_tensors="pt", return_offsets_mapping=True, add_special_tokens=rendering.add_special_tokens
+    )
+    if _REPORTS_REPLACEMENTS.get(kind, True) or not images:
+        enc = processor(
+            text=[rendering.text],
+            images=[images] if images else None,
+            return_text_replacement_offsets=True,
+            **call,
+        )
+        if not images:
+            return enc, []
+        reported = enc.get("text_replacement_offsets")
+        _REPORTS_REPLACEMENTS[kind] = reported is not None
+        if reported is not None:
+            return enc, [tuple(r["new_span"]) for r in reported[0] if r["type"] == "image"]
+    if _EDGE in rendering.text:
+        raise ValueError(
+            f"the rendered prompt holds {_EDGE!r}, which vlm-pack marks placeholders with; remove it"
+        )
+    recorder = _RecordingTokenizer(processor.tokenizer)
+    marked = copy.copy(processor)  # a shallow copy: the user's processor keeps its own tokenizer
+    marked.tokenizer = recorder
+    text = rendering.text.replace(rendering.placeholder, f"{_EDGE}{rendering.placeholder}{_EDGE}")
+    enc = marked(text=[text], images=[images], **call)
+    return enc, recorder.replaced
+
 
 def _with_processor(processor: Any, rendering: Rendering, images: list[Any], key: Any) -> dict[str, Any]:
     """The processor's expansion and tokenization of the rendered prompt, with labels and image counts."""
-    enc = processor(
-        text=[rendering.text],
-        images=[images] if images else None,
-        return_tensors="pt",
-        return_offsets_mapping=True,
-        return_text_replacement_offsets=True,
-        add_special_tokens=rendering.add_special_tokens,
-    )
+    enc, replaced = _call_processor(processor, rendering, images)
     ids = enc["input_ids"][0]
     offsets = enc["offset_mapping"][0].long()
-    replacements = list(enc.get("text_replacement_offsets", [[]])[0]) if images else []
-    replacements = [r for r in replacements if r["type"] == "image"]
+    placeholder = len(rendering.placeholder)
+    pieces = rendering.text.split(rendering.placeholder)[:-1]
+    ends = torch.tensor(list(itertools.accumulate(len(p) + placeholder for p in pieces)), dtype=torch.long)
+    new = torch.tensor(replaced, dtype=torch.long).reshape(-1, 2)
     length = int(offsets.max()) if len(offsets) else 0
-    trained = _trained_tokens(_shift(rendering.spans, replacements), offsets, max(length, 1))
+    trained = _trained_tokens(_shift(rendering.spans, ends, new[:, 1]), offsets, max(length, 1))
     counts = torch.zeros(len(images), dtype=torch.long)
     if images:
-        starts = torch.tensor([r["new_span"][0] for r in replacements], dtype=torch.long)
-        ends = torch.tensor([r["new_span"][1] for r in replacements], dtype=torch.long)
+        starts, ends = new[:, 0].contiguous(), new[:, 1]
         image_of = torch.searchsorted(starts, offsets[:, 0].contiguous(), right=True) - 1
         inside = (
             (image_of >= 0) & (offsets[:, 0] < ends[image_of.clamp(min=0)]) & (offsets[:, 1] > offsets[:, 0])
@@ -475,7 +566,9 @@ def _with_processor(processor: Any, rendering: Rendering, images: list[Any], key
         if name in out:
             out[name] = out[name][0]
     out.update(
-        input_ids=ids, labels=torch.where(trained, ids, torch.full_like(ids, IGNORE_INDEX)), tokens_per_image=counts
+        input_ids=ids,
+        labels=torch.where(trained, ids, torch.full_like(ids, IGNORE_INDEX)),
+        tokens_per_image=counts,
     )
     return out
 
@@ -664,7 +757,11 @@ def _one_call(image_processor: Any, processor: Any) -> bool:
     pack's (cold) patches followed by that copy. In the main process one call saves a whole copy.
     """
     cls = type(image_processor)  # the class itself: a subclass may process images otherwise
-    if processor is not None or not cls.__module__.startswith("transformers.") or cls.__name__ not in _ONE_CALL:
+    if (
+        processor is not None
+        or not cls.__module__.startswith("transformers.")
+        or cls.__name__ not in _ONE_CALL
+    ):
         return False
     return torch.utils.data.get_worker_info() is None
 

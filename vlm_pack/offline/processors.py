@@ -141,12 +141,30 @@ def image_processor(family: str = "qwen2_vl", **overrides: Any) -> Any:
     ``overrides`` replace checkpoint parameters, e.g. ``image_processor("qwen2_vl", size={"shortest_edge":
     3136, "longest_edge": 200704})`` to cap Qwen images at 256 vision tokens.
     """
-    import transformers
 
     family_tokens(family)  # validates the name
     params = {k: v for k, v in _IMAGE_PROCESSOR_PARAMS[family].items() if k != "cls"}
     params.update(overrides)
-    return getattr(transformers, _IMAGE_PROCESSOR_PARAMS[family]["cls"])(**params)
+    return pil_image_processor_class(_IMAGE_PROCESSOR_PARAMS[family]["cls"])(**params)
+
+
+def pil_image_processor_class(name: str) -> type:
+    """``transformers.<name>`` (a ``...ImageProcessorPil``), also where transformers' top level hides it.
+
+    transformers 5.6 lists Idefics3's and SmolVLM's PIL processors at the top level as needing torchvision
+    (which does not load beside a CPU torch), though their modules import and run without it.
+    """
+    import importlib
+
+    import transformers
+
+    cls = getattr(transformers, name)
+    if type(cls).__name__ != "DummyObject":  # transformers' stand-in for a class whose backend is missing
+        return cls
+    module = name.removesuffix("ImageProcessorPil").lower()
+    return getattr(
+        importlib.import_module(f"transformers.models.{module}.image_processing_pil_{module}"), name
+    )
 
 
 @functools.cache
