@@ -17,7 +17,7 @@ test-fast: setup
 lint: setup
 	.venv/bin/ruff check .
 
-# the suite on other transformers releases (scripts/compat_matrix.sh; VERSIONS="5.18.0 newest" picks some)
+# the suite on other transformers releases (scripts/compat_matrix.sh; `make matrix VERSIONS="5.6.2 newest"` picks some)
 matrix: setup
 	bash scripts/compat_matrix.sh $(VERSIONS)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of benchmarks/RESULTS.md as one script, for a lent CUDA machine whose python3 already holds
-# torch (webdataset, braceexpand and, where its transformers is older than 5.18, transformers itself travel
-# as wheels in .whl/, made with `pip download --no-deps`; see the device notes). Logs go to ${OUT:-gpu-out}/.
+# torch and transformers (>= 5.6; webdataset and braceexpand travel as wheels in .whl/, made with `pip download
+# --no-deps`, and a newer transformers may too; see the device notes). Logs go to ${OUT:-gpu-out}/.
 # Each step has its own time limit so that one slow step cannot eat the others' time.
 #   bash benchmarks/gpu_checks.sh                       # every step
 #   bash benchmarks/gpu_checks.sh pytest_gpu train_step # the named steps only

@@ -42,8 +42,8 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.video_utils import VideoMetadata
 
+from vlm_pack._compat import pil_image_processor_class
 from vlm_pack.offline import build_tokenizer
-from vlm_pack.offline.processors import pil_image_processor_class
 from vlm_pack.vision import (
     FAMILIES,
     Gemma3Spec,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-TRANSFORMERS_REQUIREMENT = ">=5.18,<6"
+TRANSFORMERS_REQUIREMENT = ">=5.6,<6"
 TRANSFORMERS_MINIMUM = (5, 6)
 
 
@@ -59,3 +59,31 @@ def check_transformers(version: str | None = None) -> None:
         f"Upgrade it: pip install 'transformers{TRANSFORMERS_REQUIREMENT}' (README.md, 'Supported versions', "
         "says what each release was tested with)."
     )
+
+
+def pil_image_processor_class(name: str) -> type:
+    """The transformers PIL image processor class ``name`` (``"Idefics3ImageProcessorPil"``; a name without
+    the ``Pil`` suffix, as ``preprocessor_config.json`` writes it, means its PIL class).
+
+    transformers 5.6 lists some PIL processors (Idefics3's, SmolVLM's) at its top level as needing torchvision,
+    which does not load beside a CPU torch, though their own modules import and run without it; there the
+    class is read from its module.
+    """
+    import importlib
+    import re
+
+    import transformers
+
+    name = name if name.endswith("Pil") else f"{name}Pil"
+    cls = getattr(transformers, name, None)
+    if cls is not None and type(cls).__name__ != "DummyObject":  # transformers' stand-in for a missing backend
+        return cls
+    stem = name.removesuffix("ImageProcessorPil")
+    for module in dict.fromkeys([stem.lower(), re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", stem).lower()]):
+        try:
+            found = importlib.import_module(f"transformers.models.{module}.image_processing_pil_{module}")
+        except ImportError:
+            continue
+        if hasattr(found, name):
+            return getattr(found, name)
+    raise ImportError(f"transformers {transformers.__version__} has no image processor {name}")

@@ -35,7 +35,7 @@ import torch
 
 from ._checks import canonical_family
 from .labels import IGNORE_INDEX, roll_packed
-from .masks import gemma3_attention_masks
+from .masks import TOKENS_KEY, MaskMapping, gemma3_attention_masks, real_tokens
 from .positions import is_mrope_family
 from .vision_inputs import VISION_KEYS
 
@@ -271,7 +271,8 @@ class PackedBatch:
             out = {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids}
             masks = self.attention_masks(None if style == "sdpa" else mask_dtype)
             if masks is not None:
-                out["attention_mask"] = masks
+                tokens = real_tokens(self.cu_seqlens, self.cu_seqlens_padded, self.num_rows, self.row_length)
+                out["attention_mask"] = MaskMapping(masks, **{TOKENS_KEY: tokens})
             return {**out, **vision, "use_cache": False}
         flat = self.num_rows * self.row_length
         pos = self._flat_positions()

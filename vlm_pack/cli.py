@@ -345,7 +345,7 @@ def _checkpoint_preprocessor(args: argparse.Namespace, overrides: dict[str, Any]
     class cannot be built, e.g. a video processor without torchvision), its chat template and its vision spec."""
     from dataclasses import replace
 
-    from transformers import AutoImageProcessor, AutoProcessor
+    from transformers import AutoProcessor
 
     from vlm_pack.preprocessor import Preprocessor
     from vlm_pack.vision import vision_spec_from_processor
@@ -362,10 +362,7 @@ def _checkpoint_preprocessor(args: argparse.Namespace, overrides: dict[str, Any]
     if processor is not None:
         tokenizer, image_processor = processor.tokenizer, processor.image_processor
     else:
-        try:
-            image_processor = AutoImageProcessor.from_pretrained(folder)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--processor {args.processor!r}: no image processor could be loaded ({e}).") from None
+        image_processor = _load_image_processor(folder, args.processor)
         tokenizer = _load_tokenizer(args.tokenizer or args.processor)
         saved = folder / "chat_template.jinja"  # a processor's template is saved beside it, not in the tokenizer
         if not getattr(tokenizer, "chat_template", None) and saved.is_file():
@@ -384,6 +381,37 @@ def _checkpoint_preprocessor(args: argparse.Namespace, overrides: dict[str, Any]
                 f"--family (one of {', '.join(_CHAT_FAMILIES)}) with the same format."
             )
     return Preprocessor(tokenizer, image_processor, processor, family=family, spec=spec)
+
+
+def _load_image_processor(folder: Path, given: str) -> Any:
+    """The image processor saved in ``folder``; its PIL class where transformers' choice needs torchvision
+    (transformers 5.6's ``AutoImageProcessor`` needs it for every class)."""
+    from transformers import AutoImageProcessor
+
+    from vlm_pack._compat import pil_image_processor_class
+
+    try:
+        return AutoImageProcessor.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--processor {given!r}: no image processor could be loaded ({e}).") from None
+    except ImportError:  # torchvision missing: the PIL class of the saved type loads without it
+        config = _saved_image_processor_config(folder)
+        if not config.get("image_processor_type"):
+            raise
+        return pil_image_processor_class(config["image_processor_type"]).from_dict(config)
+
+
+def _saved_image_processor_config(folder: Path) -> dict[str, Any]:
+    """The image processor's settings as saved in ``folder``: ``preprocessor_config.json``, else the
+    ``image_processor`` entry of ``processor_config.json`` (where a processor saves them); {} if neither."""
+    import json
+
+    alone, nested = folder / "preprocessor_config.json", folder / "processor_config.json"
+    if alone.is_file():
+        return json.loads(alone.read_text())
+    if nested.is_file():
+        return json.loads(nested.read_text()).get("image_processor", {})
+    return {}
 
 
 def _check_spec_keys(spec: Any, overrides: dict[str, Any]) -> None:

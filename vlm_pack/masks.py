@@ -21,12 +21,14 @@ Positions inside a sample differ by the same amount as in the row, so the window
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from .remap import segment_ids
 
-__all__ = ["gemma3_attention_masks", "image_blocks"]
+__all__ = ["TOKENS_KEY", "MaskMapping", "gemma3_attention_masks", "image_blocks", "real_tokens"]
 
 
 def image_blocks(token_type_ids: torch.Tensor) -> torch.Tensor:
@@ -82,3 +84,46 @@ def gemma3_attention_masks(
     return {
         k: torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, low) for k, m in masks.items()
     }
+
+
+#: The entry of a :class:`MaskMapping` that holds the 2-D mask of real tokens.
+TOKENS_KEY = "real_tokens"
+
+
+class MaskMapping(dict):
+    """Gemma 3's packed masks as the one ``attention_mask`` a forward call takes::
+
+        {"full_attention": [R, 1, T, T], "sliding_attention": [R, 1, T, T], "real_tokens": [R, T] int64}
+
+    Gemma 3 reads the entries of its layer types. Code written for a 2-D padding mask reads ``real_tokens``
+    (1 on real tokens, 0 on padding): indexing with anything but a name (transformers <= 5.16's Gemma 3 loss
+    takes ``attention_mask[:, -n:]``) and ``.sum()`` (TRL's count of a batch's tokens). Everything is an entry,
+    so the mapping survives what happens to a batch on its way to the model: accelerate's ``send_to_device``
+    rebuilds every mapping as ``type(m)({key: moved value})``, copy and pickle rebuild it from its items.
+    """
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, str):
+            return super().__getitem__(key)
+        return super().__getitem__(TOKENS_KEY)[key]
+
+    def sum(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self[TOKENS_KEY].sum(*args, **kwargs)
+
+
+def real_tokens(
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, rows: int, length: int
+) -> torch.Tensor:
+    """``[R, T]`` int64: 1 on the real tokens of packed rows, 0 on each sample's padding and the rows' tail.
+
+    ``cu_seqlens`` / ``cu_seqlens_padded``: ``[N + 1]`` offsets of the samples' real and padded spans in the
+    flattened ``R*T`` buffer (sample ``k``'s real tokens open its padded span).
+    """
+    total = rows * length
+    device = cu_seqlens_padded.device
+    padded = cu_seqlens_padded.to(torch.int64)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=device, dtype=torch.int64)
+    sample = segment_ids(padded, total)  # N on the rows' tail, after the last sample
+    k = sample.clamp(max=len(lengths) - 1)
+    real = (sample < len(lengths)) & (torch.arange(total, device=device) - padded[k] < lengths[k])
+    return real.to(torch.int64).reshape(rows, length)

@@ -468,30 +468,7 @@ class TRLPackingCollator:
         inputs = batch.model_inputs("sdpa")
         inputs.pop("use_cache")  # SFTTrainer.compute_loss sets it
         inputs[NUM_TOKENS_KEY] = torch.tensor(batch.num_real_tokens)
-        if isinstance(inputs.get("attention_mask"), dict):  # Gemma 3's packed masks
-            inputs["attention_mask"] = _MaskMapping(inputs["attention_mask"], batch.num_real_tokens)
         return inputs
-
-
-class _MaskMapping(dict):
-    """Gemma 3's packed masks ``{"full_attention", "sliding_attention"}`` as SFTTrainer's loop can read them:
-    it counts a batch's tokens with ``attention_mask.sum()``, which here gives the real tokens of the rows.
-
-    The count is an entry of the mapping (a 0-d tensor under ``NUM_TOKENS_KEY``; Gemma 3 reads only its layer
-    types' masks), so that it survives what happens to a batch on its way to the model: accelerate's
-    ``send_to_device`` rebuilds every mapping as ``type(m)({key: moved value})``, copy and pickle rebuild it
-    from its items, and the count moves to the device with the masks.
-    """
-
-    def __init__(self, masks: Mapping[str, Any] = (), num_real_tokens: int | None = None) -> None:
-        super().__init__(masks)
-        if num_real_tokens is not None:
-            self[NUM_TOKENS_KEY] = torch.tensor(int(num_real_tokens))
-
-    def sum(self) -> torch.Tensor:
-        if NUM_TOKENS_KEY not in self:
-            raise KeyError(f"the mask mapping has no {NUM_TOKENS_KEY!r}: build it as _MaskMapping(masks, n)")
-        return self[NUM_TOKENS_KEY]
 
 
 def _padded_inputs(samples: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, Any]:

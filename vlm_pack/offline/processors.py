@@ -9,6 +9,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+from .._compat import pil_image_processor_class
 from .tokenizers import build_tokenizer, family_tokens
 
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -146,25 +147,6 @@ def image_processor(family: str = "qwen2_vl", **overrides: Any) -> Any:
     params = {k: v for k, v in _IMAGE_PROCESSOR_PARAMS[family].items() if k != "cls"}
     params.update(overrides)
     return pil_image_processor_class(_IMAGE_PROCESSOR_PARAMS[family]["cls"])(**params)
-
-
-def pil_image_processor_class(name: str) -> type:
-    """``transformers.<name>`` (a ``...ImageProcessorPil``), also where transformers' top level hides it.
-
-    transformers 5.6 lists Idefics3's and SmolVLM's PIL processors at the top level as needing torchvision
-    (which does not load beside a CPU torch), though their modules import and run without it.
-    """
-    import importlib
-
-    import transformers
-
-    cls = getattr(transformers, name)
-    if type(cls).__name__ != "DummyObject":  # transformers' stand-in for a class whose backend is missing
-        return cls
-    module = name.removesuffix("ImageProcessorPil").lower()
-    return getattr(
-        importlib.import_module(f"transformers.models.{module}.image_processing_pil_{module}"), name
-    )
 
 
 @functools.cache
