@@ -17,9 +17,9 @@ import torch
 from PIL import Image
 
 from vlm_pack import Preprocessor
-from vlm_pack._checks import KNOWN_FAMILIES, canonical_family
 from vlm_pack.cli import main
 from vlm_pack.collate import PackingCollator
+from vlm_pack.families import FAMILIES, canonical
 from vlm_pack.offline import build_tokenizer, image_processor
 from vlm_pack.positions import packed_position_ids
 from vlm_pack.processing import forecast_length, process_sample, tokenize_conversation
@@ -172,18 +172,64 @@ def test_a_config_model_type_without_a_rule_keeps_1d_positions(qwen_samples):
 
 
 def test_every_family_table_uses_the_canonical_names():
-    """The tables each entry point looks names up in hold only canonical names, so one normaliser serves all."""
-    from vlm_pack.batch import TWO_WAY_IMAGE_FAMILIES
-    from vlm_pack.chat import _FORMATS
+    """The registry (and the offline stand-ins' table) holds only canonical names, so one normaliser serves all."""
     from vlm_pack.offline.tokenizers import _FAMILY_TOKENS
-    from vlm_pack.positions import MROPE_FAMILIES
-    from vlm_pack.processing import _FAMILY_IMAGE_TOKEN, _PROCESSOR_WRAPS, _TEMPLATE_WRAPS
-    from vlm_pack.vision import FAMILIES
 
-    for table in (FAMILIES, MROPE_FAMILIES, _FORMATS, _FAMILY_IMAGE_TOKEN, _PROCESSOR_WRAPS, _TEMPLATE_WRAPS,
-                  TWO_WAY_IMAGE_FAMILIES, _FAMILY_TOKENS):  # fmt: skip
-        assert set(table) <= set(KNOWN_FAMILIES), set(table) - set(KNOWN_FAMILIES)
-    for name in KNOWN_FAMILIES:
-        assert canonical_family(name) == name == canonical_family(name.upper().replace("_", "-"))
-    assert canonical_family("Qwen2.5-VL") == "qwen2_5_vl" and canonical_family("llava-1.6") == "llava_next"
-    assert canonical_family(None) is None
+    assert all(name == record.name for name, record in FAMILIES.items())
+    assert set(_FAMILY_TOKENS) <= set(FAMILIES), set(_FAMILY_TOKENS) - set(FAMILIES)
+    for name in FAMILIES:
+        assert canonical(name) == name == canonical(name.upper().replace("_", "-"))
+    assert canonical("Qwen2.5-VL") == "qwen2_5_vl" and canonical("llava-1.6") == "llava_next"
+    assert canonical(None) is None
+
+
+def _spellings(name: str) -> list[str]:
+    """The canonical name, its release names and odd spellings of both: each must name the same family."""
+    aliases = FAMILIES[name].aliases
+    odd = [name.upper().replace("_", "-"), f" {name.replace('_', '.').title()} "]
+    return [name, *odd, *aliases, *(a.lower().replace(".", "_").replace("-", " ") for a in aliases)]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_and_alias_gives_the_same_at_every_entry_point(qwen, name):
+    """Each registered family, by any name, reaches every entry point that takes a family as its record says:
+    the canonical name, the vision spec, the chat format, 1-D or 4-row position ids, Gemma 3's masks."""
+    from vlm_pack.chat import chat_format
+    from vlm_pack.cli import _family_name
+    from vlm_pack.families import family
+    from vlm_pack.positions import is_mrope_family
+    from vlm_pack.vision import vision_spec
+
+    tok, _ = qwen
+    record = FAMILIES[name]
+    samples = [{"input_ids": torch.tensor([5, 6, 7])}, {"input_ids": torch.tensor([8, 9])}]
+    reference = PackingCollator(16, family=name, sliding_window=4)(samples)
+    rows = (4, 1, 16) if record.mrope else (1, 16)
+    assert reference.position_ids.shape == rows
+    assert (reference.attention_masks() is not None) == record.two_way_images
+    for spelling in _spellings(name):
+        assert canonical(spelling) == name and family(spelling) is record and _family_name(spelling) == name
+        assert Preprocessor(tok, family=spelling).family == name
+        assert is_mrope_family(spelling) == (record.mrope is not None)
+        batch = PackingCollator(16, family=spelling, sliding_window=4)(samples)
+        _same_batch(batch, reference)
+        respelled = dataclasses.replace(reference, family=spelling)  # a PackedBatch normalises its own
+        assert respelled.family == name and respelled.model_inputs("sdpa").keys() == (
+            reference.model_inputs("sdpa").keys()
+        )
+        ids, cu = torch.tensor([[1, 2, 3, 4]]), torch.tensor([0, 2, 4])
+        positions = packed_position_ids(ids, cu, family=spelling, image_token_id=99)  # text only
+        assert positions.shape == ((4, 1, 4) if record.mrope else (1, 4))
+        if record.two_way_images:
+            with pytest.raises(ValueError, match="sliding_window"):
+                PackingCollator(16, family=spelling)
+        if record.vision is not None:
+            assert vision_spec(spelling) == record.vision() and vision_spec(spelling).family == name
+        else:
+            with pytest.raises(ValueError, match=f"no vision spec for family '{name}'"):
+                vision_spec(spelling)
+        if record.chat_format is not None:
+            assert chat_format(spelling) is chat_format(name) and chat_format(name).name == record.chat_format
+        else:
+            with pytest.raises(ValueError, match=f"no chat format for family '{name}'"):
+                chat_format(spelling)

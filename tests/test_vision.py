@@ -43,9 +43,9 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.video_utils import VideoMetadata
 
 from vlm_pack._compat import pil_image_processor_class
+from vlm_pack.families import names
 from vlm_pack.offline import build_tokenizer
 from vlm_pack.vision import (
-    FAMILIES,
     Gemma3Spec,
     Idefics3Spec,
     InternVLSpec,
@@ -642,13 +642,13 @@ def test_megatron_get_num_image_embeddings():
 
 
 def test_registry_and_unknown_processor():
-    for fam in FAMILIES:
+    for fam in names("vision"):
         spec = vision_spec(fam)
         assert spec.num_tokens(640, 480) > 0 and spec.num_patches(640, 480) > 0 and spec.tiles(640, 480) >= 1
         assert spec.total_tokens(640, 480) >= spec.num_tokens(640, 480)
         assert spec.to_dict()["family"] == spec.family
     assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "llava", "llava_next", "llava_onevision", "internvl",
-            "idefics3", "smolvlm", "gemma3", "pixtral", "megatron"} <= set(FAMILIES)  # fmt: skip
+            "idefics3", "smolvlm", "gemma3", "pixtral", "megatron"} <= set(names("vision"))  # fmt: skip
     assert vision_spec("Qwen2.5-VL").family == "qwen2_5_vl"
     with pytest.raises(ValueError, match="supported: qwen2_vl"):
         vision_spec("blip2")
@@ -664,7 +664,7 @@ def test_registry_and_unknown_processor():
         vision_spec_from_processor(LlavaImageProcessorPil(size={"shortest_edge": 336}, do_center_crop=False))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", names("vision"))
 def test_invalid_sizes_name_the_family(family):
     spec = vision_spec(family)
     for w, h in [(0, 10), (10, 0), (-5, 10)]:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ._checks import canonical_family
+from .families import canonical, lookup
 from .labels import IGNORE_INDEX, roll_packed
 from .masks import TOKENS_KEY, MaskMapping, gemma3_attention_masks, real_tokens
 from .positions import is_mrope_family
@@ -50,9 +50,6 @@ __all__ = [
 
 HF_STYLES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 STYLES = (*HF_STYLES, "megatron")
-#: Model types whose image tokens attend both ways inside an image (``token_type_ids``): they get masks.
-TWO_WAY_IMAGE_FAMILIES = ("gemma3",)
-
 #: Where a sample's key may be, in order of preference (WebDataset's ``__key__`` first).
 SAMPLE_KEY_NAMES = ("__key__", "key", "id")
 
@@ -173,9 +170,15 @@ class PackedBatch:
 
     def __post_init__(self) -> None:
         # the family picks the vision inputs and masks below: one spelling everywhere ("Gemma-3" is "gemma3")
-        self.family = canonical_family(self.family, strict=False)
+        self.family = canonical(self.family, strict=False)
 
     # ------------------------------------------------------------------ conveniences
+    @property
+    def _two_way_images(self) -> bool:
+        """The family's image tokens attend both ways inside each image (Gemma 3): its own packed masks."""
+        record = lookup(self.family)
+        return record is not None and record.two_way_images
+
     @property
     def num_samples(self) -> int:
         return int(self.seq_lens.numel())
@@ -219,7 +222,7 @@ class PackedBatch:
         if self.mm_token_type_ids is not None and is_mrope_family(self.family):
             out["mm_token_type_ids"] = self.mm_token_type_ids
         # Gemma 3 reads token_type_ids (its images' two-way attention); other models may refuse them.
-        if self.family in TWO_WAY_IMAGE_FAMILIES and "token_type_ids" in self.extra:
+        if self._two_way_images and "token_type_ids" in self.extra:
             out["token_type_ids"] = self.extra["token_type_ids"]
         return out
 
@@ -229,7 +232,7 @@ class PackedBatch:
         ``{"full_attention": [R, 1, T, T], "sliding_attention": [R, 1, T, T]}`` (see ``masks.py``): bool
         for ``dtype=None`` (sdpa), additive in ``dtype`` otherwise (eager).
         """
-        if self.family not in TWO_WAY_IMAGE_FAMILIES:
+        if not self._two_way_images:
             return None
         # Built once per dtype: batch[name] and `in` go through model_inputs, and the masks are O(T^2).
         cache = self.__dict__.setdefault("_attention_masks", {})

@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._checks import canonical_family, family_entry
 from .failures import SampleError
+from .families import DEFAULT_FAMILY, require
 
 __all__ = [
     "IMAGE_MARKER",
@@ -116,24 +116,21 @@ _LLAVA_FORMAT = ChatFormat(
     bos="<s>",
     eos_on_caption="</s>",
 )
-_FORMATS = {
-    "qwen2_vl": _QWEN_FORMAT,
-    "qwen2_5_vl": _QWEN_FORMAT,
-    "qwen3_vl": _QWEN_FORMAT,
-    "llava": _LLAVA_FORMAT,
-    "llava_next": _LLAVA_FORMAT,
-}
+# By format name: which family renders with which is its registry record's ``chat_format``.
+_FORMATS = {f.name: f for f in (_QWEN_FORMAT, _LLAVA_FORMAT)}
 
 
-def chat_format(family: str) -> ChatFormat:
-    """vlm-pack's own format of ``family`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``, ``llava_next``)."""
-    return family_entry(
-        _FORMATS,
-        canonical_family(family, strict=False),  # any spelling: "Qwen2-VL"
+def chat_format(family: str | None) -> ChatFormat:
+    """vlm-pack's own format of ``family`` in any spelling (``"Qwen2-VL"``; None: ``DEFAULT_FAMILY``'s):
+    the format its ``vlm_pack.families`` record names (Qwen2/2.5/3-VL, LLaVA-1.5, LLaVA-NeXT)."""
+    record = require(
+        family or DEFAULT_FAMILY,
+        "chat_format",
         "chat format",
         "Give a tokenizer or processor with a chat_template, or pass "
         "template=callable(conversation, num_images) -> [(text, trained), ...].",
     )
+    return _FORMATS[str(record.chat_format)]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -505,7 +502,7 @@ def render_conversation(
             )
         return rendering
     if template is None:
-        segments = chat_format(family or "qwen2_vl").render(conversation, num_images)
+        segments = chat_format(family).render(conversation, num_images)
     elif isinstance(template, ChatFormat):
         segments = template.render(conversation, num_images)
     else:

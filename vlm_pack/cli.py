@@ -30,13 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from vlm_pack.config import ON_ERROR, OVERSIZED, VISION_COST, PackingConfig
+from vlm_pack.families import DEFAULT_FAMILY, canonical, names
 
 __all__ = ["build_parser", "load_forecaster", "main"]
 
 # The defaults of every setting a flag shares with PackingConfig: its own (capacity aside).
 _DEFAULTS = PackingConfig(capacity=1)
 
-_CHAT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next")
 _SOURCES_HELP = (
     "WebDataset .tar shards (globs, {000..009}), .parquet files (HF Image columns), .json (LLaVA-Instruct, "
     "ShareGPT, LLaMA-Factory) and .jsonl files, save_to_disk folders, or folders of these"
@@ -59,10 +59,8 @@ def _positive_int(text: str) -> int:
 
 def _family_name(text: str) -> str:
     # QWEN2_VL, qwen2-vl and qwen2vl name one family: the normaliser every entry point uses
-    from vlm_pack._checks import canonical_family
-
     try:
-        return str(canonical_family(text))
+        return str(canonical(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -84,7 +82,8 @@ def _add_forecast_args(p: argparse.ArgumentParser) -> None:
         "--family",
         type=_family_name,
         help="VLM family: its chat format and its released checkpoint's image rules "
-        f"({', '.join(_CHAT_FAMILIES)}; any case). Default qwen2_vl, or the one --processor names.",
+        f"({', '.join(names('chat_format'))}; any case). Default {DEFAULT_FAMILY}, or the one --processor "
+        "names.",
     )
     g.add_argument(
         "--processor",
@@ -316,11 +315,11 @@ def load_forecaster(args: argparse.Namespace) -> tuple[Any, bool]:
             raise ValueError(f"--{flag.replace('_', '-')} {value!r} is not a directory.")
     if args.processor is not None:
         return _checkpoint_preprocessor(args, overrides), True
-    family = args.family or "qwen2_vl"
-    if family not in _CHAT_FAMILIES:
+    family = args.family or DEFAULT_FAMILY
+    if family not in names("chat_format"):
         raise ValueError(
-            f"--family {family!r}: vlm-pack renders conversations for {', '.join(_CHAT_FAMILIES)}; for another "
-            "model, pass its --processor folder (its chat template renders the conversations)."
+            f"--family {family!r}: vlm-pack renders conversations for {', '.join(names('chat_format'))}; for "
+            "another model, pass its --processor folder (its chat template renders the conversations)."
         )
     _check_spec_keys(vision_spec(family), overrides)
     spec = vision_spec(family, **overrides)
@@ -374,11 +373,11 @@ def _checkpoint_preprocessor(args: argparse.Namespace, overrides: dict[str, Any]
     family = args.family
     if not getattr(processor if processor is not None else tokenizer, "chat_template", None):
         family = family or getattr(spec, "variant", None) or spec.family
-        if family not in _CHAT_FAMILIES:
+        if family not in names("chat_format"):
             raise ValueError(
                 f"--processor {args.processor!r} has no chat template (chat_template.jinja) and vlm-pack has no "
                 f"chat format for {family!r}: add the checkpoint's chat_template.jinja to the folder, or pass "
-                f"--family (one of {', '.join(_CHAT_FAMILIES)}) with the same format."
+                f"--family (one of {', '.join(names('chat_format'))}) with the same format."
             )
     return Preprocessor(tokenizer, image_processor, processor, family=family, spec=spec)
 

@@ -64,16 +64,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._checks import canonical_family
 from .batch import (
     HF_STYLES,
     SAMPLE_KEY_NAMES,
     STYLES,
-    TWO_WAY_IMAGE_FAMILIES,
     VISION_KEYS,
     PackedBatch,
     packed_seq_params_class,
 )
+from .families import canonical, lookup, names
 from .labels import IGNORE_INDEX
 from .packing.bins import round_up
 from .positions import MRopeOptions, is_mrope_family, packed_position_ids
@@ -154,10 +153,10 @@ class PackingCollator:
 
     Args:
         capacity: tokens per row, counted in *expanded* length (what the language model runs on).
-        family: model type (``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"``, ``"glm4v"``, ``"llava"``,
-            ``"llava_next"``, ``"llava_onevision"``, ``"internvl"``, ``"idefics3"``, ``"smolvlm"``,
-            ``"gemma3"``, ``"mistral3"``): Qwen-VL and GLM-4.1V get 4-row mRoPE position ids. Defaults
-            to ``config.model_type`` or the tokenizer's ``vlm_pack_family``; without any, 1-D position ids.
+        family: model type, a ``vlm_pack.families`` name in any spelling (``"qwen2_vl"``, ``"Gemma-3"``):
+            its record's ``mrope`` gives Qwen-VL and GLM-4.1V 4-row mRoPE position ids, ``two_way_images``
+            Gemma 3 its packed masks. Defaults to ``config.model_type`` or the tokenizer's
+            ``vlm_pack_family``; without any, 1-D position ids.
         tokenizer: a tokenizer or processor; ids not given explicitly are read from it.
         config: the model config; ids, ``spatial_merge_size``, ``tokens_per_second`` and LLaVA's
             ``image_seq_length`` not given explicitly are read from it (preferred over the tokenizer).
@@ -220,9 +219,9 @@ class PackingCollator:
         self.capacity = capacity
         # One spelling everywhere ("Qwen2-VL" is "qwen2_vl"); a config's model_type without a rule is kept.
         self.family = (
-            canonical_family(family)
-            or canonical_family(_attr(config, "model_type"), strict=False)
-            or canonical_family(_attr(tok, "vlm_pack_family"))
+            canonical(family)
+            or canonical(_attr(config, "model_type"), strict=False)
+            or canonical(_attr(tok, "vlm_pack_family"))
         )
         self.image_token_id = _first_int(
             image_token_id, _attr(config, "image_token_id", "image_token_index"), _attr(tok, "image_token_id")
@@ -253,7 +252,8 @@ class PackingCollator:
         self.sliding_window = _first_int(
             sliding_window, _attr(text_cfg, "sliding_window"), _attr(config, "sliding_window")
         )
-        if self.family in TWO_WAY_IMAGE_FAMILIES and self.sliding_window is None:
+        record = lookup(self.family)
+        if record is not None and record.two_way_images and self.sliding_window is None:
             raise ValueError(
                 f"family {self.family!r} builds its packed attention masks from the text config's "
                 "sliding_window: pass config=model.config (or sliding_window=)"
@@ -273,7 +273,7 @@ class PackingCollator:
             # mask (the model then sees no text row) and, for Qwen3-VL, the image mRoPE.
             raise ValueError(
                 "the tokenizer/config has a vision_start_token_id (a Qwen-VL model) but no family: pass "
-                "config=model.config or family='qwen2_vl' / 'qwen2_5_vl' / 'qwen3_vl' so that position_ids "
+                f"config=model.config or family= one of {', '.join(names('mrope'))} so that position_ids "
                 "get the 4-row multimodal RoPE"
             )
 
@@ -314,8 +314,7 @@ class PackingCollator:
         if not self.mrope and ("image_grid_thw" in vision or "video_grid_thw" in vision):
             raise ValueError(
                 f"{name} has image_grid_thw/video_grid_thw (a Qwen-VL sample) but the collator's family is "
-                f"{self.family!r}: pass config=model.config or family='qwen2_vl' / 'qwen2_5_vl' / 'qwen3_vl' "
-                "/ 'glm4v'; "
+                f"{self.family!r}: pass config=model.config or family= one of {', '.join(names('mrope'))}; "
                 "without the 4-row mRoPE position_ids the packed samples would attend to each other"
             )
         tpi, n_images = self._image_counts(name, sample, vision)

@@ -42,11 +42,10 @@ from typing import TypedDict, Unpack
 
 import torch
 
-from ._checks import canonical_family, family_entry
+from .families import DEFAULT_FAMILY, canonical, lookup, names, require
 from .remap import segment_ids
 
 __all__ = [
-    "MROPE_FAMILIES",
     "MRopeOptions",
     "is_mrope_family",
     "mrope_position_ids",
@@ -54,17 +53,6 @@ __all__ = [
     "packed_position_ids",
     "text_position_ids",
 ]
-
-#: model_type -> the get_rope_index variant it uses.
-MROPE_FAMILIES = {
-    "qwen2_vl": "qwen2_vl",
-    "qwen2_5_vl": "qwen2_5_vl",
-    "qwen3_vl": "qwen3_vl",
-    "qwen3_vl_moe": "qwen3_vl",
-    # GLM-4.1V numbers images as Qwen2-VL and splits videos into one-frame grids as Qwen3-VL.
-    "glm4v": "qwen3_vl",
-    "glm4v_moe": "qwen3_vl",  # transformers 5.23: the same get_rope_index as glm4v
-}
 
 
 class MRopeOptions(TypedDict, total=False):
@@ -83,12 +71,14 @@ class MRopeOptions(TypedDict, total=False):
 
 def is_mrope_family(family: str | None) -> bool:
     """Whether ``family`` (a model_type, in any spelling: ``"Qwen2-VL"``) takes 4-row multimodal RoPE
-    position ids; False for a model type vlm-pack has no rule for."""
-    return canonical_family(family, strict=False) in MROPE_FAMILIES
+    position ids (its registry record's ``mrope``); False for a model type vlm-pack has no rule for."""
+    record = lookup(family)
+    return record is not None and record.mrope is not None
 
 
 def _variant(family: str) -> str:
-    return family_entry(MROPE_FAMILIES, canonical_family(family, strict=False), "multimodal RoPE")
+    """The ``get_rope_index`` variant of ``family`` (``vlm_pack.families.Family.mrope``)."""
+    return str(require(family, "mrope", "multimodal RoPE").mrope)
 
 
 def text_position_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -185,7 +175,7 @@ def packed_mrope_position_ids(
     second_per_grid_ts: torch.Tensor | Sequence[float] | None = None,
     spatial_merge_size: int = 2,
     tokens_per_second: float | None = None,
-    family: str = "qwen2_vl",
+    family: str = DEFAULT_FAMILY,
 ) -> torch.Tensor:
     """mRoPE rows 1-3 of a packed buffer: int64 ``[3, L]``, each sample numbered on its own.
 
@@ -200,7 +190,7 @@ def packed_mrope_position_ids(
         video_grid_thw / second_per_grid_ts: videos' grids and (Qwen2.5-VL) seconds per temporal grid.
         spatial_merge_size: ``config.vision_config.spatial_merge_size`` (2 in all released Qwen-VL).
         tokens_per_second: Qwen2.5-VL ``config.vision_config.tokens_per_second`` (videos only).
-        family: ``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"`` (or ``"qwen3_vl_moe"``).
+        family: a family with mRoPE (``vlm_pack.families.names("mrope")``: Qwen2/2.5/3-VL, GLM-4.1V).
 
     Raises:
         ValueError: naming the sample when a vision run does not match its grid, or when the number of
@@ -348,7 +338,7 @@ def mrope_position_ids(
     input_ids: torch.Tensor,
     image_grid_thw: torch.Tensor | None = None,
     *,
-    family: str = "qwen2_vl",
+    family: str = DEFAULT_FAMILY,
     **options: Unpack[MRopeOptions],
 ) -> torch.Tensor:
     """mRoPE position ids of ONE sample, int64 ``[3, L]``: equal to ``model.model.get_rope_index(...)[0]``.
@@ -378,15 +368,15 @@ def packed_position_ids(
     arange, rows 1-3 :func:`packed_mrope_position_ids` of ``image_grid_thw`` and ``options``). ``family``
     in any spelling (``"Qwen2-VL"``); a name that is no known family raises ValueError listing them.
     """
-    family = canonical_family(family)  # a misspelt name would silently give 1-D positions: refused
+    family = canonical(family)  # a misspelt name would silently give 1-D positions: refused
     shape = tuple(input_ids.shape)
     total = input_ids.numel()
     text = text_position_ids(cu_seqlens_padded.to(input_ids.device), total)
     if not is_mrope_family(family):
         if image_grid_thw is not None:
             raise ValueError(
-                f"image_grid_thw was given but family {family!r} has no multimodal RoPE: pass the Qwen-VL "
-                "family (qwen2_vl, qwen2_5_vl, qwen3_vl) to get 4-row position ids"
+                f"image_grid_thw was given but family {family!r} has no multimodal RoPE: pass one of "
+                f"{', '.join(names('mrope'))} to get 4-row position ids"
             )
         return text.reshape(shape)
     rope = packed_mrope_position_ids(input_ids, cu_seqlens_padded, image_grid_thw, family=family, **options)

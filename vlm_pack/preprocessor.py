@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ._checks import canonical_family
 from .chat import ChatFormat, Conversation, Template
 from .failures import SampleError
+from .families import canonical, lookup, names
 from .processing import (
     Prompt,
     _collapsed_ids,
@@ -43,7 +43,8 @@ class Preprocessor:
     Give an HF ``processor`` (any family), or ``tokenizer`` + ``image_processor`` (Qwen-style, LLaVA,
     LLaVA-NeXT). ``family`` / ``template`` pick the chat format as for :func:`process_sample` (default: the
     checkpoint's own template, else the tokenizer's ``vlm_pack_family``, else the image processor's family);
-    ``layout``: ``"expanded"`` (HF models) or ``"collapsed"`` (one placeholder per image, Megatron style).
+    ``layout``: ``"expanded"`` (HF models) or ``"collapsed"`` (one placeholder per image, Megatron style;
+    refused for a processor that writes markers between an image's tokens: ``vlm_pack.families``' ``collapsed``).
     ``spec``: the vision spec forecasts use (default: read from the processor). A ``conversation`` is any
     format the readers take (``{"role", "content"}`` turns, LLaVA ``{"from", "value"}`` turns, a caption
     string): every method normalises it with :func:`vlm_pack.chat.normalise_conversation`, text as written.
@@ -82,7 +83,15 @@ class Preprocessor:
         if self.family is None:
             family = getattr(self.tokenizer, "vlm_pack_family", None)
             object.__setattr__(self, "family", family or getattr(self.spec, "family", None))
-        object.__setattr__(self, "family", canonical_family(self.family))  # any spelling; unknown: ValueError
+        object.__setattr__(self, "family", canonical(self.family))  # any spelling; unknown: ValueError
+        # the processor's image expansion is the spec's family (the chat format may be another's)
+        expansion = lookup(getattr(self.spec, "family", None))
+        if self.layout == "collapsed" and expansion is not None and not expansion.collapsed:
+            raise ValueError(
+                f"layout='collapsed' keeps one placeholder per image, but the {expansion.name} processor writes "
+                "row or tile markers between an image's tokens: use layout='expanded' (collapsed works for "
+                f"{', '.join(names('collapsed'))})"
+            )
 
     @classmethod
     def check(cls, obj: Any) -> Preprocessor:

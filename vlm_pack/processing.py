@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 
-from ._checks import canonical_family
 from .chat import (
     IMAGE_MARKER,
     ChatFormat,
@@ -55,6 +54,7 @@ from .chat import (
     render_conversation,
 )
 from .failures import ImageDecodeError, SampleError, skip_reason
+from .families import FAMILIES, canonical, lookup
 from .labels import IGNORE_INDEX
 
 __all__ = [
@@ -69,41 +69,22 @@ __all__ = [
     "tokenize_conversation",
 ]
 
-# The image token each family's processor expands; a vocabulary may hold several (LLaVA-OneVision's Qwen2
-# vocabulary has both), so the family decides, not the first token found.
-_FAMILY_IMAGE_TOKEN = {
-    "qwen2_vl": "<|image_pad|>",
-    "qwen2_5_vl": "<|image_pad|>",
-    "qwen3_vl": "<|image_pad|>",
-    "glm4v": "<|image|>",
-    "llava": IMAGE_MARKER,
-    "llava_next": IMAGE_MARKER,
-    "llava_onevision": IMAGE_MARKER,
-    "idefics3": IMAGE_MARKER,
-    "smolvlm": IMAGE_MARKER,
-    "internvl": "<IMG_CONTEXT>",
-    "mistral3": "[IMG]",
-    "pixtral": "[IMG]",
-}
-# Families whose chat template writes the wrappers around the placeholder: the processor expands only it.
-_TEMPLATE_WRAPS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v")
-# Families whose processor writes tokens around the image embeddings (spec.extra_tokens counts them).
-_PROCESSOR_WRAPS = ("internvl", "idefics3", "smolvlm", "pixtral")
-
 
 def _image_token(tokenizer: Any, family: str | None = None) -> tuple[str, int]:
-    """``(token, id)`` of the image placeholder: ``tokenizer.image_token[_id]``, else the family's token."""
+    """``(token, id)`` of the image placeholder: ``tokenizer.image_token[_id]``, else the family's token
+    (a vocabulary may hold several: LLaVA-OneVision's Qwen2 vocabulary has both ``<|image_pad|>`` and
+    ``<image>``, so the family decides), else the first image token of any family the vocabulary has."""
     token_id = getattr(tokenizer, "image_token_id", None)
     if token_id is not None:
         return str(tokenizer.convert_ids_to_tokens(int(token_id))), int(token_id)
-    family = canonical_family(family or getattr(tokenizer, "vlm_pack_family", None))
+    record = lookup(canonical(family or getattr(tokenizer, "vlm_pack_family", None)))
     named = getattr(tokenizer, "image_token", None)
     if named:
         candidates = [named]
-    elif family in _FAMILY_IMAGE_TOKEN:
-        candidates = [_FAMILY_IMAGE_TOKEN[family]]
+    elif record is not None and record.image_token:
+        candidates = [record.image_token]
     else:
-        candidates = ["<|image_pad|>", IMAGE_MARKER, "<IMG_CONTEXT>"]
+        candidates = list(dict.fromkeys(f.image_token for f in FAMILIES.values() if f.image_token))
     for token in candidates:
         tid = tokenizer.convert_tokens_to_ids(token)
         if tid is not None and tid != tokenizer.unk_token_id:
@@ -146,7 +127,7 @@ def _render(
     key: Any,
     spans: bool = True,
 ) -> Rendering:
-    family = canonical_family(family or getattr(tokenizer, "vlm_pack_family", None))  # any spelling
+    family = canonical(family or getattr(tokenizer, "vlm_pack_family", None))  # any spelling
     placeholder = _placeholder(tokenizer, processor, family)
     return render_conversation(
         conversation,
@@ -283,10 +264,23 @@ def _idefics3_extra_tokens(tokenizer: Any, processor: Any, cols: int, rows: int)
     return cache[key]
 
 
+def _wraps(spec: Any) -> str:
+    """Who writes the tokens around each image of ``spec``'s family (``vlm_pack.families.WRAPS``); ``"none"``
+    for a spec of a family without a record."""
+    record = lookup(spec.family) if spec is not None else None
+    return record.wraps if record is not None else "none"
+
+
+def _processor_wraps(spec: Any) -> bool:
+    """The processor writes tokens around each image of ``spec``'s family, so the collapsed ids do not say
+    a prompt's expanded length: it is forecast sample by sample."""
+    return _wraps(spec).startswith("processor")
+
+
 def _image_extra_tokens(spec: Any, tokenizer: Any, processor: Any, width: int, height: int) -> int:
     """Non-placeholder tokens one image adds: ``spec.extra_tokens``, except that Idefics3 / SmolVLM crop
     markers are counted through ``tokenizer`` (the spec assumes each is one token)."""
-    if spec.family in ("idefics3", "smolvlm"):
+    if _wraps(spec) == "processor_markers":
         cols, rows = spec.tile_grid(width, height)
         return _idefics3_extra_tokens(tokenizer, processor, cols, rows)
     return int(spec.extra_tokens(width, height))
@@ -302,8 +296,7 @@ def _skeleton(
     with the text next to it: there the text is kept and only the image soft tokens are left out.
     """
     counts = [int(n) for n in spec.sample_tokens(sizes)]
-    family = spec.family
-    if family == "gemma3":
+    if _wraps(spec) == "processor_text":  # Gemma 3
         seq = f"\n\n{placeholder}{tokenizer.eoi_token}\n\n"
         out = []
         for (w, h), n in zip(sizes, counts):
@@ -314,7 +307,7 @@ def _skeleton(
                 text += " ".join([seq] * crops)
             out.append((text, n))
         return out
-    if family in _PROCESSOR_WRAPS:
+    if _processor_wraps(spec):
         counts = [
             n + _image_extra_tokens(spec, tokenizer, processor, w, h) for n, (w, h) in zip(counts, sizes)
         ]
@@ -396,7 +389,7 @@ def _forecast(
         spec = vision_spec_from_processor(source)
     rendering = _render(conversation, tokenizer, processor, family, template, len(sizes), key, spans=keep)
     counts = [int(n) for n in spec.sample_tokens(sizes)] if sizes else []
-    plain = spec is None or spec.family not in ("gemma3", *_PROCESSOR_WRAPS)  # each image one placeholder
+    plain = not _processor_wraps(spec)  # each image one placeholder in the tokenized prompt
     if keep and processor is None and plain:  # process_sample's own tokenization, kept for it
         ids, mask = _tokenize(tokenizer, rendering)
         return len(ids) - len(counts) + sum(counts), counts, Prompt(rendering, (ids, mask))
@@ -684,8 +677,8 @@ def _finish(
     key: Any,
 ) -> dict[str, Any]:
     """The image-processor path's ``mm_token_type_ids`` (Qwen-style) and the collapsed layout."""
-    family = canonical_family(family or getattr(tokenizer, "vlm_pack_family", None)) or ""
-    if "image_grid_thw" in out or family.startswith("qwen"):
+    record = lookup(canonical(family or getattr(tokenizer, "vlm_pack_family", None)))
+    if "image_grid_thw" in out or (record is not None and record.mrope is not None):  # what mRoPE models read
         out["mm_token_type_ids"] = (out["input_ids"] == image_id).long()
     if layout == "collapsed" and n_images:
         out = _collapse(out, image_id, key)

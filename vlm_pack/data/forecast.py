@@ -27,7 +27,7 @@ import numpy as np
 
 from ..config import DEFAULT_MAX_CONSECUTIVE_FAILURES, ON_ERROR, check_choice
 from ..failures import FailureBudget, SampleError, skip_reason
-from ..processing import _image_extra_tokens
+from ..processing import _image_extra_tokens, _processor_wraps
 from .records import Sample
 from .sources import Chunk, Source, chunk_samples, chunks, open_sources
 
@@ -168,9 +168,6 @@ class _Forecaster:
 
 
 _WORKER: _Forecaster | None = None
-# Families whose processor writes tokens around each image (or whose image text merges with its neighbours):
-# their length comes from the exact per-sample forecast, not from the collapsed ids.
-_WRAPPED = ("gemma3", "internvl", "idefics3", "smolvlm", "pixtral")
 
 
 def _init(forecaster: _Forecaster) -> None:
@@ -217,7 +214,8 @@ def _prepare(f: _Forecaster, sample: Sample, ordinal: int, sizes: list[tuple[int
         counts = [int(t) for t in f.pre.spec.sample_tokens(sizes)] if sizes else []
         patches = sum(int(f.pre.spec.num_patches(w, h)) for w, h in sizes)
         pending = _Pending(ordinal, sample, counts, patches, prompt)
-        if sizes and f.pre.spec.family in _WRAPPED:
+        # the processor writes tokens around each image: the exact per-sample forecast, not the collapsed ids
+        if sizes and _processor_wraps(f.pre.spec):
             pending.length = f.pre.forecast(sample.conversation, sizes, sample.key)[0]
             pre = f.pre
             pending.extras = [_image_extra_tokens(pre.spec, pre.tokenizer, pre.processor, w, h) for w, h in sizes]

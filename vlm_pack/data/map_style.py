@@ -118,6 +118,7 @@ def fingerprint(preprocessor: Any) -> tuple[str, dict[str, Any]]:
 
     from .._version import __version__
     from ..chat import _checkpoint_template, chat_format
+    from ..families import DEFAULT_FAMILY
     from ..processing import _placeholder
 
     pre = preprocessor
@@ -128,9 +129,9 @@ def fingerprint(preprocessor: Any) -> tuple[str, dict[str, Any]]:
         owner = "processor" if proc is not None and template == _template(proc) else "tokenizer"
         source = f"{owner}.chat_template"
     if template is None:
-        source = f"format of {pre.family or 'qwen2_vl'}"
+        source = f"format of {pre.family or DEFAULT_FAMILY}"
         try:
-            template = chat_format(pre.family or "qwen2_vl")
+            template = chat_format(pre.family)
         except ValueError:  # no format either: rendering any conversation raises, so no plan is made
             source = "none"
     try:

@@ -102,26 +102,27 @@ class CollapsedLlavaModel(torch.nn.Module):
         ``image_processor_overrides()`` to build the matching image processor.
         """
         import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
         from vlm_pack import offline
+        from vlm_pack.families import canonical, names
 
-        if family not in ("llava", "llava_next"):
+        family = str(canonical(family))  # any spelling: "LLaVA-1.6"
+        model_name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(family)
+        if model_name not in _MODELS:
+            drives = [f for f in names() if MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(f) in _MODELS]
             raise ValueError(
-                f"CollapsedLlavaModel.tiny: family must be 'llava' or 'llava_next', got {family!r}"
+                f"CollapsedLlavaModel.tiny: family must be one of {', '.join(drives)}, got {family!r}"
             )
+        model_cls = getattr(transformers, model_name)
         if image_size % 14:
             raise ValueError(f"image_size must be a multiple of the patch size 14, got {image_size}")
         tok = tokenizer if tokenizer is not None else offline.build_tokenizer(family)
         config = offline.tiny_model_config(family, tok, initializer_range=initializer_range, **config_kwargs)
         config.vision_config.image_size = image_size
         config.image_seq_length = (image_size // 14) ** 2
-        if family == "llava_next":
+        if model_name == "LlavaNextForConditionalGeneration":
             config.image_grid_pinpoints = _scaled_pinpoints(image_size)
-        model_cls = (
-            transformers.LlavaForConditionalGeneration
-            if family == "llava"
-            else transformers.LlavaNextForConditionalGeneration
-        )
         torch.manual_seed(seed)
         model = model_cls._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
         return cls(model.eval(), attention=attention)
@@ -264,6 +265,10 @@ class CollapsedLlavaModel(torch.nn.Module):
         position_ids = (valid.cumsum(1) - 1).clamp(min=0)
         lm = self.model.model.language_model
         return lm(inputs_embeds=embeds, attention_mask=valid, position_ids=position_ids, use_cache=False)
+
+
+#: The transformers classes whose parts ``CollapsedLlavaModel`` drives: LLaVA, LLaVA-NeXT.
+_MODELS = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 
 
 def _scaled_pinpoints(image_size: int) -> list[list[int]]:

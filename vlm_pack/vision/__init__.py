@@ -42,7 +42,7 @@ Where things live (one file per rule; every name below is importable from ``vlm_
 - ``tiles.py``: InternVL, Idefics3 / SmolVLM, Gemma 3 (fixed-size tiles and crops);
 - ``pixtral.py``: Pixtral (patches with row breaks);
 - ``megatron.py``: Megatron-LM / NeMo LLaVA (fixed embeddings per tile);
-- ``families.py``: :func:`vision_spec` and :data:`FAMILIES`, the registry by family name;
+- ``families.py``: :func:`vision_spec`, a family's spec by name (which rule each family has: ``vlm_pack.families``);
 - ``from_processor.py``: :func:`vision_spec_from_processor`, one reader per HF image processor class;
 - ``headers.py``: :func:`image_size`, header-only sizes of JPEG / PNG / GIF / WebP (others via Pillow).
 """
@@ -50,7 +50,7 @@ Where things live (one file per rule; every name below is importable from ``vlm_
 from __future__ import annotations
 
 from .anyres import LlavaNextSpec, LlavaOnevisionSpec, LlavaSpec, select_best_resolution
-from .families import FAMILIES, vision_spec
+from .families import vision_spec
 from .from_processor import vision_spec_from_processor
 from .headers import ImageSource, image_size
 from .megatron import MegatronSpec
@@ -60,7 +60,6 @@ from .spec import VisionSpec
 from .tiles import Gemma3Spec, Idefics3Spec, InternVLSpec
 
 __all__ = [
-    "FAMILIES",
     "Gemma3Spec",
     "Glm4vSpec",
     "Idefics3Spec",

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from ..families import names
 from .anyres import LlavaNextSpec, LlavaOnevisionSpec, LlavaSpec
-from .families import _SMOLVLM_DEFAULTS, FAMILIES
+from .families import vision_spec
 from .pixtral import PixtralSpec
 from .smart_resize import Glm4vSpec, Qwen2VLSpec, Qwen3VLSpec
 from .spec import VisionSpec
@@ -178,8 +179,8 @@ def _read_idefics3(src: _Source) -> VisionSpec:
         tok = getattr(processor, "tokenizer", None)
         if tok is not None:
             kwargs["newline_pair_tokens"] = len(tok("\n\n", add_special_tokens=False)["input_ids"])
-    elif smolvlm:
-        kwargs["image_seq_len"] = int(_SMOLVLM_DEFAULTS["image_seq_len"])  # type: ignore[call-overload]
+    elif smolvlm:  # the image processor does not store it: the released checkpoint's
+        kwargs["image_seq_len"] = vision_spec("smolvlm").image_seq_len  # type: ignore[attr-defined]
     return Idefics3Spec(**kwargs)
 
 
@@ -263,5 +264,5 @@ def vision_spec_from_processor(obj: Any) -> VisionSpec:
     )
     raise ValueError(
         f"vision_spec_from_processor: unsupported {what}. Supported: {'; '.join(_SUPPORTED_PROCESSORS)}. "
-        f"For other models build a spec directly: vision_spec(family, ...) with family in {', '.join(FAMILIES)}."
+        f"For other models build a spec directly: vision_spec(family, ...) with family in {', '.join(names('vision'))}."
     )

@@ -1,0 +1,300 @@
+"""The family registry: everything vlm-pack knows about a model family, in one :class:`Family` record.
+
+A family is a transformers ``model_type`` (``megatron``: Megatron-LM's LLaVA). Every entry point that takes a
+family name (``Preprocessor``, ``PackingCollator``, ``vision_spec``, ``process_sample``, the position ids, the
+CLI) reads this registry and nothing else, so every spelling means the same family everywhere
+(``"Qwen2-VL"``, ``"qwen2.5-vl"``, ``"llava-1.6"``, ``"InternVL2.5"``)::
+
+    field           qwen2_vl                  idefics3            gemma3            read by
+    aliases         ()                        ()                  ()                family(), canonical()
+    vision          smart_resize.Qwen2VLSpec  tiles.Idefics3Spec  tiles.Gemma3Spec  vision_spec (forecasts)
+    image_token     <|image_pad|>             <image>             (the processor's) processing (fallback)
+    wraps           template                  processor_markers   processor_text    processing, data/forecast
+    mrope           qwen2_vl                  None (1-D)          None (1-D)        positions, collate, batch
+    two_way_images  False                     False               True              collate, batch (masks)
+    collapsed       True                      False               True              Preprocessor
+    chat_format     qwen                      None                None              chat (no chat template)
+
+Packed layouts: *expanded* rows hold one token per image embedding, as HF processors write them; *collapsed*
+rows one placeholder per image (Megatron), expanded inside the model, which needs each image's embedding tokens
+in one run. Who writes the tokens around an image's embeddings (``wraps``) decides how a forecast counts them:
+the chat template (already in the rendered prompt), the processor (counted per image), or nobody.
+
+Adding a family: one :class:`Family` record in ``_RECORDS`` below (``name`` = its transformers
+``model_type``; ``vision=_rule("module.SpecClass", **the checkpoint's defaults)``), plus, only when no rule in
+``vlm_pack/vision/`` fits, one vision-rule file there. Nothing else changes: ``tests/test_family_registry.py``
+fails on a family name written into any other module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Literal
+
+from ._checks import family_entry
+
+if TYPE_CHECKING:
+    from .vision.spec import VisionSpec
+
+__all__ = [
+    "DEFAULT_FAMILY",
+    "FAMILIES",
+    "WRAPS",
+    "Family",
+    "VisionRule",
+    "canonical",
+    "family",
+    "lookup",
+    "names",
+    "require",
+]
+
+#: Who writes the tokens around each image's embeddings, and so how a forecast counts them.
+WRAPS: dict[str, str] = {
+    "none": "nobody: the placeholder becomes the image's embeddings only (LLaVA, Megatron)",
+    "template": "the chat template, around the placeholder the processor expands (Qwen's <|vision_start|>)",
+    "processor": "the processor: special tokens spec.extra_tokens counts (InternVL's <img>, Pixtral's breaks)",
+    "processor_markers": "the processor: tile markers counted through the tokenizer (Idefics3's <row_1_col_1>)",
+    "processor_text": "the processor: text that merges with the prompt around it (Gemma 3's '\\n\\n')",
+}
+Wraps = Literal["none", "template", "processor", "processor_markers", "processor_text"]
+
+
+@dataclass(frozen=True)
+class VisionRule:
+    """A spec class of ``vlm_pack/vision/`` (``path``: ``"module.Class"``) and the defaults a family builds it
+    with, under the caller's overrides. The class is imported when first built: the registry itself loads no
+    numpy (``vlm-pack --help`` reads it)."""
+
+    path: str
+    defaults: tuple[tuple[str, Any], ...] = ()
+
+    def __call__(self, **overrides: Any) -> VisionSpec:
+        module, _, name = self.path.rpartition(".")
+        cls = getattr(importlib.import_module(f"{__package__}.vision.{module}"), name)
+        return cls(**{**dict(self.defaults), **overrides})  # type: ignore[no-any-return]
+
+
+def _rule(path: str, **defaults: Any) -> VisionRule:
+    return VisionRule(path, tuple(defaults.items()))
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its names and every rule vlm-pack applies to it (see the module docstring)."""
+
+    name: str
+    """The canonical name: the transformers ``model_type``."""
+    aliases: tuple[str, ...] = ()
+    """Release names, in any spelling (case, ``-``, ``_``, ``.`` and spaces do not matter)."""
+    vision: VisionRule | None = None
+    """Builds the vision spec with the released checkpoint's defaults (keyword overrides); None: no rule
+    (``vision_spec_from_processor`` still reads a live processor)."""
+    image_token: str | None = None
+    """The token the processor expands into the image embeddings, when the tokenizer names none."""
+    wraps: Wraps = "none"
+    """Who writes the tokens around each image's embeddings: a key of :data:`WRAPS`."""
+    mrope: str | None = None
+    """The ``get_rope_index`` variant of its 4-row mRoPE position ids (``qwen2_vl``, ``qwen2_5_vl``,
+    ``qwen3_vl``: ``vlm_pack.positions``); None: 1-D per-sample positions."""
+    two_way_images: bool = False
+    """Image tokens attend both ways inside their image (``token_type_ids``): packed rows need its masks."""
+    collapsed: bool = True
+    """``layout="collapsed"`` works: each image's embedding tokens form one run (no markers between them)."""
+    chat_format: str | None = None
+    """vlm-pack's own chat format (``vlm_pack.chat``) for tokenizers without a chat template."""
+
+    def __post_init__(self) -> None:
+        if self.wraps not in WRAPS:
+            raise ValueError(f"family {self.name!r}: wraps={self.wraps!r} is none of {', '.join(WRAPS)}")
+
+
+# Each ``vision`` default is the released checkpoint's preprocessor_config.json (named above each record);
+# constructor defaults in transformers often differ.
+_RECORDS = (
+    # Qwen/Qwen2-VL-7B-Instruct
+    Family(
+        "qwen2_vl",
+        vision=_rule("smart_resize.Qwen2VLSpec"),
+        image_token="<|image_pad|>",
+        wraps="template",
+        mrope="qwen2_vl",
+        chat_format="qwen",
+    ),
+    # Qwen/Qwen2.5-VL-7B-Instruct
+    Family(
+        "qwen2_5_vl",
+        vision=_rule("smart_resize.Qwen2VLSpec", variant="qwen2_5_vl"),
+        image_token="<|image_pad|>",
+        wraps="template",
+        mrope="qwen2_5_vl",
+        chat_format="qwen",
+    ),
+    # Qwen/Qwen3-VL-8B-Instruct (image and video preprocessor configs)
+    Family(
+        "qwen3_vl",
+        vision=_rule("smart_resize.Qwen3VLSpec"),
+        image_token="<|image_pad|>",
+        wraps="template",
+        mrope="qwen3_vl",
+        chat_format="qwen",
+    ),
+    Family("qwen3_vl_moe", image_token="<|image_pad|>", wraps="template", mrope="qwen3_vl"),
+    # THUDM/GLM-4.1V-9B-Thinking; its mRoPE numbers images as Qwen2-VL and splits videos into one-frame
+    # grids as Qwen3-VL's does
+    Family(
+        "glm4v",
+        ("GLM-4.1V",),
+        vision=_rule("smart_resize.Glm4vSpec"),
+        image_token="<|image|>",
+        wraps="template",
+        mrope="qwen3_vl",
+    ),
+    Family("glm4v_moe", image_token="<|image|>", wraps="template", mrope="qwen3_vl"),  # as glm4v (5.23)
+    # llava-hf/llava-1.5-7b-hf
+    Family(
+        "llava", ("LLaVA-1.5",), vision=_rule("anyres.LlavaSpec"), image_token="<image>", chat_format="llava"
+    ),
+    # llava-hf/llava-v1.6-mistral-7b-hf
+    Family(
+        "llava_next",
+        ("LLaVA-1.6",),
+        vision=_rule("anyres.LlavaNextSpec"),
+        image_token="<image>",
+        chat_format="llava",
+    ),
+    # llava-hf/llava-onevision-qwen2-7b-ov-hf
+    Family(
+        "llava_onevision", ("LLaVA-OV",), vision=_rule("anyres.LlavaOnevisionSpec"), image_token="<image>"
+    ),
+    # OpenGVLab/InternVL3-8B-hf (also InternVL2 / 2.5: 448 px tiles, 1..12, thumbnail)
+    Family(
+        "internvl",
+        ("InternVL2", "InternVL2.5", "InternVL3", "GOT-OCR2"),
+        vision=_rule("tiles.InternVLSpec"),
+        image_token="<IMG_CONTEXT>",
+        wraps="processor",
+    ),
+    # HuggingFaceM4/Idefics3-8B-Llama3
+    Family(
+        "idefics3",
+        vision=_rule("tiles.Idefics3Spec"),
+        image_token="<image>",
+        wraps="processor_markers",
+        collapsed=False,
+    ),
+    # HuggingFaceTB/SmolVLM-Instruct
+    Family(
+        "smolvlm",
+        vision=_rule(
+            "tiles.Idefics3Spec",
+            longest_edge=4 * 384,
+            max_image_size=384,
+            image_seq_len=81,
+            variant="smolvlm",
+        ),
+        image_token="<image>",
+        wraps="processor_markers",
+        collapsed=False,
+    ),
+    # google/gemma-3-4b-it (the template writes <start_of_image>, which the processor expands)
+    Family("gemma3", vision=_rule("tiles.Gemma3Spec"), wraps="processor_text", two_way_images=True),
+    # mistralai/Mistral-Small-3.1-24B-Instruct-2503: a Pixtral tower (vision_spec_from_processor reads it)
+    Family("mistral3", image_token="[IMG]", wraps="processor", collapsed=False),
+    # mistral-community/pixtral-12b
+    Family(
+        "pixtral",
+        vision=_rule("pixtral.PixtralSpec"),
+        image_token="[IMG]",
+        wraps="processor",
+        collapsed=False,
+    ),
+    # Megatron-LM LLaVA with CLIP ViT-L/14 @ 336 px
+    Family("megatron", vision=_rule("megatron.MegatronSpec")),
+)
+
+#: Every family by canonical name, in registry order.
+FAMILIES: Mapping[str, Family] = MappingProxyType({record.name: record for record in _RECORDS})
+
+#: The family assumed where none is given or found (vlm-pack's own chat format, the CLI, mRoPE helpers).
+DEFAULT_FAMILY = "qwen2_vl"
+
+
+def _squash(name: str) -> str:
+    return re.sub(r"[\s_.\-]", "", name.lower())
+
+
+def _by_squashed() -> dict[str, str]:
+    out: dict[str, str] = {}
+    for record in _RECORDS:
+        for spelling in (record.name, *record.aliases):
+            taken = out.setdefault(_squash(spelling), record.name)
+            if taken != record.name:  # a new record's name or alias must not name an existing family
+                raise ValueError(f"family name {spelling!r} of {record.name!r} already names {taken!r}")
+    return out
+
+
+_BY_SQUASHED = _by_squashed()
+
+
+def canonical(name: str | None, *, strict: bool = True) -> str | None:
+    """The canonical name of family ``name``: case, ``-``, ``_``, ``.`` and spaces do not matter.
+
+    ``canonical("Qwen2-VL") == canonical("qwen2vl") == "qwen2_vl"``; ``"Qwen2.5-VL"`` is ``"qwen2_5_vl"``,
+    ``"llava-1.6"`` is ``"llava_next"``; None (or ``""``) is None. A name that is no family of
+    :data:`FAMILIES` raises a ValueError listing them, or with ``strict=False`` (a config's ``model_type``,
+    which may be any model's) is returned as given.
+    """
+    if name is None or name == "":  # not given (callers read an empty name as none, as `family or ...` did)
+        return None
+    if not isinstance(name, str):
+        raise TypeError(f"a family name must be a string, got {type(name).__name__} {name!r}")
+    if name in FAMILIES:  # the per-sample calls (processing._render) pass canonical names: no regex
+        return name
+    found = _BY_SQUASHED.get(_squash(name))
+    if found is not None:
+        return found
+    if not strict:
+        return name
+    raise ValueError(
+        f"unknown VLM family {name!r}; known families: {', '.join(FAMILIES)} (in any case, with or "
+        "without '-', '_' or '.'). For another model pass its processor= (its chat template and image rules) "
+        "or its config= (a model type vlm-pack has no rule for gets 1-D positions)."
+    )
+
+
+def family(name: str) -> Family:
+    """The record of family ``name`` in any spelling; a ValueError listing the known names for another."""
+    key = canonical(name)
+    if key is None:
+        raise ValueError(f"no family name given; known families: {', '.join(FAMILIES)}")
+    return FAMILIES[key]
+
+
+def lookup(name: str | None) -> Family | None:
+    """The record of ``name`` in any spelling; None for None, ``""`` or a model type without a record."""
+    return FAMILIES.get(canonical(name, strict=False))  # type: ignore[arg-type]
+
+
+def names(having: str | None = None) -> tuple[str, ...]:
+    """The canonical names, in registry order: all, or those whose field ``having`` is set (not None/False).
+
+    >>> names("mrope")
+    ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_vl_moe', 'glm4v', 'glm4v_moe')
+    """
+    if having is not None and having not in {f.name for f in fields(Family)}:
+        raise ValueError(
+            f"Family has no field {having!r}; its fields: {', '.join(f.name for f in fields(Family))}"
+        )
+    return tuple(r.name for r in _RECORDS if having is None or getattr(r, having) not in (None, False))
+
+
+def require(name: str | None, having: str, what: str, fix: str = "") -> Family:
+    """The record of ``name`` (any spelling) where its field ``having`` is set, else a ValueError naming
+    ``what`` and the families that have it: ``"no vision spec for family 'blip2'; supported: qwen2_vl, ..."``."""
+    supported: dict[str, Any] = {n: FAMILIES[n] for n in names(having)}
+    return family_entry(supported, canonical(name, strict=False), what, fix)  # type: ignore[arg-type]
