@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.dtype} noise floor (padded batch, {args.dtype} vs float32): {noise:.6f}")
         tolerance = tolerance or max(1.001, 1 + 3 * (noise - 1))
 
-    collator = pre.collator(args.capacity, config=model.config)
+    collator = pre.collator(args.capacity, model_config=model.config)
     style = "sdpa" if args.attn == "varlen" else args.attn  # model_inputs style of the packed rows
     packed_forward = {
         "none": None,

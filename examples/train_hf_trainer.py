@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train = torch.utils.data.Subset(dataset, keep)
 
     model = tiny_model("qwen2_vl", tokenizer).train()
-    collator = pre.collator(args.capacity, config=model.config, return_style="sdpa")
+    collator = pre.collator(args.capacity, model_config=model.config, return_style="sdpa")
     rows: list[int] = []
 
     def data_collator(samples: list[dict[str, torch.Tensor]]) -> dict[str, Any]:

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 2. One DataLoader batch = one pack of the plan; the collator lays it out as one row.
     model = tiny_model("qwen2_vl", tokenizer).train()
-    collator = pre.collator(args.capacity, config=model.config)
+    collator = pre.collator(args.capacity, model_config=model.config)
     loader = torch.utils.data.DataLoader(
         ProcessedDataset(raw, pre),
         batch_sampler=plan.bins,

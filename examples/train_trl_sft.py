@@ -50,7 +50,7 @@ def train(args: argparse.Namespace, dataset: Any, tokenizer: Any, image_proc: An
         dataloader_num_workers=0,
         seed=0,
     )
-    collator = TRLPackingCollator(args.capacity, Preprocessor(tokenizer, image_proc), config=model.config, packed=packed)
+    collator = TRLPackingCollator(args.capacity, Preprocessor(tokenizer, image_proc), model_config=model.config, packed=packed)
     cls = PackedSFTTrainer if packed else SFTTrainer
     trainer = cls(
         model=model, args=config, train_dataset=dataset, data_collator=collator, processing_class=tokenizer

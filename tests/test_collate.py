@@ -84,7 +84,7 @@ def hf_rope(model, s):
 def test_qwen_layout_labels_positions_padding(qwen):
     tok, model, samples, _ = qwen
     m = 8
-    collator = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=m)
+    collator = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=m)
     b = collator(samples)
     n = len(samples)
     R, T = b.input_ids.shape
@@ -125,7 +125,7 @@ def test_qwen_layout_labels_positions_padding(qwen):
 @pytest.mark.slow
 def test_packed_forward_matches_each_sample_alone(qwen):
     tok, model, samples, _ = qwen
-    b = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=4)(samples)
+    b = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4)(samples)
     with torch.no_grad():
         out = model(**b.model_inputs("sdpa"))
         logp = out.logits.log_softmax(-1)
@@ -228,7 +228,7 @@ def test_sample_keys_follow_the_packed_order(qwen):
 
 def test_collapsed_layout_matches_expanded(qwen):
     tok, model, expanded, collapsed = qwen
-    kw = dict(tokenizer=tok, config=model.config, pad_to_multiple_of=8)
+    kw = dict(tokenizer=tok, model_config=model.config, pad_to_multiple_of=8)
     e = PackingCollator(64, **kw)(expanded)
     c = PackingCollator(64, layout="collapsed", **kw)(collapsed)
     assert torch.equal(c.sample_index, e.sample_index) and c.num_rows == e.num_rows
@@ -293,7 +293,7 @@ def test_collapsed_llava_counts_from_config():
 
 def test_model_input_styles(qwen):
     tok, model, samples, _ = qwen
-    b = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=4)(samples)
+    b = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4)(samples)
     R, T = b.input_ids.shape
     sdpa = b.model_inputs("sdpa")
     assert "attention_mask" not in sdpa and sdpa["use_cache"] is False
@@ -338,7 +338,7 @@ def test_flash_style_inputs_run_varlen_attention(qwen):
 
     tok, model, samples, _ = qwen
     varlen = use_varlen_attention(tiny_model("qwen2_vl", tok, initializer_range=0.2))  # same seed, weights
-    b = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=4)(samples)
+    b = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4)(samples)
     with torch.no_grad():
         rows = model(**b.model_inputs("sdpa")).logits
         flat = varlen(**b.model_inputs("flash_attention_2")).logits
@@ -380,7 +380,7 @@ def test_flash_style_through_transformers_flash_dispatch(qwen):
     for m in flash.modules():
         if hasattr(m, "config"):  # set_attn_implementation would try to import the flash-attn package
             m.config._attn_implementation_internal = "test_flash_varlen"
-    b = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=4)(samples)
+    b = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4)(samples)
     inputs = b.model_inputs("flash_attention_2")
     assert inputs["cu_seq_lens_q"].dtype == torch.int32
     with torch.no_grad():
@@ -418,7 +418,7 @@ def test_qwen_family_real_processor_forward(family):
         process_sample(ims, c, tokenizer=tok, image_processor=ip, family=family)
         for ims, c in CONVERSATIONS[:3]
     ]
-    b = PackingCollator(96, tokenizer=tok, config=model.config, pad_to_multiple_of=4)(samples)
+    b = PackingCollator(96, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4)(samples)
     with torch.no_grad():
         logp = model(**b.model_inputs("sdpa")).logits.log_softmax(-1)
         for k, i in enumerate(b.sample_index.tolist()):
@@ -464,7 +464,7 @@ def test_llava_processor_outputs_forward(family):
     ]
     lens = [s["input_ids"].shape[1] for s in samples]
     b = PackingCollator(
-        sum(_round_up(n, 16) for n in lens), tokenizer=proc, config=model.config, pad_to_multiple_of=16
+        sum(_round_up(n, 16) for n in lens), tokenizer=proc, model_config=model.config, pad_to_multiple_of=16
     )(samples)
     assert b.num_rows == 1 and b.position_ids.shape == b.input_ids.shape
     if family == "llava_next":
@@ -495,7 +495,7 @@ def _round_up(x: int, m: int) -> int:
 
 def test_errors_name_the_sample(qwen):
     tok, model, samples, collapsed = qwen
-    col = PackingCollator(64, tokenizer=tok, config=model.config)
+    col = PackingCollator(64, tokenizer=tok, model_config=model.config)
     big = dict(
         samples[0], input_ids=torch.cat([samples[0]["input_ids"]] * 4), labels=None, mm_token_type_ids=None
     )
@@ -561,7 +561,7 @@ def test_qwen_samples_without_the_mrope_family_raise(qwen):
     then finds no text row, builds no packed mask and lets the samples attend to each other)."""
     tok, _, samples, _ = qwen
     no_family = PackingCollator(64, image_token_id=tok.image_token_id)
-    with pytest.raises(ValueError, match=r"sample 1 has image_grid_thw.*family is None: pass config="):
+    with pytest.raises(ValueError, match=r"sample 1 has image_grid_thw.*family is None: pass model_config="):
         no_family([samples[1], samples[0]])
     with pytest.raises(ValueError, match="family is 'llava'"):
         PackingCollator(64, family="llava", image_token_id=tok.image_token_id)([samples[0]])
@@ -595,7 +595,7 @@ def test_qwen_video_samples(family):
     # transformers < 5.18 truncates seconds per grid to an integer in get_rope_index (tests/test_positions.py)
     truncates = "int(next(second_per_grid_ts))" in inspect.getsource(type(model.model).get_rope_index)
     samples = [video(2, 4, 4, 3.0 if truncates else 0.5), {"input_ids": torch.tensor([50, 51, 52])}, video(3, 2, 6, 2.0)]
-    b = PackingCollator(128, tokenizer=tok, config=cfg, pad_to_multiple_of=4)(samples)
+    b = PackingCollator(128, tokenizer=tok, model_config=cfg, pad_to_multiple_of=4)(samples)
     order = [i for i in b.sample_index.tolist() if "video_grid_thw" in samples[i]]
     assert torch.equal(b.video_grid_thw, torch.cat([samples[i]["video_grid_thw"] for i in order]))
     assert torch.equal(b.pixel_values_videos, torch.cat([samples[i]["pixel_values_videos"] for i in order]))
@@ -691,14 +691,14 @@ def test_pad_multiple_for_is_the_parallel_padding_rule():
 
 def test_dataloader_workers_and_trainer_style(qwen):
     tok, model, samples, _ = qwen
-    collator = PackingCollator(64, tokenizer=tok, config=model.config, pad_to_multiple_of=4)
+    collator = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4)
     assert pickle.loads(pickle.dumps(collator)).image_token_id == tok.image_token_id
     loader = torch.utils.data.DataLoader(samples * 2, batch_size=5, num_workers=2, collate_fn=collator)
     batches = list(loader)
     assert len(batches) == 2 and all(isinstance(x, PackedBatch) for x in batches)
     assert all(sorted(x.sample_index.tolist()) == list(range(5)) for x in batches)
     # As an HF Trainer data_collator: a plain dict of forward kwargs.
-    as_dict = PackingCollator(64, tokenizer=tok, config=model.config, return_style="sdpa")(samples)
+    as_dict = PackingCollator(64, tokenizer=tok, model_config=model.config, return_style="sdpa")(samples)
     assert isinstance(as_dict, dict) and as_dict["use_cache"] is False
     with torch.no_grad():
         assert torch.isfinite(model(**as_dict).loss)
@@ -721,7 +721,7 @@ def test_hf_trainer_step(qwen, tmp_path):
         save_strategy="no",
         logging_strategy="no",
     )
-    collator = PackingCollator(64, tokenizer=tok, config=model.config, return_style="sdpa")
+    collator = PackingCollator(64, tokenizer=tok, model_config=model.config, return_style="sdpa")
     before = model.lm_head.weight.detach().clone()
     result = Trainer(model=model, args=args, train_dataset=samples, data_collator=collator).train()
     assert result.global_step == 1 and torch.isfinite(torch.tensor(result.training_loss))

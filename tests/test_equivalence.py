@@ -119,7 +119,7 @@ def _collator(family: str, samples, per_pack: int, **kwargs) -> PackingCollator:
     return PackingCollator(
         capacity,
         tokenizer=_tokenizer(family),
-        config=model.config,
+        model_config=model.config,
         max_samples_per_bin=per_pack,
         **kwargs,
     )
@@ -340,7 +340,7 @@ def test_processor_outputs_and_a_trainer_style_collator():
     collator = PackingCollator(
         sum(s["input_ids"].shape[1] for s in samples),
         tokenizer=proc,
-        config=_model("llava").config,
+        model_config=_model("llava").config,
         return_style="sdpa",
     )
     report = check_packed_equivalence(_model("llava"), samples, collator)
@@ -443,7 +443,7 @@ def test_collapsed_model_needs_remapped_cu_seqlens(per_pack):
     collator = PackingCollator(
         sum(longest[:per_pack]),
         tokenizer=tok,
-        config=model.config,
+        model_config=model.config,
         layout="collapsed",
         max_samples_per_bin=per_pack,
     )
@@ -498,7 +498,7 @@ def test_collapsed_model_varlen_attention_is_the_mask_path():
     batch = PackingCollator(
         sum(len(s["input_ids"]) + int(s["tokens_per_image"].sum()) for s in samples),
         tokenizer=tok,
-        config=model.config,
+        model_config=model.config,
         layout="collapsed",
         max_samples_per_bin=4,
     )(samples)
@@ -540,7 +540,7 @@ def test_collapsed_model_with_cp_padding():
     collator = PackingCollator(
         1024,
         tokenizer=tok,
-        config=model.config,
+        model_config=model.config,
         layout="collapsed",
         pad_to_multiple_of=8,
         max_samples_per_bin=2,
@@ -599,7 +599,7 @@ if __name__ == "__main__":  # the figures of benchmarks/RESULTS.md, section "equ
         batch = PackingCollator(
             sum(longest[:per_pack]),
             tokenizer=tok,
-            config=cmodel.config,
+            model_config=cmodel.config,
             layout="collapsed",
             max_samples_per_bin=per_pack,
         )(samples)

@@ -115,7 +115,7 @@ def _one_row(family: str, layout: str = "expanded", **kwargs) -> PackingCollator
     samples = _samples(family, layout)
     longest = sum(len(s["input_ids"]) for s in _samples(family))  # expanded lengths
     return PackingCollator(
-        longest, config=_model(family, "sdpa").config, tokenizer=_processor(family), layout=layout, **kwargs
+        longest, model_config=_model(family, "sdpa").config, tokenizer=_processor(family), layout=layout, **kwargs
     ), samples
 
 

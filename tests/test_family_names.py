@@ -165,10 +165,10 @@ def test_a_config_model_type_without_a_rule_keeps_1d_positions(qwen_samples):
     """The documented default: a model vlm-pack has no rule for (here a text model's config) is not refused."""
     tok = build_tokenizer("llava")
     samples = [{"input_ids": torch.tensor([5, 6, 7])}, {"input_ids": torch.tensor([8, 9])}]
-    batch = PackingCollator(16, config=SimpleNamespace(model_type="llama"), tokenizer=tok)(samples)
+    batch = PackingCollator(16, model_config=SimpleNamespace(model_type="llama"), tokenizer=tok)(samples)
     assert batch.position_ids.shape == (1, 16) and batch.family == "llama"
     qwen_config = SimpleNamespace(model_type="qwen2_vl", image_token_id=None)
-    assert PackingCollator(16, config=qwen_config, tokenizer=build_tokenizer("qwen2_vl")).mrope
+    assert PackingCollator(16, model_config=qwen_config, tokenizer=build_tokenizer("qwen2_vl")).mrope
 
 
 def test_every_family_table_uses_the_canonical_names():

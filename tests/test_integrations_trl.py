@@ -85,10 +85,10 @@ def test_trl_loss_on_packed_rows_equals_padded_batch(parts):
     model = tiny_model("qwen2_vl", tok, initializer_range=0.2)
     trainer = PackedSFTTrainer(model=model, args=_args(tmp, max_steps=1), train_dataset=ds, processing_class=tok,
                                data_collator=TRLPackingCollator(CAPACITY, Preprocessor(tok, ip),
-                                                                config=model.config))
+                                                                model_config=model.config))
     model.train()
-    packed = TRLPackingCollator(CAPACITY, Preprocessor(tok, ip), config=model.config)([row])
-    padded = TRLPackingCollator(CAPACITY, Preprocessor(tok, ip), config=model.config, packed=False)([row])
+    packed = TRLPackingCollator(CAPACITY, Preprocessor(tok, ip), model_config=model.config)([row])
+    padded = TRLPackingCollator(CAPACITY, Preprocessor(tok, ip), model_config=model.config, packed=False)([row])
     assert packed["input_ids"].shape[0] == 1 and padded["input_ids"].shape[0] == len(row["keys"])
     assert "attention_mask" not in packed and packed["position_ids"].shape[:2] == (4, 1)
     with torch.no_grad():
@@ -110,7 +110,7 @@ def test_streaming_dataset_trains_and_num_tokens_is_the_real_count(parts):
     assert isinstance(ds, datasets.IterableDataset)
     rows = list(ds)[:2]
     model = tiny_model("qwen2_vl", tok)
-    collator = TRLPackingCollator(CAPACITY, Preprocessor(tok, ip), config=model.config)
+    collator = TRLPackingCollator(CAPACITY, Preprocessor(tok, ip), model_config=model.config)
     # TRL's own formula, position_ids.size(1), counts rows for [4, R, T] mRoPE ids: the bug being corrected.
     assert collator([rows[0]])["position_ids"].size(1) == 1
     trainer = PackedSFTTrainer(model=model, args=_args(tmp, max_steps=2), train_dataset=ds,
@@ -149,10 +149,10 @@ def test_any_family_through_its_processor_trains_on_packed_rows_as_on_padded(par
     row = max(ds, key=lambda r: len(r["keys"]))
     assert len(row["keys"]) >= 2
     model = tiny_model(family, tok, initializer_range=0.2)
-    collator = TRLPackingCollator(capacity, Preprocessor(processor=proc), config=model.config)
+    collator = TRLPackingCollator(capacity, Preprocessor(processor=proc), model_config=model.config)
     assert row["lengths"] == [len(s["input_ids"]) for s in collator.samples([row])]
     packed = collator([row])
-    padded = TRLPackingCollator(capacity, Preprocessor(processor=proc), config=model.config, packed=False)([row])
+    padded = TRLPackingCollator(capacity, Preprocessor(processor=proc), model_config=model.config, packed=False)([row])
     trainer = PackedSFTTrainer(model=model, args=_args(tmp, max_steps=1), train_dataset=ds, processing_class=tok,
                                data_collator=collator)
     model.train()
@@ -251,7 +251,7 @@ class _Recording:
 
 def _train_one_epoch(ds, pre: Preprocessor, family: str, capacity: int, tmp) -> tuple[_Recording, list[dict]]:
     model = tiny_model(family, pre.tokenizer)
-    collator = _Recording(TRLPackingCollator(capacity, pre, config=model.config))
+    collator = _Recording(TRLPackingCollator(capacity, pre, model_config=model.config))
     trainer = PackedSFTTrainer(model=model, args=_args(tmp, num_train_epochs=1, learning_rate=1e-3),
                                train_dataset=ds, data_collator=collator, processing_class=pre.tokenizer)
     trainer.train()

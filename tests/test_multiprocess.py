@@ -47,7 +47,7 @@ def _rank_main(rank: int, tmpdir: str, samples, tok, bins, parts) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmpdir}/pg", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
     model = tiny_model("qwen2_vl", tok, initializer_range=0.2).train()
-    collator = PackingCollator(CAPACITY, config=model.config, tokenizer=tok)
+    collator = PackingCollator(CAPACITY, model_config=model.config, tokenizer=tok)
     micro_batches = [[samples[i] for i in bins[b]] for b in parts[rank]]
     labels = [collator(mb).labels[:, 1:] for mb in micro_batches]
     ptl = PerTokenLoss(grad_reduction="sum")  # gradients are summed below with an all-reduce

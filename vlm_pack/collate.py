@@ -155,10 +155,10 @@ class PackingCollator:
         capacity: tokens per row, counted in *expanded* length (what the language model runs on).
         family: model type, a ``vlm_pack.families`` name in any spelling (``"qwen2_vl"``, ``"Gemma-3"``):
             its record's ``mrope`` gives Qwen-VL and GLM-4.1V 4-row mRoPE position ids, ``two_way_images``
-            Gemma 3 its packed masks. Defaults to ``config.model_type`` or the tokenizer's
+            Gemma 3 its packed masks. Defaults to ``model_config.model_type`` or the tokenizer's
             ``vlm_pack_family``; without any, 1-D position ids.
         tokenizer: a tokenizer or processor; ids not given explicitly are read from it.
-        config: the model config; ids, ``spatial_merge_size``, ``tokens_per_second`` and LLaVA's
+        model_config: the model's config (``model.config``); ids, ``spatial_merge_size``, ``tokens_per_second`` and LLaVA's
             ``image_seq_length`` not given explicitly are read from it (preferred over the tokenizer).
         image_token_id, video_token_id, vision_start_token_id, pad_token_id, spatial_merge_size,
             tokens_per_second, image_seq_length, sliding_window: explicit values (``sliding_window``:
@@ -195,7 +195,7 @@ class PackingCollator:
         *,
         family: str | None = None,
         tokenizer: Any = None,
-        config: Any = None,
+        model_config: Any = None,
         image_token_id: int | None = None,
         video_token_id: int | None = None,
         vision_start_token_id: int | None = None,
@@ -214,29 +214,29 @@ class PackingCollator:
     ) -> None:
         _check_arguments(capacity, layout, pad_to_multiple_of, strategy, return_style)
         tok = getattr(tokenizer, "tokenizer", tokenizer)  # a processor carries its tokenizer
-        text_cfg = _attr(config, "text_config")
-        vision_cfg = _attr(config, "vision_config")
+        text_cfg = _attr(model_config, "text_config")
+        vision_cfg = _attr(model_config, "vision_config")
         self.capacity = capacity
         # One spelling everywhere ("Qwen2-VL" is "qwen2_vl"); a config's model_type without a rule is kept.
         self.family = (
             canonical(family)
-            or canonical(_attr(config, "model_type"), strict=False)
+            or canonical(_attr(model_config, "model_type"), strict=False)
             or canonical(_attr(tok, "vlm_pack_family"))
         )
         self.image_token_id = _first_int(
-            image_token_id, _attr(config, "image_token_id", "image_token_index"), _attr(tok, "image_token_id")
+            image_token_id, _attr(model_config, "image_token_id", "image_token_index"), _attr(tok, "image_token_id")
         )
         self.video_token_id = _first_int(
-            video_token_id, _attr(config, "video_token_id"), _attr(tok, "video_token_id")
+            video_token_id, _attr(model_config, "video_token_id"), _attr(tok, "video_token_id")
         )
         self.vision_start_token_id = _first_int(
-            vision_start_token_id, _attr(config, "vision_start_token_id"), _attr(tok, "vision_start_token_id")
+            vision_start_token_id, _attr(model_config, "vision_start_token_id"), _attr(tok, "vision_start_token_id")
         )
         self.pad_token_id = _first_int(
             pad_token_id,
             _attr(tok, "pad_token_id"),
             _attr(text_cfg, "pad_token_id"),
-            _attr(config, "pad_token_id"),
+            _attr(model_config, "pad_token_id"),
             0,
         )
         self.spatial_merge_size = _first_int(
@@ -247,16 +247,16 @@ class PackingCollator:
         )
         tps = tokens_per_second if tokens_per_second is not None else _attr(vision_cfg, "tokens_per_second")
         self.tokens_per_second = tps
-        self.image_seq_length = _first_int(image_seq_length, _attr(config, "image_seq_length"))
+        self.image_seq_length = _first_int(image_seq_length, _attr(model_config, "image_seq_length"))
         # Gemma 3's sliding-window layers: its packed masks (batch.attention_masks) need the window.
         self.sliding_window = _first_int(
-            sliding_window, _attr(text_cfg, "sliding_window"), _attr(config, "sliding_window")
+            sliding_window, _attr(text_cfg, "sliding_window"), _attr(model_config, "sliding_window")
         )
         record = lookup(self.family)
         if record is not None and record.two_way_images and self.sliding_window is None:
             raise ValueError(
                 f"family {self.family!r} builds its packed attention masks from the text config's "
-                "sliding_window: pass config=model.config (or sliding_window=)"
+                "sliding_window: pass model_config=model.config (or sliding_window=)"
             )
         self.layout = layout
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -273,7 +273,7 @@ class PackingCollator:
             # mask (the model then sees no text row) and, for Qwen3-VL, the image mRoPE.
             raise ValueError(
                 "the tokenizer/config has a vision_start_token_id (a Qwen-VL model) but no family: pass "
-                f"config=model.config or family= one of {', '.join(names('mrope'))} so that position_ids "
+                f"model_config=model.config or family= one of {', '.join(names('mrope'))} so that position_ids "
                 "get the 4-row multimodal RoPE"
             )
 
@@ -314,7 +314,7 @@ class PackingCollator:
         if not self.mrope and ("image_grid_thw" in vision or "video_grid_thw" in vision):
             raise ValueError(
                 f"{name} has image_grid_thw/video_grid_thw (a Qwen-VL sample) but the collator's family is "
-                f"{self.family!r}: pass config=model.config or family= one of {', '.join(names('mrope'))}; "
+                f"{self.family!r}: pass model_config=model.config or family= one of {', '.join(names('mrope'))}; "
                 "without the 4-row mRoPE position_ids the packed samples would attend to each other"
             )
         tpi, n_images = self._image_counts(name, sample, vision)
@@ -322,7 +322,7 @@ class PackingCollator:
         if n_images and self.image_token_id is None:
             raise ValueError(
                 f"{name} has images but the collator knows no image_token_id: pass image_token_id=, "
-                "tokenizer= or config="
+                "tokenizer= or model_config="
             )
         if n_placeholders and not n_images:
             raise ValueError(

@@ -263,7 +263,7 @@ def canonical(name: str | None, *, strict: bool = True) -> str | None:
     raise ValueError(
         f"unknown VLM family {name!r}; known families: {', '.join(FAMILIES)} (in any case, with or "
         "without '-', '_' or '.'). For another model pass its processor= (its chat template and image rules) "
-        "or its config= (a model type vlm-pack has no rule for gets 1-D positions)."
+        "or its model_config= (a model type vlm-pack has no rule for gets 1-D positions)."
     )
 
 

@@ -8,7 +8,7 @@ image processor and rows made with another would silently overflow or underfill 
     pre = Preprocessor(processor=processor)                   # any family; or tokenizer= + image_processor=
     length, per_image = pre.forecast(conversation, [(640, 480)])   # header sizes only
     sample = pre.process([image], conversation)                    # len(sample["input_ids"]) == length
-    collator = pre.collator(8192, config=model.config)             # PackingCollator for these parts
+    collator = pre.collator(8192, model_config=model.config)             # PackingCollator for these parts
 """
 
 from __future__ import annotations
@@ -106,13 +106,13 @@ class Preprocessor:
 
     def collator(self, capacity: int, **options: Any) -> Any:
         """The :class:`~vlm_pack.PackingCollator` for these parts: ``options`` (its keyword arguments, e.g.
-        ``config=model.config``) win; the tokenizer, the layout, the family, the token a processor scatters
+        ``model_config=model.config``) win; the tokenizer, the layout, the family, the token a processor scatters
         image features into and the image processor's ``merge_size`` fill in what they leave out."""
         from .collate import PackingCollator
 
         options.setdefault("tokenizer", self.tokenizer)
         options.setdefault("layout", self.layout)  # rows in the layout its samples are processed in
-        if options.get("config") is None:
+        if options.get("model_config") is None:
             options.setdefault("family", self.family)
             if self.processor is not None:
                 options.setdefault("image_token_id", _embedding_token_id(self.processor))

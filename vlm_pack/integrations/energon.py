@@ -96,7 +96,7 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         preprocessor: the checkpoint's parts (:class:`~vlm_pack.Preprocessor`: ``processor=`` for any family,
             or ``tokenizer=`` + ``image_processor=``); its ``layout``: ``"expanded"`` (HF models) or
             ``"collapsed"`` (Megatron: one placeholder per image).
-        config: the model config (family, token ids, merge size; see :class:`~vlm_pack.PackingCollator`).
+        model_config: the model's config (family, token ids, merge size; see :class:`~vlm_pack.PackingCollator`).
         pad_to_multiple_of: per-sample padding for context/sequence parallelism (``pad_multiple_for``); packs
             are planned on the padded spans, so each is one row.
         oversized: a sample longer than ``capacity``: ``"raise"`` (default, as ``PackingConfig``'s; pair it
@@ -117,7 +117,7 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         capacity: int,
         preprocessor: Preprocessor,
         *,
-        config: Any = None,
+        model_config: Any = None,
         pad_to_multiple_of: int = 1,
         oversized: str = "raise",
     ) -> None:
@@ -131,7 +131,7 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         # max_rows=1: a pack is one row, or the collator raises naming its samples
         self.collator = preprocessor.collator(
             capacity,
-            config=config,
+            model_config=model_config,
             layout=preprocessor.layout,
             pad_to_multiple_of=pad_to_multiple_of,
             max_rows=1,

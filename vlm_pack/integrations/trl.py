@@ -442,13 +442,13 @@ class TRLPackingCollator:
         capacity: int,
         preprocessor: Preprocessor,
         *,
-        config: Any = None,
+        model_config: Any = None,
         packed: bool = True,
         pad_to_multiple_of: int = 1,
     ) -> None:
         self.preprocessor = Preprocessor.check(preprocessor)
         self.collator = self.preprocessor.collator(
-            capacity, config=config, pad_to_multiple_of=pad_to_multiple_of
+            capacity, model_config=model_config, pad_to_multiple_of=pad_to_multiple_of
         )
         self.packed = packed
 
