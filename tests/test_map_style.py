@@ -149,7 +149,7 @@ def test_resume_with_another_number_of_workers(dataset, model, tmp_path):
 
 
 def test_stale_plan_is_rebuilt_never_reused(columns, dataset, model, lengths, tmp_path):
-    path = tmp_path / "plan.npz"
+    path = tmp_path / "run.plan"
     _packed(dataset, model, path)
     assert _packed(dataset, model, path).from_cache
     # the data changes: one answer grows, the fingerprint changes, the plan file is stale
@@ -158,7 +158,7 @@ def test_stale_plan_is_rebuilt_never_reused(columns, dataset, model, lengths, tm
     changed["messages"][4] = _conversation(4, len(columns["images"][4]))
     changed["messages"][4][1]["content"][0]["text"] = "a much longer answer " * 6
     new = datasets.Dataset.from_dict(changed).cast_column("images", datasets.List(datasets.Image()))
-    with pytest.warns(UserWarning, match=r"plan.npz is stale \(dataset[.]fingerprint changed\)"):
+    with pytest.warns(UserWarning, match=r"run.plan is stale \(dataset[.]fingerprint changed\)"):
         rebuilt = _packed(new, model, path)
     assert not rebuilt.from_cache
     (b,) = [b for b in range(int(rebuilt._bin_ptr.size) - 1) if 4 in rebuilt.rows_of(b)]
@@ -350,7 +350,7 @@ def _epoch_rows(ds) -> list[int]:
 def test_a_rebuild_with_anything_that_changes_tokens_replans(dataset, model, tmp_path, variant):
     tok, ip = model
     _, changed, first, second = next(v for v in _variants(tok, ip) if v[0] == variant)
-    folder, single = tmp_path / "plans", tmp_path / "plan.npz"
+    folder, single = tmp_path / "plans", tmp_path / "run.plan"
     old = _build(dataset, tok, folder, **first)
     _build(dataset, tok, single, **first)
     assert _epoch_rows(old) == list(range(N))
@@ -359,7 +359,7 @@ def test_a_rebuild_with_anything_that_changes_tokens_replans(dataset, model, tmp
     assert _epoch_rows(new) == list(range(N))  # every sample, at the length the new parts give it
     assert not np.array_equal(new._forecast, old._forecast) or variant == "max_pixels"
     # one plan file: the stale plan is rebuilt, and the warning names what changed
-    with pytest.warns(UserWarning, match=rf"plan.npz is stale \(.*{changed.replace('.', '[.]')}"):
+    with pytest.warns(UserWarning, match=rf"run.plan is stale \(.*{changed.replace('.', '[.]')}"):
         again = _build(dataset, tok, single, **second)
     assert not again.from_cache and _epoch_rows(again) == list(range(N))
 

@@ -224,3 +224,17 @@ def test_data_format_examples_are_accepted(tmp_path, capsys, write_tar):
         per_image = _hf_qwen_tokens(Image.new("RGB", (640, 480)), 14, 3136, 12845056)
         assert report["dataset"]["vision_tokens"] == per_image * report["dataset"]["images"]
     assert want_samples == 0 and want_images == 0
+
+
+@pytest.mark.slow
+def test_plans_block_loads_the_saved_plan_and_refuses_another_capacity(readme_run):
+    """The Plans block: the saved folder is the plan it built (rank 1 mapped), and another capacity is named."""
+    import numpy as np
+
+    after, outputs, folder = readme_run
+    ns = after[5]
+    plan, mine, rank1 = ns["plan"], ns["mine"], ns["rank1"]
+    assert isinstance(mine.rows, np.memmap) and mine.rank == 1 and (folder / "train.plan" / "plan.json").is_file()
+    rows = [int(r) for i in range(len(rank1)) for r in rank1.rows_of(rank1.bin_of(i)[2])]
+    assert sorted(rows) == sorted(int(r) for b in plan.rank_bins_of(1) for r in plan.rows_of(int(b)))
+    assert outputs[5].strip() == "stale: packing.capacity changed"

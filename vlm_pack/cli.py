@@ -9,6 +9,7 @@
     vlm-pack analyze llava_v1_5_mix665k.json --image-root ./images --workers 8
     vlm-pack analyze train-*.parquet --processor ./ckpt          # HF hub parquet with Image columns
     vlm-pack pack shards/ --processor ./ckpt --capacity 16384 --out plan.jsonl
+    vlm-pack plan data/train/ --processor ./ckpt --capacity 16384 --world-size 64 --out train.plan
 
 ``analyze`` reads WebDataset shards, parquet, JSON / JSONL (LLaVA-Instruct, ShareGPT, vlm-pack's manifest)
 or a ``datasets`` ``save_to_disk`` folder in ``--workers N`` processes, forecasts every sample's expanded
@@ -16,7 +17,9 @@ length from the text and the image *headers* (no pixel decoded; ``--verify`` dec
 capacity, prints one column per capacity (padding waste of plain padded batches vs packed, samples per pack,
 the grad-accumulation whose samples per optimizer update are closest to the padded run's) and writes ``report.json``, ``report.txt`` and PNG plots to
 ``--out`` (default ``./vlm-pack-report``). ``pack`` writes the bins as JSONL, one pack per line, for
-offline pre-packing. ``python -m vlm_pack`` is the same command.
+offline pre-packing. ``plan`` builds a ``datasets`` folder's plan once (bins dealt to ``--world-size`` ranks)
+and saves it as a plan folder every rank reads with ``PackedMapDataset(dataset, plan=DIR, rank=r)``.
+``python -m vlm_pack`` is the same command.
 """
 
 from __future__ import annotations
@@ -240,7 +243,7 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``vlm-pack`` argument parser (subcommands ``analyze``, ``pack``, ``demo``)."""
+    """The ``vlm-pack`` argument parser (subcommands ``analyze``, ``pack``, ``plan``, ``demo``)."""
     from vlm_pack._version import __version__
 
     parser = argparse.ArgumentParser(
@@ -248,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pack image-text samples for VLM training: measure the savings, write a pack plan.",
     )
     parser.add_argument("--version", action="version", version=f"vlm-pack {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{analyze,pack,demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{analyze,pack,plan,demo}")
 
     a = sub.add_parser(
         "analyze",
@@ -281,6 +284,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="shuffle the order of packs with seed N (default: creation order; decreasing strategies open "
         "the longest packs first, a length curriculum)",
     )
+
+    p = sub.add_parser(
+        "plan",
+        help="build a datasets folder's plan once (bins dealt to ranks) for PackedMapDataset(plan=DIR)",
+        description="Forecast a datasets save_to_disk folder, pack it, deal the packs to --world-size ranks "
+        "and save the plan folder every rank reads (PackedMapDataset(dataset, plan=DIR, rank=r)) without "
+        "forecasting again. Give the same checkpoint (--processor) the training job loads.",
+    )
+    p.add_argument("dataset", metavar="DATASET_DIR", help="a datasets save_to_disk folder")
+    _add_forecast_args(p)
+    _add_pack_args(p, multi=False)
+    p.add_argument("--world-size", type=_positive_int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--out", metavar="PLAN_DIR", required=True, help="the plan folder, e.g. train.plan")
 
     m = sub.add_parser(
         "demo",
@@ -718,6 +734,58 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_preprocessor(args: argparse.Namespace) -> Any:
+    """``load_forecaster``'s parts, with an image processor: ``--family`` alone plans with vlm-pack's offline
+    stand-ins (a training job must load the same ones, or its plan check names them as changed)."""
+    from vlm_pack.preprocessor import Preprocessor
+
+    pre, exact = load_forecaster(args)
+    if pre.image_processor is None:
+        from vlm_pack.offline import image_processor
+
+        overridden = bool(args.spec) or args.max_pixels is not None or args.min_pixels is not None
+        spec = pre.spec if overridden else None  # None: read from the image processor, as a consumer does
+        pre = Preprocessor(pre.tokenizer, image_processor(pre.family), family=pre.family, spec=spec)
+    if not exact or args.processor is None:
+        print(
+            "vlm-pack: note: planning with vlm-pack's offline stand-in parts; a training job checks the plan "
+            "against its own processor: pass --processor with the checkpoint folder it loads.",
+            file=sys.stderr,
+        )
+    return pre
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from vlm_pack.data.plan import _check_replaceable, build_plan
+
+    if args.verify:
+        raise ValueError("--verify: a plan reads image headers only; run `vlm-pack analyze --verify` first.")
+    out = Path(args.out)
+    _check_replaceable(out)
+    _check_writable("--out", out.parent, folder=True)
+    pre = _plan_preprocessor(args)
+    plan = build_plan(
+        args.dataset,
+        pre,
+        _packing_config(args, args.capacity),
+        world_size=args.world_size,
+        strategy=args.strategy,
+        record_format=args.record_format,
+        image_root=args.image_root,
+        num_proc=args.workers,
+        progress=False if args.no_progress else None,
+    )
+    plan.save(out)
+    print(
+        f"vlm-pack plan: {plan.num_samples:,} samples in {plan.num_bins:,} packs of {args.capacity:,} tokens, "
+        f"{plan.steps:,} per rank x {plan.world_size} rank(s); {len(plan.skipped):,} left out"
+    )
+    for key, where, reason in plan.skipped[:5]:
+        print(f"    {key} ({where}): {reason}")
+    print(f"plan: {out} (digest {plan.digest})")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``vlm-pack``; returns the exit status (0 ok, 1 bad data or arguments, 2 usage)."""
     parser = build_parser()
@@ -725,7 +793,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"analyze": _cmd_analyze, "pack": _cmd_pack, "demo": _cmd_demo}[args.command]
+    handler = {"analyze": _cmd_analyze, "pack": _cmd_pack, "plan": _cmd_plan, "demo": _cmd_demo}[args.command]
     try:
         return handler(args)
     except (ValueError, TypeError, FileNotFoundError) as e:

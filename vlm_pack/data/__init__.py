@@ -21,13 +21,18 @@
   JSONL and shards, cut into chunks (``open_sources``, ``iter_samples``);
 - :mod:`vlm_pack.data.forecast`: ``forecast_sources`` (header-only, ``num_workers`` processes) ->
   ``LengthTable``;
-- :mod:`vlm_pack.data.map_style`: ``PackedMapDataset`` (a ``datasets.Dataset`` -> a cached, rank-balanced
-  plan -> ``PackedBatch`` by index) and ``PackedSampler`` (resumable).
+- :mod:`vlm_pack.data.fingerprint`: ``fingerprint`` (everything in a ``Preprocessor`` that changes a token)
+  and ``changed_parts`` (what differs between two);
+- :mod:`vlm_pack.data.plan`: ``Plan`` (the bins over a dataset's rows dealt to ranks, with the key that made
+  them; saved as a folder, memory-mapped per rank) and ``build_plan``;
+- :mod:`vlm_pack.data.map_style`: ``PackedMapDataset`` (a ``datasets.Dataset`` -> a cached or given,
+  rank-balanced plan -> ``PackedBatch`` by index) and ``PackedSampler`` (resumable).
 """
 
 from .forecast import LengthTable, forecast_sources
 from .map_style import PackedMapDataset, PackedSampler, plan_info
 from .pipeline import PackedDataLoader, PackedWebDataset
+from .plan import Plan, build_plan
 from .reader import SampleHeader, lazy_tar_samples, read_header, stream_tar_samples
 from .records import RECORD_FORMATS, Sample, detect_record_format, normalise_record
 from .shards import (
@@ -56,10 +61,12 @@ __all__ = [
     "PackedWebDataset",
     "PipelineState",
     "PipelineStats",
+    "Plan",
     "Sample",
     "SampleError",
     "SampleHeader",
     "StreamEnd",
+    "build_plan",
     "detect_record_format",
     "forecast_sources",
     "image_fields",
