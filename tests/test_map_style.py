@@ -417,7 +417,7 @@ def test_the_fingerprint_is_the_same_in_every_process():
     code = (
         "from vlm_pack import Preprocessor\n"
         "from vlm_pack.chat import chat_format\n"
-        "from vlm_pack.data.map_style import fingerprint\n"
+        "from vlm_pack.data.fingerprint import fingerprint\n"
         "from vlm_pack.offline import build_tokenizer, image_processor\n"
         "ROLES = {'user', 'assistant', 'system', 'tool'}\n"
         "def make(prefix, names=frozenset({'a', 'b', 'c', 'd'})):\n"

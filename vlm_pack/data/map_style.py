@@ -54,7 +54,7 @@ import torch
 
 from ..config import PackingConfig, collator_options
 from ..failures import FailureBudget, example, no_good_sample, skip_reason, tally
-from .fingerprint import Unfingerprintable, changed_parts, fingerprint, fingerprint_value
+from .fingerprint import Unfingerprintable
 from .plan import (
     Plan,
     StalePlanError,
@@ -69,15 +69,7 @@ from .records import normalise_record
 from .shards import SampleError
 from .stats import BadSampleWarning
 
-__all__ = [
-    "PackedMapDataset",
-    "PackedSampler",
-    "Unfingerprintable",
-    "changed_parts",
-    "fingerprint",
-    "fingerprint_value",
-    "plan_info",
-]
+__all__ = ["PackedMapDataset", "PackedSampler", "plan_info"]
 
 logger = logging.getLogger("vlm_pack.data")
 
