@@ -240,7 +240,7 @@ def test_qwen3_video_matches_video_processor(cap):
     )
     if not hasattr(vp, "get_num_of_video_patches"):
         pytest.skip(
-            "transformers < 5.7: Qwen3VLVideoProcessor has no get_num_of_video_patches, the oracle here"
+            "this transformers' Qwen3VLVideoProcessor has no get_num_of_video_patches, the oracle here"
         )
     spec = vision_spec("qwen3_vl", cap_pixels_per_frame=cap)
     rng = np.random.default_rng(7)
@@ -492,7 +492,7 @@ def test_idefics3_sweep_matches_processor(case):
     probe = proc(text="<image>", images=[rgb(300, 200)], add_special_tokens=False)["input_ids"][0]
     if count(image_sizes=[(200, 300)])["num_image_tokens"] != [len(probe)]:
         pytest.skip(
-            "transformers 5.6's Idefics3Processor._get_num_multimodal_tokens counts one token more than its "
+            "this transformers' Idefics3Processor._get_num_multimodal_tokens counts one token more than its "
             "own __call__ writes; the whole-processor tests are the reference there"
         )
     expected = count(image_sizes=[(h, w) for w, h in sizes])["num_image_tokens"]
