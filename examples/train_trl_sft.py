@@ -31,11 +31,14 @@ from vlm_pack.offline import build_tokenizer, image_processor, tiny_model
 
 def train(args: argparse.Namespace, dataset: Any, tokenizer: Any, image_proc: Any, packed: bool, out: str) -> Any:
     """One run of ``args.steps`` steps; returns the trainer (its ``state.log_history`` holds the logs)."""
-    from trl import SFTTrainer
+    from trl import SFTConfig, SFTTrainer
 
     from vlm_pack.integrations.trl import PackedSFTTrainer, TRLPackingCollator, packed_sft_config
 
     model = tiny_model("qwen2_vl", tokenizer, initializer_range=0.2).train()
+    # TRL turns checkpointing on by default; transformers 5.24 renamed it (and warns on the old name)
+    name = "activation_checkpointing"
+    no_checkpointing = {name if name in SFTConfig.__dataclass_fields__ else "gradient_checkpointing": False}
     config = packed_sft_config(
         out,
         max_steps=args.steps,
@@ -46,7 +49,7 @@ def train(args: argparse.Namespace, dataset: Any, tokenizer: Any, image_proc: An
         report_to="none",
         use_cpu=True,
         bf16=False,  # TRL defaults to bf16; the 1e-5 comparison needs fp32
-        gradient_checkpointing=False,
+        **no_checkpointing,
         dataloader_num_workers=0,
         seed=0,
     )

@@ -37,9 +37,16 @@ def parts(tmp_path_factory):
     return tok, ip, shards, tmp
 
 
+# transformers 5.24 renamed gradient_checkpointing (TRL's default: True) activation_checkpointing and warns on the old
+NO_CHECKPOINTING = {
+    "activation_checkpointing" if "activation_checkpointing" in SFTConfig.__dataclass_fields__ else
+    "gradient_checkpointing": False
+}
+
+
 def _args(tmp, **kw):
     return packed_sft_config(
-        str(tmp / "out"), report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
+        str(tmp / "out"), report_to="none", use_cpu=True, bf16=False, **NO_CHECKPOINTING,
         save_strategy="no", logging_steps=1, per_device_train_batch_size=1, seed=0, **kw,
     )
 
@@ -436,3 +443,29 @@ def test_records_left_out_name_the_file_they_were_read_from(tmp_path):
     # on_error="raise" (PackingConfig's other value) stops at the first record that cannot be read, named
     with pytest.raises(SampleError, match=r"s-003.*not found.*on_error='skip'"):
         packed_dataset([*shards, jsonl], pre, capacity=512, cache_dir=str(tmp_path / "hf2"), on_error="raise")
+
+
+@pytest.mark.slow
+def test_a_saved_plan_trains_without_a_forecast_and_a_stale_one_is_refused(tmp_path, monkeypatch):
+    """The plan as an artifact on the TRL path: `vlm-pack plan` / build_plan once, then every run (every
+    rank) gives packed_dataset the folder and trains the same packs without forecasting again."""
+    import vlm_pack.data.forecast as forecast_module
+    from vlm_pack.data import build_plan
+
+    data = _hf_dataset(_records(10, seed=4))
+    pre = _family_preprocessor("qwen2_vl")
+    build_plan(data, pre, capacity=512).save(tmp_path / "plan")
+    built = packed_dataset(data, pre, capacity=512, cache_dir=str(tmp_path / "fresh"))
+
+    def no_forecast(*args, **kwargs):
+        raise AssertionError("packed_dataset forecast although a plan was given")
+
+    monkeypatch.setattr(forecast_module, "forecast_sources", no_forecast)
+    with pytest.raises(AssertionError, match="forecast although"):  # the spy sees a forecast where one happens
+        packed_dataset(data, pre, capacity=512, cache_dir=str(tmp_path / "spy"))
+    given = packed_dataset(data, pre, capacity=512, plan=tmp_path / "plan", cache_dir=str(tmp_path / "given"))
+    assert given["keys"] == built["keys"] and given["lengths"] == built["lengths"]
+    seen, _ = _train_one_epoch(given, pre, "qwen2_vl", 512, tmp_path)
+    assert sorted(seen.keys) == sorted(r["key"] for r in _records(10, seed=4))  # each sample once
+    with pytest.raises(ValueError, match=r"packing\.capacity"):
+        packed_dataset(data, pre, capacity=1024, plan=tmp_path / "plan", cache_dir=str(tmp_path / "stale"))

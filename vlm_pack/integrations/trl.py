@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from ..config import PackingConfig
-from ..data import BadSampleWarning, PackedMapDataset, Sample, SampleError, normalise_record
+from ..data import BadSampleWarning, PackedMapDataset, Plan, Sample, SampleError, normalise_record
 from ..data.sources import chunk_samples, chunks, open_sources
 from ..labels import IGNORE_INDEX
 from ..padded_batch import pad_samples
@@ -139,6 +139,7 @@ def packed_dataset(
     record_format: str | None = None,
     image_root: str | os.PathLike[str] | None = None,
     num_proc: int = 1,
+    plan: Plan | str | os.PathLike[str] | None = None,
     **knobs: Any,
 ) -> datasets.Dataset | datasets.IterableDataset:
     """A ``datasets.Dataset`` (``streaming=True``: ``IterableDataset``) of packs of ``sources``, one row each.
@@ -163,7 +164,10 @@ def packed_dataset(
     padded to ``pad_to_multiple_of``, as the collator lays it out), and ``shuffle_seed`` shuffles the order
     of the bins (``None``, the default, keeps the plan's order: the Trainer's sampler shuffles the rows of a
     ``Dataset``; give ``streaming=True`` a seed, or it sees a length curriculum). The plan is cached in
-    ``cache_dir/vlm_pack_plans`` (default: vlm-pack's plan cache).
+    ``cache_dir/vlm_pack_plans`` (default: vlm-pack's plan cache). ``plan=`` (a :class:`vlm_pack.data.Plan` or
+    the folder ``Plan.save`` / ``vlm-pack plan`` wrote for the same dataset, parts and settings) is used as it
+    is, without forecasting; one made with another template, processor or capacity is refused, naming what
+    changed.
 
     Each bin becomes one row ``{"keys", "conversations" (JSON), "image_bytes", "lengths"}``, samples in data
     order, read row by row from the dataset (images undecoded; :class:`TRLPackingCollator` decodes them).
@@ -184,7 +188,7 @@ def packed_dataset(
     table, left_out, row_format, root = _as_dataset(sources, record_format, image_root, cache_dir)
     if left_out and config.on_error == "raise":
         raise SampleError("bad_text", f"{left_out[0][2]} (on_error='skip' leaves such records out, listed)")
-    plan = _plan(table, pre, config, row_format, root, cache_dir, num_proc)
+    plan = _plan(table, pre, config, row_format, root, cache_dir, num_proc, plan)
     left_out += _where_read(table, [tuple(s) for s in plan.skipped])
     if left_out:
         key, where, reason = left_out[0]
@@ -363,8 +367,9 @@ def _plan(
     image_root: Path | None,
     cache_dir: str | None,
     num_proc: int,
+    given: Plan | str | os.PathLike[str] | None = None,
 ) -> PackedMapDataset:
-    """The map-style dataset's plan of ``table`` (its forecast, bins and plan cache)."""
+    """The map-style dataset's plan of ``table``: ``given``, else its forecast, bins and plan cache."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_PLAN_WARNING)
         plan = PackedMapDataset(
@@ -379,6 +384,7 @@ def _plan(
             image_root=image_root,
             cache=True if cache_dir is None else Path(cache_dir) / "vlm_pack_plans",
             num_proc=num_proc,
+            plan=given,
             # Only the plan is used: TRLPackingCollator collates the rows, with the model's config. Gemma 3's
             # collator wants a sliding window up front: one as long as a row stands in for the model's here.
             collator_kwargs={"sliding_window": config.capacity},
