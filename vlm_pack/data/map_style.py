@@ -18,9 +18,13 @@ Each item is one pack (a ``PackedBatch`` of one row): use ``DataLoader(ds, batch
                     (so a sequential sampler sharded by Accelerate / the HF Trainer
                      gives every rank exactly its balanced packs)
 
-Every rank has the same number of packs (``balance_bins(equal_count=True)``; a bin is split in two when
-the count does not divide), so ranks step in lock-step. ``config.shuffle_seed`` shuffles the order of
-the packs per epoch (``set_epoch``); None keeps the plan order.
+Every rank has the same number of packs (a bin is split in two when the count does not divide), so ranks
+step in lock-step, and the packs of one step cost about the same on every rank (``balance=StepBalance(
+grad_accum=K, cost=PackCost.from_config(model.config))``, the default with ``grad_accum=1``; see
+``vlm_pack.packing.steps``; ``balance="epoch"`` balances each rank's epoch total only). ``config.shuffle_seed``
+shuffles the order of the *steps* per epoch (``set_epoch``): the ``grad_accum`` micro-batches of a step stay
+together and in place on every rank, and a partial last step stays last; None keeps the plan's order (itself
+shuffled across steps by ``StepBalance.seed``, never a length curriculum).
 
 Resume: the order of an epoch is a pure function of the plan, the seed and the epoch, so the position in
 it is the whole state. :class:`PackedSampler` yields ``(epoch, index)``, ``observe(batch)`` records what
@@ -54,6 +58,7 @@ import torch
 
 from ..config import PackingConfig, collator_options
 from ..failures import FailureBudget, example, no_good_sample, skip_reason, tally
+from ..packing.steps import block_order
 from .fingerprint import Unfingerprintable
 from .plan import (
     Plan,
@@ -117,6 +122,9 @@ class PackedMapDataset(torch.utils.data.Dataset):
         num_proc: processes for the forecast.
         collator_kwargs: passed to ``PackingCollator`` (not packing settings: those are keywords here).
         progress: a tqdm bar over the forecast (None: only on a terminal).
+        balance: a ``vlm_pack.packing.StepBalance`` (default ``StepBalance()``: one pack per rank per step,
+            ``PackCost()``) or ``"epoch"``; part of the plan's key. Give the training's gradient accumulation
+            (``StepBalance(grad_accum=K)``) and iterate in order (``PackedSampler``, or a sequential sampler).
 
     Attributes: ``plan`` (the :class:`~vlm_pack.data.Plan`), ``skipped`` (``(key, where, reason)`` of
     samples left out), ``from_cache`` (the plan was read from the cache or given), ``plan_digest``, ``steps``
@@ -143,6 +151,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         num_proc: int = 1,
         collator_kwargs: dict[str, Any] | None = None,
         progress: bool | None = None,
+        balance: Any = None,
         **knobs: Any,
     ) -> None:
         from ..preprocessor import Preprocessor
@@ -167,6 +176,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
             raise ValueError(f"rank must be in [0, {world_size}) or None, got {rank!r}")
         self.dataset, root = open_dataset(dataset, image_root, "PackedMapDataset")
         self.config, self.world_size, self.rank, self.strategy = config, world_size, rank, strategy
+        self.balance = balance
         self.preprocessor = Preprocessor(tokenizer, image_processor, processor, family, template)
         self.record_format, self.image_root = record_format, root
         if "return_style" in collator_kwargs:
@@ -200,7 +210,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         try:
             return plan_key(
                 self.dataset, self.preprocessor, self.config, world_size=self.world_size, strategy=self.strategy,
-                record_format=self.record_format, image_root=self.image_root,
+                record_format=self.record_format, image_root=self.image_root, balance=self.balance,
             )  # fmt: skip
         except Unfingerprintable as e:
             if checking:
@@ -230,7 +240,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
                 return cached, True
         built = make_plan(
             self.dataset, self.preprocessor, self.config, key, self.world_size, self.strategy,
-            self.record_format, self.image_root, num_proc, progress,
+            self.record_format, self.image_root, num_proc, progress, balance=self.balance,
         )  # fmt: skip
         if path is None:
             return built, False
@@ -262,11 +272,18 @@ class PackedMapDataset(torch.utils.data.Dataset):
         self.epoch = int(epoch)
 
     def order(self, epoch: int) -> np.ndarray:
-        """int64 ``[steps]``: which of a rank's packs comes at each step of ``epoch``."""
+        """int64 ``[steps]``: which of a rank's packs comes at each micro-step of ``epoch``: whole optimizer
+        steps (``plan.grad_accum`` micro-steps each) shuffled, a partial last one last."""
         seed = self.config.shuffle_seed
         if seed is None:
             return np.arange(self.steps, dtype=np.int64)
-        return np.random.default_rng([seed, epoch]).permutation(self.steps).astype(np.int64)
+        k = self.plan.grad_accum
+        rng = np.random.default_rng([seed, epoch])
+        if k == 1:  # the order of plans without steps, unchanged
+            return rng.permutation(self.steps).astype(np.int64)
+        blocks = block_order(-(-self.steps // k), self.steps // k, rng)
+        micro = (blocks[:, None] * k + np.arange(k)).ravel()
+        return micro[micro < self.steps].astype(np.int64)  # the partial step is last: only its tail goes
 
     def bin_of(self, index: int, epoch: int | None = None) -> tuple[int, int, int]:
         """``(rank, step, bin)`` of item ``index`` in ``epoch`` (default: the current one)."""

@@ -7,7 +7,9 @@ again. The arrays, for a plan of ``num_samples`` samples in ``num_bins = world_s
     rows       int64 [num_samples]            dataset row ids, bin by bin
     lengths    int64 [num_samples]            each sample's forecast (processed) length, as rows
     bin_ptr    int64 [num_bins + 1]           bin b holds rows[bin_ptr[b] : bin_ptr[b + 1]]
-    rank_bins  int64 [world_size, steps]      the bin rank r trains on at step s (before the epoch's shuffle)
+    rank_bins  int64 [world_size, steps]      the bin rank r trains on at micro-step s (before the epoch's
+                                              shuffle); columns g*grad_accum .. (g+1)*grad_accum - 1 are
+                                              optimizer step g (a step plan, ``packing.steps``)
 
     rows      │ 7  2  9 │ 4  0 │ 1  8  3  6 │ 5 │ ...     bins over row ids (a row appears at most once)
     bin_ptr     0         3      5            9   10
@@ -16,6 +18,10 @@ again. The arrays, for a plan of ``num_samples`` samples in ``num_bins = world_s
     rank_bins       step 0   step 1   ...                 every rank has `steps` bins (lock-step)
         rank 0   │    2    │    0    │ ...
         rank 1   │    3    │    1    │ ...
+
+By default the packs of one step cost about the same on every rank (:func:`~vlm_pack.packing.step_plan`,
+``balance=StepBalance(...)``: grad accumulation, the model's cost, an image on every rank); ``balance="epoch"``
+balances each rank's epoch total only (Karmarkar-Karp), the dealing before step plans.
 
 ``key`` is what made the plan (JSON): the dataset's fingerprint and row count, the preprocessor's
 :func:`~vlm_pack.data.fingerprint.fingerprint` parts (tokenizer, processor, image processor, chat template,
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -56,6 +63,7 @@ from .fingerprint import Unfingerprintable, changed_parts, fingerprint
 from .sources import open_sources
 
 if TYPE_CHECKING:
+    from ..packing.steps import StepBalance
     from ..preprocessor import Preprocessor
 
 __all__ = ["Plan", "StalePlanError", "build_plan", "plan_key"]
@@ -105,7 +113,8 @@ class Plan:
     [num_samples]``, ``bin_ptr [num_bins + 1]``, ``rank_bins [world_size, steps]``. ``skipped``: ``(key,
     where, reason)`` of samples left out; ``key``: what made it (None when the chat template could not be
     fingerprinted); ``digest``: 16 hex digits naming it. ``rank``: the rank it was loaded for (None: all);
-    ``path``: the folder it was loaded from (arrays memory-mapped), else None.
+    ``path``: the folder it was loaded from (arrays memory-mapped), else None. ``grad_accum``: micro-steps per
+    optimizer step in ``rank_bins`` (1 for ``balance="epoch"``); a consumer shuffles whole steps.
     """
 
     rows: np.ndarray
@@ -117,6 +126,7 @@ class Plan:
     digest: str = ""
     rank: int | None = None
     path: Path | None = field(default=None, repr=False)
+    grad_accum: int = 1
 
     @property
     def world_size(self) -> int:
@@ -192,6 +202,7 @@ class Plan:
                 "key": self.key,
                 "skipped": [list(s) for s in self.skipped],
                 "arrays": shapes,
+                "grad_accum": self.grad_accum,
             }
             (tmp / _META_FILE).write_text(json.dumps(meta, sort_keys=True))
             _move_into_place(tmp, path)
@@ -218,6 +229,7 @@ class Plan:
             digest=str(meta.get("digest", "")),
             rank=rank,
             path=path,
+            grad_accum=int(meta.get("grad_accum", 1)),
         )
         if rank is not None:
             plan.rank_bins_of(rank)  # in range, or a ValueError naming the plan's world size
@@ -229,7 +241,7 @@ class Plan:
         # a saved plan travels to DataLoader workers as its folder, mapped again there, not as copied arrays
         if self.path is not None:
             return (_reopen, (str(self.path), self.rank, self.digest))
-        fields = {name: getattr(self, name) for name in (*_ARRAYS, "skipped", "key", "digest", "rank")}
+        fields = {name: getattr(self, name) for name in (*_ARRAYS, "skipped", "key", "digest", "rank", "grad_accum")}
         return (_from_fields, (fields,))
 
 
@@ -372,6 +384,7 @@ def plan_key(
     strategy: str = "bfd",
     record_format: str | None = None,
     image_root: str | os.PathLike[str] | None = None,
+    balance: StepBalance | str | None = None,
 ) -> dict[str, Any]:
     """What a plan of ``dataset`` (a ``datasets.Dataset``) is a function of: its fingerprint and row count,
     the preprocessor's :func:`fingerprint` parts and the packing settings. Raises
@@ -387,6 +400,7 @@ def plan_key(
             "world_size": world_size,
             "record_format": record_format,
             "image_root": None if image_root is None else str(image_root),
+            "balance": _balance(balance) if balance == "epoch" else _balance(balance).key(),
         },
     }
 
@@ -406,6 +420,7 @@ def build_plan(
     image_root: str | os.PathLike[str] | None = None,
     num_proc: int = 1,
     progress: bool | None = None,
+    balance: StepBalance | str | None = None,
     **knobs: Any,
 ) -> Plan:
     """Forecast ``dataset`` (a ``datasets.Dataset`` or ``save_to_disk`` folder; header-only, ``num_proc``
@@ -413,7 +428,9 @@ def build_plan(
     refused, a plan never cuts a sample) and deal the bins to ``world_size`` ranks, the same number each,
     balanced by cost: a :class:`Plan` keyed by :func:`plan_key` (``key=None`` when the chat template cannot
     be fingerprinted; the digest then names the arrays). Samples left out are warned about and listed in
-    ``skipped``; an epoch with no good sample raises."""
+    ``skipped``; an epoch with no good sample raises. ``balance``: a
+    :class:`~vlm_pack.packing.StepBalance` (default ``StepBalance()``: each step's packs cost about the same on
+    every rank, see :func:`~vlm_pack.packing.step_plan`) or ``"epoch"`` (each rank's epoch total only)."""
     from ..preprocessor import Preprocessor
 
     pre = Preprocessor.check(preprocessor)
@@ -429,10 +446,13 @@ def build_plan(
             strategy=strategy,
             record_format=record_format,
             image_root=root,
+            balance=balance,
         )
     except Unfingerprintable:
         key = None
-    return make_plan(ds, pre, config, key, world_size, strategy, record_format, root, num_proc, progress)
+    return make_plan(
+        ds, pre, config, key, world_size, strategy, record_format, root, num_proc, progress, balance=balance
+    )
 
 
 def _check_world_size(world_size: Any) -> None:
@@ -451,10 +471,12 @@ def make_plan(
     image_root: Path | None,
     num_proc: int,
     progress: bool | None,
+    *,
+    balance: StepBalance | str | None = None,
 ) -> Plan:
     """:func:`build_plan` of an opened dataset whose ``key`` is known (``PackedMapDataset`` computes it once
     to look up its cache)."""
-    from ..packing import balance_bins, padded_lengths
+    from ..packing import padded_lengths
     from .forecast import forecast_sources
 
     table = forecast_sources(
@@ -491,20 +513,65 @@ def make_plan(
         failures = [(reason, example(f"{w} (key {k!r})", r)) for reason, (k, w, r) in zip(reasons, skipped)]
         raise no_good_sample("PackedMapDataset plan", *tally(failures))
     bins = _split_for_ranks([np.asarray(b, dtype=np.int64) for b in result.bins], world_size)
-    parts = balance_bins([lengths[b].tolist() for b in bins], world_size, equal_count=True)
     sizes = np.asarray([len(b) for b in bins], dtype=np.int64)
     members = np.concatenate(bins)
+    bin_ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    rank_bins, grad_accum = deal_packs(table, lengths, members, bin_ptr, world_size, _balance(balance))
     arrays = {
         "rows": np.asarray(table.index[members], dtype=np.int64),
         "lengths": np.asarray(table.lengths[members], dtype=np.int64),
-        "bin_ptr": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-        "rank_bins": np.asarray(parts, dtype=np.int64).reshape(world_size, -1),
+        "bin_ptr": bin_ptr,
+        "rank_bins": rank_bins,
     }
     if key is not None:
         digest = key_digest(key)
     else:  # nothing names what made it: the plan is named by its own content
         digest = _digest(b"".join(arrays[n].tobytes() for n in ("rows", "bin_ptr", "rank_bins")))[:16]
-    return Plan(**arrays, skipped=tuple(tuple(s) for s in skipped), key=key, digest=digest)
+    return Plan(**arrays, skipped=tuple(tuple(s) for s in skipped), key=key, digest=digest, grad_accum=grad_accum)
+
+
+def _balance(balance: StepBalance | str | None) -> Any:
+    from ..packing.steps import StepBalance
+
+    if balance is None:
+        return StepBalance()
+    if balance == "epoch" or isinstance(balance, StepBalance):
+        return balance
+    raise ValueError(
+        f"balance must be a vlm_pack.packing.StepBalance (step plans; default StepBalance()) or 'epoch' (each "
+        f"rank's epoch total only), got {balance!r}"
+    )
+
+
+def deal_packs(
+    table: Any,
+    lengths: np.ndarray,
+    members: np.ndarray,
+    bin_ptr: np.ndarray,
+    world_size: int,
+    balance: StepBalance | str,
+) -> tuple[np.ndarray, int]:
+    """``(rank_bins int64 [world_size, B // world_size], grad_accum)`` of the packs ``members`` (forecast
+    rows of ``table``, pack by pack: pack b is ``members[bin_ptr[b]:bin_ptr[b + 1]]``; ``lengths`` ``[N]``
+    padded spans of all of ``table``'s samples): a :func:`~vlm_pack.packing.step_plan` costed by
+    ``balance.cost``, or for ``"epoch"`` each rank's total balanced (Karmarkar-Karp, the same count each)."""
+    from ..packing import balance_bins
+    from ..packing.cost import gather_ragged, image_patches, pack_costs
+    from ..packing.steps import step_plan
+
+    if balance == "epoch":
+        bins = [lengths[members[a:b]].tolist() for a, b in itertools.pairwise(bin_ptr.tolist())]
+        parts = balance_bins(bins, world_size, equal_count=True)
+        return np.asarray(parts, dtype=np.int64).reshape(world_size, -1), 1
+    patches = image_patches(table.image_ptr, table.image_tokens, table.vision_tokens, table.num_patches)
+    patches, image_ptr = gather_ragged(patches, table.image_ptr, members)
+    costs = pack_costs(lengths[members], bin_ptr, patches, image_ptr, balance.cost)
+    images = np.add.reduceat(np.diff(image_ptr), bin_ptr[:-1]) if members.size else np.zeros(0, np.int64)
+    every_rank = balance.image_every_rank if balance.image_every_rank is not None else bool(images.any())
+    rank_bins = step_plan(
+        costs, world_size, balance.grad_accum, has_image=images > 0 if every_rank else None, seed=balance.seed
+    )
+    return rank_bins, balance.grad_accum
 
 
 def _split_for_ranks(bins: list[np.ndarray], world_size: int) -> list[np.ndarray]:

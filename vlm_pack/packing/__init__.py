@@ -33,6 +33,8 @@ Where things live (each file one concept):
 - ``per_item.py``: one-item-at-a-time cores (budgets, samples-per-bin cap, first fit, next fit).
 - ``stream.py``: :class:`StreamPacker` and its ``StreamStats``.
 - ``balance.py``: :func:`balance_bins` and the per-bin cost model.
+- ``cost.py``: :class:`PackCost`, a pack's compute cost from the model's widths and depths (LM + vision tower).
+- ``steps.py``: :func:`step_plan`, packs dealt to (step, rank) so each step costs the same on every rank.
 
 Three entry points:
 
@@ -62,19 +64,26 @@ every sample is in exactly one bin or in ``PackResult.unpacked`` with a reason.
 
 from .balance import balance_bins, bin_costs, partition_imbalance
 from .bins import PackedBin, PackResult, Unpacked, padded_lengths
+from .cost import PackCost, pack_costs
 from .offline import STRATEGIES, pack
+from .steps import StepBalance, step_imbalance, step_plan
 from .stream import StreamPacker, StreamStats
 
 __all__ = [
     "STRATEGIES",
+    "PackCost",
     "PackResult",
     "PackedBin",
+    "StepBalance",
     "StreamPacker",
     "StreamStats",
     "Unpacked",
     "balance_bins",
     "bin_costs",
     "pack",
+    "pack_costs",
     "padded_lengths",
     "partition_imbalance",
+    "step_imbalance",
+    "step_plan",
 ]

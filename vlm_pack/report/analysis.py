@@ -158,6 +158,59 @@ def _pack_metrics(table: LengthTable, result: PackResult, vision_kept: np.ndarra
     }
 
 
+def step_balance(
+    table: LengthTable,
+    result: PackResult,
+    world_size: int,
+    grad_accum: int = 1,
+    *,
+    cost: Any = None,
+    shuffle_seed: int = 0,
+) -> dict[str, Any]:
+    """How long ranks wait for each other in the plan ``PackedMapDataset`` would train on: the packs of
+    ``result`` (made equal per rank as a plan does) dealt to ``world_size`` ranks, steps of ``grad_accum``
+    micro-batches, each pack costed by ``cost`` (a :class:`~vlm_pack.packing.PackCost`, default Qwen2-VL-7B's,
+    or a callable).
+
+    Returns ``{"world_size", "grad_accum", "steps", "epoch_plan", "step_plan", "short_of_images"}``:
+    ``epoch_plan`` / ``step_plan`` are the step imbalance (sum over steps of the slowest rank's cost / sum of
+    the mean, :func:`~vlm_pack.packing.step_imbalance`) of ``balance="epoch"`` (each rank's epoch total
+    balanced, steps in the order ``shuffle_seed`` gives epoch 0) and of the default step plan;
+    ``short_of_images``: the step plan's steps where a rank has no image
+    (:func:`~vlm_pack.packing.steps.steps_short_of_images`). A dataset too small for ``world_size`` ranks
+    gives ``{"error": reason}`` instead."""
+    from vlm_pack.data.plan import _split_for_ranks, deal_packs
+    from vlm_pack.packing import StepBalance, pack_costs, step_imbalance
+    from vlm_pack.packing.cost import gather_ragged, image_patches
+    from vlm_pack.packing.steps import steps_short_of_images
+
+    try:
+        bins = _split_for_ranks([np.asarray(b, dtype=np.int64) for b in result.bins], world_size)
+    except ValueError as e:
+        return {"world_size": world_size, "grad_accum": grad_accum, "error": str(e)}
+    members = np.concatenate(bins)
+    ptr = np.concatenate([[0], np.cumsum([len(b) for b in bins])]).astype(np.int64)
+    lengths = np.asarray(result.lengths, dtype=np.int64)
+    patches, image_ptr = gather_ragged(
+        image_patches(table.image_ptr, table.image_tokens, table.vision_tokens, table.num_patches),
+        table.image_ptr,
+        members,
+    )
+    costs = pack_costs(lengths[members], ptr, patches, image_ptr, cost)
+    epoch, _ = deal_packs(table, lengths, members, ptr, world_size, "epoch")
+    epoch = epoch[:, np.random.default_rng([shuffle_seed, 0]).permutation(epoch.shape[1])]
+    steps, _ = deal_packs(table, lengths, members, ptr, world_size, StepBalance(grad_accum, cost=cost))
+    has_image = np.add.reduceat(np.diff(image_ptr), ptr[:-1]) > 0
+    return {
+        "world_size": world_size,
+        "grad_accum": grad_accum,
+        "steps": -(-steps.shape[1] // grad_accum),
+        "epoch_plan": step_imbalance(costs, epoch, grad_accum),
+        "step_plan": step_imbalance(costs, steps, grad_accum),
+        "short_of_images": steps_short_of_images(has_image, steps, grad_accum),
+    }
+
+
 def analyze_capacity(
     table: LengthTable,
     capacity: int,
@@ -226,6 +279,8 @@ def analyze_capacity(
         },
         "grad_accum": _grad_accum_metrics(b, per_micro, micro_padded, micro_packed),
     }
+    if b.world_size > 1 and nb:
+        metrics["step_balance"] = step_balance(table, result, b.world_size, b.grad_accum)
     return metrics, result
 
 

@@ -59,6 +59,15 @@ def _table_lines(caps: list[dict[str, Any]], rows: list[tuple[str, Callable[[dic
     return [fmt_row(head), "-" * (w0 + sum(w + 2 for w in ws)), *(fmt_row(r) for r in body)]
 
 
+def _step_balance_cell(c: dict[str, Any]) -> str:
+    sb = c.get("step_balance")
+    if sb is None:
+        return "-"
+    if "error" in sb:
+        return "too few packs"
+    return f"{sb['epoch_plan']:.3f} -> {sb['step_plan']:.3f}"
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as a plain-text table: one column per capacity."""
     rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
@@ -119,6 +128,11 @@ def format_report(report: dict[str, Any]) -> str:
             ),
         ),
     ]
+    if any("step_balance" in c for c in report["capacities"]):
+        rows += [
+            ("STEP IMBALANCE (slowest / mean)", lambda c: ""),
+            ("  epoch-balanced -> step plan", _step_balance_cell),
+        ]
     target = report["baseline"]["samples_per_update"]
     lines = [
         *_dataset_lines(report),
@@ -130,6 +144,12 @@ def format_report(report: dict[str, Any]) -> str:
         f"  (2) the fewest steps that never give fewer than {target} samples per update.",
         "padded columns repeat: a padded run has no capacity (every sample at full length, one random order).",
     ]
+    sb = next((c["step_balance"] for c in report["capacities"] if "step_balance" in c), None)
+    if sb is not None:
+        lines.append(
+            f"step imbalance: sum over steps of the slowest rank's cost / the mean's, {sb['world_size']} ranks x "
+            f"grad-accum {sb['grad_accum']}; PackedMapDataset trains on the step plan (balance=StepBalance())."
+        )
     return "\n".join(lines)
 
 
