@@ -233,6 +233,9 @@ def test_the_cli_plans_a_folder_once_for_every_rank(dataset, parts, tmp_path, mo
     assert main(argv) == 0
     printed = capsys.readouterr()
     assert f"{N} samples in" in printed.out and "x 2 rank(s)" in printed.out and "stand-in" in printed.err
+    accum = tmp_path / "accum.plan"  # --grad-accum: each optimizer step's packs balanced across the ranks
+    assert main([*argv[:3], str(accum), *argv[4:], "--grad-accum", "2"]) == 0
+    assert Plan.load(accum).grad_accum == 2 and Plan.load(out).grad_accum == 1
     _no_forecast(monkeypatch)
     ranks = [_packed(str(data), parts, plan=out, rank=r) for r in (0, 1)]
     rows = [int(x) for ds in ranks for i in range(len(ds)) for x in ds.rows_of(ds.bin_of(i)[2])]

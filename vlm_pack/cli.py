@@ -296,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_forecast_args(p)
     _add_pack_args(p, multi=False)
     p.add_argument("--world-size", type=_positive_int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument(
+        "--grad-accum",
+        type=_positive_int,
+        default=1,
+        help="packs per rank per optimizer step: each step's packs are balanced across ranks (default 1)",
+    )
     p.add_argument("--out", metavar="PLAN_DIR", required=True, help="the plan folder, e.g. train.plan")
 
     m = sub.add_parser(
@@ -757,6 +763,7 @@ def _plan_preprocessor(args: argparse.Namespace) -> Any:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from vlm_pack.data.plan import _check_replaceable, build_plan
+    from vlm_pack.packing.steps import StepBalance
 
     if args.verify:
         raise ValueError("--verify: a plan reads image headers only; run `vlm-pack analyze --verify` first.")
@@ -774,6 +781,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         image_root=args.image_root,
         num_proc=args.workers,
         progress=False if args.no_progress else None,
+        balance=StepBalance(grad_accum=args.grad_accum),
     )
     plan.save(out)
     print(
