@@ -15,6 +15,6 @@ VPY=$VENV/bin/python
 stamp=$VENV/.vlm-pack-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$LOCK" -nt "$stamp" ]; then
     "$VPY" -m pip install -q --upgrade pip
-    "$VPY" -m pip install -q -c "$LOCK" -e ".[dev,hf,trl,energon]"
+    "$VPY" -m pip install -q -c "$LOCK" -e ".[dev,hf,trl,energon,ray]"
     touch "$stamp"
 fi

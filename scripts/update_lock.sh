@@ -14,7 +14,7 @@ trap 'rm -rf "$tmp"' EXIT
 "$tmp/venv/bin/python" -m pip install -q --upgrade pip
 # torch first and pinned: unpinned, pip could pick a multi-GB CUDA build where a CPU one is meant
 "$tmp/venv/bin/python" -m pip install -q "torch==$torch_version"
-"$tmp/venv/bin/python" -m pip install -q -e ".[dev,hf,trl,energon]"
+"$tmp/venv/bin/python" -m pip install -q -e ".[dev,hf,trl,energon,ray]"
 {
     grep '^#' "$LOCK"
     "$tmp/venv/bin/python" -m pip freeze --exclude-editable | grep -v '^vlm-pack' \

@@ -345,3 +345,25 @@ def test_cli_analyze_and_pack_read_every_source(kind, data, oracle, llava_oracle
     keys = [k for p in packs for k in p["keys"]]
     assert len(keys) == len(set(keys)) == len(SAMPLES)  # every sample once
     assert sorted(n for p in packs for n in p["lengths"]) == sorted(lengths.tolist())
+
+
+def test_parquet_row_groups_are_read_by_the_workers_not_shipped(model, data, oracle, tmp_path):
+    """Small row groups are chunks a worker reads itself (no Arrow batch read here and pickled over), in
+    order, whatever the number of processes; a file of one large group is still streamed in batches."""
+    import pyarrow.parquet as pq
+
+    from vlm_pack.data.sources import chunks, open_sources
+
+    tok, _, spec = model
+    _, samples = data
+    path = tmp_path / "groups.parquet"
+    pq.write_table(_hf_dataset(samples * 3).data.table, path, row_group_size=2)
+    pieces = list(chunks(open_sources(str(path))))
+    assert [(c.start, c.stop, c.group, c.batch) for c in pieces] == [(i, i + 2, i // 2, None) for i in range(0, 12, 2)]
+    one = forecast_sources(str(path), tokenizer=tok, spec=spec, progress=False)
+    two = forecast_sources(str(path), tokenizer=tok, spec=spec, progress=False, num_workers=2)
+    np.testing.assert_array_equal(one.lengths, np.tile(oracle[0], 3))
+    np.testing.assert_array_equal(two.lengths, one.lengths)
+    assert two.keys == one.keys and two.sources == one.sources
+    pq.write_table(_hf_dataset(samples * 3).data.table, path)  # one group of 12 rows, chunks of 2
+    assert [c.batch.num_rows for c in chunks(open_sources(str(path)), chunk_rows=2)] == [2] * 6

@@ -132,9 +132,10 @@ def _add_forecast_args(p: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--workers",
         type=_positive_int,
-        default=1,
+        default=None,
         metavar="N",
-        help="processes reading and forecasting the data (default 1)",
+        help="processes reading and forecasting the data (default 1; with --engine ray: Ray workers, default "
+        "every CPU of the cluster)",
     )
     d.add_argument(
         "--on-error",
@@ -159,6 +160,29 @@ def _add_forecast_args(p: argparse.ArgumentParser) -> None:
         "image cut short after its header passes. --verify catches those, reading every image byte (slower).",
     )
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (where the forecast runs)")
+    g.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local: --workers processes on this machine (default); ray: a Ray Data map_batches over a Ray "
+        "cluster (pip install 'vlm-pack[ray]'), the same lengths bit for bit",
+    )
+    g.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="--engine ray: the cluster to join (auto, ray://head:10001; default: the RAY_ADDRESS cluster, "
+        "else a local one on this machine)",
+    )
+    g.add_argument(
+        "--lengths",
+        metavar="FILE",
+        help="also write the lengths table as parquet (row, key, source, text_tokens, vision_tokens, length, "
+        "image_tokens per image; vlm_pack.data.lengths.read_lengths reads it back)",
+    )
 
 
 def _add_pack_args(p: argparse.ArgumentParser, *, multi: bool) -> None:
@@ -263,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sources", nargs="*", metavar="SOURCES", help=_SOURCES_HELP
     )
     _add_forecast_args(a)
+    _add_engine_args(a)
     _add_pack_args(a, multi=True)
     _add_baseline_args(a)
     _add_output_args(a)
@@ -274,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k.add_argument("sources", nargs="+", metavar="SOURCES", help=_SOURCES_HELP)
     _add_forecast_args(k)
+    _add_engine_args(k)
     _add_pack_args(k, multi=False)
     k.add_argument("--out", metavar="FILE", required=True, help="the plan, e.g. plan.jsonl")
     k.add_argument(
@@ -508,19 +534,28 @@ def _forecast(
     from vlm_pack.data.shards import SampleError
 
     pre, exact = load_forecaster(args)
+    engine = getattr(args, "engine", "local")  # `demo` has no engine flags
+    if engine == "local" and getattr(args, "address", None):
+        raise ValueError("--address names a Ray cluster: pass --engine ray with it.")
+    if getattr(args, "lengths", None):
+        _check_writable("--lengths", Path(args.lengths).parent, folder=True)
+    options = dict(
+        preprocessor=pre,
+        record_format=args.record_format,
+        image_root=args.image_root,
+        exif_transpose=config.exif_transpose,
+        verify=args.verify,
+        on_error=config.on_error,
+        progress=False if args.no_progress else None,
+        max_consecutive_failures=config.max_consecutive_failures,
+    )
     try:
-        table = forecast_sources(
-            list(sources),
-            preprocessor=pre,
-            record_format=args.record_format,
-            image_root=args.image_root,
-            exif_transpose=config.exif_transpose,
-            verify=args.verify,
-            on_error=config.on_error,
-            num_workers=args.workers,
-            progress=False if args.no_progress else None,
-            max_consecutive_failures=config.max_consecutive_failures,
-        )
+        if engine == "ray":
+            from vlm_pack.integrations.ray import forecast_ray
+
+            table = forecast_ray(list(sources), num_workers=args.workers, address=args.address, **options)
+        else:
+            table = forecast_sources(list(sources), num_workers=args.workers or 1, **options)
     except SampleError as e:
         raise ValueError(
             f"{e}\n  Fix the sample, or pass --on-error skip to leave such samples out (they are listed in the "
@@ -537,6 +572,10 @@ def _forecast(
             f"no valid samples in {names}: all {len(table.invalid):,} were skipped; the first, {key!r} "
             f"({where}): {reason}"
         )
+    if getattr(args, "lengths", None):
+        from vlm_pack.data.lengths import write_lengths
+
+        write_lengths(table, args.lengths)
     if table.invalid:  # on_error="skip": left out, listed in the report, and said here
         key, where, reason = table.invalid[0]
         print(
@@ -779,7 +818,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         strategy=args.strategy,
         record_format=args.record_format,
         image_root=args.image_root,
-        num_proc=args.workers,
+        num_proc=args.workers or 1,
         progress=False if args.no_progress else None,
         balance=StepBalance(grad_accum=args.grad_accum),
     )

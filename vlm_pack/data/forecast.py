@@ -262,6 +262,12 @@ def _add(f: _Forecaster, p: _Pending, ids: list[int], out: _ChunkResult) -> None
 def _forecast_chunk(chunk: Chunk) -> _ChunkResult:
     f = _WORKER
     assert f is not None, "forecast worker not initialised"
+    return forecast_chunk(f, chunk)
+
+
+def forecast_chunk(f: _Forecaster, chunk: Chunk) -> _ChunkResult:
+    """Read ``chunk`` of ``f.sources`` and forecast its records: the pure step every engine runs (this
+    module's process pool, ``vlm_pack.integrations.ray``'s ``map_batches``), so they agree bit for bit."""
     read = ((where, key, sample, None) for where, key, sample in chunk_samples(f.sources, chunk, record_format=f.record_format))
     return _forecast_items(f, read)
 
@@ -373,6 +379,47 @@ def _table(results: list[_ChunkResult]) -> LengthTable:
     )
 
 
+def make_forecaster(
+    sources: Any | Sequence[Any],
+    *,
+    tokenizer: Any = None,
+    spec: Any = None,
+    family: str | None = None,
+    template: Callable[..., Any] | None = None,
+    preprocessor: Preprocessor | None = None,
+    record_format: str | None = None,
+    image_root: str | os.PathLike[str] | None = None,
+    exif_transpose: bool = True,
+    verify: bool = False,
+    on_error: str = "skip",
+    who: str = "forecast_sources",
+) -> _Forecaster:
+    """The opened sources and checkpoint parts a worker forecasts :func:`forecast_chunk` with (the arguments
+    of :func:`forecast_sources`)."""
+    from ..preprocessor import Preprocessor
+
+    pre = preprocessor or Preprocessor(tokenizer, family=family, template=template, spec=spec)
+    if pre.spec is None:
+        raise TypeError(f"{who} needs spec= (or a preprocessor with an image processor)")
+    check_choice("on_error", on_error, ON_ERROR)
+    opened = open_sources(sources, image_root=image_root)
+    forecaster = _Forecaster(opened, pre, record_format, exif_transpose, on_error, verify)
+    forecaster.image_id = _placeholder_id(pre)
+    return forecaster
+
+
+def assemble_table(
+    results: Iterable[_ChunkResult], max_consecutive_failures: int | None, who: str
+) -> LengthTable:
+    """The :class:`LengthTable` of chunk results given in source order, the failure budget spent in that
+    order (raises ``FailureBudgetError`` where :func:`forecast_sources` would)."""
+    results = list(results)
+    budget = FailureBudget(max_consecutive_failures, who)
+    for result in results:
+        _spend(budget, result)
+    return _table(results)
+
+
 def forecast_sources(
     sources: Any | Sequence[Any],
     *,
@@ -420,17 +467,22 @@ def forecast_sources(
     """
     from tqdm import tqdm
 
-    from ..preprocessor import Preprocessor
-
-    pre = preprocessor or Preprocessor(tokenizer, family=family, template=template, spec=spec)
-    if pre.spec is None:
-        raise TypeError("forecast_sources needs spec= (or a preprocessor with an image processor)")
-    check_choice("on_error", on_error, ON_ERROR)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
-    opened = open_sources(sources, image_root=image_root)
-    forecaster = _Forecaster(opened, pre, record_format, exif_transpose, on_error, verify)
-    forecaster.image_id = _placeholder_id(pre)
+    forecaster = make_forecaster(
+        sources,
+        tokenizer=tokenizer,
+        spec=spec,
+        family=family,
+        template=template,
+        preprocessor=preprocessor,
+        record_format=record_format,
+        image_root=image_root,
+        exif_transpose=exif_transpose,
+        verify=verify,
+        on_error=on_error,
+    )
+    opened = forecaster.sources
     totals = [s.num_rows for s in opened]
     total = None if None in totals else sum(t for t in totals if t is not None)
     disable = (not progress) if progress is not None else None

@@ -65,6 +65,7 @@ from .sources import open_sources
 if TYPE_CHECKING:
     from ..packing.steps import StepBalance
     from ..preprocessor import Preprocessor
+    from .forecast import LengthTable
 
 __all__ = ["Plan", "StalePlanError", "build_plan", "plan_key"]
 
@@ -473,13 +474,14 @@ def make_plan(
     progress: bool | None,
     *,
     balance: StepBalance | str | None = None,
+    table: LengthTable | None = None,
 ) -> Plan:
     """:func:`build_plan` of an opened dataset whose ``key`` is known (``PackedMapDataset`` computes it once
-    to look up its cache)."""
+    to look up its cache); ``table``: its forecast, made already (``vlm_pack.integrations.ray``)."""
     from ..packing import padded_lengths
     from .forecast import forecast_sources
 
-    table = forecast_sources(
+    table = table if table is not None else forecast_sources(
         ds,
         preprocessor=pre,
         record_format=record_format,

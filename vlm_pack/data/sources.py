@@ -81,6 +81,7 @@ class Chunk:
     batch: Any = None
     records: tuple[Any, ...] = ()
     line: int = 1
+    group: int | None = None  # parquet: the row group the reading process reads itself (no ``batch``)
 
 
 def _kind(path: Path) -> str | None:
@@ -265,10 +266,23 @@ def _jsonl_chunks(index: int, path: Path, chunk_rows: int) -> Iterator[Chunk]:
 
 
 def _parquet_chunks(index: int, path: Path, chunk_rows: int) -> Iterator[Chunk]:
-    # Streamed here and shipped as Arrow batches: a parquet row group (often the whole file) cannot be
-    # read from the middle, and decompressing it costs far less than forecasting its rows.
+    # Row groups of at most a few chunks are chunks themselves, read by the worker (nothing read here, nothing
+    # shipped: the main process and the pipe would cap the scaling). Larger ones (often the whole file) are
+    # streamed here and shipped as Arrow batches: a row group cannot be read from the middle.
     import pyarrow.parquet as pq
 
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except Exception as e:  # pyarrow's errors for a damaged footer
+        raise ValueError(f"{path}: unreadable parquet file ({e}).") from None
+    sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+    if len(sizes) > 1 and max(sizes) <= 4 * chunk_rows:
+        start = 0
+        for group, rows in enumerate(sizes):
+            if rows:
+                yield Chunk(index, start, start + rows, group=group)
+            start += rows
+        return
     start = 0
     batches = pq.ParquetFile(path).iter_batches(batch_size=chunk_rows)
     while True:
@@ -314,7 +328,7 @@ def read_chunk(sources: Sequence[Source], chunk: Chunk) -> Iterator[tuple[str, s
         for row, record in enumerate(rows, chunk.start):
             yield f"{src.name}[{row}]", str(row), record
     elif src.kind in ("parquet", "json"):
-        rows = chunk.batch.to_pylist() if src.kind == "parquet" else chunk.records
+        rows = _parquet_rows(src, chunk).to_pylist() if src.kind == "parquet" else chunk.records
         fmt = "{}:{}" if src.kind == "parquet" else "{}[{}]"
         for row, record in enumerate(rows, chunk.start):
             yield fmt.format(src.name, row), f"{stem}-{row}", record
@@ -322,6 +336,20 @@ def read_chunk(sources: Sequence[Source], chunk: Chunk) -> Iterator[tuple[str, s
         yield from _jsonl_records(src.ref, stem, chunk)
     else:
         yield from _tar_records(src.ref)
+
+
+def _parquet_rows(src: Source, chunk: Chunk) -> Any:
+    """The Arrow rows of a parquet chunk: shipped with it, or its row group read here."""
+    if chunk.batch is not None:
+        return chunk.batch
+    import pyarrow.parquet as pq
+
+    try:
+        if src.handle is None:  # one handle per source and process, as for datasets
+            src.handle = pq.ParquetFile(src.ref)
+        return src.handle.read_row_group(chunk.group)
+    except Exception as e:
+        raise ValueError(f"{src.ref}: unreadable parquet data in row group {chunk.group} ({e}).") from None
 
 
 def _jsonl_records(path: Path, stem: str, chunk: Chunk) -> Iterator[tuple[str, str, Any]]:

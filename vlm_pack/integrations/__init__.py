@@ -6,8 +6,10 @@
 - :mod:`vlm_pack.integrations.energon`: Megatron-Energon (``pip install 'vlm-pack[energon]'``):
   ``VLMPackingTaskEncoder`` (header forecasts, best-fit packs, ``PackedBatch`` samples with restore keys) and
   ``packed_train_dataset``.
+- :mod:`vlm_pack.integrations.ray`: Ray Data (``pip install 'vlm-pack[ray]'``): ``forecast_ray`` and
+  ``build_plan_ray``, the single-process lengths table and plan, bit for bit, over a Ray cluster.
 
-``import vlm_pack.integrations`` imports neither library; ``vlm_pack.integrations.PackedSFTTrainer`` (or
+``import vlm_pack.integrations`` imports none of these libraries; ``vlm_pack.integrations.PackedSFTTrainer`` (or
 ``from vlm_pack.integrations.trl import ...``) imports TRL at that moment.
 """
 
@@ -26,6 +28,8 @@ _NAMES = {
     "VLMPackingTaskEncoder": "energon",
     "VLMSample": "energon",
     "packed_train_dataset": "energon",
+    "build_plan_ray": "ray",
+    "forecast_ray": "ray",
 }
 
 __all__ = sorted(_NAMES)

@@ -1,0 +1,110 @@
+"""A :class:`~vlm_pack.data.forecast.LengthTable` as one parquet file: written once by whichever engine
+forecast it (``forecast_sources``' processes, ``vlm_pack.integrations.ray``), read back exactly.
+
+One row per forecast sample, in source order::
+
+    column          type          what
+    row             int64         ordinal among all records read, invalid ones included (LengthTable.index)
+    key, source     string        the sample's key and where it was read
+    text_tokens     int64         tokens that are not image placeholders
+    vision_tokens   int64         image placeholder tokens (sum over the sample's images)
+    length          int64         text_tokens + vision_tokens: the processed length
+    num_patches     int64         vision-encoder patches
+    image_tokens    list<int64>   placeholders of each image
+    image_starts    list<int64>   where each image's block starts inside the sample
+
+The samples that could not be forecast (``LengthTable.invalid``, with their reason codes) ride in the
+schema's metadata (``vlm_pack`` key, JSON). Needs ``pyarrow`` (``pip install 'vlm-pack[hf]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .forecast import LengthTable
+
+__all__ = ["read_lengths", "write_lengths"]
+
+LENGTHS_FORMAT = 1
+_META = b"vlm_pack"
+
+
+def write_lengths(table: LengthTable, path: str | os.PathLike[str]) -> Path:
+    """Write ``table`` to ``path`` (parquet; written next to it and renamed into place). Returns the path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if table.index is None:
+        raise ValueError(
+            "write_lengths: this LengthTable has no row ids (index is None); forecast it with "
+            "forecast_sources or vlm_pack.integrations.ray.forecast_ray."
+        )
+    ptr = np.asarray(table.image_ptr, dtype=np.int64)
+    if ptr[-1] >= 2**31:
+        ptr_type = pa.int64()
+        make = pa.LargeListArray.from_arrays
+    else:
+        ptr_type = pa.int32()
+        make = pa.ListArray.from_arrays
+    offsets = pa.array(ptr, ptr_type)
+    columns = {
+        "row": pa.array(np.asarray(table.index, dtype=np.int64)),
+        "key": pa.array(table.keys, pa.string()),
+        "source": pa.array(table.sources, pa.string()),
+        "text_tokens": pa.array(table.text_tokens, pa.int64()),
+        "vision_tokens": pa.array(table.vision_tokens, pa.int64()),
+        "length": pa.array(table.lengths, pa.int64()),
+        "num_patches": pa.array(table.num_patches, pa.int64()),
+        "image_tokens": make(offsets, pa.array(table.image_tokens, pa.int64())),
+        "image_starts": make(offsets, pa.array(table.image_starts, pa.int64())),
+    }
+    meta = {
+        "format": LENGTHS_FORMAT,
+        "invalid": [list(item) for item in table.invalid],
+        "invalid_reasons": list(table.invalid_reasons),
+    }
+    arrow = pa.table(columns).replace_schema_metadata({_META: json.dumps(meta).encode()})
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(arrow, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def read_lengths(path: str | os.PathLike[str]) -> LengthTable:
+    """The :class:`LengthTable` :func:`write_lengths` wrote to ``path``, equal array for array."""
+    import pyarrow.parquet as pq
+
+    arrow = pq.read_table(path)
+    raw = (arrow.schema.metadata or {}).get(_META)
+    if raw is None:
+        raise ValueError(
+            f"{path}: not a vlm-pack lengths table (no {_META.decode()!r} schema metadata); write it with "
+            "vlm_pack.data.lengths.write_lengths or `vlm-pack analyze ... --lengths FILE.parquet`."
+        )
+    meta = json.loads(raw)
+    if meta.get("format") != LENGTHS_FORMAT:
+        raise ValueError(
+            f"{path}: lengths table format {meta.get('format')!r}, this vlm-pack reads {LENGTHS_FORMAT}; "
+            "forecast the data again."
+        )
+    i64 = lambda name: arrow.column(name).to_numpy().astype(np.int64, copy=False)  # noqa: E731
+    tokens = arrow.column("image_tokens").combine_chunks()
+    offsets = tokens.offsets.to_numpy().astype(np.int64)
+    return LengthTable(
+        keys=arrow.column("key").to_pylist(),
+        sources=arrow.column("source").to_pylist(),
+        text_tokens=i64("text_tokens"),
+        vision_tokens=i64("vision_tokens"),
+        num_patches=i64("num_patches"),
+        image_ptr=offsets - offsets[0],
+        image_tokens=tokens.flatten().to_numpy().astype(np.int64, copy=False),
+        image_starts=arrow.column("image_starts").combine_chunks().flatten().to_numpy().astype(np.int64),
+        invalid=[tuple(item) for item in meta["invalid"]],
+        index=i64("row"),
+        invalid_reasons=list(meta["invalid_reasons"]),
+    )
