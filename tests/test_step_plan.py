@@ -129,6 +129,11 @@ def test_every_rank_gets_an_image_pack_where_the_step_has_enough(world, accum):
         short = steps_short_of_images(has_image, plan, accum)
         assert short["mixed_with_enough"] == 0 and short["mixed"] <= 1  # image packs fill whole steps
         assert short["steps"] == n // (world * accum)
+        # image packs spread over the steps: with world_size of them per step, no step goes without
+        # (every step without one would fail DDP's unused-parameter check on every rank)
+        images, steps = int(has_image.sum()), short["steps"]
+        image_steps = max(min(steps, images // world), -(-images // (world * accum)))  # >= world each, or all
+        assert short["text_only"] == steps - image_steps
 
 
 def test_cost_model_reads_widths_depths_and_windows_from_configs():

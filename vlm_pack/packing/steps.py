@@ -15,13 +15,17 @@ micro-batches (one pack each) on every rank; a rank's share of it is the sum of 
 
 An image on every rank at every step (``has_image``): a rank whose step has no image skips the vision
 tower, which DDP reports as unused parameters and FSDP turns into a missing all-gather (a hang). With
-``has_image`` the packs are ordered image packs first, then text-only packs, each by cost, so that image
-packs fill whole steps; within a group the image packs come first, so round 0 gives every rank one
-whenever the step has at least ``world_size`` of them. Where it cannot hold (fewer image packs than ranks
-in a step: the steps of text-only packs, which no rank gives an image, and at most one step where the
-image packs run out) :func:`steps_short_of_images` counts them; there a rank must keep the tower in its
-graph by itself (a dummy image through the tower with zero loss weight, or DDP
-``find_unused_parameters=True``).
+``has_image`` the image packs are spread evenly over as many steps as can each hold ``world_size`` of them
+(every step, when there are ``world_size * steps`` or more), and text-only packs fill the rest; each kind is
+cut into the groups in cost order. Within a group the image packs come first, so round 0 gives every rank one::
+
+    image packs by cost   i0 i1 ... i7 | i8 ... i15 | ...      text packs by cost   t0 ... t3 | t4 ... t7 | ...
+    groups (steps)        [ i0..i7  t0..t3 ]  [ i8..i15  t4..t7 ]  ...              each >= world_size images
+
+Where it cannot hold (fewer than ``world_size`` image packs in all, or a step the packs' sizes force short)
+:func:`steps_short_of_images` counts the steps; there a rank must keep the tower in its graph by itself (a
+dummy image through the tower with zero loss weight, or DDP ``find_unused_parameters=True``). A step with no
+image pack at all is the same on every rank (no FSDP hang).
 """
 
 from __future__ import annotations
@@ -84,6 +88,26 @@ def _group_sizes(num_packs: int, world_size: int, grad_accum: int) -> np.ndarray
     return np.array([world_size * grad_accum] * full + ([rest] if rest else []), dtype=np.int64)
 
 
+def _image_counts(sizes: np.ndarray, num_images: int, world_size: int) -> np.ndarray:
+    """int64 ``[G]``: image packs per group (``sizes`` ``[G]`` packs each, the full ones first). Spread evenly
+    over as many groups as can each hold ``world_size`` of them, when that holds them all; else groups are
+    filled in turn, so that at most one holds fewer than ``world_size``. The other groups get none."""
+    counts = np.zeros(sizes.size, dtype=np.int64)
+    if num_images == 0 or sizes.size == 0:
+        return counts
+    size = int(sizes[0])
+    most = min(sizes.size, num_images // world_size)  # groups that can each get world_size
+    if most * size >= num_images:
+        counts[:most] = num_images // most
+        counts[: num_images % most] += 1
+        return counts
+    left = num_images
+    for g in range(sizes.size):  # too few groups at world_size each: fill them in turn
+        counts[g] = min(left, int(sizes[g]))
+        left -= int(counts[g])
+    return counts
+
+
 def _deal_rounds(costs: np.ndarray, world_size: int) -> np.ndarray:
     """Deal ``[G, k * world_size]`` packs (each row ordered, dearest first) to ranks, ``k`` each: int64
     ``[G, world_size, k]`` column indices into the row. Round ``j`` gives its ``world_size`` packs dearest
@@ -134,9 +158,18 @@ def step_plan(
         )
     ids = np.arange(nb)
     image = np.zeros(nb, bool) if has_image is None else np.asarray(has_image, dtype=bool)
-    order = np.lexsort((ids, -c, ~image))  # image packs first, each kind dearest first
     sizes = _group_sizes(nb, world_size, grad_accum)
     starts = np.concatenate([[0], np.cumsum(sizes)])
+    # each kind dearest first, cut into the groups: a group holds its images, then its text-only packs
+    images = ids[image][np.lexsort((ids[image], -c[image]))]
+    texts = ids[~image][np.lexsort((ids[~image], -c[~image]))]
+    cut = np.concatenate([[0], np.cumsum(_image_counts(sizes, images.size, world_size))])
+    text_cut = starts - cut
+    groups = [
+        np.concatenate([images[cut[g] : cut[g + 1]], texts[text_cut[g] : text_cut[g + 1]]])
+        for g in range(sizes.size)
+    ]
+    order = np.concatenate(groups) if groups else ids
     cols: list[np.ndarray] = []  # per group: [W, k] pack ids
     full = int((sizes == world_size * grad_accum).sum())
     if full:
