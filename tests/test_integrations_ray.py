@@ -119,6 +119,7 @@ def _single_process_plan(table: LengthTable, pre: Preprocessor, world_size: int)
 
 
 @pytest.mark.parametrize("kind", ["parquet", "webdataset"])
+@pytest.mark.slow  # a local Ray cluster: make test runs it, make test-fast does not
 def test_ray_with_two_workers_gives_the_single_process_table_and_plan(
     kind, cluster, pre, parquet, shards, tmp_path
 ):
@@ -147,6 +148,7 @@ def test_ray_with_two_workers_gives_the_single_process_table_and_plan(
     assert len(np.unique(rows)) == len(rows) == len(one) - len(plan.skipped) + len(one.invalid)
 
 
+@pytest.mark.slow
 def test_ray_forecast_of_a_dataset_is_keyed_for_packed_map_dataset(cluster, pre, parquet):
     """A ``datasets.Dataset`` (a hub dataset as ``load_dataset`` returns it): the plan is keyed as
     ``build_plan`` keys it, so the digest equals the single-process plan's."""
@@ -160,6 +162,7 @@ def test_ray_forecast_of_a_dataset_is_keyed_for_packed_map_dataset(cluster, pre,
         assert np.array_equal(getattr(plan, name), getattr(expected, name)), name
 
 
+@pytest.mark.slow
 def test_ray_forecast_raises_the_first_bad_sample_in_source_order(cluster, pre, parquet):
     with pytest.raises(ValueError) as single:
         forecast_sources(parquet, preprocessor=pre, on_error="raise", progress=False)
@@ -168,6 +171,7 @@ def test_ray_forecast_raises_the_first_bad_sample_in_source_order(cluster, pre, 
     assert str(distributed.value) == str(single.value) and "train.parquet:7" in str(single.value)
 
 
+@pytest.mark.slow
 def test_cli_analyze_engine_ray_writes_the_same_lengths(cluster, parquet, tmp_path, capsys):
     from vlm_pack.cli import main
 
