@@ -406,6 +406,15 @@ def plan_key(
     }
 
 
+def plan_key_or_none(*args: Any, **kwargs: Any) -> dict[str, Any] | None:
+    """:func:`plan_key`, or None when the chat template cannot be fingerprinted (the plan is then named by
+    its own arrays, and cannot be checked against a consumer's parts)."""
+    try:
+        return plan_key(*args, **kwargs)
+    except Unfingerprintable:
+        return None
+
+
 def key_digest(key: dict[str, Any]) -> str:
     return _digest(json.dumps(key, sort_keys=True))[:16]
 
@@ -438,19 +447,16 @@ def build_plan(
     config = PackingConfig.resolve("build_plan", config, refuse=("truncate",), **knobs)
     _check_world_size(world_size)
     ds, root = open_dataset(dataset, image_root, "build_plan")
-    try:
-        key: dict[str, Any] | None = plan_key(
-            ds,
-            pre,
-            config,
-            world_size=world_size,
-            strategy=strategy,
-            record_format=record_format,
-            image_root=root,
-            balance=balance,
-        )
-    except Unfingerprintable:
-        key = None
+    key = plan_key_or_none(
+        ds,
+        pre,
+        config,
+        world_size=world_size,
+        strategy=strategy,
+        record_format=record_format,
+        image_root=root,
+        balance=balance,
+    )
     return make_plan(
         ds, pre, config, key, world_size, strategy, record_format, root, num_proc, progress, balance=balance
     )

@@ -224,9 +224,8 @@ def build_plan_ray(
     as the single-process forecast planned with ``config`` (and ``capacity=``... over it) for ``world_size``
     ranks (``balance``: how packs are dealt to (step, rank), as there). Keyed by :func:`~vlm_pack.data.plan_key` when ``sources`` is one ``datasets.Dataset`` (so
     ``PackedMapDataset(plan=)`` takes it), else by its own content."""
-    from ..data.fingerprint import Unfingerprintable
     from ..data.lengths import write_lengths
-    from ..data.plan import _check_world_size, make_plan, plan_key
+    from ..data.plan import _check_world_size, make_plan, plan_key_or_none
     from ..preprocessor import Preprocessor
 
     pre = Preprocessor.check(preprocessor)
@@ -249,19 +248,16 @@ def build_plan_ray(
     ds, root = _one_dataset(sources, image_root)
     key = None
     if ds is not None:
-        try:
-            key = plan_key(
-                ds,
-                pre,
-                config,
-                world_size=world_size,
-                strategy=strategy,
-                record_format=record_format,
-                image_root=root,
-                balance=balance,
-            )
-        except Unfingerprintable:
-            key = None
+        key = plan_key_or_none(
+            ds,
+            pre,
+            config,
+            world_size=world_size,
+            strategy=strategy,
+            record_format=record_format,
+            image_root=root,
+            balance=balance,
+        )
     return make_plan(
         ds, pre, config, key, world_size, strategy, record_format, root, 1, False, balance=balance, table=table
     )
