@@ -1,6 +1,7 @@
 """Step balance across data-parallel ranks: how long ranks wait for the slowest, per training step.
 
     PYTHONPATH=. python benchmarks/bench_step_balance.py
+    PYTHONPATH=. python benchmarks/bench_step_balance.py --time-samples 1000000    # balanced_packs' time
 
 Metric: the sum over optimizer steps of the slowest rank's cost divided by the sum of the mean rank's cost
 (1.0: no rank ever waits), a step being ``grad_accum`` micro-batches (one pack each) per rank. Every pack is
@@ -11,6 +12,11 @@ linear + per-sample attention, vision tower per image from its patches). Plans c
             total balanced by Karmarkar-Karp on the same count of packs, steps walked in one shuffled order.
 (b) step    the step plan (``balance=StepBalance(grad_accum)``): the same BFD packs, sorted by cost, cut
             into groups of world_size * grad_accum, dealt by rounds to the least loaded ranks, groups shuffled.
+(b') balanced  the default step plan's own packs (``StepBalance(grad_accum)``, ``packs="balanced"``): the
+            same samples packed for the steps (``packing.balanced.balanced_packs``: as many packs as BFD's
+            rounded up to whole steps of world_size * grad_accum, samples dearest first into the rank's share
+            of a step furthest below its aim), dealt by ``deal_units``. A plan keeps these where they deal
+            better than (b), else (b)'s packs: it trains on min((b), (b')).
 (c) nemo    in the style of NeMo Automodel's vision-token-balanced greedy knapsack (our re-implementation,
             not their code): samples sorted by vision tokens (descending), each put into the open pack with
             the fewest vision tokens that still has room (a new pack when none has), packs dealt to (step,
@@ -21,6 +27,9 @@ capacity 16,384); (2) a LLaVA-like synthetic mix: 20,000 samples, 15% text-only,
 lognormal (median 250 tokens), images 64-1,280 vision tokens each (4 patches per token), capacity 16,384.
 Where the packs do not divide by the ranks the largest are split, as a plan does. The demo is small: at 64
 ranks its 58 packs become 64, one step (a partial one at grad-accum 4), so its 64-rank rows say little.
+
+bound: :func:`vlm_pack.packing.balanced.step_lower_bound` for the samples at (b')'s number of steps: what no
+plan can beat (a sample dearer than the ranks beside it can carry in tokens makes them wait).
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ import numpy as np
 
 from vlm_pack.data.plan import _split_for_ranks, deal_packs
 from vlm_pack.packing import StepBalance, pack, pack_costs, step_imbalance
-from vlm_pack.packing.cost import gather_ragged, image_patches
+from vlm_pack.packing.balanced import balanced_packs, deal_units, step_lower_bound
+from vlm_pack.packing.cost import PackCost, gather_ragged, image_patches
 from vlm_pack.packing.steps import steps_short_of_images
 
 
@@ -104,41 +114,80 @@ def costs_of(table: Table, bins: list[np.ndarray]) -> tuple[np.ndarray, np.ndarr
 def run(name: str, table: Table, capacity: int, worlds: list[int], accums: list[int]) -> list[str]:
     bfd = [np.asarray(b, np.int64) for b in pack(table.lengths, capacity).bins]
     nemo = nemo_style(table, capacity)
+    patches = image_patches(table.image_ptr, table.image_tokens, table.vision_tokens, table.num_patches)
+    sample_costs = PackCost().sample_costs(table.lengths, patches, table.image_ptr)
     rows = []
     for w in worlds:
         bins = _split_for_ranks(bfd, w)
         costs, members, ptr = costs_of(table, bins)
         nbins = _split_for_ranks(nemo, w)
         ncosts = costs_of(table, nbins)[0]
-        has_image = np.add.reduceat(np.diff(table.image_ptr)[members], ptr[:-1]) > 0
         for k in accums:
             shuffle = np.random.default_rng([0, 0])
             epoch = deal_packs(table, table.lengths, members, ptr, w, "epoch")[0]
             epoch = epoch[:, shuffle.permutation(epoch.shape[1])]
+            step = deal_packs(table, table.lengths, members, ptr, w, StepBalance(grad_accum=k, packs="bfd"))[0]
             t0 = time.perf_counter()
-            step = deal_packs(table, table.lengths, members, ptr, w, StepBalance(grad_accum=k))[0]
+            bal_members, bal_ptr = balanced_packs(
+                sample_costs, table.lengths, capacity, len(bfd), world_size=w, grad_accum=k
+            )
+            bal_costs = np.add.reduceat(sample_costs[bal_members], bal_ptr[:-1])
+            bal_image = np.add.reduceat(np.diff(table.image_ptr)[bal_members], bal_ptr[:-1]) > 0
+            bal = deal_units(bal_costs, w, k, has_image=bal_image)
             ms = (time.perf_counter() - t0) * 1e3
             steps = np.arange(len(nbins)).reshape(-1, w).T  # creation order: step s = packs s*w .. s*w+w-1
             steps = steps[:, np.random.default_rng([0, 0]).permutation(steps.shape[1])]
-            short = steps_short_of_images(has_image, step, k)
+            bound = step_lower_bound(sample_costs, table.lengths, capacity, w, k, steps=-(-bal.shape[1] // k))
+            short = steps_short_of_images(bal_image, bal, k)
+            b, b2 = step_imbalance(costs, step, k), step_imbalance(bal_costs, bal, k)
             rows.append(
-                f"| {name} | {w} | {k} | {len(bins)} | {-(-step.shape[1] // k)} | "
-                f"{step_imbalance(costs, epoch, k):.3f} | {step_imbalance(costs, step, k):.3f} | "
-                f"{step_imbalance(ncosts, steps, k):.3f} | {short['mixed']} / {short['text_only']} | {ms:.1f} |"
+                f"| {name} | {w} | {k} | {len(bfd)} / {len(bins)} / {bal_ptr.size - 1} | {-(-bal.shape[1] // k)} | "
+                f"{step_imbalance(costs, epoch, k):.3f} | {b:.3f} | {b2:.3f} | **{min(b, b2):.3f}** | "
+                f"{bound['bound']:.3f} | "
+                f"{step_imbalance(ncosts, steps, k):.3f} | {short['mixed']} / {short['text_only']} | {ms:.0f} |"
             )
     return rows
+
+
+def time_balanced(n: int, capacity: int = 16384) -> None:
+    """Time ``balanced_packs`` on ``n`` llava-like samples at 64 x 1 and 8 x 4, against BFD itself."""
+    import os
+
+    table = llava_like(n)
+    patches = image_patches(table.image_ptr, table.image_tokens, table.vision_tokens, table.num_patches)
+    costs = PackCost().sample_costs(table.lengths, patches, table.image_ptr)
+    t0 = time.perf_counter()
+    bfd = pack(table.lengths, capacity)
+    bfd_s = time.perf_counter() - t0
+    for w, k in [(64, 1), (8, 4)]:
+        t0 = time.perf_counter()
+        members, ptr = balanced_packs(costs, table.lengths, capacity, bfd.num_bins, world_size=w, grad_accum=k)
+        seconds = time.perf_counter() - t0
+        pc = np.add.reduceat(costs[members], ptr[:-1])
+        print(
+            f"{n:,} samples, {w} ranks x grad-accum {k}: BFD {bfd_s:.2f} s, {bfd.num_bins:,} packs; balanced_packs "
+            f"{seconds:.1f} s, {ptr.size - 1:,} packs, step imbalance {step_imbalance(pc, deal_units(pc, w, k), k):.4f}; "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--grad-accum", type=int, nargs="+", default=[1, 4])
-    args = ap.parse_args()
-    print(
-        "| data | ranks | grad-accum | packs | steps | (a) epoch | (b) step plan | (c) nemo-style | "
-        "(b) steps a rank lacks an image: mixed / all-text | (b) plan ms |"
+    ap.add_argument(
+        "--time-samples", type=int, default=0, help="also time balanced_packs on this many llava-like samples"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    args = ap.parse_args()
+    if args.time_samples:
+        time_balanced(args.time_samples)
+        return
+    print(
+        "| data | ranks | grad-accum | packs: BFD / (b) split for ranks / (b') | steps (b') | (a) epoch | "
+        "(b) step plan, BFD packs | (b') balanced packs | plan (default): the lower | bound | (c) nemo-style | "
+        "(b') steps a rank lacks an image: mixed / all-text | (b') packs + deal ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in run("demo (320, cap 16,384)", demo(16384), 16384, args.worlds, args.grad_accum):
         print(row)
     for row in run("llava-like (20,000, cap 16,384)", llava_like(), 16384, args.worlds, args.grad_accum):

@@ -236,6 +236,10 @@ def test_the_cli_plans_a_folder_once_for_every_rank(dataset, parts, tmp_path, mo
     accum = tmp_path / "accum.plan"  # --grad-accum: each optimizer step's packs balanced across the ranks
     assert main([*argv[:3], str(accum), *argv[4:], "--grad-accum", "2"]) == 0
     assert Plan.load(accum).grad_accum == 2 and Plan.load(out).grad_accum == 1
+    best_fit = tmp_path / "bfd.plan"  # --packs bfd: the best-fit packs as they are, a choice the key records
+    assert main([*argv[:3], str(best_fit), *argv[4:], "--packs", "bfd"]) == 0
+    keys = [Plan.load(p).key["packing"]["balance"]["packs"] for p in (out, best_fit)]
+    assert keys == ["auto", "bfd"] and Plan.load(best_fit).digest != Plan.load(out).digest
     _no_forecast(monkeypatch)
     ranks = [_packed(str(data), parts, plan=out, rank=r) for r in (0, 1)]
     rows = [int(x) for ds in ranks for i in range(len(ds)) for x in ds.rows_of(ds.bin_of(i)[2])]

@@ -18,10 +18,11 @@ Each item is one pack (a ``PackedBatch`` of one row): use ``DataLoader(ds, batch
                     (so a sequential sampler sharded by Accelerate / the HF Trainer
                      gives every rank exactly its balanced packs)
 
-Every rank has the same number of packs (a bin is split in two when the count does not divide), so ranks
-step in lock-step, and the packs of one step cost about the same on every rank (``balance=StepBalance(
-grad_accum=K, cost=PackCost.from_config(model.config))``, the default with ``grad_accum=1``; see
-``vlm_pack.packing.steps``; ``balance="epoch"`` balances each rank's epoch total only). ``config.shuffle_seed``
+Every rank has the same number of packs (packs made for whole steps, or best-fit bins, one split in two when
+the count does not divide), so ranks step in lock-step, and the packs of one step cost about the same on every
+rank (``balance=StepBalance(grad_accum=K, cost=PackCost.from_config(model.config))``, the default with
+``grad_accum=1``; see ``vlm_pack.packing.steps`` and ``vlm_pack.packing.balanced``; ``balance="epoch"``
+balances each rank's epoch total only). ``config.shuffle_seed``
 shuffles the order of the *steps* per epoch (``set_epoch``): the ``grad_accum`` micro-batches of a step stay
 together and in place on every rank, and a partial last step stays last; None keeps the plan's order (itself
 shuffled across steps by ``StepBalance.seed``, never a length curriculum).

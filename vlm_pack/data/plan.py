@@ -20,8 +20,10 @@ again. The arrays, for a plan of ``num_samples`` samples in ``num_bins = world_s
         rank 1   │    3    │    1    │ ...
 
 By default the packs of one step cost about the same on every rank (:func:`~vlm_pack.packing.step_plan`,
-``balance=StepBalance(...)``: grad accumulation, the model's cost, an image on every rank); ``balance="epoch"``
-balances each rank's epoch total only (Karmarkar-Karp), the dealing before step plans.
+``balance=StepBalance(...)``: grad accumulation, the model's cost, an image on every rank), and where the
+best-fit packs cost too unequal amounts for any dealing, the plan makes its packs for the steps
+(:func:`plan_packs`, ``StepBalance.packs``); ``balance="epoch"`` balances each rank's epoch total only
+(Karmarkar-Karp), the dealing before step plans.
 
 ``key`` is what made the plan (JSON): the dataset's fingerprint and row count, the preprocessor's
 :func:`~vlm_pack.data.fingerprint.fingerprint` parts (tokenizer, processor, image processor, chat template,
@@ -520,11 +522,7 @@ def make_plan(
         ]
         failures = [(reason, example(f"{w} (key {k!r})", r)) for reason, (k, w, r) in zip(reasons, skipped)]
         raise no_good_sample("PackedMapDataset plan", *tally(failures))
-    bins = _split_for_ranks([np.asarray(b, dtype=np.int64) for b in result.bins], world_size)
-    sizes = np.asarray([len(b) for b in bins], dtype=np.int64)
-    members = np.concatenate(bins)
-    bin_ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    rank_bins, grad_accum = deal_packs(table, lengths, members, bin_ptr, world_size, _balance(balance))
+    members, bin_ptr, rank_bins, grad_accum = plan_packs(table, lengths, result, world_size, _balance(balance))
     arrays = {
         "rows": np.asarray(table.index[members], dtype=np.int64),
         "lengths": np.asarray(table.lengths[members], dtype=np.int64),
@@ -564,22 +562,98 @@ def deal_packs(
     padded spans of all of ``table``'s samples): a :func:`~vlm_pack.packing.step_plan` costed by
     ``balance.cost``, or for ``"epoch"`` each rank's total balanced (Karmarkar-Karp, the same count each)."""
     from ..packing import balance_bins
-    from ..packing.cost import gather_ragged, image_patches, pack_costs
     from ..packing.steps import step_plan
 
     if balance == "epoch":
         bins = [lengths[members[a:b]].tolist() for a, b in itertools.pairwise(bin_ptr.tolist())]
         parts = balance_bins(bins, world_size, equal_count=True)
         return np.asarray(parts, dtype=np.int64).reshape(world_size, -1), 1
-    patches = image_patches(table.image_ptr, table.image_tokens, table.vision_tokens, table.num_patches)
-    patches, image_ptr = gather_ragged(patches, table.image_ptr, members)
-    costs = pack_costs(lengths[members], bin_ptr, patches, image_ptr, balance.cost)
-    images = np.add.reduceat(np.diff(image_ptr), bin_ptr[:-1]) if members.size else np.zeros(0, np.int64)
+    costs, images = _costs_and_images(table, lengths, members, bin_ptr, balance.cost)
     every_rank = balance.image_every_rank if balance.image_every_rank is not None else bool(images.any())
     rank_bins = step_plan(
         costs, world_size, balance.grad_accum, has_image=images > 0 if every_rank else None, seed=balance.seed
     )
     return rank_bins, balance.grad_accum
+
+
+def plan_packs(
+    table: Any, lengths: np.ndarray, result: Any, world_size: int, balance: StepBalance | str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """``(members [n], bin_ptr [B + 1], rank_bins [world_size, B // world_size], grad_accum)``: the packs a
+    plan trains on and their dealing. ``result``: the best-fit :class:`~vlm_pack.packing.PackResult` of
+    ``table``'s samples (``lengths`` ``[N]`` their padded spans); its packs, the largest split until the
+    ranks divide them, dealt by :func:`deal_packs`. With ``balance.packs == "balanced"`` the same samples
+    are also packed for the steps (:func:`~vlm_pack.packing.balanced.balanced_packs`, under ``result``'s
+    limits) and those packs are kept when their step plan's :func:`~vlm_pack.packing.step_imbalance` is
+    lower; else (or when there are fewer samples than one step has packs) the best-fit ones."""
+    from ..packing import step_imbalance
+    from ..packing.balanced import balanced_packs, deal_units
+    from ..packing.steps import AUTO_BALANCED_MAX_SAMPLES
+
+    bins = _split_for_ranks([np.asarray(b, dtype=np.int64) for b in result.bins], world_size)
+    members = np.concatenate(bins)
+    bin_ptr = np.concatenate([[0], np.cumsum([len(b) for b in bins])]).astype(np.int64)
+    rank_bins, grad_accum = deal_packs(table, lengths, members, bin_ptr, world_size, balance)
+    if balance == "epoch" or balance.packs == "bfd" or world_size == 1:  # one rank never waits
+        return members, bin_ptr, rank_bins, grad_accum
+    kept = np.sort(members)
+    if balance.packs == "auto" and kept.size > AUTO_BALANCED_MAX_SAMPLES:
+        return members, bin_ptr, rank_bins, grad_accum
+    costs = sample_costs(table, lengths, balance.cost)
+    made = balanced_packs(
+        costs[kept],
+        lengths[kept],
+        result.capacity,
+        bin_ptr.size - 1,
+        world_size=world_size,
+        grad_accum=grad_accum,
+        vision=None if result.vision is None else result.vision[kept],
+        vision_capacity=result.vision_capacity,
+        max_samples_per_bin=result.max_samples_per_bin,
+    )
+    if made is None:
+        return members, bin_ptr, rank_bins, grad_accum
+    new_members, new_ptr = kept[made[0]], made[1]
+    new_costs, new_images = _costs_and_images(table, lengths, new_members, new_ptr, balance.cost)
+    every_rank = balance.image_every_rank if balance.image_every_rank is not None else bool(new_images.any())
+    new_bins = deal_units(
+        new_costs, world_size, grad_accum, has_image=new_images > 0 if every_rank else None, seed=balance.seed
+    )
+    old_costs = _costs_and_images(table, lengths, members, bin_ptr, balance.cost)[0]
+    if step_imbalance(new_costs, new_bins, grad_accum) < step_imbalance(old_costs, rank_bins, grad_accum):
+        return new_members, new_ptr, new_bins, grad_accum
+    return members, bin_ptr, rank_bins, grad_accum
+
+
+def sample_costs(table: Any, lengths: np.ndarray, cost: Any) -> np.ndarray:
+    """float64 ``[N]``: the cost of each of ``table``'s samples alone (``lengths`` ``[N]`` padded spans): a
+    :class:`~vlm_pack.packing.PackCost`'s, vectorised, or a callable's on a pack of that one sample (one
+    call per sample: the balanced packs treat a pack's cost as the sum of its samples')."""
+    from ..packing.cost import PackCost, image_patches
+
+    patches = image_patches(table.image_ptr, table.image_tokens, table.vision_tokens, table.num_patches)
+    ptr = np.asarray(table.image_ptr, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cost = PackCost() if cost is None else cost
+    if isinstance(cost, PackCost):
+        return cost.sample_costs(lengths, patches, ptr)
+    return np.array(
+        [float(cost(lengths[i : i + 1], patches[ptr[i] : ptr[i + 1]])) for i in range(lengths.size)],
+        dtype=np.float64,
+    )
+
+
+def _costs_and_images(
+    table: Any, lengths: np.ndarray, members: np.ndarray, bin_ptr: np.ndarray, cost: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(costs float64 [B], images int64 [B])`` of the packs ``members`` / ``bin_ptr`` (rows of ``table``)."""
+    from ..packing.cost import gather_ragged, image_patches, pack_costs
+
+    patches = image_patches(table.image_ptr, table.image_tokens, table.vision_tokens, table.num_patches)
+    patches, image_ptr = gather_ragged(patches, table.image_ptr, members)
+    costs = pack_costs(lengths[members], bin_ptr, patches, image_ptr, cost)
+    images = np.add.reduceat(np.diff(image_ptr), bin_ptr[:-1]) if members.size else np.zeros(0, np.int64)
+    return costs, images
 
 
 def _split_for_ranks(bins: list[np.ndarray], world_size: int) -> list[np.ndarray]:

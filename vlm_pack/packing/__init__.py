@@ -35,6 +35,8 @@ Where things live (each file one concept):
 - ``balance.py``: :func:`balance_bins` and the per-bin cost model.
 - ``cost.py``: :class:`PackCost`, a pack's compute cost from the model's widths and depths (LM + vision tower).
 - ``steps.py``: :func:`step_plan`, packs dealt to (step, rank) so each step costs the same on every rank.
+- ``balanced.py``: :func:`~vlm_pack.packing.balanced.balanced_packs`, packs made for a step plan (each rank's
+  share of a step about the same cost) where dealing fixed packs cannot balance; ``step_lower_bound``.
 
 Three entry points:
 

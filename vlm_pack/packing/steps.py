@@ -41,6 +41,12 @@ from .cost import CostFn, PackCost
 
 __all__ = ["StepBalance", "block_order", "step_imbalance", "step_plan", "steps_short_of_images"]
 
+PACKS = ("auto", "balanced", "bfd")  # StepBalance.packs: made for the step plan, or the best-fit packs as they are
+# "auto" packs for the steps up to this many samples. Above, the best-fit packs alone already deal to within
+# ~1.5% (there are many packs per step group), while packing for the steps costs ~13 s per million samples
+# against BFD's 0.2 s (benchmarks/RESULTS.md): a 100 M-sample plan would take 20 min instead of 20 s.
+AUTO_BALANCED_MAX_SAMPLES = 1_000_000
+
 
 @dataclass(frozen=True)
 class StepBalance:
@@ -53,12 +59,19 @@ class StepBalance:
         image_every_rank: give every rank an image pack in every step with at least ``world_size`` of them;
             None: on when any sample has an image.
         seed: shuffles the order of the steps in the plan (no length curriculum).
+        packs: ``"balanced"``: the plan makes its packs for the steps
+            (:func:`~vlm_pack.packing.balanced.balanced_packs`: each rank's share of a step about the same
+            cost, as many steps as the best-fit packs take) and keeps them where they deal better than the
+            best-fit packs, else the best-fit ones; ``"bfd"``: the best-fit packs, dealt as they are;
+            ``"auto"`` (default): ``"balanced"`` up to ``AUTO_BALANCED_MAX_SAMPLES`` (1 M) samples, where it
+            matters most (few packs per step) and costs seconds, ``"bfd"`` above.
     """
 
     grad_accum: int = 1
     cost: PackCost | CostFn | None = None
     image_every_rank: bool | None = None
     seed: int = 0
+    packs: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grad_accum", _as_positive_int(self.grad_accum, "grad_accum"))
@@ -66,6 +79,8 @@ class StepBalance:
             raise TypeError(f"cost must be a PackCost or a callable (lengths, patches) -> float, got {self.cost!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.packs not in PACKS:
+            raise ValueError(f"packs must be one of {PACKS} (cost-balanced or best-fit packs), got {self.packs!r}")
 
     def key(self) -> dict[str, Any]:
         """What of it shapes a plan, as JSON values (a callable cost by its qualified name)."""
@@ -79,6 +94,7 @@ class StepBalance:
             "cost": cost,
             "image_every_rank": self.image_every_rank,
             "seed": self.seed,
+            "packs": self.packs,
         }
 
 

@@ -172,16 +172,17 @@ def step_balance(
     micro-batches, each pack costed by ``cost`` (a :class:`~vlm_pack.packing.PackCost`, default Qwen2-VL-7B's,
     or a callable).
 
-    Returns ``{"world_size", "grad_accum", "steps", "epoch_plan", "step_plan", "short_of_images"}``:
-    ``epoch_plan`` / ``step_plan`` are the step imbalance (sum over steps of the slowest rank's cost / sum of
-    the mean, :func:`~vlm_pack.packing.step_imbalance`) of ``balance="epoch"`` (each rank's epoch total
-    balanced, steps in the order ``shuffle_seed`` gives epoch 0) and of the default step plan;
-    ``short_of_images``: the step plan's steps where a rank has no image
+    Returns ``{"world_size", "grad_accum", "steps", "epoch_plan", "step_plan", "packs", "num_packs",
+    "short_of_images"}``: ``epoch_plan`` / ``step_plan`` are the step imbalance (sum over steps of the slowest
+    rank's cost / sum of the mean, :func:`~vlm_pack.packing.step_imbalance`) of ``balance="epoch"`` (each
+    rank's epoch total balanced, steps in the order ``shuffle_seed`` gives epoch 0) and of the default step
+    plan (``StepBalance()``: cost-balanced packs where they deal better, see
+    :func:`~vlm_pack.data.plan.plan_packs`); ``packs``: which packs it keeps (``"balanced"`` or ``"bfd"``) and
+    ``num_packs`` how many; ``short_of_images``: the step plan's steps where a rank has no image
     (:func:`~vlm_pack.packing.steps.steps_short_of_images`). A dataset too small for ``world_size`` ranks
     gives ``{"error": reason}`` instead."""
-    from vlm_pack.data.plan import _split_for_ranks, deal_packs
-    from vlm_pack.packing import StepBalance, pack_costs, step_imbalance
-    from vlm_pack.packing.cost import gather_ragged, image_patches
+    from vlm_pack.data.plan import _costs_and_images, _split_for_ranks, deal_packs, plan_packs
+    from vlm_pack.packing import StepBalance, step_imbalance
     from vlm_pack.packing.steps import steps_short_of_images
 
     try:
@@ -191,23 +192,20 @@ def step_balance(
     members = np.concatenate(bins)
     ptr = np.concatenate([[0], np.cumsum([len(b) for b in bins])]).astype(np.int64)
     lengths = np.asarray(result.lengths, dtype=np.int64)
-    patches, image_ptr = gather_ragged(
-        image_patches(table.image_ptr, table.image_tokens, table.vision_tokens, table.num_patches),
-        table.image_ptr,
-        members,
-    )
-    costs = pack_costs(lengths[members], ptr, patches, image_ptr, cost)
+    costs = _costs_and_images(table, lengths, members, ptr, cost)[0]
     epoch, _ = deal_packs(table, lengths, members, ptr, world_size, "epoch")
     epoch = epoch[:, np.random.default_rng([shuffle_seed, 0]).permutation(epoch.shape[1])]
-    steps, _ = deal_packs(table, lengths, members, ptr, world_size, StepBalance(grad_accum, cost=cost))
-    has_image = np.add.reduceat(np.diff(image_ptr), ptr[:-1]) > 0
+    kept, kept_ptr, steps, _ = plan_packs(table, lengths, result, world_size, StepBalance(grad_accum, cost=cost))
+    kept_costs, images = _costs_and_images(table, lengths, kept, kept_ptr, cost)
     return {
         "world_size": world_size,
         "grad_accum": grad_accum,
         "steps": -(-steps.shape[1] // grad_accum),
         "epoch_plan": step_imbalance(costs, epoch, grad_accum),
-        "step_plan": step_imbalance(costs, steps, grad_accum),
-        "short_of_images": steps_short_of_images(has_image, steps, grad_accum),
+        "step_plan": step_imbalance(kept_costs, steps, grad_accum),
+        "packs": "bfd" if kept_ptr.size == ptr.size and np.array_equal(kept, members) else "balanced",
+        "num_packs": int(kept_ptr.size - 1),
+        "short_of_images": steps_short_of_images(images > 0, steps, grad_accum),
     }
 
 

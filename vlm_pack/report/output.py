@@ -65,7 +65,7 @@ def _step_balance_cell(c: dict[str, Any]) -> str:
         return "-"
     if "error" in sb:
         return "too few packs"
-    return f"{sb['epoch_plan']:.3f} -> {sb['step_plan']:.3f}"
+    return f"{sb['epoch_plan']:.3f} -> {sb['step_plan']:.3f}" + ("*" if sb.get("packs") == "balanced" else "")
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -148,7 +148,8 @@ def format_report(report: dict[str, Any]) -> str:
     if sb is not None:
         lines.append(
             f"step imbalance: sum over steps of the slowest rank's cost / the mean's, {sb['world_size']} ranks x "
-            f"grad-accum {sb['grad_accum']}; PackedMapDataset trains on the step plan (balance=StepBalance())."
+            f"grad-accum {sb['grad_accum']}; PackedMapDataset trains on the step plan (balance=StepBalance());"
+            " * its packs made for the steps (cost-balanced), where they deal better than the best-fit ones."
         )
     return "\n".join(lines)
 

@@ -1,0 +1,402 @@
+"""Cost-balanced packs: the packs of a step plan made for its steps, each rank's share of a step about the same cost.
+
+A step plan (:func:`~vlm_pack.packing.step_plan`) only chooses which packs meet in a step; when the packs
+themselves cost very different amounts (a pack holding one long image beside packs of short text), no
+dealing can balance the steps. Here the packs are made for the plan instead. A *unit* is one rank's share of
+one step, its ``grad_accum`` packs (one pack at ``grad_accum == 1``)::
+
+    K       the best-fit pack count rounded up to whole steps (a multiple of world_size * grad_accum):
+            as many optimizer steps as the best-fit packs give; U = K / grad_accum units
+    aims    the cost each unit is filled towards: T / U, unless some samples cost more than that
+            ("giants": a unit holding one costs at least that much); then the units of a step holding
+            giants aim at its dearest giant (its ranks wait for that one anyway), the rest share what is left
+    place   samples dearest first, each into the unit furthest below its aim that has a pack with room
+            (tokens, and any vision budget or samples-per-pack cap), there into the pack it fits best
+    grow    a sample that fits nowhere opens one more step of units, filled from then on like the others
+    deal    units sorted by cost, cut into steps of world_size, dealt whole (:func:`deal_units`)
+
+    costs  [7, 6, 5, 2, 2, 1, 1]   U = 3 units of one pack, room for every sample: aims 8, 8, 8
+    unit 0  7 + 1        = 8       the three dearest open a unit each, then each goes to the unit
+    unit 1  6 + 2        = 8       furthest below its aim: 2 -> unit 2 (5), 2 -> unit 1 (6),
+    unit 2  5 + 2 + 1    = 8       1 -> unit 0 (7), 1 -> unit 2 (7)
+
+Packs keep every limit the best-fit ones keep (``capacity`` tokens, ``vision_capacity``,
+``max_samples_per_bin``); every sample is in exactly one pack, none empty; the same inputs give the same
+packs. The padding this costs (packs beyond best fit's) is the rounding to whole steps, plus one step per
+sample that fits nowhere.
+
+:func:`step_lower_bound` is what no plan over the same samples can beat (a sample dearer than the ranks
+beside it in its step can carry in their tokens makes them wait).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+import numpy as np
+
+from .bins import _as_positive_int
+
+__all__ = ["balanced_packs", "deal_units", "step_lower_bound"]
+
+
+def _targets(sorted_costs: np.ndarray, units: int, world_size: int) -> np.ndarray:
+    """float64 ``[units]``: the cost each unit (a rank's share of a step) is filled towards, units in the
+    order the step plan will group them (dearest first, ``world_size`` a step).
+
+    A sample dearer than the level ``lam`` the others can share (a *giant*) sets its unit's cost alone; the
+    ``world_size`` units of a step holding giants aim at its dearest giant (its ranks wait for that one
+    anyway), the rest share what is left: ``lam = (T - world_size * sum of those aims) / units left``, found
+    by raising the count of giants until it is stable (it only grows, so at most ``units`` rounds)."""
+    total = float(sorted_costs.sum())
+    giants = 0
+    while True:
+        groups = min(-(-giants // world_size), units // world_size)
+        aims = sorted_costs[0 : groups * world_size : world_size]
+        left = units - groups * world_size
+        lam = max(0.0, (total - world_size * float(aims.sum())) / left) if left else 0.0
+        more = min(int(np.searchsorted(-sorted_costs, -lam, side="left")), units)  # costs > lam
+        if more <= giants or not left:
+            break
+        giants = more
+    return np.concatenate([np.repeat(aims, world_size), np.full(left, lam)])
+
+
+_CHUNK = 1 << 20  # samples turned into Python lists at a time
+_SCAN = 64  # units looked at and passed over per sample at most: then it opens a step (bounds the time)
+_SUB_BITS = 3  # room classes per octave: 2^_SUB_BITS (the width of a class is 1/8 of its rooms)
+
+
+def _room_class(room: int) -> int:
+    """A class of free tokens, monotone in ``room``: its octave and the next ``_SUB_BITS`` bits, so rooms
+    in one class differ by at most 1/8 (below ``2^_SUB_BITS`` each room is its own class)."""
+    bits = room.bit_length()
+    if bits <= _SUB_BITS:
+        return room
+    return ((bits - _SUB_BITS) << _SUB_BITS) + (room >> (bits - _SUB_BITS - 1))
+
+
+def _place(
+    order: np.ndarray,
+    costs: np.ndarray,
+    lengths: np.ndarray,
+    vision: np.ndarray | None,
+    limits: tuple[int, int, int],
+    targets: np.ndarray,
+    per_unit: int,
+    world_size: int,
+) -> tuple[np.ndarray, int]:
+    """``(pack of each sample int64 [N], units)`` (unit ``u`` holds packs ``u * per_unit ..``), placing
+    ``order`` (``[N]``, processing order) one at a time into the unit furthest below its target (``targets``
+    ``[U]``) that has a pack with room, and there into the pack with least room that holds it (best fit). A
+    sample that fits nowhere opens ``world_size`` more units (one more step), aiming at the lowest target.
+    ``limits``: capacity, vision capacity, samples per pack.
+
+    Units are kept in one heap per room class (:func:`_room_class`), keyed ``(cost - target, unit)``, stale
+    entries skipped by a version: a sample reads the top of each class above its length's (all of whose
+    units have room), and its own class only when those are empty, passing over ``_SCAN`` units at most, so
+    a sample costs O(classes + log U), never a scan of full units. A unit whose room falls below every
+    sample still to come leaves for good."""
+    capacity, vision_capacity = limits[0], limits[1]
+    n, units = order.size, targets.size
+    ordered_len = lengths[order]
+    # shortest still to come, at each position (and 0 past the end)
+    tail_min = np.append(np.minimum.accumulate(ordered_len[::-1])[::-1], 0)
+    ordered_cost = costs[order]
+    ordered_vis = vision[order] if vision is not None else np.zeros(n, dtype=np.int64)
+    free = [capacity] * (units * per_unit)
+    vis_free = [vision_capacity] * (units * per_unit)
+    count = [0] * (units * per_unit)
+    version = [0] * units
+    top_class = _room_class(capacity)
+    heaps: list[list[tuple[float, int, int]]] = [[] for _ in range(top_class + 1)]
+    heaps[top_class] = [(k, u, 0) for k, u in sorted(zip((-targets).tolist(), range(units)))]
+    fresh = float(targets.min()) if units else 0.0
+    placed = np.empty(n, dtype=np.int64)  # pack of each sample, in processing order
+    for start in range(0, n, _CHUNK):
+        # Python lists a chunk at a time: per-sample reads stay fast, memory stays O(chunk + U)
+        stop = min(n, start + _CHUNK)
+        seq_len, seq_cost = ordered_len[start:stop].tolist(), ordered_cost[start:stop].tolist()
+        seq_vis, after = ordered_vis[start:stop].tolist(), tail_min[start + 1 : stop + 1].tolist()
+        placed[start:stop] = _place_chunk(
+            seq_len, seq_cost, seq_vis, after, heaps, free, vis_free, count, version, limits, per_unit,
+            world_size, fresh,
+        )  # fmt: skip
+    out = np.empty(n, dtype=np.int64)
+    out[order] = placed
+    return out, len(version)
+
+
+def _place_chunk(
+    seq_len: list[int],
+    seq_cost: list[float],
+    seq_vis: list[int],
+    after: list[int],
+    heaps: list[list[tuple[float, int, int]]],
+    free: list[int],
+    vis_free: list[int],
+    count: list[int],
+    version: list[int],
+    limits: tuple[int, int, int],
+    per_unit: int,
+    world_size: int,
+    fresh: float,
+) -> list[int]:
+    """The packs of one chunk of samples (:func:`_place`), updating its heaps and per-pack lists in place.
+    ``after[i]``: the shortest length still to come after sample ``i`` (0: none)."""
+    capacity, vision_capacity, sample_cap = limits
+    top_class = len(heaps) - 1
+    pack_of = [0] * len(seq_len)
+    for pos in range(len(seq_len)):
+        length, need_vis = seq_len[pos], seq_vis[pos]
+        best: tuple[float, int, int] | None = None
+        best_pack = -1
+        aside: list[tuple[int, tuple[float, int, int]]] = []
+        # the classes above the sample's own, where every unit has room (unless a vision budget or sample
+        # cap says no); its own class (some units there have room, some not) only when they have none
+        own = _room_class(length)
+        for j in [*range(top_class, own, -1), own]:
+            if j == own and best is not None:
+                break
+            heap = heaps[j]
+            while heap and len(aside) < _SCAN:
+                entry = heap[0]
+                u = entry[1]
+                if entry[2] != version[u]:
+                    heapq.heappop(heap)  # stale: the unit has moved on
+                    continue
+                if best is not None and entry >= best:
+                    break  # no better than the best so far
+                fit = -1
+                for p in range(u * per_unit, (u + 1) * per_unit):
+                    fits = free[p] >= length and vis_free[p] >= need_vis and count[p] < sample_cap
+                    if fits and (fit < 0 or free[p] < free[fit]):
+                        fit = p
+                if fit >= 0:
+                    best, best_pack = entry, fit
+                    break
+                aside.append((j, heapq.heappop(heap)))  # too little room for this one, not for later ones
+        for j, entry in aside:
+            heapq.heappush(heaps[j], entry)
+        if best is None:  # fits nowhere: one more step of empty units (length <= capacity fits there)
+            first = len(version)
+            free += [capacity] * (world_size * per_unit)
+            vis_free += [vision_capacity] * (world_size * per_unit)
+            count += [0] * (world_size * per_unit)
+            version += [0] * world_size
+            for u in range(first, first + world_size):
+                heapq.heappush(heaps[top_class], (-fresh, u, 0))
+            best, best_pack = (-fresh, first, 0), first * per_unit
+        u = best[1]
+        free[best_pack] -= length
+        vis_free[best_pack] -= need_vis
+        count[best_pack] += 1
+        pack_of[pos] = best_pack
+        version[u] += 1
+        open_room = [free[p] for p in range(u * per_unit, (u + 1) * per_unit) if count[p] < sample_cap]
+        room = max(open_room) if open_room else 0
+        if after[pos] and room >= after[pos]:
+            heapq.heappush(heaps[_room_class(room)], (best[0] + seq_cost[pos], u, version[u]))
+    return pack_of
+
+
+def _fill_empty(pack_of: np.ndarray, costs: np.ndarray, num_packs: int) -> None:
+    """Give every empty pack one sample, in place: the cheapest samples of packs holding two or more move
+    (a unit's cost moves by those cheapest samples only). Needs ``N >= num_packs``."""
+    sizes = np.bincount(pack_of, minlength=num_packs)
+    empty = np.flatnonzero(sizes == 0).tolist()
+    if not empty:
+        return
+    counts = sizes.tolist()
+    for i in np.lexsort((np.arange(costs.size), costs)).tolist():  # cheapest first
+        if not empty:
+            return
+        if counts[pack_of[i]] >= 2:
+            counts[pack_of[i]] -= 1
+            pack_of[i] = empty.pop()
+
+
+def balanced_packs(
+    costs: np.ndarray,
+    lengths: np.ndarray,
+    capacity: int,
+    num_packs: int,
+    *,
+    world_size: int = 1,
+    grad_accum: int = 1,
+    vision: np.ndarray | None = None,
+    vision_capacity: int | None = None,
+    max_samples_per_bin: int | None = None,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Pack samples into whole steps whose every rank's share costs about the same (module docstring).
+
+    Args:
+        costs: float ``[N]`` each sample's cost (``PackCost.sample_costs``); a pack costs their sum.
+        lengths: int64 ``[N]`` each sample's span in tokens, ``1..capacity`` (oversized samples left out
+            before, as :func:`~vlm_pack.packing.pack` does).
+        capacity: tokens per pack.
+        num_packs: packs to start from (the best-fit count); rounded up to whole steps.
+        world_size, grad_accum: ranks, and packs per rank per step; a *unit* is one rank's ``grad_accum``
+            packs of one step, and units are balanced, not single packs.
+        vision, vision_capacity: int64 ``[N]`` a second per-sample budget and its per-pack limit (both or
+            neither), as :func:`~vlm_pack.packing.pack` takes them; each ``vision[i] <= vision_capacity``.
+        max_samples_per_bin: samples per pack at most (None: no cap).
+
+    Returns:
+        ``(members int64 [N], bin_ptr int64 [K + 1])``, ``K`` a multiple of ``world_size * grad_accum``:
+        pack ``b`` is ``members[bin_ptr[b]:bin_ptr[b+1]]``, none empty; packs ``u * grad_accum ..
+        (u + 1) * grad_accum - 1`` are unit ``u``, to be dealt together (:func:`deal_units`); samples inside
+        a pack dearest first. None when there are fewer samples than one step has packs.
+
+    Time O(N (log U + C)) for ``U`` units and ``C = log2(capacity)`` room classes (one heap per class).
+    """
+    capacity = _as_positive_int(capacity, "capacity")
+    world_size = _as_positive_int(world_size, "world_size")
+    grad_accum = _as_positive_int(grad_accum, "grad_accum")
+    c = np.asarray(costs, dtype=np.float64)
+    lens = np.asarray(lengths, dtype=np.int64)
+    n = lens.size
+    if c.shape != (n,):
+        raise ValueError(f"balanced_packs: {c.size} costs for {n} lengths: give one cost per sample")
+    if n and (int(lens.min()) < 1 or int(lens.max()) > capacity):
+        bad = int(np.flatnonzero((lens < 1) | (lens > capacity))[0])
+        raise ValueError(
+            f"balanced_packs: sample {bad} has length {int(lens[bad])}, outside 1..capacity {capacity}: leave "
+            "oversized samples out first (pack(..., oversized='skip') lists them)"
+        )
+    if (vision is None) != (vision_capacity is None):
+        raise ValueError("balanced_packs: give vision and vision_capacity together, or neither")
+    vis = None
+    vcap = 0
+    if vision is not None:
+        vis = np.asarray(vision, dtype=np.int64)
+        vcap = _as_positive_int(vision_capacity, "vision_capacity")
+        if vis.shape != (n,) or (n and int(vis.max()) > vcap):
+            raise ValueError(
+                f"balanced_packs: vision must be [N] = [{n}] values each <= vision_capacity {vcap}; leave "
+                "samples over the vision budget out first"
+            )
+    cap = n + 1 if max_samples_per_bin is None else _as_positive_int(max_samples_per_bin, "max_samples_per_bin")
+    step = world_size * grad_accum
+    if n < step:
+        return None
+    order = np.lexsort((np.arange(n), -lens, -c))  # dearest first, then longest, then by index
+    k = max(step, -(-_as_positive_int(num_packs, "num_packs") // step) * step)
+    targets = _targets(c[order], k // grad_accum, world_size)
+    pack_of, units = _place(order, c, lens, vis, (capacity, vcap, cap), targets, grad_accum, world_size)
+    k = units * grad_accum
+    if k > n:  # more packs than samples: they would not all hold one
+        return None
+    _fill_empty(pack_of, c, k)
+    return _by_unit_cost(pack_of, c, k, grad_accum)
+
+
+def _by_unit_cost(pack_of: np.ndarray, costs: np.ndarray, k: int, per_unit: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(members [N], bin_ptr [K + 1])``: units dearest first (ties by unit id), a unit's packs together."""
+    unit_cost = np.bincount(pack_of // per_unit, weights=costs, minlength=k // per_unit)
+    units = np.lexsort((np.arange(unit_cost.size), -unit_cost))
+    new_unit = np.empty_like(units)
+    new_unit[units] = np.arange(units.size)
+    new_id = new_unit[pack_of // per_unit] * per_unit + pack_of % per_unit
+    place = np.lexsort((np.arange(pack_of.size), -costs))  # inside a pack: dearest first
+    members = place[np.argsort(new_id[place], kind="stable")]
+    bin_ptr = np.zeros(k + 1, dtype=np.int64)
+    np.cumsum(np.bincount(new_id, minlength=k), out=bin_ptr[1:])
+    return members.astype(np.int64), bin_ptr
+
+
+def deal_units(
+    pack_costs: np.ndarray,
+    world_size: int,
+    grad_accum: int,
+    *,
+    has_image: np.ndarray | None = None,
+    seed: int = 0,
+) -> np.ndarray:
+    """:func:`~vlm_pack.packing.step_plan` of :func:`balanced_packs`'s units: int64 ``[world_size, B //
+    world_size]`` pack ids, unit ``u`` (packs ``u * grad_accum ..``) one rank's whole share of one step.
+
+    ``pack_costs`` float ``[B]`` (``B`` a multiple of ``world_size * grad_accum``), ``has_image`` bool
+    ``[B]``: a unit holds an image when any of its packs does, and every rank gets such a unit in every step
+    with at least ``world_size`` of them."""
+    from .steps import step_plan
+
+    c = np.asarray(pack_costs, dtype=np.float64).reshape(-1, grad_accum)  # [U, grad_accum]
+    image = None if has_image is None else np.asarray(has_image, dtype=bool).reshape(-1, grad_accum).any(axis=1)
+    units = step_plan(c.sum(axis=1), world_size, 1, has_image=image, seed=seed)  # [W, steps]
+    packs = units[:, :, None] * grad_accum + np.arange(grad_accum)  # [W, steps, grad_accum]
+    return packs.reshape(world_size, -1).astype(np.int64)
+
+
+def _densest(costs: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens [n + 1], cost [n + 1])``: the samples densest first (cost per token), running sums from 0."""
+    order = np.argsort(-(costs / lengths), kind="stable")
+    return np.concatenate([[0.0], np.cumsum(lengths[order])]), np.concatenate([[0.0], np.cumsum(costs[order])])
+
+
+def _carry(run: tuple[np.ndarray, np.ndarray], tokens: float) -> float:
+    """An upper bound on the cost of any samples of ``run`` (:func:`_densest`) with at most ``tokens``
+    tokens in all: the fractional knapsack, densest first."""
+    span, cum = run
+    whole = int(np.searchsorted(span, tokens, side="right")) - 1  # samples that fit whole
+    if whole >= span.size - 1:
+        return float(cum[-1])
+    rate = (cum[whole + 1] - cum[whole]) / (span[whole + 1] - span[whole])
+    return float(cum[whole] + rate * (tokens - span[whole]))
+
+
+def step_lower_bound(
+    costs: np.ndarray,
+    lengths: np.ndarray,
+    capacity: int,
+    world_size: int,
+    grad_accum: int = 1,
+    steps: int | None = None,
+) -> dict[str, Any]:
+    """What no plan of these samples on ``world_size`` ranks in ``steps`` steps can beat: a lower bound on
+    :func:`~vlm_pack.packing.step_imbalance` (sum over steps of the slowest rank's cost / the mean's).
+
+    ``costs`` float ``[N]``, ``lengths`` int64 ``[N]``; a rank's share of a step is ``grad_accum`` packs of
+    at most ``capacity`` tokens. ``T`` the total cost, ``W`` the ranks; the sum of the slowest is at least
+    ``T / W`` (1.0), plus ``1 / W`` of every wait (a rank's cost below its step's slowest), so:
+
+    * ``one_step``: the dearest sample ``c_1`` alone, when there is one step (``steps == 1``);
+    * ``dearest``: the other ``W - 1`` ranks of ``c_1``'s step wait at least ``(W - 1) c_1 - F``, ``F`` the
+      most that ``(W - 1) grad_accum capacity`` tokens of the other samples can cost (fractional knapsack,
+      densest first: an upper bound on any packing);
+    * ``giants`` (``grad_accum == 1``): the ``g`` dearest samples (``g <= 4 W``, the cheapest of them ``t``)
+      each longer than half a pack, so no two share a rank's step: the ``m >= ceil(g / W)`` steps holding
+      them hold ``L = m W - g`` ranks without one, which wait at least ``L t - F(L capacity)`` in all, the
+      least over ``m <= steps``.
+
+    Returns ``{"bound", "one_step", "dearest", "giants"}``, each a ratio to ``T / W``.
+    """
+    world_size = _as_positive_int(world_size, "world_size")
+    grad_accum = _as_positive_int(grad_accum, "grad_accum")
+    c = np.asarray(costs, dtype=np.float64)
+    lens = np.asarray(lengths, dtype=np.float64)
+    total = float(c.sum())
+    out = {"bound": 1.0, "one_step": 1.0, "dearest": 1.0, "giants": 1.0}
+    if c.size == 0 or total <= 0:
+        return out
+    order = np.lexsort((np.arange(c.size), -c))
+    top = float(c[order[0]])
+    if steps == 1:
+        out["one_step"] = max(1.0, top * world_size / total)
+    others = _densest(c[order[1:]], lens[order[1:]])
+    wait = (world_size - 1) * top - _carry(others, (world_size - 1) * grad_accum * capacity)
+    out["dearest"] = 1.0 + max(0.0, wait) / total
+    most = steps if steps is not None else -(-c.size // world_size)
+    if grad_accum == 1:
+        best = 0.0
+        for g in range(1, min(c.size, 4 * world_size) + 1):
+            if float(lens[order[g - 1]]) * 2 <= capacity:
+                break  # two could share a pack: no longer a bound
+            t, rest = float(c[order[g - 1]]), _densest(c[order[g:]], lens[order[g:]])
+            first = -(-g // world_size)
+            waits = [m * world_size - g for m in range(first, max(first, most) + 1)]
+            best = max(best, min(max(0.0, left * t - _carry(rest, left * capacity)) for left in waits))
+        out["giants"] = 1.0 + best / total
+    out["bound"] = max(out["one_step"], out["dearest"], out["giants"])
+    return out
