@@ -35,6 +35,8 @@ Where things live (each file one concept):
 - ``balance.py``: :func:`balance_bins` and the per-bin cost model.
 - ``cost.py``: :class:`PackCost`, a pack's compute cost from the model's widths and depths (LM + vision tower).
 - ``steps.py``: :func:`step_plan`, packs dealt to (step, rank) so each step costs the same on every rank.
+- ``window.py``: :class:`StreamBalance`, the same for streaming without moving packs between ranks: a look-ahead
+  window per rank emitted in a cost-quantile order every rank shares.
 
 Three entry points:
 
@@ -68,6 +70,7 @@ from .cost import PackCost, pack_costs
 from .offline import STRATEGIES, pack
 from .steps import StepBalance, step_imbalance, step_plan
 from .stream import StreamPacker, StreamStats
+from .window import StreamBalance
 
 __all__ = [
     "STRATEGIES",
@@ -75,6 +78,7 @@ __all__ = [
     "PackResult",
     "PackedBin",
     "StepBalance",
+    "StreamBalance",
     "StreamPacker",
     "StreamStats",
     "Unpacked",
