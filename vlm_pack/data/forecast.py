@@ -32,6 +32,7 @@ from ..failures import FailureBudget, SampleError, skip_reason
 from ..processing import _image_extra_tokens, _processor_wraps
 from .records import Sample
 from .sources import Chunk, Source, chunk_samples, chunks, open_sources
+from .strings import Strings
 
 if TYPE_CHECKING:
     from ..config import PackingConfig
@@ -46,7 +47,8 @@ class LengthTable:
     """Per-sample forecast, as flat arrays (ragged per-image data in CSR form).
 
     Attributes:
-        keys, sources: ``[N]`` sample keys and where they were read.
+        keys, sources: ``[N]`` sample keys and where they were read, as :class:`~vlm_pack.data.strings.Strings`
+            (one UTF-8 buffer; a list given is converted; indexing and iterating give ``str``).
         text_tokens: int64 ``[N]``: tokens that are not image placeholders (template and wrappers included).
         vision_tokens: int64 ``[N]``: image placeholder tokens (sum over the sample's images).
         num_patches: int64 ``[N]``: vision-encoder patches (the ViT's second budget).
@@ -62,8 +64,8 @@ class LengthTable:
         invalid_reasons: the reason code (``vlm_pack.failures.REASONS``) of each ``invalid`` sample.
     """
 
-    keys: list[str]
-    sources: list[str]
+    keys: Strings
+    sources: Strings
     text_tokens: np.ndarray
     vision_tokens: np.ndarray
     num_patches: np.ndarray
@@ -73,6 +75,17 @@ class LengthTable:
     invalid: list[tuple[str, str, str]] = field(default_factory=list)
     index: np.ndarray | None = None
     invalid_reasons: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.keys, self.sources = Strings(self.keys), Strings(self.sources)  # lists are taken too
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the table holds in its arrays and string columns (``invalid`` aside): about 70 a sample with
+        one image and 20-character keys and sources, so 100 M samples take ~7 GB, not the ~40 GB of lists."""
+        arrays = (self.text_tokens, self.vision_tokens, self.num_patches, self.image_ptr, self.image_tokens)
+        extra = self.index.nbytes if self.index is not None else 0
+        return sum(a.nbytes for a in arrays) + self.image_starts.nbytes + extra + self.keys.nbytes + self.sources.nbytes
 
     @property
     def lengths(self) -> np.ndarray:
@@ -193,6 +206,14 @@ class _ChunkResult:
     invalid: list[tuple[str, str, str]] = field(default_factory=list)
     failed_ordinals: list[int] = field(default_factory=list)  # of ``invalid``, within the chunk
     failed_reasons: list[str] = field(default_factory=list)  # of ``invalid``: reason codes
+
+    def sealed(self) -> _ChunkResult:
+        """The per-sample lists as int64 arrays and :class:`Strings`: a list of Python ints and strs costs
+        ~300 bytes a sample, which the driver would hold for every chunk of a 100 M-sample forecast."""
+        for name in ("ordinals", "text", "patches", "num_images", "counts", "starts"):
+            setattr(self, name, np.asarray(getattr(self, name), dtype=np.int64))
+        self.keys, self.wheres = Strings(self.keys), Strings(self.wheres)  # type: ignore[assignment]
+        return self
 
 
 @dataclass
@@ -342,7 +363,7 @@ def _forecast_chunk_items(
     out.invalid = [(key, where, str(e)) for _, key, where, e in failed]
     out.failed_ordinals = [ordinal for ordinal, _, _, _ in failed]
     out.failed_reasons = [e.reason for _, _, _, e in failed]
-    return out
+    return out.sealed()
 
 
 def _data_error(exc: Exception, label: str, key: str) -> SampleError:
@@ -396,28 +417,31 @@ def _pool(workers: int, forecaster: _Forecaster) -> Executor | None:
 
 
 def _table(results: list[_ChunkResult]) -> LengthTable:
-    i64 = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
-    keys, wheres, invalid, reasons = [], [], [], []
-    text, patches, nimg, counts, starts, index = [], [], [], [], [], []
-    base = 0
-    for r in results:
-        keys += r.keys
-        wheres += r.wheres
-        text += r.text
-        patches += r.patches
-        nimg += r.num_images
-        counts += r.counts
-        starts += r.starts
-        invalid += r.invalid
-        reasons += r.failed_reasons
-        index += [base + o for o in r.ordinals]
-        base += r.records
-    ptr = np.concatenate([[0], np.cumsum(i64(nimg))]).astype(np.int64)
-    csum = np.concatenate([[0], np.cumsum(i64(counts))])
+    """The chunks' (sealed) results end to end, in their order."""
+
+    def cat(name: str) -> np.ndarray:
+        return np.concatenate([np.zeros(0, np.int64)] + [np.asarray(getattr(r, name), np.int64) for r in results])
+
+    bases = np.cumsum([0] + [r.records for r in results[:-1]], dtype=np.int64)
+    index = np.concatenate(
+        [np.zeros(0, np.int64)] + [np.asarray(r.ordinals, np.int64) + b for r, b in zip(results, bases)]
+    )
+    ptr = np.concatenate([[0], np.cumsum(cat("num_images"))]).astype(np.int64)
+    counts = cat("counts")
+    csum = np.concatenate([[0], np.cumsum(counts)])
     vision = (csum[ptr[1:]] - csum[ptr[:-1]]).astype(np.int64)
     return LengthTable(
-        keys, wheres, i64(text), vision, i64(patches), ptr, i64(counts), i64(starts), invalid, i64(index),
-        invalid_reasons=reasons,
+        Strings.concat(r.keys for r in results),
+        Strings.concat(r.wheres for r in results),
+        cat("text"),
+        vision,
+        cat("patches"),
+        ptr,
+        counts,
+        cat("starts"),
+        [bad for r in results for bad in r.invalid],
+        index,
+        invalid_reasons=[reason for r in results for reason in r.failed_reasons],
     )
 
 

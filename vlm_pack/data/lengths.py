@@ -22,10 +22,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .forecast import LengthTable
+from .strings import Strings
 
 __all__ = ["read_lengths", "write_lengths"]
 
@@ -53,8 +55,8 @@ def write_lengths(table: LengthTable, path: str | os.PathLike[str]) -> Path:
     offsets = pa.array(ptr, ptr_type)
     columns = {
         "row": pa.array(np.asarray(table.index, dtype=np.int64)),
-        "key": pa.array(table.keys, pa.string()),
-        "source": pa.array(table.sources, pa.string()),
+        "key": _arrow_strings(table.keys),
+        "source": _arrow_strings(table.sources),
         "text_tokens": pa.array(table.text_tokens, pa.int64()),
         "vision_tokens": pa.array(table.vision_tokens, pa.int64()),
         "length": pa.array(table.lengths, pa.int64()),
@@ -73,6 +75,27 @@ def write_lengths(table: LengthTable, path: str | os.PathLike[str]) -> Path:
     pq.write_table(arrow, tmp)
     os.replace(tmp, path)
     return path
+
+
+def _arrow_strings(strings: Strings) -> Any:
+    """A :class:`Strings` as an Arrow ``large_string`` array over the same bytes (no str per item)."""
+    import pyarrow as pa
+
+    return pa.LargeStringArray.from_buffers(
+        len(strings), pa.py_buffer(strings.offsets), pa.py_buffer(strings.data)
+    )
+
+
+def _strings(column: Any) -> Strings:
+    """An Arrow string column (``string`` or ``large_string``, any chunks) as :class:`Strings`."""
+    import pyarrow as pa
+
+    whole = column.cast(pa.large_string()).combine_chunks()
+    if whole.null_count:
+        raise ValueError("a lengths table's key and source columns may not hold nulls")
+    _, offsets, data = whole.buffers()
+    ends = np.frombuffer(offsets, dtype=np.int64, count=len(whole) + 1, offset=whole.offset * 8)
+    return Strings.from_buffers(memoryview(data) if data is not None else b"", ends)
 
 
 def read_lengths(path: str | os.PathLike[str]) -> LengthTable:
@@ -96,8 +119,8 @@ def read_lengths(path: str | os.PathLike[str]) -> LengthTable:
     tokens = arrow.column("image_tokens").combine_chunks()
     offsets = tokens.offsets.to_numpy().astype(np.int64)
     return LengthTable(
-        keys=arrow.column("key").to_pylist(),
-        sources=arrow.column("source").to_pylist(),
+        keys=_strings(arrow.column("key")),
+        sources=_strings(arrow.column("source")),
         text_tokens=i64("text_tokens"),
         vision_tokens=i64("vision_tokens"),
         num_patches=i64("num_patches"),
