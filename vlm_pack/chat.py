@@ -266,12 +266,21 @@ def _normalised(conversation: Conversation, key: Any) -> Any:
 def _render(
     template: str, messages: list[dict[str, Any]], env: dict[str, Any], generation: bool = False
 ) -> Any:
-    from transformers.utils.chat_template_utils import render_jinja_template
+    from transformers.utils import chat_template_utils as hf
 
-    texts, indices = render_jinja_template(
+    if not generation and all(_PLAIN_KEYS.issuperset(m) for m in messages):
+        # What render_jinja_template renders for such messages (role/content only, JSON-plain, as
+        # _as_strings makes them) on every transformers 5.x: the compiled template, called with no copy of
+        # the messages (its sandbox is immutable). A forecast renders every row: the copy was a quarter.
+        compiled = hf._compile_jinja_template(template)
+        return compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=False, **env)
+    texts, indices = hf.render_jinja_template(
         conversations=[messages], chat_template=template, return_assistant_tokens_mask=generation, **env
     )
     return (texts[0], [tuple(s) for s in indices[0]]) if generation else texts[0]
+
+
+_PLAIN_KEYS = frozenset(("role", "content"))
 
 
 @functools.lru_cache(maxsize=64)

@@ -48,7 +48,7 @@ class LengthTable:
 
     Attributes:
         keys, sources: ``[N]`` sample keys and where they were read, as :class:`~vlm_pack.data.strings.Strings`
-            (one UTF-8 buffer; a list given is converted; indexing and iterating give ``str``).
+            (front-coded, a few bytes an item; a list given is converted; indexing and iterating give ``str``).
         text_tokens: int64 ``[N]``: tokens that are not image placeholders (template and wrappers included).
         vision_tokens: int64 ``[N]``: image placeholder tokens (sum over the sample's images).
         num_patches: int64 ``[N]``: vision-encoder patches (the ViT's second budget).
@@ -81,8 +81,8 @@ class LengthTable:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the table holds in its arrays and string columns (``invalid`` aside): about 70 a sample with
-        one image and 20-character keys and sources, so 100 M samples take ~7 GB, not the ~40 GB of lists."""
+        """Bytes the table holds in its arrays and string columns (``invalid`` aside): about 100 a sample with
+        one image (the keys and sources front-coded), so 100 M samples take ~10 GB, not the ~40 GB of lists."""
         arrays = (self.text_tokens, self.vision_tokens, self.num_patches, self.image_ptr, self.image_tokens)
         extra = self.index.nbytes if self.index is not None else 0
         return sum(a.nbytes for a in arrays) + self.image_starts.nbytes + extra + self.keys.nbytes + self.sources.nbytes

@@ -77,25 +77,19 @@ def write_lengths(table: LengthTable, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def _arrow_strings(strings: Strings) -> Any:
-    """A :class:`Strings` as an Arrow ``large_string`` array over the same bytes (no str per item)."""
+def _arrow_strings(strings: Strings, piece: int = 1 << 20) -> Any:
+    """A :class:`Strings` as an Arrow string column, built a piece at a time (never one str per item at once)."""
     import pyarrow as pa
 
-    return pa.LargeStringArray.from_buffers(
-        len(strings), pa.py_buffer(strings.offsets), pa.py_buffer(strings.data)
-    )
+    pieces = [pa.array(strings[i : i + piece].tolist(), pa.string()) for i in range(0, len(strings), piece)]
+    return pa.chunked_array(pieces, pa.string())
 
 
-def _strings(column: Any) -> Strings:
-    """An Arrow string column (``string`` or ``large_string``, any chunks) as :class:`Strings`."""
-    import pyarrow as pa
-
-    whole = column.cast(pa.large_string()).combine_chunks()
-    if whole.null_count:
+def _strings(column: Any, piece: int = 1 << 20) -> Strings:
+    """An Arrow string column as :class:`Strings`, read a piece at a time."""
+    if column.null_count:
         raise ValueError("a lengths table's key and source columns may not hold nulls")
-    _, offsets, data = whole.buffers()
-    ends = np.frombuffer(offsets, dtype=np.int64, count=len(whole) + 1, offset=whole.offset * 8)
-    return Strings.from_buffers(memoryview(data) if data is not None else b"", ends)
+    return Strings.concat(column.slice(i, piece).to_pylist() for i in range(0, len(column), piece))
 
 
 def read_lengths(path: str | os.PathLike[str]) -> LengthTable:
