@@ -9,6 +9,7 @@ the original images and conversation.
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 from pathlib import Path
@@ -209,6 +210,19 @@ def test_forecast_is_the_processed_length_on_every_source(kind, model, data, ora
     np.testing.assert_array_equal(table.vision_tokens, vision)
     np.testing.assert_array_equal(table.num_images, [len(s[0]) for s in SAMPLES])
     np.testing.assert_array_equal(table.index, np.arange(len(SAMPLES)))
+
+
+def test_forecast_ignores_truncation_and_padding_saved_in_the_tokenizer(model, data, oracle, tmp_path):
+    """The forecast tokenizes through the Rust backend where that equals the HF call. A tokenizer.json saved
+    with truncation or padding on makes the backend truncate or pad; the HF call turns both off, and so
+    must the forecast (or every long sample is forecast short)."""
+    tok, _, spec = model
+    root, samples = data
+    saved = copy.deepcopy(tok)
+    saved.backend_tokenizer.enable_truncation(max_length=8)
+    saved.backend_tokenizer.enable_padding(length=4096)
+    table = forecast_sources(_write_source("parquet", root, samples, tmp_path), tokenizer=saved, spec=spec, progress=False)
+    np.testing.assert_array_equal(table.lengths, oracle[0])
 
 
 @pytest.mark.slow

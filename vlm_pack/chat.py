@@ -153,15 +153,23 @@ def normalise_conversation(conversation: Conversation) -> str | list[dict[str, A
     (a template may read them). Every reader and every :class:`~vlm_pack.Preprocessor` method goes through
     this one function. Raises ``ValueError`` saying what is wrong and what is accepted.
     """
-    if isinstance(conversation, str):
+    if isinstance(conversation, str) or type(conversation) is Turns:
         return conversation
     if not isinstance(conversation, Sequence) or isinstance(conversation, bytes) or not conversation:
         raise ValueError("a conversation must be a caption string or a non-empty list of turns")
-    return [_turn(turn) for turn in conversation]
+    return Turns(_turn(turn) for turn in conversation)
+
+
+class Turns(list):  # type: list[dict[str, Any]]
+    """Turns :func:`normalise_conversation` made. A reader normalises a record once and the renderers
+    normalise what they are given again: for these that costs nothing (a forecast renders every row)."""
+
+    __slots__ = ()
 
 
 def _turn(turn: Any) -> dict[str, Any]:
-    if not isinstance(turn, Mapping):
+    # ``type(x) is dict`` first: an ABC isinstance costs ~10x more, and a forecast checks every turn and part
+    if type(turn) is not dict and not isinstance(turn, Mapping):
         raise ValueError(f"every turn must be a dict, got {type(turn).__name__} {turn!r:.80}")
     if "from" in turn and "role" not in turn:  # LLaVA / ShareGPT
         speaker, value = turn.get("from"), turn.get("value")
@@ -180,7 +188,7 @@ def _turn(turn: Any) -> dict[str, Any]:
             "(or LLaVA {'from': 'human' | 'gpt', 'value'} turns)"
         )
     content = turn.get("content")
-    if isinstance(content, Sequence) and not isinstance(content, (str, bytes)):
+    if type(content) is list or (isinstance(content, Sequence) and not isinstance(content, (str, bytes))):
         content = [_part(part) for part in content]
     elif not isinstance(content, str):
         raise ValueError(f"a {role} turn has no string or list 'content'")
@@ -189,7 +197,7 @@ def _turn(turn: Any) -> dict[str, Any]:
 
 
 def _part(part: Any) -> dict[str, Any]:
-    kind = part.get("type") if isinstance(part, Mapping) else None
+    kind = part.get("type") if type(part) is dict or isinstance(part, Mapping) else None
     if kind in ("image", "image_url"):
         return {"type": "image"}  # the image itself comes with the sample's images, in order
     if kind == "text":
@@ -258,12 +266,21 @@ def _normalised(conversation: Conversation, key: Any) -> Any:
 def _render(
     template: str, messages: list[dict[str, Any]], env: dict[str, Any], generation: bool = False
 ) -> Any:
-    from transformers.utils.chat_template_utils import render_jinja_template
+    from transformers.utils import chat_template_utils as hf
 
-    texts, indices = render_jinja_template(
+    if not generation and all(_PLAIN_KEYS.issuperset(m) for m in messages):
+        # What render_jinja_template renders for such messages (role/content only, JSON-plain, as
+        # _as_strings makes them) on every transformers 5.x: the compiled template, called with no copy of
+        # the messages (its sandbox is immutable). A forecast renders every row: the copy was a quarter.
+        compiled = hf._compile_jinja_template(template)
+        return compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=False, **env)
+    texts, indices = hf.render_jinja_template(
         conversations=[messages], chat_template=template, return_assistant_tokens_mask=generation, **env
     )
     return (texts[0], [tuple(s) for s in indices[0]]) if generation else texts[0]
+
+
+_PLAIN_KEYS = frozenset(("role", "content"))
 
 
 @functools.lru_cache(maxsize=64)

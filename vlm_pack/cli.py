@@ -711,7 +711,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _write_plan(out: Path, table: Any, result: Any) -> None:
     """The plan as JSON lines, one pack a line: its tokens, and its samples' keys, lengths and sources."""
-    keys, sources, vis = table.keys, table.sources, table.vision_tokens
+    # as lists once: every sample is written, and a Strings item is rebuilt from its block each time indexed
+    keys, sources, vis = table.keys.tolist(), table.sources.tolist(), table.vision_tokens
     with open(out, "w") as f:
         for pack_index, members in enumerate(result.bins):
             line: dict[str, Any] = {

@@ -296,5 +296,8 @@ def names(having: str | None = None) -> tuple[str, ...]:
 def require(name: str | None, having: str, what: str, fix: str = "") -> Family:
     """The record of ``name`` (any spelling) where its field ``having`` is set, else a ValueError naming
     ``what`` and the families that have it: ``"no vision spec for family 'blip2'; supported: qwen2_vl, ..."``."""
+    record = lookup(name)
+    if record is not None and getattr(record, having) not in (None, False):  # per sample: no table built
+        return record
     supported: dict[str, Any] = {n: FAMILIES[n] for n in names(having)}
     return family_entry(supported, canonical(name, strict=False), what, fix)  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ from .processing import (
     _collapsed_ids,
     _embedding_token_id,
     _forecast,
+    _placeholder,
     _render,
     process_pack,
     process_sample,
@@ -126,10 +127,18 @@ class Preprocessor:
         ``tokenizer(text, add_special_tokens=False)`` gives the ids of :meth:`tokenize`, so many prompts can
         be tokenized in one batched call. Raises as :meth:`tokenize`."""
         tok = self.tokenizer
-        rendering = _render(conversation, tok, self.processor, self.family, self.template, num_images, key, False)
+        rendering = _render(
+            conversation, tok, self.processor, self.family, self.template, num_images, key, False, self._placeholder
+        )
         if rendering.add_special_tokens and rendering.text:
             return self._added_bos + rendering.text
         return rendering.text
+
+    @functools.cached_property
+    def _placeholder(self) -> str:
+        """The token the chat template writes once per image, asked once (a forecast renders every row)."""
+        family = canonical(self.family or getattr(self.tokenizer, "vlm_pack_family", None))
+        return _placeholder(self.tokenizer, self.processor, family)
 
     @functools.cached_property
     def _added_bos(self) -> str:

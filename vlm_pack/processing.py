@@ -126,9 +126,11 @@ def _render(
     n: int,
     key: Any,
     spans: bool = True,
+    placeholder: str | None = None,
 ) -> Rendering:
     family = canonical(family or getattr(tokenizer, "vlm_pack_family", None))  # any spelling
-    placeholder = _placeholder(tokenizer, processor, family)
+    if placeholder is None:  # a Preprocessor passes the one it asked once
+        placeholder = _placeholder(tokenizer, processor, family)
     return render_conversation(
         conversation,
         tokenizer=tokenizer,

@@ -13,12 +13,14 @@ decoded), tokenizes the conversation with the family's chat format and counts th
 
 from __future__ import annotations
 
+import gc
 import io
 import multiprocessing
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,7 @@ from ..failures import FailureBudget, SampleError, skip_reason
 from ..processing import _image_extra_tokens, _processor_wraps
 from .records import Sample
 from .sources import Chunk, Source, chunk_samples, chunks, open_sources
+from .strings import Strings
 
 if TYPE_CHECKING:
     from ..config import PackingConfig
@@ -44,7 +47,8 @@ class LengthTable:
     """Per-sample forecast, as flat arrays (ragged per-image data in CSR form).
 
     Attributes:
-        keys, sources: ``[N]`` sample keys and where they were read.
+        keys, sources: ``[N]`` sample keys and where they were read, as :class:`~vlm_pack.data.strings.Strings`
+            (front-coded, a few bytes an item; a list given is converted; indexing and iterating give ``str``).
         text_tokens: int64 ``[N]``: tokens that are not image placeholders (template and wrappers included).
         vision_tokens: int64 ``[N]``: image placeholder tokens (sum over the sample's images).
         num_patches: int64 ``[N]``: vision-encoder patches (the ViT's second budget).
@@ -60,8 +64,8 @@ class LengthTable:
         invalid_reasons: the reason code (``vlm_pack.failures.REASONS``) of each ``invalid`` sample.
     """
 
-    keys: list[str]
-    sources: list[str]
+    keys: Strings
+    sources: Strings
     text_tokens: np.ndarray
     vision_tokens: np.ndarray
     num_patches: np.ndarray
@@ -71,6 +75,17 @@ class LengthTable:
     invalid: list[tuple[str, str, str]] = field(default_factory=list)
     index: np.ndarray | None = None
     invalid_reasons: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.keys, self.sources = Strings(self.keys), Strings(self.sources)  # lists are taken too
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the table holds in its arrays and string columns (``invalid`` aside): about 100 a sample with
+        one image (the keys and sources front-coded), so 100 M samples take ~10 GB, not the ~40 GB of lists."""
+        arrays = (self.text_tokens, self.vision_tokens, self.num_patches, self.image_ptr, self.image_tokens)
+        extra = self.index.nbytes if self.index is not None else 0
+        return sum(a.nbytes for a in arrays) + self.image_starts.nbytes + extra + self.keys.nbytes + self.sources.nbytes
 
     @property
     def lengths(self) -> np.ndarray:
@@ -192,6 +207,14 @@ class _ChunkResult:
     failed_ordinals: list[int] = field(default_factory=list)  # of ``invalid``, within the chunk
     failed_reasons: list[str] = field(default_factory=list)  # of ``invalid``: reason codes
 
+    def sealed(self) -> _ChunkResult:
+        """The per-sample lists as int64 arrays and :class:`Strings`: a list of Python ints and strs costs
+        ~300 bytes a sample, which the driver would hold for every chunk of a 100 M-sample forecast."""
+        for name in ("ordinals", "text", "patches", "num_images", "counts", "starts"):
+            setattr(self, name, np.asarray(getattr(self, name), dtype=np.int64))
+        self.keys, self.wheres = Strings(self.keys), Strings(self.wheres)  # type: ignore[assignment]
+        return self
+
 
 @dataclass
 class _Pending:
@@ -230,26 +253,45 @@ def _token_ids(f: _Forecaster, pending: list[_Pending]) -> list[list[int]]:
     """The ids ``tokenize_conversation`` gives each prompt: one batched call for a fast tokenizer."""
     if not pending:
         return []
-    if getattr(f.pre.tokenizer, "is_fast", False):  # the whole prompt in one piece, as tokenize_conversation
-        return list(f.pre.tokenizer([p.prompt for p in pending], add_special_tokens=False)["input_ids"])
+    tok = f.pre.tokenizer
+    if getattr(tok, "is_fast", False):  # the whole prompt in one piece, as tokenize_conversation
+        prompts = [p.prompt for p in pending]
+        backend = _plain_backend(tok)
+        if backend is not None:
+            return [e.ids for e in backend.encode_batch_fast(prompts, add_special_tokens=False)]
+        return list(tok(prompts, add_special_tokens=False)["input_ids"])
     # a slow tokenizer is run segment by segment there: do exactly that
     return [f.pre.tokenize(p.sample.conversation, len(p.counts), p.sample.key)[0] for p in pending]
 
 
+def _plain_backend(tokenizer: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` behind a fast HF tokenizer where calling it directly gives the ids
+    ``tokenizer(texts, add_special_tokens=False)`` gives (no truncation, padding or special-token splitting
+    set on it), else None. Skipping the wrapper's per-text offsets, masks and dicts takes about a quarter off
+    the forecast's tokenizing, its largest cost."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch_fast"):
+        return None
+    plain = backend.truncation is None and backend.padding is None
+    if not plain or bool(backend.encode_special_tokens) != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    return backend
+
+
 def _add(f: _Forecaster, p: _Pending, ids: list[int], out: _ChunkResult) -> None:
-    ids_a = np.asarray(ids)
-    pos = np.flatnonzero(ids_a == f.image_id)
-    if pos.size != len(p.counts):
+    found = ids.count(f.image_id)
+    if found != len(p.counts):
         raise SampleError(
             "bad_text",
-            f"{p.sample.label}: {len(p.counts)} image(s) became {pos.size} image token(s); the tokenizer must "
+            f"{p.sample.label}: {len(p.counts)} image(s) became {found} image token(s); the tokenizer must "
             "keep the image token as one special token.",
         )
-    if p.counts:
-        # Collapsed placeholder positions -> expanded block starts: shift by the earlier blocks' extra tokens.
-        block = np.asarray(p.counts) + (np.asarray(p.extras) if p.extras else 0)
-        extra = np.concatenate([[0], np.cumsum(block - 1)[:-1]])
-        out.starts.extend((pos + extra).tolist())
+    # Collapsed placeholder positions -> expanded block starts: shift by the earlier blocks' extra tokens.
+    at, shift = -1, 0
+    for i, count in enumerate(p.counts):
+        at = ids.index(f.image_id, at + 1)
+        out.starts.append(at + shift)
+        shift += count - 1 + (p.extras[i] if p.extras else 0)
     out.ordinals.append(p.ordinal)
     out.keys.append(p.sample.key)
     out.wheres.append(p.sample.where)
@@ -272,10 +314,31 @@ def forecast_chunk(f: _Forecaster, chunk: Chunk) -> _ChunkResult:
     return _forecast_items(f, read)
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for one chunk. A chunk's records become many small dicts, which set
+    off collections that walk every object torch and transformers hold: about half of normalising the
+    records, measured. What a chunk drops is freed by reference counting; the collector resumes after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _forecast_items(
     f: _Forecaster, items: Iterable[tuple[str, str, Sample | SampleError, list[tuple[int, int]] | None]]
 ) -> _ChunkResult:
     """Forecast ``(where, key, sample or its read error, image sizes or None: read them)`` in one chunk."""
+    with _collector_paused():
+        return _forecast_chunk_items(f, items)
+
+
+def _forecast_chunk_items(
+    f: _Forecaster, items: Iterable[tuple[str, str, Sample | SampleError, list[tuple[int, int]] | None]]
+) -> _ChunkResult:
     out = _ChunkResult()
     pending: list[_Pending] = []
     failed: list[tuple[int, str, str, SampleError]] = []  # (ordinal, key, where, error)
@@ -300,7 +363,7 @@ def _forecast_items(
     out.invalid = [(key, where, str(e)) for _, key, where, e in failed]
     out.failed_ordinals = [ordinal for ordinal, _, _, _ in failed]
     out.failed_reasons = [e.reason for _, _, _, e in failed]
-    return out
+    return out.sealed()
 
 
 def _data_error(exc: Exception, label: str, key: str) -> SampleError:
@@ -354,28 +417,31 @@ def _pool(workers: int, forecaster: _Forecaster) -> Executor | None:
 
 
 def _table(results: list[_ChunkResult]) -> LengthTable:
-    i64 = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
-    keys, wheres, invalid, reasons = [], [], [], []
-    text, patches, nimg, counts, starts, index = [], [], [], [], [], []
-    base = 0
-    for r in results:
-        keys += r.keys
-        wheres += r.wheres
-        text += r.text
-        patches += r.patches
-        nimg += r.num_images
-        counts += r.counts
-        starts += r.starts
-        invalid += r.invalid
-        reasons += r.failed_reasons
-        index += [base + o for o in r.ordinals]
-        base += r.records
-    ptr = np.concatenate([[0], np.cumsum(i64(nimg))]).astype(np.int64)
-    csum = np.concatenate([[0], np.cumsum(i64(counts))])
+    """The chunks' (sealed) results end to end, in their order."""
+
+    def cat(name: str) -> np.ndarray:
+        return np.concatenate([np.zeros(0, np.int64)] + [np.asarray(getattr(r, name), np.int64) for r in results])
+
+    bases = np.cumsum([0] + [r.records for r in results[:-1]], dtype=np.int64)
+    index = np.concatenate(
+        [np.zeros(0, np.int64)] + [np.asarray(r.ordinals, np.int64) + b for r, b in zip(results, bases)]
+    )
+    ptr = np.concatenate([[0], np.cumsum(cat("num_images"))]).astype(np.int64)
+    counts = cat("counts")
+    csum = np.concatenate([[0], np.cumsum(counts)])
     vision = (csum[ptr[1:]] - csum[ptr[:-1]]).astype(np.int64)
     return LengthTable(
-        keys, wheres, i64(text), vision, i64(patches), ptr, i64(counts), i64(starts), invalid, i64(index),
-        invalid_reasons=reasons,
+        Strings.concat(r.keys for r in results),
+        Strings.concat(r.wheres for r in results),
+        cat("text"),
+        vision,
+        cat("patches"),
+        ptr,
+        counts,
+        cat("starts"),
+        [bad for r in results for bad in r.invalid],
+        index,
+        invalid_reasons=[reason for r in results for reason in r.failed_reasons],
     )
 
 

@@ -22,10 +22,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .forecast import LengthTable
+from .strings import Strings
 
 __all__ = ["read_lengths", "write_lengths"]
 
@@ -53,8 +55,8 @@ def write_lengths(table: LengthTable, path: str | os.PathLike[str]) -> Path:
     offsets = pa.array(ptr, ptr_type)
     columns = {
         "row": pa.array(np.asarray(table.index, dtype=np.int64)),
-        "key": pa.array(table.keys, pa.string()),
-        "source": pa.array(table.sources, pa.string()),
+        "key": _arrow_strings(table.keys),
+        "source": _arrow_strings(table.sources),
         "text_tokens": pa.array(table.text_tokens, pa.int64()),
         "vision_tokens": pa.array(table.vision_tokens, pa.int64()),
         "length": pa.array(table.lengths, pa.int64()),
@@ -73,6 +75,21 @@ def write_lengths(table: LengthTable, path: str | os.PathLike[str]) -> Path:
     pq.write_table(arrow, tmp)
     os.replace(tmp, path)
     return path
+
+
+def _arrow_strings(strings: Strings, piece: int = 1 << 20) -> Any:
+    """A :class:`Strings` as an Arrow string column, built a piece at a time (never one str per item at once)."""
+    import pyarrow as pa
+
+    pieces = [pa.array(strings[i : i + piece].tolist(), pa.string()) for i in range(0, len(strings), piece)]
+    return pa.chunked_array(pieces, pa.string())
+
+
+def _strings(column: Any, piece: int = 1 << 20) -> Strings:
+    """An Arrow string column as :class:`Strings`, read a piece at a time."""
+    if column.null_count:
+        raise ValueError("a lengths table's key and source columns may not hold nulls")
+    return Strings.concat(column.slice(i, piece).to_pylist() for i in range(0, len(column), piece))
 
 
 def read_lengths(path: str | os.PathLike[str]) -> LengthTable:
@@ -96,8 +113,8 @@ def read_lengths(path: str | os.PathLike[str]) -> LengthTable:
     tokens = arrow.column("image_tokens").combine_chunks()
     offsets = tokens.offsets.to_numpy().astype(np.int64)
     return LengthTable(
-        keys=arrow.column("key").to_pylist(),
-        sources=arrow.column("source").to_pylist(),
+        keys=_strings(arrow.column("key")),
+        sources=_strings(arrow.column("source")),
         text_tokens=i64("text_tokens"),
         vision_tokens=i64("vision_tokens"),
         num_patches=i64("num_patches"),

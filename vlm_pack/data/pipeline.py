@@ -52,7 +52,14 @@ for a ``StreamEnd``, which only a stream without any batch yields; ``PackedDataL
 Epochs: an iteration that runs to the end completes the epoch and the next iteration starts the next one
 (reshuffled); ``set_epoch(e)`` starts epoch ``e`` explicitly. Workers must not be persistent (the state
 reaches them when they start). Memory: a stream holds the encoded bytes of the samples in its buffers
-(``shuffle_buffer`` samples and up to ``buffer_size`` open bins), not decoded images.
+(``shuffle_buffer`` samples and up to ``buffer_size`` open bins, plus with ``balance=StreamBalance(...)`` up to
+one look-ahead window of packed bins), not decoded images.
+
+Step balance (``balance=StreamBalance(grad_accum, window_steps)``, off by default): each stream emits its packs
+window by window in a cost-quantile order every rank shares (:mod:`vlm_pack.packing.window`), so the packs that
+meet at a step cost about the same on every rank, without moving data between ranks; a snapshot carries the
+window (its bins are in ``ready``, ``scheduled`` of them already in their emission order), so a resume emits the
+rest of it as the uninterrupted run would.
 
 Bad data is never silent, and a bug never becomes an empty epoch (the one failure policy of
 :mod:`vlm_pack.failures`): each bad sample or shard is skipped with a :class:`BadSampleWarning` naming shard
@@ -89,6 +96,7 @@ import torch
 
 from ..config import PackingConfig, collator_options
 from ..packing.stream import PACKER_KNOBS
+from ..packing.window import StreamBalance
 from ..preprocessor import Preprocessor
 from .stats import BAD_REASONS, BadSample, BadSampleWarning, PipelineStats
 from .stream import StreamEnd, StreamRunner, WorkerSpec, identity, stream_info
@@ -165,6 +173,11 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
             ``collator_kwargs``).
         progress: ``"log"`` (INFO on ``vlm_pack.data`` every ``log_every`` s), ``"tqdm"`` or ``None``.
         max_examples: bad samples kept as examples per stream in ``stats.bad``.
+        balance: a :class:`~vlm_pack.packing.window.StreamBalance`: each stream holds a look-ahead window of
+            ``window_steps * grad_accum`` packs and emits it in a cost-quantile order shared by every rank, so
+            the packs that meet at a step cost about the same on every rank, image packs first at each step's
+            first micro-step (``vlm_pack.packing.window``). None (default): packs leave as they are packed.
+            Costs a window of packs held per stream (memory, and a first batch that waits for a window).
     """
 
     def __init__(
@@ -182,9 +195,16 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         progress: str | None = None,
         log_every: float = 30.0,
         max_examples: int = 100,
+        balance: StreamBalance | None = None,
         **knobs: Any,
     ) -> None:
         super().__init__()
+        if balance is not None and not isinstance(balance, StreamBalance):
+            raise TypeError(
+                f"PackedWebDataset: balance must be a vlm_pack.packing.window.StreamBalance or None, got {balance!r} "
+                "(StepBalance is for PackedMapDataset's plans)"
+            )
+        self.balance = balance
         if processor is not None:
             tokenizer = tokenizer if tokenizer is not None else processor.tokenizer
             image_processor = image_processor if image_processor is not None else processor.image_processor
@@ -223,6 +243,7 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
             shuffle_buffer=shuffle_buffer,
             make_collator=make_collator,
             max_examples=self.max_examples,
+            balance=balance,
         )
         self._tracker = StreamTracker(
             self.urls, self.config.shuffle_seed, shuffle_buffer, packer, capacity=self.capacity

@@ -92,9 +92,9 @@ def _label(where: str, key: str) -> str:
 
 
 def _first_turn(turns: Any) -> Mapping[str, Any]:
-    if isinstance(turns, Sequence) and not isinstance(turns, (str, bytes)) and turns:
+    if (type(turns) is list or (isinstance(turns, Sequence) and not isinstance(turns, (str, bytes)))) and turns:
         first = turns[0]
-        if isinstance(first, Mapping):
+        if type(first) is dict or isinstance(first, Mapping):
             return first
     return {}
 
@@ -151,7 +151,7 @@ def _turns(turns: Any, where: str) -> list[dict[str, Any]]:
 
 def _image(item: Any, where: str, index: int, root: Path | None) -> Any:
     """One stored image -> bytes, an existing path, a file object or a PIL image."""
-    if isinstance(item, Mapping):  # an HF Image feature read with decode=False
+    if type(item) is dict or isinstance(item, Mapping):  # an HF Image feature read with decode=False
         data, path = item.get("bytes"), item.get("path")
         if data is not None:
             return bytes(data)
@@ -179,7 +179,8 @@ def _image(item: Any, where: str, index: int, root: Path | None) -> Any:
 def _images(raw: Any, where: str, root: Path | None) -> tuple[Any, ...]:
     if raw is None:
         return ()
-    items = raw if isinstance(raw, Sequence) and not isinstance(raw, (str, bytes, bytearray)) else [raw]
+    listed = type(raw) is list or (isinstance(raw, Sequence) and not isinstance(raw, (str, bytes, bytearray)))
+    items = raw if listed else [raw]
     return tuple(_image(item, where, i, root) for i, item in enumerate(items))
 
 
@@ -214,7 +215,7 @@ def normalise_record(
         keys and the accepted formats), ``"bad_text"`` for a malformed conversation, ``"corrupt_image"`` for an
         image that is missing or not an image value.
     """
-    if not isinstance(record, Mapping):
+    if type(record) is not dict and not isinstance(record, Mapping):
         raise SampleError("bad_text", f"{where}: a record must be a dict, got {type(record).__name__}")
     if record_format is not None and record_format not in RECORD_FORMATS:
         raise ValueError(f"record_format must be one of {sorted(RECORD_FORMATS)}, got {record_format!r}")

@@ -13,6 +13,7 @@
         ├── streams: {g: StreamSnapshot}   the latest snapshot each stream sent with a batch
         │   ├── cursor: Cursor(item, sample)        next sample to read
         │   ├── shuffle, packer["open"], ready     positions it holds (read, not yet delivered)
+        │   ├── window, scheduled      look-ahead windows so far; bins of ready already in window order
         │   └── rng, seq, done, stats
         ├── last_stream: {rank: g}     to rotate the DataLoader's workers on resume
         ├── complete                   the epoch ran to its end
@@ -107,6 +108,10 @@ class StreamSnapshot:
     packer: dict[str, Any]
     ready: list[list[int]]
     stats: PipelineStats
+    window: int = 0
+    """Look-ahead windows scheduled so far (``StreamBalance``; 0 without it)."""
+    scheduled: int = 0
+    """Bins at the front of ``ready`` already in their window's emission order (the rest of that window)."""
 
     def held_positions(self) -> list[int]:
         """Positions read but not yet delivered: shuffle buffer, open bins, bins not collated."""
@@ -147,6 +152,8 @@ class StreamSnapshot:
             packer=data["packer"],
             ready=[[int(p) for p in keys] for keys in data["ready"]],
             stats=PipelineStats.from_dict(data["stats"]),
+            window=int(data.get("window", 0)),
+            scheduled=int(data.get("scheduled", 0)),
         )
 
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..failures import FailureBudget, SampleCodeError, SampleError, skip_reason
 from ..packing import StreamPacker, padded_lengths
+from ..packing.window import StreamBalance, reserved_positions, window_order, window_schedule
 from ..processing import IMAGE_MARKER, Prompt
 from .reader import read_header, stream_tar_samples
 from .state import Cursor, EpochProgress, PlanItem, StreamSnapshot, position, split_position
@@ -64,6 +65,8 @@ class WorkerSpec:
     """Builds the collator (once per stream, in its worker)."""
     max_examples: int = 100
     """Bad samples kept as examples in a stream's ``PipelineStats.bad``."""
+    balance: StreamBalance | None = None
+    """Step balancing by a look-ahead window (:mod:`vlm_pack.packing.window`); None: bins leave as packed."""
 
 
 class StreamEnd:
@@ -149,6 +152,7 @@ class _Sample:
     prompt: Prompt
     length: int  # forecast tokens
     vision: int  # vision cost (PackingConfig.vision_cost)
+    patches: tuple[int, ...]  # ViT patches per image, for the pack's cost (only with StreamBalance, else ())
 
 
 class StreamRunner:
@@ -189,6 +193,8 @@ class StreamRunner:
         self.collate = spec.make_collator()
         self.snapshot = snapshot
         self.flushed = False  # every sample read and the packer flushed: the bins left in ready are the last
+        self.window = 0  # look-ahead windows scheduled so far (StreamBalance)
+        self.scheduled = 0  # bins at the front of ready already in the window's emission order
         limit, who = config.max_consecutive_failures, f"PackedWebDataset stream {stream}"
         self.forecast_budget = FailureBudget(limit, f"{who}, header-only forecast")
         self.process_budget = FailureBudget(limit, f"{who}, processing packed samples")
@@ -264,7 +270,8 @@ class StreamRunner:
             )
         self._check_images(names, sizes)
         length, _, prompt = preprocessor.forecast_prompt(conversation, sizes, key)
-        return _Sample(url, key, images, conversation, prompt, length, self._vision_cost(sizes))
+        patches = tuple(preprocessor.spec.num_patches(w, h) for w, h in sizes) if self.work.balance else ()
+        return _Sample(url, key, images, conversation, prompt, length, self._vision_cost(sizes), patches)
 
     def _forecast(self, url: str, raw: dict[str, Any]) -> _Sample | None:
         """The sample with its forecast, or None after reporting why it is skipped (timed as "forecast").
@@ -428,11 +435,51 @@ class StreamRunner:
             packer=self.packer.state_dict(),
             ready=[list(keys) for keys in self.ready],
             stats=stats,
+            window=self.window,
+            scheduled=self.scheduled,
         )
 
-    def _drain(self) -> Iterator[list[int]]:
-        while self.ready:
+    def _drain(self, final: bool = False) -> Iterator[list[int]]:
+        """Yield the bins that may leave: all of ``ready`` without balancing; with it, whole windows of
+        ``StreamBalance.window`` bins in their scheduled order (the last, partial one once ``final``)."""
+        balance = self.work.balance
+        if balance is None:
+            self.scheduled = 0  # a window of a state saved with balancing: its order no longer matters
+            while self.ready:
+                yield self.ready.popleft()
+            return
+        while True:
+            if not self.scheduled:
+                if len(self.ready) < balance.window and not (final and self.ready):
+                    return
+                self._schedule(min(balance.window, len(self.ready)))
+            self.scheduled -= 1
             yield self.ready.popleft()
+
+    def _schedule(self, n: int) -> None:
+        """Put the first ``n`` bins of ``ready`` (a window) in the order of the shared schedule."""
+        balance = self.work.balance
+        assert balance is not None
+        started = time.thread_time()
+        window = [self.ready.popleft() for _ in range(n)]
+        costs = np.empty(n)
+        has_image = np.zeros(n, dtype=bool)
+        for b, positions in enumerate(window):
+            samples = [self.samples[pos] for pos in positions]
+            costs[b] = balance.pack_cost([s.length for s in samples], [p for s in samples for p in s.patches])
+            has_image[b] = any(s.images for s in samples)
+        seed = self.config.shuffle_seed
+        key = (balance.seed, 0 if seed is None else seed + 1, self.epoch, self.generation, self.window)
+        schedule = window_schedule(balance.window, key)
+        reserved = None
+        if balance.image_every_rank:
+            world, workers = self.layout or (1, 1)
+            reserved = reserved_positions(balance.window, balance.grad_accum, self.stream // world, workers)
+        order = window_order(costs, schedule, has_image=has_image, reserved=reserved)
+        self.ready.extendleft(window[i] for i in order[::-1])
+        self.scheduled = n
+        self.window += 1
+        self.stats.time["pack"] += time.thread_time() - started
 
     # -- reading
     def _read_item(
@@ -484,6 +531,7 @@ class StreamRunner:
         if self.rng is not None and snapshot.rng is not None:
             self.rng.bit_generator.state = snapshot.rng
         self.ready = deque(list(keys) for keys in snapshot.ready)
+        self.window, self.scheduled = snapshot.window, min(snapshot.scheduled, len(self.ready))
         # Re-read the samples the stream held: they were forecast before, so forecasting again is exact.
         item_of_shard = {item.shard: item for item in self.items}
         for shard, indices in sorted(snapshot.held_by_shard().items()):
@@ -531,7 +579,7 @@ class StreamRunner:
         yield from self._read_all()
         self._flush()
         self.flushed = True
-        yield from self._drain()
+        yield from self._drain(final=True)
 
     def run(self) -> Iterator[Any]:
         """The stream's batches; the last item yielded carries its final state (``snapshot.done``).

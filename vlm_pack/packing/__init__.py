@@ -37,6 +37,8 @@ Where things live (each file one concept):
 - ``steps.py``: :func:`step_plan`, packs dealt to (step, rank) so each step costs the same on every rank.
 - ``balanced.py``: :func:`~vlm_pack.packing.balanced.balanced_packs`, packs made for a step plan (each rank's
   share of a step about the same cost) where dealing fixed packs cannot balance; ``step_lower_bound``.
+- ``window.py``: :class:`StreamBalance`, the same for streaming without moving packs between ranks: a look-ahead
+  window per rank emitted in a cost-quantile order every rank shares.
 
 Three entry points:
 
@@ -70,6 +72,7 @@ from .cost import PackCost, pack_costs
 from .offline import STRATEGIES, pack
 from .steps import StepBalance, step_imbalance, step_plan
 from .stream import StreamPacker, StreamStats
+from .window import StreamBalance
 
 __all__ = [
     "STRATEGIES",
@@ -77,6 +80,7 @@ __all__ = [
     "PackResult",
     "PackedBin",
     "StepBalance",
+    "StreamBalance",
     "StreamPacker",
     "StreamStats",
     "Unpacked",
