@@ -79,13 +79,12 @@ class ChatFormat:
             return [(prefix, False), (text + self.eos_on_caption, True)]
         conversation = normalise_conversation(conversation)
         segments: list[Segment] = [(self.bos, False)] if self.bos else []
-        n_marked = sum(_count_images(turn) for turn in conversation)
+        parts = [_parts(turn.get("content")) for turn in conversation]
+        n_marked = sum(p["type"] == "image" for turn_parts in parts for p in turn_parts)
         pending = num_images if n_marked == 0 else 0
-        for turn in conversation:
+        for turn, turn_parts in zip(conversation, parts):
             role = turn["role"]
-            body = "".join(
-                self.image if p["type"] == "image" else p["text"] for p in _parts(turn.get("content"))
-            )
+            body = "".join(self.image if p["type"] == "image" else p["text"] for p in turn_parts)
             if pending and role == "user":
                 body, pending = self.image * pending + body, 0
             segments.append((self.turn_start.format(role=role, ROLE=role.upper()), False))
@@ -224,10 +223,6 @@ def _parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     for part in content:
         out += [part] if part["type"] == "image" else _parts(part["text"])
     return out
-
-
-def _count_images(turn: dict[str, Any]) -> int:
-    return sum(p["type"] == "image" for p in _parts(turn["content"]))
 
 
 def _normalise(conversation: Conversation, num_images: int, key: Any) -> list[dict[str, Any]]:

@@ -149,7 +149,7 @@ def _turns(turns: Any, where: str) -> list[dict[str, Any]]:
         raise SampleError("bad_text", f"{where}: {e}") from None
 
 
-def _image(item: Any, where: str, index: int, root: Path | None) -> Any:
+def _image(item: Any, where: str, index: int, root: str | os.PathLike[str] | None) -> Any:
     """One stored image -> bytes, an existing path, a file object or a PIL image."""
     if type(item) is dict or isinstance(item, Mapping):  # an HF Image feature read with decode=False
         data, path = item.get("bytes"), item.get("path")
@@ -161,7 +161,7 @@ def _image(item: Any, where: str, index: int, root: Path | None) -> Any:
     if isinstance(item, (str, os.PathLike)):
         path = Path(item)
         if not path.is_absolute() and root is not None:
-            path = root / path
+            path = Path(root) / path
         if not path.is_file():
             raise SampleError(
                 "corrupt_image",
@@ -176,7 +176,7 @@ def _image(item: Any, where: str, index: int, root: Path | None) -> Any:
     )
 
 
-def _images(raw: Any, where: str, root: Path | None) -> tuple[Any, ...]:
+def _images(raw: Any, where: str, root: str | os.PathLike[str] | None) -> tuple[Any, ...]:
     if raw is None:
         return ()
     listed = type(raw) is list or (isinstance(raw, Sequence) and not isinstance(raw, (str, bytes, bytearray)))
@@ -222,7 +222,7 @@ def normalise_record(
     key = record_key(record, key if key is not None else where)
     label = _label(where, key)
     chosen = record_format or detect_record_format(record)
-    root = Path(image_root) if image_root is not None else None
+    root = image_root  # a Path only where a relative image path needs it (a forecast reads every row)
     if chosen == "webdataset":
         if "__key__" not in record:
             raise _no_format(record, label, record_format)
