@@ -269,9 +269,14 @@ def _plain_backend(tokenizer: Any) -> Any:
     ``tokenizer(texts, add_special_tokens=False)`` gives (no truncation, padding or special-token splitting
     set on it), else None. Skipping the wrapper's per-text offsets, masks and dicts takes about a quarter off
     the forecast's tokenizing, its largest cost."""
+    from transformers import PreTrainedTokenizerFast as Fast
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_batch_fast"):
         return None
+    cls = type(tokenizer)
+    if cls.__call__ is not Fast.__call__ or getattr(cls, "_encode_plus", None) is not Fast._encode_plus:
+        return None  # a tokenizer class with its own encoding steps: only its own call says what it gives
     plain = backend.truncation is None and backend.padding is None
     if not plain or bool(backend.encode_special_tokens) != bool(getattr(tokenizer, "split_special_tokens", False)):
         return None
