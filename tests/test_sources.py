@@ -22,7 +22,7 @@ from PIL import Image
 from vlm_pack.data.forecast import forecast_sources
 from vlm_pack.data.records import RECORD_FORMATS, detect_record_format, normalise_record
 from vlm_pack.data.shards import SampleError, write_shards
-from vlm_pack.data.sources import iter_samples
+from vlm_pack.data.sources import chunks, iter_samples
 from vlm_pack.offline import build_tokenizer, image_processor
 from vlm_pack.processing import process_sample
 from vlm_pack.vision import vision_spec_from_processor
@@ -381,3 +381,30 @@ def test_parquet_row_groups_are_read_by_the_workers_not_shipped(model, data, ora
     assert two.keys == one.keys and two.sources == one.sources
     pq.write_table(_hf_dataset(samples * 3).data.table, path)  # one group of 12 rows, chunks of 2
     assert [c.batch.num_rows for c in chunks(open_sources(str(path)), chunk_rows=2)] == [2] * 6
+
+
+def test_an_engine_stops_at_the_failure_budget_not_at_the_end_of_the_map(model, data, tmp_path):
+    """``assemble_table`` (what ``forecast_ray`` feeds the cluster's results through, in source order) takes
+    the chunk results as they come, so a source whose samples all fail stops the map after the first
+    ``max_consecutive_failures`` of them, as the local processes stop, instead of after all of it: the
+    results after that point are never asked for (here asking raises)."""
+    from vlm_pack.data.forecast import assemble_table, forecast_chunk, make_forecaster
+    from vlm_pack.failures import FailureBudgetError
+
+    tok, _, spec = model
+    root, samples = data
+    path = tmp_path / "missing.jsonl"  # every record names an image that is not there: bad data, counted
+    path.write_text("".join(json.dumps({**_sharegpt(s), "images": ["images/gone.png"]}) + "\n" for s in samples * 3))
+    forecaster = make_forecaster([str(path)], tokenizer=tok, spec=spec, image_root=root)
+    pieces = list(chunks(forecaster.sources, 2))
+    assert len(pieces) >= 4
+
+    def results():
+        for piece in pieces[:3]:
+            yield forecast_chunk(forecaster, piece)
+        raise AssertionError("asked for chunk results past the failure budget")
+
+    with pytest.raises(FailureBudgetError, match="4 bad samples in a row"):
+        assemble_table(results(), 3, "forecast_ray")
+    with pytest.raises(SampleError, match=r"gone\.png"):  # on_error="raise": the first bad sample, at once
+        assemble_table(results(), None, "forecast_ray", on_error="raise")

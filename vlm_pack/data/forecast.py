@@ -480,15 +480,19 @@ def make_forecaster(
 
 
 def assemble_table(
-    results: Iterable[_ChunkResult], max_consecutive_failures: int | None, who: str
+    results: Iterable[_ChunkResult], max_consecutive_failures: int | None, who: str, on_error: str = "skip"
 ) -> LengthTable:
-    """The :class:`LengthTable` of chunk results given in source order, the failure budget spent in that
-    order (raises ``FailureBudgetError`` where :func:`forecast_sources` would)."""
-    results = list(results)
+    """The :class:`LengthTable` of chunk results given in source order, consumed as they come: the failure
+    budget is spent in that order (raises ``FailureBudgetError`` where :func:`forecast_sources` would) and,
+    with ``on_error="raise"``, the first bad sample raises, so an engine stops at the first bad chunks."""
     budget = FailureBudget(max_consecutive_failures, who)
+    kept = []
     for result in results:
+        if on_error == "raise" and result.invalid:
+            raise SampleError(result.failed_reasons[0], result.invalid[0][2])
         _spend(budget, result)
-    return _table(results)
+        kept.append(result)
+    return _table(kept)
 
 
 def forecast_sources(

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +33,6 @@ import numpy as np
 from ..config import DEFAULT_MAX_CONSECUTIVE_FAILURES, PackingConfig
 from ..data.forecast import LengthTable, assemble_table, forecast_chunk, make_forecaster
 from ..data.sources import Chunk, Source, chunks
-from ..failures import SampleError
 
 if TYPE_CHECKING:
     from ..data.plan import Plan
@@ -134,8 +133,10 @@ def forecast_ray(
     Uses the Ray session already started (``ray.init``), else starts one (``address``: a cluster to join,
     e.g. ``"auto"`` or ``"ray://head:10001"``; None: a local cluster on this machine) and shuts it down after.
     ``progress``: Ray Data's progress bars (None: Ray's default). Other arguments: ``forecast_sources``'.
-    Records with bad data are skipped or raised as there; the failure budget is spent in source order once
-    the map is done (the first failure in source order is the one raised).
+    Records with bad data are skipped or raised as there: the results are taken in source order as the
+    workers finish them, the failure budget spent and the first bad sample raised in that order, so a broken
+    source stops the map after its first bad chunks, not at its end (the first failure in source order is the
+    one raised, whichever worker found it).
     """
     _require_ray()  # before loading anything: a missing install is the first thing to say
     if num_workers is not None and (
@@ -157,28 +158,30 @@ def forecast_ray(
         who="forecast_ray",
     )
     pieces = ray_chunks(forecaster.sources, chunk_rows)
-    # workers skip and report; the driver raises the first failure in source order, whichever worker found it
+    # workers skip and report; the driver raises the first failure in source order, whichever worker found it,
+    # and spends the failure budget as the results arrive in source order: a broken source stops the cluster
+    # after its first bad chunks, as the local processes stop, not after the whole map
     shipped = replace(forecaster, sources=[_shippable(s) for s in forecaster.sources], on_error="skip")
     ray, started = _connect(address)
     try:
-        results = _map(ray, shipped, pieces, num_workers, progress)
+        return assemble_table(
+            _map(ray, shipped, pieces, num_workers, progress),
+            max_consecutive_failures,
+            "forecast_ray (header-only forecast)",
+            on_error=on_error,
+        )
     finally:
         if started:
             ray.shutdown()
-    if on_error == "raise":
-        for r in results:
-            if r.invalid:
-                (_, _, message), reason = r.invalid[0], r.failed_reasons[0]
-                raise SampleError(reason, message)
-    return assemble_table(results, max_consecutive_failures, "forecast_ray (header-only forecast)")
 
 
 def _map(
     ray: Any, forecaster: Any, pieces: list[Any], num_workers: int | None, progress: bool | None
-) -> list[Any]:
-    """The chunk results of ``pieces``, in their order, from a Ray Data ``map_batches``."""
+) -> Iterator[Any]:
+    """The chunk results of ``pieces``, in their order, as a Ray Data ``map_batches`` makes them: each is
+    yielded once it and all before it are done (the consumer may stop early; the map stops with it)."""
     if not pieces:
-        return []
+        return
     context = ray.data.DataContext.get_current()
     if progress is not None:
         context.enable_progress_bars = progress
@@ -192,15 +195,21 @@ def _map(
         concurrency=min(workers, len(rows)),
         num_cpus=1,
     )
+    waiting: dict[int, bytes] = {}  # done out of order, held until the chunks before them are done
+    nxt = 0
     try:
-        out = mapped.take_all()
+        for row in mapped.iter_rows():
+            waiting[int(row["seq"])] = row["result"]
+            while nxt in waiting:
+                yield pickle.loads(waiting.pop(nxt))
+                nxt += 1
     except Exception as e:
         cause = _worker_error(e)
         if cause is None or cause is e:
             raise
         raise cause from None
-    out.sort(key=lambda row: row["seq"])
-    return [pickle.loads(row["result"]) for row in out]
+    if nxt != len(rows):
+        raise RuntimeError(f"forecast_ray: Ray Data returned {nxt} of {len(rows)} chunks in order; report this bug")
 
 
 def build_plan_ray(
