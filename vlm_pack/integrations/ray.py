@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -163,21 +163,18 @@ def forecast_ray(
     # after its first bad chunks, as the local processes stop, not after the whole map
     shipped = replace(forecaster, sources=[_shippable(s) for s in forecaster.sources], on_error="skip")
     ray, started = _connect(address)
+    results = _map(ray, shipped, pieces, num_workers, progress)
     try:
-        return assemble_table(
-            _map(ray, shipped, pieces, num_workers, progress),
-            max_consecutive_failures,
-            "forecast_ray (header-only forecast)",
-            on_error=on_error,
-        )
+        return assemble_table(results, max_consecutive_failures, "forecast_ray (header-only forecast)", on_error=on_error)
     finally:
+        results.close()  # a map stopped early shuts its executor down now, while Ray is still up
         if started:
             ray.shutdown()
 
 
 def _map(
     ray: Any, forecaster: Any, pieces: list[Any], num_workers: int | None, progress: bool | None
-) -> Iterator[Any]:
+) -> Generator[Any, None, None]:
     """The chunk results of ``pieces``, in their order, as a Ray Data ``map_batches`` makes them: each is
     yielded once it and all before it are done (the consumer may stop early; the map stops with it)."""
     if not pieces:
@@ -197,8 +194,9 @@ def _map(
     )
     waiting: dict[int, bytes] = {}  # done out of order, held until the chunks before them are done
     nxt = 0
+    rows_done = iter(mapped.iter_rows())
     try:
-        for row in mapped.iter_rows():
+        for row in rows_done:
             waiting[int(row["seq"])] = row["result"]
             while nxt in waiting:
                 yield pickle.loads(waiting.pop(nxt))
@@ -208,6 +206,10 @@ def _map(
         if cause is None or cause is e:
             raise
         raise cause from None
+    finally:  # stopped early (the failure budget) or done: end Ray Data's iteration here, not at garbage collection
+        close = getattr(rows_done, "close", None)
+        if close is not None:
+            close()
     if nxt != len(rows):
         raise RuntimeError(f"forecast_ray: Ray Data returned {nxt} of {len(rows)} chunks in order; report this bug")
 
