@@ -126,19 +126,21 @@ class Preprocessor:
         """The rendered prompt, images as the placeholder token and a BOS the tokenizer adds written out:
         ``tokenizer(text, add_special_tokens=False)`` gives the ids of :meth:`tokenize`, so many prompts can
         be tokenized in one batched call. Raises as :meth:`tokenize`."""
-        tok = self.tokenizer
-        rendering = _render(
-            conversation, tok, self.processor, self.family, self.template, num_images, key, False, self._placeholder
-        )
+        rendering = self._rendering(conversation, num_images, key, spans=False)
         if rendering.add_special_tokens and rendering.text:
             return self._added_bos + rendering.text
         return rendering.text
 
+    def _rendering(self, conversation: Conversation, num_images: int, key: Any, spans: bool) -> Any:
+        return _render(
+            conversation, self.tokenizer, self.processor, self.family, self.template, num_images, key, spans,
+            self._placeholder,
+        )
+
     @functools.cached_property
     def _placeholder(self) -> str:
         """The token the chat template writes once per image, asked once (a forecast renders every row)."""
-        family = canonical(self.family or getattr(self.tokenizer, "vlm_pack_family", None))
-        return _placeholder(self.tokenizer, self.processor, family)
+        return _placeholder(self.tokenizer, self.processor, self.family)  # family: resolved in __post_init__
 
     @functools.cached_property
     def _added_bos(self) -> str:
@@ -152,7 +154,7 @@ class Preprocessor:
 
     def tokenize(self, conversation: Conversation, num_images: int = 0, key: Any = None) -> tuple[list[int], list[bool]]:
         """Collapsed ids and trained mask: :func:`tokenize_conversation` with these parts."""
-        rendering = _render(conversation, self.tokenizer, self.processor, self.family, self.template, num_images, key)
+        rendering = self._rendering(conversation, num_images, key, spans=True)
         return _collapsed_ids(rendering, self.tokenizer, num_images, key)
 
     def forecast(

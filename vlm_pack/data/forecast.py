@@ -83,9 +83,11 @@ class LengthTable:
     def nbytes(self) -> int:
         """Bytes the table holds in its arrays and string columns (``invalid`` aside): about 100 a sample with
         one image (the keys and sources front-coded), so 100 M samples take ~10 GB, not the ~40 GB of lists."""
-        arrays = (self.text_tokens, self.vision_tokens, self.num_patches, self.image_ptr, self.image_tokens)
-        extra = self.index.nbytes if self.index is not None else 0
-        return sum(a.nbytes for a in arrays) + self.image_starts.nbytes + extra + self.keys.nbytes + self.sources.nbytes
+        arrays = [self.text_tokens, self.vision_tokens, self.num_patches, self.image_ptr, self.image_tokens,
+                  self.image_starts, self.keys, self.sources]  # fmt: skip
+        if self.index is not None:
+            arrays.append(self.index)
+        return sum(a.nbytes for a in arrays)
 
     @property
     def lengths(self) -> np.ndarray:

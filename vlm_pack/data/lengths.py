@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,8 @@ def _arrow_strings(strings: Strings, piece: int = 1 << 20) -> Any:
     """A :class:`Strings` as an Arrow string column, built a piece at a time (never one str per item at once)."""
     import pyarrow as pa
 
-    pieces = [pa.array(strings[i : i + piece].tolist(), pa.string()) for i in range(0, len(strings), piece)]
+    items = iter(strings)  # one pass: a slice of a Strings would be front-coded again only to be decoded
+    pieces = [pa.array(list(islice(items, piece)), pa.string()) for _ in range(0, len(strings), piece)]
     return pa.chunked_array(pieces, pa.string())
 
 
