@@ -271,7 +271,7 @@ class Trainer:
 def build_batches(args, steps: list[dict], tokenizer, config) -> dict[str, list[list]]:
     """Micro-batches of every step for both modes (CPU tensors)."""
     collator = PackingCollator(
-        args.capacity, tokenizer=tokenizer, config=config, pad_to_capacity=args.pad_rows
+        args.capacity, tokenizer=tokenizer, model_config=config, pad_to_capacity=args.pad_rows
     )
     return {
         "padded": [padded_batches(s, args.batch_size, tokenizer.pad_token_id) for s in steps],
