@@ -14,6 +14,7 @@ CLI) reads this registry and nothing else, so every spelling means the same fami
     two_way_images  False                     False               True              collate, batch (masks)
     collapsed       True                      False               True              Preprocessor
     chat_format     qwen                      None                None              chat (no chat template)
+    token_mixers    ()                        ()                  ()                mixers, batch
 
 Packed layouts: *expanded* rows hold one token per image embedding, as HF processors write them; *collapsed*
 rows one placeholder per image (Megatron), expanded inside the model, which needs each image's embedding tokens
@@ -107,6 +108,9 @@ class Family:
     """``layout="collapsed"`` works: each image's embedding tokens form one run (no markers between them)."""
     chat_format: str | None = None
     """vlm-pack's own chat format (``vlm_pack.chat``) for tokenizers without a chat template."""
+    token_mixers: tuple[str, ...] = ()
+    """Layers of its text model that mix tokens without attention (``"gated_delta_net"``, ``"short_conv"``):
+    packed rows must reach them with the sample boundaries too (``vlm_pack.mixers``)."""
 
     def __post_init__(self) -> None:
         if self.wraps not in WRAPS:
