@@ -55,6 +55,7 @@ __all__ = [
     "find_token_mixers",
     "isolate_token_mixers",
     "mixer_problems",
+    "summarize",
 ]
 
 #: Layer classes whose forward is ``(hidden_states [B, T, H], cache=None, attention_mask=None, **kwargs)``,
@@ -72,7 +73,10 @@ _KERNEL_MODULES = {
     "short_conv": ("causal_conv1d",),
 }
 #: Class names of layers that mix tokens without attention (an unknown model's, to refuse, not to run).
-_MIXER_NAME = re.compile(r"Mamba|SSM|Mixer|DeltaNet|ShortConv|Recurrent|Rglru|RWKV|xLSTM|LinearAttention|Hyena")
+_MIXER_NAME = re.compile(
+    r"(Mamba2?|SSM|Mixer|DeltaNet|ShortConv|ShortConvolution|Recurrent|Rglru|RWKV|LinearAttention|Hyena)$",
+    re.IGNORECASE,
+)
 _NOT_MIXER_NAME = re.compile(r"MLP|Expert|Router|Vision|Audio|Patch", re.IGNORECASE)
 #: Sub-model paths that are encoders, not the text model (their convolutions run per image / clip).
 _ENCODER_PATH = re.compile(r"vision|visual|audio|image|patch|speech", re.IGNORECASE)
@@ -132,7 +136,8 @@ def _text_scope(model: nn.Module) -> tuple[str, nn.Module]:
 
 def _unknown_mixer(name: str, module: nn.Module) -> bool:
     cls = type(module).__name__
-    if _NOT_MIXER_NAME.search(cls) or _ENCODER_PATH.search(name):
+    stack = any(isinstance(child, nn.ModuleList) for child in module.children())  # a model, not a layer
+    if stack or _NOT_MIXER_NAME.search(cls) or _ENCODER_PATH.search(name):
         return False
     if _MIXER_NAME.search(cls):
         return True
@@ -412,3 +417,16 @@ def isolate_token_mixers(model: nn.Module) -> nn.Module:
             continue
         module.forward = _IsolatedForward(module, mixer.kind, _state(_owner(model, mixer.name)))
     return model
+
+
+def summarize(mixers: list[TokenMixer]) -> list[str]:
+    """Report lines: the mixers grouped by kind and isolation, e.g.
+    ``3 gated_delta_net layer(s), per_sample: model.layers.0.linear_attn, ... (how)``."""
+    groups: dict[tuple[str, str], list[TokenMixer]] = {}
+    for m in mixers:
+        groups.setdefault((m.kind, m.isolation), []).append(m)
+    lines = []
+    for (kind, isolation), members in groups.items():
+        names = ", ".join(m.name for m in members[:3]) + (", ..." if len(members) > 3 else "")
+        lines.append(f"{len(members)} {kind} layer(s), {isolation}: {names} ({members[0].how})")
+    return lines
