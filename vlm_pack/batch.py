@@ -20,6 +20,15 @@ the sample boundaries, a batch tells which samples it holds and in what order::
 - ``"megatron"``: ``tokens``, per-sample shifted ``labels`` and ``loss_mask``, ``position_ids`` and
   ``packed_seq_params`` (``qkv_format="thd"``, expanded boundaries even in the collapsed layout).
 
+Families whose text model mixes tokens without attention (the record's ``token_mixers``: Qwen3.5's gated
+delta net, LFM2's short conv) also get ``seq_idx`` (``[R, T]`` / ``[1, R*T]`` int32, the sample of each
+token) in the HF styles, but only where the kernels that read it are installed (causal-conv1d, and for the
+delta net flash-linear-attention too): transformers' PyTorch fallbacks raise on ``seq_idx`` / ``cu_seqlens``,
+so on them the inputs stay as they are and ``isolate_token_mixers`` (``mixers.py``) keeps the boundaries.
+The flash styles' ``cu_seq_lens_q`` already reaches flash-linear-attention; the sdpa / eager styles do not
+add it (it would reach a VLM's vision tower through ``**kwargs``): there the delta rule's state needs
+``isolate_token_mixers`` too, which hands the kernel ``cu_seq_lens_q`` from the positions on one row.
+
 ``PackedSeqParams`` is Megatron-Core's class, imported only when asked for (the megatron style, or the
 name itself); where megatron-core is not installed it is a dataclass with the same fields.
 """
@@ -36,6 +45,7 @@ import torch
 from .families import canonical, lookup
 from .labels import IGNORE_INDEX, roll_packed
 from .masks import TOKENS_KEY, MaskMapping, gemma3_attention_masks, real_tokens
+from .mixers import boundary_kernels
 from .positions import is_mrope_family
 from .vision_inputs import VISION_KEYS
 
@@ -259,6 +269,9 @@ class PackedBatch:
           sample (``labels[t]`` is the target of token ``t``), ``position_ids`` and a ``PackedSeqParams``
           with the expanded ``cu_seqlens_q/kv`` (real) and ``cu_seqlens_q/kv_padded``; vision tensors
           under their HF names.
+
+        Families with ``token_mixers`` get ``seq_idx`` in the HF styles only where the kernels reading it are
+        installed (never on transformers' PyTorch fallbacks, which raise on it): see the module docstring.
         """
         if style not in STYLES:
             raise ValueError(f"style must be one of {STYLES}, got {style!r}")
@@ -276,7 +289,7 @@ class PackedBatch:
             if masks is not None:
                 tokens = real_tokens(self.cu_seqlens, self.cu_seqlens_padded, self.num_rows, self.row_length)
                 out["attention_mask"] = MaskMapping(masks, **{TOKENS_KEY: tokens})
-            return {**out, **vision, "use_cache": False}
+            return {**out, **vision, **self._mixer_inputs(), "use_cache": False}
         flat = self.num_rows * self.row_length
         pos = self._flat_positions()
         for name in ("mm_token_type_ids", "token_type_ids"):
@@ -292,8 +305,20 @@ class PackedBatch:
             "cu_seq_lens_k": cu,
             "max_length_q": self.max_seqlen_padded_expanded,
             "max_length_k": self.max_seqlen_padded_expanded,
+            **self._mixer_inputs(flat=True),
             "use_cache": False,
         }
+
+    def _mixer_inputs(self, flat: bool = False) -> dict[str, torch.Tensor]:
+        """``seq_idx`` for the family's boundary-taking mixer kernels, when every one is installed, else {}."""
+        record = lookup(self.family)
+        kinds = record.token_mixers if record is not None else ()
+        if not kinds or not all(boundary_kernels(kind) for kind in kinds):
+            return {}
+        tokens = torch.arange(self.num_rows * self.row_length, device=self.cu_seqlens_padded.device)
+        bounds = self.cu_seqlens_padded[1:].to(tokens.dtype).contiguous()
+        seq_idx = torch.searchsorted(bounds, tokens, right=True).to(torch.int32)
+        return {"seq_idx": seq_idx.reshape((1, -1) if flat else (self.num_rows, self.row_length))}
 
     def _megatron_inputs(self) -> dict[str, Any]:
         tokens = self.input_ids.reshape(1, -1)

@@ -11,7 +11,9 @@
 ``check_packed_equivalence`` goes in three steps: (1) the reference log-probs from padded batches
 (``pad_samples`` + ``batched_forward``), (2) the packed batch, checked to hold every sample intact where
 its boundaries say, and its log-probs (``packed_forward``), (3) the comparison, sample by sample, with
-``token_mult_prob_error`` (``metric.py``). The result is an ``EquivalenceReport``.
+``token_mult_prob_error`` (``metric.py``). The result is an ``EquivalenceReport``. It also names the
+layers that mix tokens without attention (``vlm_pack.mixers``) and how boundaries reached them, and fails
+on a model where one of them keeps none, even when the metric happens to pass.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from ..labels import IGNORE_INDEX
+from ..mixers import TokenMixer, find_token_mixers, mixer_problems, summarize
 from ..padded_batch import TOKEN_KEYS, pad_samples
 from .metric import next_token_logprobs, token_mult_prob_error
 
@@ -122,7 +125,8 @@ class SampleDiff:
 class EquivalenceReport:
     """Result of ``check_packed_equivalence``; ``str(report)`` is a readable summary.
 
-    ``passed`` is True when every sample was found intact in the packed batch and ``metric <= tolerance``.
+    ``passed`` is True when every sample was found intact in the packed batch, every token mixer that is
+    not attention (``token_mixers``) keeps the sample boundaries, and ``metric <= tolerance``.
     """
 
     metric: float
@@ -136,6 +140,7 @@ class EquivalenceReport:
     samples: list[SampleDiff] = field(default_factory=list)
     worst_tokens: list[TokenDiff] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    token_mixers: list[TokenMixer] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -168,6 +173,8 @@ class EquivalenceReport:
             f"  max |logp_batched - logp_packed| {self.max_abs_diff:.3g}",
         ]
         lines += [f"  problem: {p}" for p in self.problems]
+        lines.append(f"  token mixers that are not attention: {len(self.token_mixers) or 'none'}")
+        lines += [f"    {line}" for line in summarize(self.token_mixers)]
         if self.samples:
             ranked = sorted(self.samples, key=lambda s: -s.metric)[:5]
             lines.append("  worst samples:")
@@ -446,18 +453,10 @@ def _score(
         if mask.any():
             diff = torch.where(mask, (lp_ref - lp_pack).abs(), torch.zeros_like(lp_ref))
             worst = int(diff.argmax())
+            metric = float(token_mult_prob_error(lp_ref, lp_pack, mask))
+            worst_token = _token_diff(i, worst, int(next_ids[worst]), lp_ref[worst], lp_pack[worst], tokenizer)
             sample_diffs.append(
-                SampleDiff(
-                    sample=i,
-                    num_tokens=int(mask.sum()),
-                    metric=float(token_mult_prob_error(lp_ref, lp_pack, mask)),
-                    max_abs_diff=float(diff.max()),
-                    worst=_token_diff(
-                        i, worst, int(next_ids[worst]), lp_ref[worst], lp_pack[worst], tokenizer
-                    ),
-                    row=row,
-                    offset=off,
-                )
+                SampleDiff(i, int(mask.sum()), metric, float(diff.max()), worst_token, row=row, offset=off)
             )
     if not columns:
         empty = torch.zeros(0, dtype=torch.long)
@@ -556,6 +555,8 @@ def check_packed_equivalence(
     packed_ids = _tensor(batch, "input_ids")
     packed_labels = _tensor(batch, "labels") if targets == "labels" or hasattr(batch, "labels") else None
     spans, problems = _packed_spans(batch, len(checked))
+    mixers = find_token_mixers(model) if isinstance(model, torch.nn.Module) else []
+    problems += mixer_problems(model, mixers)
     problems += _placement_problems(spans, checked, packed_ids, packed_labels)
     logp, packed_ids = _packed_logprobs(model, batch, packed_forward, packed_ids)
     labels = packed_labels.to(logp.device) if targets == "labels" else None
@@ -576,6 +577,7 @@ def check_packed_equivalence(
         samples=scored.samples,
         worst_tokens=worst_tokens,
         problems=problems,
+        token_mixers=mixers,
     )
 
 
@@ -591,11 +593,5 @@ def _token_text(tokenizer: Any, token_id: int) -> str | None:
 def _token_diff(
     sample: int, position: int, token_id: int, logp_batched: Any, logp_packed: Any, tokenizer: Any
 ) -> TokenDiff:
-    return TokenDiff(
-        sample=sample,
-        position=position,
-        token_id=token_id,
-        logp_batched=float(logp_batched),
-        logp_packed=float(logp_packed),
-        token=_token_text(tokenizer, token_id),
-    )
+    text = _token_text(tokenizer, token_id)
+    return TokenDiff(sample, position, token_id, float(logp_batched), float(logp_packed), text)
