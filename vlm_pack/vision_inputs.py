@@ -14,6 +14,12 @@ the *shape* each model wants the images of several samples in::
                                  pixel_attention_mask [1, N_i, H, W]   cat dim 1: [1, sum N_i, H, W]
     Mistral3 / Pixtral tower     pixel_values [n_i, C, H_i, W_i]       zero-pad H, W to the max, cat dim 0
                                  image_sizes [n_i, 2]                  cat dim 0 (the tower crops each image)
+    LFM2-VL (SigLIP2-NaFlex)     pixel_values [N_i, P_i, D]            zero-pad P to the max, cat dim 0
+                                 pixel_attention_mask [N_i, P_i]       zero-pad P (padding), cat dim 0
+                                 spatial_shapes [N_i, 2]               cat dim 0 (patch rows, cols per crop)
+
+(``N_i``: crops, tiles and thumbnails of sample ``i``'s images in order; NaFlex pads each crop's patches to
+the processor's ``max_num_patches``, and the tower reads only the ``spatial_shapes`` patches the mask keeps.)
 
 OneVision's ``batch_num_images`` must stay per sample: one sample with several images skips the anyres
 tiling of each image, a sample with one image keeps it. Summing a row into one entry switches every image
@@ -37,6 +43,7 @@ VISION_KEYS = (
     "pixel_attention_mask",
     "image_grid_thw",
     "image_sizes",
+    "spatial_shapes",
     "batch_num_images",
     "pixel_values_videos",
     "video_grid_thw",
@@ -114,7 +121,9 @@ def _pad_to(parts: list[torch.Tensor], dims: Sequence[int]) -> list[torch.Tensor
     return out
 
 
-def _join_pixel_values(parts: list[torch.Tensor], crops_flat: bool) -> torch.Tensor:
+def _join_pixel_values(parts: list[torch.Tensor], crops_flat: bool, patch_rows: bool) -> torch.Tensor:
+    if patch_rows:  # LFM2-VL: [N_i, P_i, D] crops of patch rows, each padded to P_i
+        return _cat(_pad_to(parts, (1,)))
     if all(p.dim() == 3 for p in parts):
         parts = [p[None] for p in parts]  # single [C, H, W] images
     if crops_flat:  # Idefics3 / SmolVLM: [1, N_i, C, H, W] -> [1, sum N_i, C, H, W]
@@ -134,15 +143,22 @@ def join_vision(per_sample: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
     different image processors).
     """
     out: dict[str, torch.Tensor] = {}
-    # Idefics3 / SmolVLM carry a per-crop pixel mask: their crops join along the crop axis.
-    crops_flat = any("pixel_attention_mask" in s for s in per_sample)
+    masks = [s["pixel_attention_mask"] for s in per_sample if "pixel_attention_mask" in s]
+    # Idefics3 / SmolVLM carry a per-crop pixel mask [1, N, H, W]: their crops join along the crop axis;
+    # LFM2-VL a per-crop patch mask [N, P]: its crops join along dim 0 as they come
+    crops_flat = any(m.dim() == 4 for m in masks)
+    patch_rows = any(m.dim() == 2 for m in masks)
+    if crops_flat and patch_rows:
+        raise ValueError("cannot join 'pixel_attention_mask' of two model families (pixel and patch masks)")
     for key in VISION_KEYS:
         parts = [s[key] for s in per_sample if key in s]
         if not parts:
             continue
         try:
             if key == "pixel_values":
-                out[key] = _join_pixel_values(parts, crops_flat)
+                out[key] = _join_pixel_values(parts, crops_flat, patch_rows)
+            elif key == "pixel_attention_mask" and patch_rows:
+                out[key] = _cat(_pad_to(parts, (1,)))
             elif key == "pixel_attention_mask":
                 out[key] = _cat(_pad_to(parts, (2, 3)), 1)
             else:
