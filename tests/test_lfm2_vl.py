@@ -259,3 +259,16 @@ def test_control_without_isolated_mixers_leaks(attn):
     samples, batch = _row(model)
     report = check_packed_equivalence(model, samples, None, packed_batch=batch, style=attn, batch_size=1)
     assert not report.passed and report.metric > 1.001, str(report)
+
+
+def test_an_image_the_processor_gives_more_patches_than_its_mask_is_refused_naming_the_sample():
+    """10000x20 smart-resizes to 1428 patches, more than max_num_patches (1024): transformers writes a 1024-long
+    mask beside 1428 patch rows. The forecast is still its length; the collator refuses the sample by name."""
+    proc = _processor()
+    conversation = [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "a line"}]
+    sample = process_sample([_picture(10000, 20)], conversation, processor=proc)
+    assert sample["pixel_values"].shape[1] == 1428 and sample["pixel_attention_mask"].shape[1] == 1024
+    assert forecast_length(conversation, [(10000, 20)], processor=proc)[0] == len(sample["input_ids"])
+    collator = PackingCollator(4096, model_config=_model("sdpa", isolated=False).config, tokenizer=proc)
+    with pytest.raises(ValueError, match=r"sample 1 \(key 'wide'\).*max_num_patches"):
+        collator([_samples()[1], {**sample, "key": "wide"}])

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["VISION_KEYS", "join_vision"]
+__all__ = ["VISION_KEYS", "check_patch_rows", "join_vision"]
 
 #: Vision tensors the HF models take, joined across samples by :func:`join_vision` in packed order.
 VISION_KEYS = (
@@ -133,6 +133,25 @@ def _join_pixel_values(parts: list[torch.Tensor], crops_flat: bool, patch_rows: 
     if parts[0].dim() == 4:  # Pixtral: each sample padded to its own largest image; the tower crops
         return _cat(_pad_to(parts, (2, 3)))
     return _cat(parts)
+
+
+def check_patch_rows(vision: dict[str, torch.Tensor], name: str) -> None:
+    """ValueError naming ``name`` when a sample's NaFlex crops (LFM2-VL: ``pixel_values`` [N, P, D] with a
+    ``pixel_attention_mask`` [N, P]) and its mask disagree on P.
+
+    transformers' ``Lfm2VlImageProcessor`` (5.24) pads every crop's patches to ``max_num_patches`` but does not
+    cut them: an image of extreme aspect ratio whose smart-resized size holds more patches (e.g. 10000x20: 1428
+    > 1024) gets a mask shorter than its patches, which the vision tower cannot read, alone as packed.
+    """
+    pixels, mask = vision.get("pixel_values"), vision.get("pixel_attention_mask")
+    if pixels is None or mask is None or mask.dim() != 2:
+        return
+    if pixels.dim() != 3 or pixels.shape[:2] != mask.shape:
+        raise ValueError(
+            f"{name}: pixel_values {tuple(pixels.shape)} and pixel_attention_mask {tuple(mask.shape)} disagree "
+            "(an image whose resized size holds more patches than the image processor's max_num_patches: "
+            "extreme aspect ratios); crop or pad the image nearer to square, or drop the sample"
+        )
 
 
 def join_vision(per_sample: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
