@@ -35,6 +35,7 @@ END_OF_TURN = {
     "gemma3": "<end_of_turn>",  # google/gemma-3-4b-it
     "internvl": "<|im_end|>",  # OpenGVLab/InternVL3-1B-hf
     "mistral3": "</s>",  # mistralai/Mistral-Small-3.1-24B-Instruct-2503
+    "lfm2_vl": "<|im_end|>",  # LiquidAI/LFM2-VL-1.6B (its image processor needs torchvision)
 }
 # Checkpoint image-processor parameters everywhere, except Qwen's pixel cap (fewer tokens, same rule).
 OVERRIDES = {
@@ -43,7 +44,18 @@ OVERRIDES = {
 _CACHE: dict[str, object] = {}
 
 
+def _needs_torchvision(family):
+    """LFM2-VL's image processor is a torchvision class: its cases run where torchvision loads."""
+    if family in offline.NEEDS_TORCHVISION:
+        pytest.importorskip("torchvision")
+
+
+def _params(families):
+    return [pytest.param(f, marks=pytest.mark.torchvision) if f in offline.NEEDS_TORCHVISION else f for f in families]
+
+
 def _processor(family):
+    _needs_torchvision(family)
     if family not in _CACHE:
         template = (TEMPLATES / f"{family}.jinja").read_text()
         tok = offline.build_tokenizer(family)
@@ -112,7 +124,7 @@ def _expected_labels(tok, ids, conversation, end_of_turn):
     return labels
 
 
-FAMILIES = list(END_OF_TURN)
+FAMILIES = _params(END_OF_TURN)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -133,7 +145,7 @@ def test_released_template_gives_the_processors_ids_spans_and_forecast(family):
         assert counts == s["tokens_per_image"].tolist()
         if family in ("qwen2_vl", "qwen2_5_vl") and conversation is SINGLE:
             assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
-        if tok.bos_token and text.startswith(tok.bos_token):  # Idefics3, SmolVLM, Gemma 3, Mistral 3: one BOS
+        if tok.bos_token and text.startswith(tok.bos_token):  # Idefics3, SmolVLM, Gemma 3, Mistral 3, LFM2-VL
             assert ref[0] == tok.bos_token_id and ref[1] != tok.bos_token_id
 
 
@@ -215,10 +227,11 @@ def test_collapsed_layout_keeps_one_token_per_image_where_the_family_has_one_run
     assert torch.equal(c["labels"][c["labels"] != -100], e["labels"][e["labels"] != -100])
 
 
-@pytest.mark.parametrize("family", offline.FAMILIES)
+@pytest.mark.parametrize("family", _params(offline.FAMILIES))
 @pytest.mark.slow
 def test_offline_tiny_model_runs_a_processed_sample(family):
     """Every family's genuine transformers class, built from a tiny config, reads what process_sample gives."""
+    _needs_torchvision(family)
     path = TEMPLATES / f"{family}.jinja"  # Qwen3-VL: vlm-pack's own Qwen format
     template = path.read_text() if path.exists() else None
     tok = offline.build_tokenizer(family)

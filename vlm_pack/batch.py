@@ -137,7 +137,8 @@ class PackedBatch:
       space; the ``*_expanded`` ones always in expanded space (the same tensors in the expanded layout).
     - ``sample_index`` ``[N]``: the input index of each packed sample; ``row_of_sample`` ``[N]``: its row.
     - vision tensors in packed order, joined as the family's model reads them (``vision_inputs.py``:
-      ``pixel_values``, Idefics3's ``pixel_attention_mask``, ``image_sizes``, OneVision's per-sample
+      ``pixel_values``, Idefics3's and LFM2-VL's ``pixel_attention_mask``, ``image_sizes``, LFM2-VL's
+      ``spatial_shapes``, OneVision's per-sample
       ``batch_num_images`` ...); ``mm_token_type_ids`` shaped like ``input_ids``; ``tokens_per_image``
       ``[num_images]`` embeddings per image; ``sliding_window``: the text config's (Gemma 3's masks).
     - ``extra``: other per-sample tensors (concatenated along dim 0, or packed like ``input_ids`` when
@@ -168,6 +169,7 @@ class PackedBatch:
     pixel_attention_mask: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     image_sizes: torch.Tensor | None = None
+    spatial_shapes: torch.Tensor | None = None
     batch_num_images: torch.Tensor | None = None
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None

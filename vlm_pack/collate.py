@@ -77,7 +77,7 @@ from .labels import IGNORE_INDEX
 from .packing.bins import round_up
 from .positions import MRopeOptions, is_mrope_family, packed_position_ids
 from .remap import remap_cu_seqlens_padded
-from .vision_inputs import join_vision
+from .vision_inputs import check_patch_rows, join_vision
 
 __all__ = [
     "HF_STYLES",
@@ -311,6 +311,7 @@ class PackingCollator:
         if types is None and self.mrope:
             types = is_image.long() + 2 * is_video.long()
         vision, token_extra, other_extra, metadata = _split_fields(sample, tokens)
+        check_patch_rows(vision, name)
         if not self.mrope and ("image_grid_thw" in vision or "video_grid_thw" in vision):
             raise ValueError(
                 f"{name} has image_grid_thw/video_grid_thw (a Qwen-VL sample) but the collator's family is "

@@ -205,6 +205,17 @@ _RECORDS = (
         wraps="processor_markers",
         collapsed=False,
     ),
+    # LiquidAI/LFM2-VL-1.6B (transformers >= 5.0: Lfm2VlImageProcessor, a torchvision class); its text model
+    # LFM2 mixes tokens in short-convolution layers besides attention
+    Family(
+        "lfm2_vl",
+        ("LFM2-VL",),
+        vision=_rule("tiles.Lfm2VlSpec"),
+        image_token="<image>",
+        wraps="processor_markers",
+        collapsed=False,
+        token_mixers=("short_conv",),
+    ),
     # google/gemma-3-4b-it (the template writes <start_of_image>, which the processor expands)
     Family("gemma3", vision=_rule("tiles.Gemma3Spec"), wraps="processor_text", two_way_images=True),
     # mistralai/Mistral-Small-3.1-24B-Instruct-2503: a Pixtral tower (vision_spec_from_processor reads it)

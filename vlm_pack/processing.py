@@ -212,55 +212,42 @@ def _collapsed_ids(
     return ids, mask
 
 
-# Per tokenizer: (vocabulary size, image / fake / global tokens, cols, rows) -> the text tokens of one Idefics3 /
-# SmolVLM image expansion besides its <image> tokens. Weak keys: a cache never keeps a tokenizer alive.
-_IDEFICS3_EXTRAS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], int]] = weakref.WeakKeyDictionary()
+# Per tokenizer: (vocabulary size, one image's expansion text) -> the marker tokens of that expansion besides
+# its image tokens. Weak keys: a cache never keeps a tokenizer alive.
+_MARKER_EXTRAS: weakref.WeakKeyDictionary[Any, dict[tuple[int, str], int]] = weakref.WeakKeyDictionary()
 
 
-def _idefics3_prompt(cols: int, rows: int, image: str, fake: str, global_tag: str) -> str:
-    """The processor's expansion of one image (``get_image_prompt_string``) with one ``image`` per crop."""
-    tail = f"{fake}{global_tag}{image}{fake}"
-    if rows == 0 and cols == 0:
-        return tail
-    crops = (
-        "".join(f"{fake}<row_{r}_col_{c}>{image}" for c in range(1, cols + 1)) for r in range(1, rows + 1)
-    )
-    return "".join(row + "\n" for row in crops) + "\n" + tail
+def _marker_extra_tokens(spec: Any, tokenizer: Any, processor: Any, width: int, height: int) -> int:
+    """Tokens of one image's expansion besides its image tokens, for a family whose processor writes tile
+    markers between its crops (Idefics3 / SmolVLM ``<row_r_col_c>``, LFM2-VL ``<|img_row_r_col_c|>``), counted
+    through the tokenizer once per expansion (``spec.marker_prompt``: one image token per crop).
 
-
-def _idefics3_extra_tokens(tokenizer: Any, processor: Any, cols: int, rows: int) -> int:
-    """Tokens of an Idefics3 / SmolVLM image's expansion besides its ``<image>`` tokens, counted through the
-    tokenizer once per grid shape (``(0, 0)``: a single crop).
-
-    The released tokenizers hold every ``<row_r_col_c>`` marker as one added token; a tokenizer without them
-    splits each into several, and only the tokenizer knows into how many. The expansion starts and ends with
-    ``<fake_token_around_image>``, so tokenized alone it gives the tokens it has inside any prompt.
+    The released tokenizers hold every marker as one added token; a tokenizer without them splits each into
+    several, and only the tokenizer knows into how many. The expansion opens and closes with special tokens,
+    so tokenized alone it gives the tokens it has inside any prompt.
     """
 
     def named(attr: str, default: str) -> str:
-        # Idefics3Processor fixes these; SmolVLMProcessor reads them from the tokenizer
+        # processors fix some names (Idefics3Processor's), others read them from the tokenizer
         return str(getattr(processor, attr, None) or getattr(tokenizer, attr, None) or default)
 
-    image = named("image_token", IMAGE_MARKER)
-    fake = named("fake_image_token", "<fake_token_around_image>")
-    global_tag = str(
-        getattr(processor, "global_image_tag", None) or named("global_image_token", "<global-img>")
-    )
-    key = (len(tokenizer), image, fake, global_tag, cols, rows)
+    prompt = spec.marker_prompt(width, height, named)
+    key = (len(tokenizer), prompt.text)
     try:
-        cache = _IDEFICS3_EXTRAS.setdefault(tokenizer, {})
+        cache = _MARKER_EXTRAS.setdefault(tokenizer, {})
     except TypeError:  # a tokenizer that cannot be weakly referenced: counted every time
         cache = {}
     if key not in cache:
-        text = _idefics3_prompt(cols, rows, image, fake, global_tag)
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        crops = cols * rows + 1
-        fake_id, image_id = (tokenizer.convert_tokens_to_ids(t) for t in (fake, image))
-        if not ids or ids[0] != fake_id or ids[-1] != fake_id or ids.count(image_id) != crops:
+        ids = list(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
+        first, last = (tokenizer.convert_tokens_to_ids(t) for t in prompt.edges)
+        crops = prompt.text.count(prompt.image)
+        image_id = tokenizer.convert_tokens_to_ids(prompt.image)
+        if not ids or ids[0] != first or ids[-1] != last or ids.count(image_id) != crops:
+            kept = list(dict.fromkeys([*prompt.edges, prompt.image]))
             raise ValueError(
-                f"the tokenizer must keep {fake!r} and {image!r} as one special token each (the processor "
-                f"wraps every image in them): add them with tokenizer.add_special_tokens"
-                f"({{'additional_special_tokens': [{fake!r}, {image!r}]}})"
+                f"the tokenizer must keep {', '.join(map(repr, kept))} as one special token each (the "
+                f"processor wraps every image in them): add them with tokenizer.add_special_tokens"
+                f"({{'additional_special_tokens': {kept!r}}})"
             )
         cache[key] = len(ids) - crops
     return cache[key]
@@ -280,11 +267,10 @@ def _processor_wraps(spec: Any) -> bool:
 
 
 def _image_extra_tokens(spec: Any, tokenizer: Any, processor: Any, width: int, height: int) -> int:
-    """Non-placeholder tokens one image adds: ``spec.extra_tokens``, except that Idefics3 / SmolVLM crop
-    markers are counted through ``tokenizer`` (the spec assumes each is one token)."""
+    """Non-placeholder tokens one image adds: ``spec.extra_tokens``, except that tile markers (Idefics3 /
+    SmolVLM, LFM2-VL) are counted through ``tokenizer`` (the spec assumes each is one token)."""
     if _wraps(spec) == "processor_markers":
-        cols, rows = spec.tile_grid(width, height)
-        return _idefics3_extra_tokens(tokenizer, processor, cols, rows)
+        return _marker_extra_tokens(spec, tokenizer, processor, width, height)
     return int(spec.extra_tokens(width, height))
 
 

@@ -14,6 +14,12 @@ the *shape* each model wants the images of several samples in::
                                  pixel_attention_mask [1, N_i, H, W]   cat dim 1: [1, sum N_i, H, W]
     Mistral3 / Pixtral tower     pixel_values [n_i, C, H_i, W_i]       zero-pad H, W to the max, cat dim 0
                                  image_sizes [n_i, 2]                  cat dim 0 (the tower crops each image)
+    LFM2-VL (SigLIP2-NaFlex)     pixel_values [N_i, P_i, D]            zero-pad P to the max, cat dim 0
+                                 pixel_attention_mask [N_i, P_i]       zero-pad P (padding), cat dim 0
+                                 spatial_shapes [N_i, 2]               cat dim 0 (patch rows, cols per crop)
+
+(``N_i``: crops, tiles and thumbnails of sample ``i``'s images in order; NaFlex pads each crop's patches to
+the processor's ``max_num_patches``, and the tower reads only the ``spatial_shapes`` patches the mask keeps.)
 
 OneVision's ``batch_num_images`` must stay per sample: one sample with several images skips the anyres
 tiling of each image, a sample with one image keeps it. Summing a row into one entry switches every image
@@ -29,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["VISION_KEYS", "join_vision"]
+__all__ = ["VISION_KEYS", "check_patch_rows", "join_vision"]
 
 #: Vision tensors the HF models take, joined across samples by :func:`join_vision` in packed order.
 VISION_KEYS = (
@@ -37,6 +43,7 @@ VISION_KEYS = (
     "pixel_attention_mask",
     "image_grid_thw",
     "image_sizes",
+    "spatial_shapes",
     "batch_num_images",
     "pixel_values_videos",
     "video_grid_thw",
@@ -114,7 +121,9 @@ def _pad_to(parts: list[torch.Tensor], dims: Sequence[int]) -> list[torch.Tensor
     return out
 
 
-def _join_pixel_values(parts: list[torch.Tensor], crops_flat: bool) -> torch.Tensor:
+def _join_pixel_values(parts: list[torch.Tensor], crops_flat: bool, patch_rows: bool) -> torch.Tensor:
+    if patch_rows:  # LFM2-VL: [N_i, P_i, D] crops of patch rows, each padded to P_i
+        return _cat(_pad_to(parts, (1,)))
     if all(p.dim() == 3 for p in parts):
         parts = [p[None] for p in parts]  # single [C, H, W] images
     if crops_flat:  # Idefics3 / SmolVLM: [1, N_i, C, H, W] -> [1, sum N_i, C, H, W]
@@ -126,6 +135,25 @@ def _join_pixel_values(parts: list[torch.Tensor], crops_flat: bool) -> torch.Ten
     return _cat(parts)
 
 
+def check_patch_rows(vision: dict[str, torch.Tensor], name: str) -> None:
+    """ValueError naming ``name`` when a sample's NaFlex crops (LFM2-VL: ``pixel_values`` [N, P, D] with a
+    ``pixel_attention_mask`` [N, P]) and its mask disagree on P.
+
+    transformers' ``Lfm2VlImageProcessor`` (5.24) pads every crop's patches to ``max_num_patches`` but does not
+    cut them: an image of extreme aspect ratio whose smart-resized size holds more patches (e.g. 10000x20: 1428
+    > 1024) gets a mask shorter than its patches, which the vision tower cannot read, alone as packed.
+    """
+    pixels, mask = vision.get("pixel_values"), vision.get("pixel_attention_mask")
+    if pixels is None or mask is None or mask.dim() != 2:
+        return
+    if pixels.dim() != 3 or pixels.shape[:2] != mask.shape:
+        raise ValueError(
+            f"{name}: pixel_values {tuple(pixels.shape)} and pixel_attention_mask {tuple(mask.shape)} disagree "
+            "(an image whose resized size holds more patches than the image processor's max_num_patches: "
+            "extreme aspect ratios); crop or pad the image nearer to square, or drop the sample"
+        )
+
+
 def join_vision(per_sample: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The vision tensors of ``per_sample`` (dicts in packed order) joined for one model call.
 
@@ -134,15 +162,22 @@ def join_vision(per_sample: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
     different image processors).
     """
     out: dict[str, torch.Tensor] = {}
-    # Idefics3 / SmolVLM carry a per-crop pixel mask: their crops join along the crop axis.
-    crops_flat = any("pixel_attention_mask" in s for s in per_sample)
+    masks = [s["pixel_attention_mask"] for s in per_sample if "pixel_attention_mask" in s]
+    # Idefics3 / SmolVLM carry a per-crop pixel mask [1, N, H, W]: their crops join along the crop axis;
+    # LFM2-VL a per-crop patch mask [N, P]: its crops join along dim 0 as they come
+    crops_flat = any(m.dim() == 4 for m in masks)
+    patch_rows = any(m.dim() == 2 for m in masks)
+    if crops_flat and patch_rows:
+        raise ValueError("cannot join 'pixel_attention_mask' of two model families (pixel and patch masks)")
     for key in VISION_KEYS:
         parts = [s[key] for s in per_sample if key in s]
         if not parts:
             continue
         try:
             if key == "pixel_values":
-                out[key] = _join_pixel_values(parts, crops_flat)
+                out[key] = _join_pixel_values(parts, crops_flat, patch_rows)
+            elif key == "pixel_attention_mask" and patch_rows:
+                out[key] = _cat(_pad_to(parts, (1,)))
             elif key == "pixel_attention_mask":
                 out[key] = _cat(_pad_to(parts, (2, 3)), 1)
             else:

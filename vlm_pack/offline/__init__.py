@@ -7,8 +7,8 @@ builds, from nothing but installed packages, for every family in :data:`FAMILIES
   carrying the family's special tokens (``<|image_pad|>`` for Qwen, ``<image>`` for LLaVA, ``<IMG_CONTEXT>``
   for InternVL, ``<start_of_image>`` for Gemma 3, ``[IMG]`` for Mistral 3 ...) so that chat templates and
   placeholder expansion work as with the released tokenizer;
-- ``image_processor(family, **overrides)``: the real Hugging Face PIL image processor constructed with the
-  released checkpoint's parameters (constructor defaults differ from checkpoints: Qwen2-VL's default
+- ``image_processor(family, **overrides)``: the real Hugging Face PIL image processor (for the families of
+  :data:`NEEDS_TORCHVISION`, LFM2-VL, its torchvision one) constructed with the released checkpoint's parameters (constructor defaults differ from checkpoints: Qwen2-VL's default
   ``max_pixels`` is 1003520, the checkpoint's 12845056);
 - ``processor(family, tokenizer, chat_template=...)``: the family's real HF processor class around both
   (built without a video processor, which needs torchvision);
@@ -22,11 +22,12 @@ takes those objects unchanged.
 from __future__ import annotations
 
 from .models import tiny_model, tiny_model_config
-from .processors import image_processor, processor
+from .processors import NEEDS_TORCHVISION, image_processor, processor
 from .tokenizers import FAMILIES, _tokenizer_json, build_tokenizer
 
 __all__ = [
     "FAMILIES",
+    "NEEDS_TORCHVISION",
     "build_tokenizer",
     "image_processor",
     "processor",

@@ -117,12 +117,23 @@ def _family_parts(family: str, d: _Dims, text: dict[str, Any], ids: Any, tok: An
         out = dict(vision_config=d.vision_tower("siglip_vision_model", image_size=896, patch_size=14))
         out.update(mm_tokens_per_image=256, image_token_index=tok.image_token_id)
         return dict(out, boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id)
+    if family == "lfm2_vl":  # SigLIP2-NaFlex 16 px patches, unshuffled 2 x 2; LFM2 text: short convs + attention
+        text.update(model_type="lfm2", layer_types=_lfm2_layer_types(d.layers))
+        vision = d.vision_tower("siglip2_vision_model", patch_size=16, num_patches=256, vision_use_head=False)
+        out = dict(vision_config=vision, image_token_id=ids("<image>"), downsample_factor=2)
+        return dict(out, projector_hidden_size=2 * d.hidden)
     # mistral3: Pixtral tower, 14 px patches merged 2 x 2
     text["model_type"] = "mistral"
     vision = d.vision_tower("pixtral", image_size=1540, patch_size=14, head_dim=d.vision // 2)
     return dict(
         vision_config=vision, image_token_index=ids("[IMG]"), spatial_merge_size=2, vision_feature_layer=-1
     )
+
+
+def _lfm2_layer_types(layers: int) -> list[str]:
+    """A short convolution first (so a packed row's earlier sample would reach every later layer through it),
+    then attention and convolutions alternating, as LFM2's released configs mix them."""
+    return ["conv" if i % 2 == 0 else "full_attention" for i in range(layers)]
 
 
 def tiny_model_config(

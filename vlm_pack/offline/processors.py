@@ -99,6 +99,14 @@ _IMAGE_PROCESSOR_PARAMS: dict[str, dict[str, Any]] = {
     "gemma3": dict(
         cls="Gemma3ImageProcessorPil", size={"height": 896, "width": 896}, image_mean=_HALF, image_std=_HALF
     ),
+    # LiquidAI/LFM2-VL-1.6B: the image processor's defaults (512 px tiles, 2..10 of them, 64..256 tokens per
+    # image); transformers has it only as a torchvision class
+    "lfm2_vl": dict(
+        cls="Lfm2VlImageProcessor",
+        torchvision=True,
+        image_mean=_HALF,
+        image_std=_HALF,
+    ),
     # mistralai/Mistral-Small-3.1-24B-Instruct-2503 (Pixtral tower: 14 px patches merged 2x2)
     "mistral3": dict(
         cls="PixtralImageProcessorPil",
@@ -133,7 +141,24 @@ _PROCESSOR_PARAMS: dict[str, tuple[str, dict[str, Any]]] = {
     "smolvlm": ("SmolVLMProcessor", dict(image_seq_len=81)),
     "gemma3": ("Gemma3Processor", dict(image_seq_length=256)),
     "mistral3": ("PixtralProcessor", dict(patch_size=14, spatial_merge_size=2)),
+    "lfm2_vl": ("Lfm2VlProcessor", {}),
 }
+
+#: Families whose image processor transformers has only as a torchvision class.
+NEEDS_TORCHVISION = tuple(f for f, params in _IMAGE_PROCESSOR_PARAMS.items() if params.get("torchvision"))
+
+
+def _torchvision_image_processor_class(name: str, family: str) -> type:
+    """``transformers.<name>``, or an ImportError naming the fix where torchvision does not load."""
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    if cls is None or type(cls).__name__ == "DummyObject":  # transformers' stand-in for a missing backend
+        raise ImportError(
+            f"{family}: transformers {transformers.__version__} has its image processor {name} only as a "
+            "torchvision class, and torchvision does not load here: pip install torchvision (matching torch)."
+        )
+    return cls
 
 
 def image_processor(family: str = "qwen2_vl", **overrides: Any) -> Any:
@@ -144,9 +169,12 @@ def image_processor(family: str = "qwen2_vl", **overrides: Any) -> Any:
     """
 
     family_tokens(family)  # validates the name
-    params = {k: v for k, v in _IMAGE_PROCESSOR_PARAMS[family].items() if k != "cls"}
+    params = {k: v for k, v in _IMAGE_PROCESSOR_PARAMS[family].items() if k not in ("cls", "torchvision")}
     params.update(overrides)
-    return pil_image_processor_class(_IMAGE_PROCESSOR_PARAMS[family]["cls"])(**params)
+    name = _IMAGE_PROCESSOR_PARAMS[family]["cls"]
+    if family in NEEDS_TORCHVISION:
+        return _torchvision_image_processor_class(name, family)(**params)
+    return pil_image_processor_class(name)(**params)
 
 
 @functools.cache

@@ -121,6 +121,25 @@ _FAMILY_TOKENS: dict[str, dict[str, Any]] = {
             "[IMG_END]",
         ],
     ),
+    # LiquidAI/LFM2-VL-1.6B (LFM2 vocabulary: image start / end, thumbnail and tile markers as added tokens)
+    "lfm2_vl": dict(
+        core=dict(bos_token="<|startoftext|>", eos_token="<|im_end|>", pad_token="<|pad|>"),
+        roles=dict(
+            image_token="<image>",
+            image_start_token="<|image_start|>",
+            image_end_token="<|image_end|>",
+            image_thumbnail="<|img_thumbnail|>",
+        ),
+        extra=[
+            "<|startoftext|>",
+            "<|pad|>",
+            "<|image_start|>",
+            "<|image_end|>",
+            "<|img_thumbnail|>",
+            # every grid of at most max_tiles=10 tiles
+            *(f"<|img_row_{r}_col_{c}|>" for r in range(1, 11) for c in range(1, 11) if r * c <= 10),
+        ],
+    ),
     # zai-org/GLM-4.1V-9B-Thinking
     "glm4v": dict(
         core=dict(pad_token="<|endoftext|>", eos_token="<|endoftext|>"),

@@ -39,7 +39,7 @@ Where things live (one file per rule; every name below is importable from ``vlm_
 - ``spec.py``: :class:`VisionSpec`, the contract every family meets, and the size checks;
 - ``smart_resize.py``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.1V (``smart_resize``; images and videos);
 - ``anyres.py``: LLaVA-1.5 (fixed crop), LLaVA-NeXT and LLaVA-OneVision (anyres pinpoints);
-- ``tiles.py``: InternVL, Idefics3 / SmolVLM, Gemma 3 (fixed-size tiles and crops);
+- ``tiles.py``: InternVL, Idefics3 / SmolVLM, Gemma 3, LFM2-VL (fixed-size tiles and crops);
 - ``pixtral.py``: Pixtral (patches with row breaks);
 - ``megatron.py``: Megatron-LM / NeMo LLaVA (fixed embeddings per tile);
 - ``families.py``: :func:`vision_spec`, a family's spec by name (which rule each family has: ``vlm_pack.families``);
@@ -57,7 +57,7 @@ from .megatron import MegatronSpec
 from .pixtral import PixtralSpec
 from .smart_resize import Glm4vSpec, Qwen2VLSpec, Qwen3VLSpec, smart_resize
 from .spec import VisionSpec
-from .tiles import Gemma3Spec, Idefics3Spec, InternVLSpec
+from .tiles import Gemma3Spec, Idefics3Spec, InternVLSpec, Lfm2VlSpec
 
 __all__ = [
     "Gemma3Spec",
@@ -65,6 +65,7 @@ __all__ = [
     "Idefics3Spec",
     "ImageSource",
     "InternVLSpec",
+    "Lfm2VlSpec",
     "LlavaNextSpec",
     "LlavaOnevisionSpec",
     "LlavaSpec",

@@ -15,7 +15,7 @@ from .families import vision_spec
 from .pixtral import PixtralSpec
 from .smart_resize import Glm4vSpec, Qwen2VLSpec, Qwen3VLSpec
 from .spec import VisionSpec
-from .tiles import Gemma3Spec, Idefics3Spec, InternVLSpec
+from .tiles import Gemma3Spec, Idefics3Spec, InternVLSpec, Lfm2VlSpec
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -80,6 +80,7 @@ _SUPPORTED_PROCESSORS = (
     "Idefics3ImageProcessor[Pil] (Idefics3Processor)",
     "SmolVLMImageProcessor[Pil] (SmolVLMProcessor)",
     "Gemma3ImageProcessor[Pil] (Gemma3Processor)",
+    "Lfm2VlImageProcessor (Lfm2VlProcessor; torchvision)",
     "PixtralImageProcessor[Pil] (PixtralProcessor)",
 )
 
@@ -184,6 +185,28 @@ def _read_idefics3(src: _Source) -> VisionSpec:
     return Idefics3Spec(**kwargs)
 
 
+_LFM2_VL_FIELDS = (
+    "encoder_patch_size",
+    "downsample_factor",
+    "min_image_tokens",
+    "max_image_tokens",
+    "do_image_splitting",
+    "min_tiles",
+    "max_tiles",
+    "tile_size",
+    "use_thumbnail",
+    "max_pixels_tolerance",
+)
+
+
+def _read_lfm2_vl(src: _Source) -> VisionSpec:
+    kwargs: dict[str, Any] = {name: _get(src.ip, name) for name in _LFM2_VL_FIELDS}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if src.processor is not None:
+        kwargs["use_image_special_tokens"] = bool(_get(src.processor, "use_image_special_tokens", True))
+    return Lfm2VlSpec(**kwargs)
+
+
 _PAN_AND_SCAN = (
     "do_pan_and_scan",
     "pan_and_scan_min_crop_size",
@@ -237,6 +260,7 @@ _READERS: dict[str, Callable[[_Source], VisionSpec]] = {
     "SmolVLMImageProcessor": _read_idefics3,
     "Gemma3ImageProcessor": _read_gemma3,
     "PixtralImageProcessor": _read_pixtral,
+    "Lfm2VlImageProcessor": _read_lfm2_vl,
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -28,6 +28,20 @@ def _check_size(family: str, width: Any, height: Any) -> tuple[int, int]:
         checked_count(width, f"{family}: image width", _PIXELS_FIX),
         checked_count(height, f"{family}: image height", _PIXELS_FIX),
     )
+
+
+class MarkerPrompt(NamedTuple):
+    """A processor's expansion of one image written with ONE image token per crop (``text``), for families whose
+    processor writes tile markers between the crops (``wraps="processor_markers"``): tokenized, it gives the
+    marker tokens the image adds besides its image tokens, for any tokenizer.
+
+    ``image``: the image token written in ``text``; ``edges``: the special tokens opening and closing ``text``,
+    which the tokenizer must keep whole (then the expansion tokenizes alone as it does inside a prompt).
+    """
+
+    text: str
+    image: str
+    edges: tuple[str, str]
 
 
 class VisionSpec(abc.ABC):

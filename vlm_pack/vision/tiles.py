@@ -1,4 +1,4 @@
-"""Fixed-size tiles and crops: InternVL 2 / 2.5 / 3, Idefics3 / SmolVLM and Gemma 3.
+"""Fixed-size tiles and crops: InternVL 2 / 2.5 / 3, Idefics3 / SmolVLM, Gemma 3 and LFM2-VL.
 
 Every tile the vision encoder sees becomes a fixed number of tokens, so the forecast is the tile count
 times that number; the families differ in how they choose the tiling::
@@ -13,16 +13,18 @@ times that number; the families differ in how they choose the tiling::
         +-----+-----+-----+-----+
 
 InternVL picks the grid whose aspect ratio is closest to the image's; Idefics3 / SmolVLM resize the longest
-side and cut whole ``max_image_size`` crops; Gemma 3 has one crop plus optional pan-and-scan crops.
+side and cut whole ``max_image_size`` crops; Gemma 3 has one crop plus optional pan-and-scan crops; LFM2-VL
+cuts only large images, into InternVL's closest grid of 512 px tiles, and keeps small ones whole.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .spec import VisionSpec, _check_size
+from .spec import MarkerPrompt, VisionSpec, _check_size
 
 
 def _tile_arrangements(min_tiles: int, max_tiles: int) -> tuple[tuple[int, int], ...]:
@@ -216,11 +218,27 @@ class Idefics3Spec(VisionSpec):
     def extra_tokens(self, width: int, height: int) -> int:
         """Tile markers and newlines around the ``<image>`` tokens, each ``<row_r_col_c>`` marker one token (as
         in the released tokenizers, which hold them as added tokens). The forecasts with a tokenizer count the
-        markers through it instead (``processing._idefics3_extra_tokens``), exact for any tokenizer."""
+        markers through it instead (:meth:`marker_prompt`), exact for any tokenizer."""
         cols, rows = self.tile_grid(width, height)
         if rows == 0:
             return self.wrapper_tokens
         return self.wrapper_tokens + rows * (2 * cols + 1) + (self.newline_pair_tokens - 1)
+
+    def marker_prompt(self, width: int, height: int, named: Callable[[str, str], str]) -> MarkerPrompt:
+        """``get_image_prompt_string`` of one image with ONE ``<image>`` per crop; ``named(attr, default)``
+        reads the processor's (else the tokenizer's) token names."""
+        cols, rows = self.tile_grid(width, height)
+        image = named("image_token", "<image>")
+        fake = named("fake_image_token", "<fake_token_around_image>")
+        # Idefics3Processor names it global_image_tag, SmolVLM's tokenizer global_image_token
+        global_tag = named("global_image_tag", named("global_image_token", "<global-img>"))
+        tail = f"{fake}{global_tag}{image}{fake}"
+        if rows == 0 and cols == 0:
+            return MarkerPrompt(tail, image, (fake, fake))
+        crops = (
+            "".join(f"{fake}<row_{r}_col_{c}>{image}" for c in range(1, cols + 1)) for r in range(1, rows + 1)
+        )
+        return MarkerPrompt("".join(row + "\n" for row in crops) + "\n" + tail, image, (fake, fake))
 
 
 @dataclass(frozen=True)
@@ -292,3 +310,197 @@ class Gemma3Spec(VisionSpec):
     def extra_tokens(self, width: int, height: int) -> int:
         """``<start_of_image>``/``<end_of_image>`` per crop (the surrounding text must be tokenized)."""
         return self.wrapper_tokens * self.tiles(width, height)
+
+
+def _round_by_factor(number: float, factor: int) -> int:
+    """``round_by_factor``: the nearest multiple of ``factor`` (Python's ``round``: halves to even)."""
+    return round(number / factor) * factor
+
+
+@dataclass(frozen=True)
+class Lfm2VlSpec(VisionSpec):
+    """LFM2-VL (``Lfm2VlImageProcessor``, ``Lfm2VlProcessor``): SigLIP2-NaFlex patches of ``encoder_patch_size``
+    pixels, pixel-unshuffled ``downsample_factor`` x ``downsample_factor`` into one token each.
+
+    An image is first smart-resized (both sides multiples of 32 px; between ``min_image_tokens`` and
+    ``max_image_tokens`` tokens). One whose sides, rounded to 32 px, hold more than ``max_pixels_tolerance``
+    times ``max_image_tokens`` tokens' pixels is *large*: it is resized to the grid of ``tile_size`` tiles
+    (``min_tiles..max_tiles``) whose aspect ratio is closest to its own, each tile ``(512/16/2)**2 = 256``
+    tokens, and its smart-resized self becomes the thumbnail::
+
+        1400x900 (large): grid 3 x 2 tiles of 512 px     <|image_start|>
+            +-----+-----+-----+                             <|img_row_1_col_1|> <image> x 256
+            | 1,1 | 1,2 | 1,3 |                             ...  (row by row, left to right)
+            +-----+-----+-----+   + thumbnail 608x384       <|img_row_2_col_3|> <image> x 256
+            | 2,1 | 2,2 | 2,3 |     = 19 x 12 = 228 tokens  <|img_thumbnail|> <image> x 228
+            +-----+-----+-----+                           <|image_end|>
+        num_tokens = 6 * 256 + 228 = 1764; extra_tokens = 2 + 6 + 1 = 9
+
+    A small image is its smart-resized self alone, ``ceil(h/32) * ceil(w/32)`` tokens inside
+    ``<|image_start|>...<|image_end|>``. The forecast with a tokenizer counts the markers through it
+    (:meth:`marker_prompt`); ``extra_tokens`` assumes each marker is one token, as in the released tokenizer.
+    """
+
+    family: ClassVar[str] = "lfm2_vl"
+
+    encoder_patch_size: int = 16
+    """Side of a SigLIP2 patch in pixels (``encoder_patch_size``)."""
+    downsample_factor: int = 2
+    """Pixel-unshuffle factor: ``downsample_factor**2`` patches make one token (``downsample_factor``)."""
+    min_image_tokens: int = 64
+    """Fewest tokens of a smart-resized image: smaller images are scaled up (``min_image_tokens``)."""
+    max_image_tokens: int = 256
+    """Most tokens of a smart-resized image or thumbnail (``max_image_tokens``)."""
+    do_image_splitting: bool = True
+    """Cut large images into tiles; off, every image is smart-resized alone (``do_image_splitting``)."""
+    min_tiles: int = 2
+    """Fewest tiles of a large image's grid (``min_tiles``)."""
+    max_tiles: int = 10
+    """Most tiles of a large image's grid, thumbnail not counted (``max_tiles``)."""
+    tile_size: int = 512
+    """Side of a square tile in pixels (``tile_size``)."""
+    use_thumbnail: bool = True
+    """Add the smart-resized image after a grid of more than one tile (``use_thumbnail``)."""
+    max_pixels_tolerance: float = 2.0
+    """An image is large when its 32 px-rounded area exceeds this many times the pixels of
+    ``max_image_tokens`` tokens (``max_pixels_tolerance``)."""
+    use_image_special_tokens: bool = True
+    """The processor writes ``<|image_start|>``, ``<|image_end|>``, tile and thumbnail markers
+    (``Lfm2VlProcessor.use_image_special_tokens``); off, only the ``<image>`` tokens."""
+
+    def __post_init__(self) -> None:
+        self._check_positive(
+            "encoder_patch_size", "downsample_factor", "min_image_tokens", "max_image_tokens", "min_tiles"
+        )
+        self._check_positive("max_tiles", "tile_size")
+        if self.splits and self.min_tiles > self.max_tiles:
+            raise ValueError(f"lfm2_vl: min_tiles {self.min_tiles} must be <= max_tiles {self.max_tiles}.")
+
+    @property
+    def splits(self) -> bool:
+        """Large images are cut into tiles (``resize_and_split``: not when ``min_tiles == max_tiles == 1``)."""
+        return self.do_image_splitting and not (self.min_tiles == self.max_tiles == 1)
+
+    @property
+    def _factor(self) -> int:
+        return self.encoder_patch_size * self.downsample_factor
+
+    def resized_size(self, width: int, height: int) -> tuple[int, int]:
+        """``(width, height)`` after ``smart_resize``: the single image, or a large image's thumbnail."""
+        width, height = _check_size(self.family, width, height)
+        f = self._factor
+        unit = self.encoder_patch_size**2 * self.downsample_factor**2
+        min_pixels, max_pixels = self.min_image_tokens * unit, self.max_image_tokens * unit
+        h_bar = max(f, _round_by_factor(height, f))
+        w_bar = max(f, _round_by_factor(width, f))
+        if h_bar * w_bar > max_pixels:
+            beta = math.sqrt((height * width) / max_pixels)
+            h_bar = max(f, math.floor(height / beta / f) * f)
+            w_bar = max(f, math.floor(width / beta / f) * f)
+        elif h_bar * w_bar < min_pixels:
+            beta = math.sqrt(min_pixels / (height * width))
+            h_bar = math.ceil(height * beta / f) * f
+            w_bar = math.ceil(width * beta / f) * f
+        return w_bar, h_bar
+
+    def is_large(self, width: int, height: int) -> bool:
+        """``_is_image_too_large``: the rounded area exceeds ``max_pixels_tolerance`` x the token budget's."""
+        width, height = _check_size(self.family, width, height)
+        f, p = self._factor, self.encoder_patch_size
+        h_bar = max(p, _round_by_factor(height, f))
+        w_bar = max(p, _round_by_factor(width, f))
+        budget = self.max_image_tokens * p**2 * self.downsample_factor**2 * self.max_pixels_tolerance
+        return h_bar * w_bar > budget
+
+    def tile_grid(self, width: int, height: int) -> tuple[int, int]:
+        """``(columns, rows)`` of tiles; ``(1, 1)`` for an image processed whole."""
+        if not (self.splits and self.is_large(width, height)):
+            return 1, 1
+        ratios = sorted(
+            {
+                (w, h)
+                for n in range(self.min_tiles, self.max_tiles + 1)
+                for w in range(1, n + 1)
+                for h in range(1, n + 1)
+                if self.min_tiles <= w * h <= self.max_tiles
+            },
+            key=lambda r: r[0] * r[1],
+        )
+        # find_closest_aspect_ratio; sorted() of a set: the processor's own order, so its ties break alike
+        best_diff, best = float("inf"), (1, 1)
+        for cols, rows in ratios:
+            diff = abs(width / height - cols / rows)
+            if diff < best_diff:
+                best_diff, best = diff, (cols, rows)
+            elif diff == best_diff and width * height > 0.5 * self.tile_size**2 * cols * rows:
+                best = (cols, rows)
+        return best
+
+    def _multi_tile(self, cols: int, rows: int) -> bool:
+        return cols > 1 or rows > 1
+
+    def _thumbnail_tokens(self, width: int, height: int) -> int:
+        """``_compute_tokens_for_image`` of the smart-resized size."""
+        w, h = self.resized_size(width, height)
+        p, d = self.encoder_patch_size, self.downsample_factor
+        return math.ceil((h // p) / d) * math.ceil((w // p) / d)
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """``_compute_tokens_per_tile``: 256 for 512 px tiles of 16 px patches unshuffled 2 x 2."""
+        return math.ceil((self.tile_size // self.encoder_patch_size) / self.downsample_factor) ** 2
+
+    def tiles(self, width: int, height: int) -> int:
+        cols, rows = self.tile_grid(width, height)
+        if cols * rows == 1:
+            return 1
+        return cols * rows + int(self.use_thumbnail)
+
+    def num_tokens(self, width: int, height: int) -> int:
+        cols, rows = self.tile_grid(width, height)
+        thumbnail = self._thumbnail_tokens(width, height)
+        # The processor counts a 1 x 1 grid (min_tiles=1) as the smart-resized image, as written here.
+        if not self._multi_tile(cols, rows):
+            return thumbnail
+        return cols * rows * self.tokens_per_tile + (thumbnail if self.use_thumbnail else 0)
+
+    def num_patches(self, width: int, height: int) -> int:
+        """SigLIP2 patches before unshuffling (padding to the processor's ``max_num_patches`` not counted)."""
+        cols, rows = self.tile_grid(width, height)
+        w, h = self.resized_size(width, height)
+        p = self.encoder_patch_size
+        whole = (h // p) * (w // p)
+        tile = (self.tile_size // p) ** 2
+        if self._multi_tile(cols, rows):
+            return cols * rows * tile + (whole if self.use_thumbnail else 0)
+        # a large image's 1 x 1 grid (min_tiles=1) is one tile-sized crop
+        return tile if self.splits and self.is_large(width, height) else whole
+
+    @property
+    def wrapper_tokens(self) -> int:  # type: ignore[override]
+        """``<|image_start|>`` and ``<|image_end|>`` (none without the image special tokens)."""
+        return 2 if self.use_image_special_tokens else 0
+
+    def extra_tokens(self, width: int, height: int) -> int:
+        """Start / end, one ``<|img_row_r_col_c|>`` per tile and ``<|img_thumbnail|>``, each one token."""
+        cols, rows = self.tile_grid(width, height)
+        if not self.use_image_special_tokens or not self._multi_tile(cols, rows):
+            return self.wrapper_tokens
+        return self.wrapper_tokens + cols * rows + int(self.use_thumbnail)
+
+    def marker_prompt(self, width: int, height: int, named: Callable[[str, str], str]) -> MarkerPrompt:
+        """``_build_image_tokens`` of one image with ONE image token per tile (and thumbnail); ``named(attr,
+        default)`` reads the processor's (else the tokenizer's) token names."""
+        image = named("image_token", "<image>")
+        cols, rows = self.tile_grid(width, height)
+        if not self.use_image_special_tokens:
+            return MarkerPrompt(image * self.tiles(width, height), image, (image, image))
+        start, end = named("image_start_token", "<|image_start|>"), named("image_end_token", "<|image_end|>")
+        parts = [start]
+        if self._multi_tile(cols, rows):
+            parts += [f"<|img_row_{r}_col_{c}|>{image}" for r in range(1, rows + 1) for c in range(1, cols + 1)]
+            if self.use_thumbnail:
+                parts.append(named("image_thumbnail_token", "<|img_thumbnail|>") + image)
+        else:
+            parts.append(image)
+        return MarkerPrompt("".join(parts) + end, image, (start, end))
