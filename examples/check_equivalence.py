@@ -1,4 +1,4 @@
-"""Check that packing leaves a model's per-token log-probs unchanged, on a tiny Qwen2-VL.
+"""Check that packing leaves a model's per-token log-probs unchanged, on a tiny Qwen2-VL (or --family).
 
 Runs ``vlm_pack.testing.check_packed_equivalence``: the model once on an ordinary padded batch (one sample
 per row) and once on the packed rows of ``PackingCollator``, then compares the log-prob of every next
@@ -6,6 +6,8 @@ token. Prints the report; exits 1 when it fails.
 
     .venv/bin/python examples/check_equivalence.py                 # PASS, token_mult_prob_error 1.0000000
     .venv/bin/python examples/check_equivalence.py --mistake positions   # what a broken setup looks like
+    .venv/bin/python examples/check_equivalence.py --family qwen3_5      # gated delta-net layers isolated too
+    .venv/bin/python examples/check_equivalence.py --family qwen3_5 --mistake mixers  # ... and when they are not
 
 With a real checkpoint, replace the offline pieces by ``AutoProcessor`` / ``AutoModelForImageTextToText``
 (fp32 for an exact check; see benchmarks/RESULTS.md for bf16 tolerances on GPU).
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from vlm_pack import Preprocessor, offline
+from vlm_pack import Preprocessor, isolate_token_mixers, offline
 from vlm_pack.testing import (
     check_packed_equivalence,
     default_packed_forward,
@@ -103,19 +105,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--mistake",
-        choices=["none", "positions", "use_cache"],
+        choices=["none", "positions", "use_cache", "mixers"],
         default="none",
-        help="show the report of a broken setup: position ids that do not restart, or use_cache left on",
+        help="show the report of a broken setup: position ids that do not restart (qwen2_vl), use_cache "
+        "left on, or token mixers that are not attention (gated delta-net, short convolutions) left to "
+        "transformers' own path (--attn sdpa or eager)",
+    )
+    parser.add_argument(
+        "--family",
+        default="qwen2_vl",
+        help="the tiny model's family (vlm_pack.offline stand-ins): qwen2_vl, qwen3_5, lfm2_vl, ...",
     )
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    if args.mistake == "positions" and args.family != "qwen2_vl":
+        parser.error("--mistake positions builds Qwen2-VL's mRoPE ids: use it with --family qwen2_vl")
+    if args.mistake == "mixers" and args.attn not in ("sdpa", "eager"):
+        parser.error("--mistake mixers needs --attn sdpa or eager (varlen attention isolates the mixers)")
 
-    family = "qwen2_vl"
-    tokenizer = offline.build_tokenizer(family)
-    # Real Qwen2-VL image processor, max_pixels capped so that these images give 16-64 vision tokens.
-    image_processor = offline.image_processor(
-        family, size={"shortest_edge": 56 * 56, "longest_edge": 64 * 28 * 28}
-    )
+    family = args.family
+    if family == "qwen2_vl":
+        tokenizer = offline.build_tokenizer(family)
+        # Real Qwen2-VL image processor, max_pixels capped so that these images give 16-64 vision tokens.
+        image_processor = offline.image_processor(
+            family, size={"shortest_edge": 56 * 56, "longest_edge": 64 * 28 * 28}
+        )
+        pre = Preprocessor(tokenizer, image_processor, family=family)
+    else:  # the family's processor stand-in: its chat template, tokenizer and image processor
+        pre = Preprocessor(processor=offline.processor(family))
+        tokenizer = pre.tokenizer
 
     def build(attn: str, dtype: torch.dtype) -> torch.nn.Module:
         # Same seed, same weights whatever the attention; the attention is switched after the cast
@@ -126,14 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         if attn == "varlen":
             from vlm_pack.attention import use_varlen_attention
 
-            use_varlen_attention(m)
+            use_varlen_attention(m)  # isolates the token mixers too
         elif attn == "flash_attention_2":
             m.set_attn_implementation("flash_attention_2")
+        if args.mistake != "mixers":
+            isolate_token_mixers(m)  # no-op for a model whose text layers are all attention
         return m
 
     model = build(args.attn, dtype)
     reference = build("sdpa", dtype)
-    pre = Preprocessor(tokenizer, image_processor, family=family)
 
     samples = []
     for k, (question, answer, sizes) in enumerate(CONVERSATIONS):
