@@ -46,6 +46,8 @@ FAMILIES = (
     "gemma3",
     "mistral3",
     "glm4v",
+    "glm4v_moe",
+    "glm46v",
 )
 # Fewer tokens than the checkpoints would make of the same images, by the same rule: Qwen-style pixel caps,
 # InternVL at most 4 tiles, Idefics3 / SmolVLM images of at most 2 x 2 crops.
@@ -55,6 +57,8 @@ OVERRIDES = {
     "qwen2_5_vl": _QWEN_CAP,
     "qwen3_vl": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 48 * 32 * 32}),
     "glm4v": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 48 * 28 * 28}),
+    "glm4v_moe": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 48 * 28 * 28}),
+    "glm46v": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 48 * 28 * 28}),
     "internvl": dict(max_patches=4),
     "idefics3": dict(size={"longest_edge": 2 * 364}),
     "smolvlm": dict(size={"longest_edge": 2 * 384}),
@@ -202,7 +206,8 @@ def _three_row_mrope(model, batch):
 
 
 _CONTROLS = [(f, "positions", _positions_as_one_sequence) for f in FAMILIES if f != "gemma3"]
-_CONTROLS += [("gemma3", "row-causal-mask", _row_causal_mask), ("glm4v", "3-row-mrope", _three_row_mrope)]
+_CONTROLS += [("gemma3", "row-causal-mask", _row_causal_mask)]
+_CONTROLS += [(f, "3-row-mrope", _three_row_mrope) for f in ("glm4v", "glm4v_moe", "glm46v")]
 
 
 @pytest.mark.parametrize(
@@ -352,9 +357,10 @@ def test_gemma3_masks_are_transformers_masks_of_each_sample_alone():
     assert not torch.equal(got["full_attention"], got["sliding_attention"])
 
 
-def test_glm4v_positions_are_the_models_get_rope_index_per_sample():
-    model = _model("glm4v", "sdpa")
-    collator, samples = _one_row("glm4v")
+@pytest.mark.parametrize("family", ["glm4v", "glm4v_moe", "glm46v"])
+def test_glm4v_positions_are_the_models_get_rope_index_per_sample(family):
+    model = _model(family, "sdpa")
+    collator, samples = _one_row(family)
     batch = collator(list(samples))
     assert batch.position_ids.shape == (4, 1, batch.row_length)
     cu = batch.cu_seqlens.tolist()

@@ -158,7 +158,26 @@ _RECORDS = (
         wraps="template",
         mrope="qwen3_vl",
     ),
-    Family("glm4v_moe", image_token="<|image|>", wraps="template", mrope="qwen3_vl"),  # as glm4v (5.23)
+    # zai-org/GLM-4.5V: the GLM-4.1V processor and get_rope_index (glm4v_moe/modular_glm4v_moe.py) around a
+    # mixture-of-experts text model (transformers >= 4.56)
+    Family(
+        "glm4v_moe",
+        ("GLM-4.5V",),
+        vision=_rule("smart_resize.Glm4vSpec"),
+        image_token="<|image|>",
+        wraps="template",
+        mrope="qwen3_vl",
+    ),
+    # zai-org/GLM-4.6V: Glm4vForConditionalGeneration and the GLM-4.1V processor under their own names
+    # (glm46v/modular_glm46v.py; transformers >= 5.0); the released text model is GLM-4.5V's MoE
+    Family(
+        "glm46v",
+        ("GLM-4.6V",),
+        vision=_rule("smart_resize.Glm4vSpec"),
+        image_token="<|image|>",
+        wraps="template",
+        mrope="qwen3_vl",
+    ),
     # llava-hf/llava-1.5-7b-hf
     Family(
         "llava", ("LLaVA-1.5",), vision=_rule("anyres.LlavaSpec"), image_token="<image>", chat_format="llava"
@@ -288,7 +307,7 @@ def names(having: str | None = None) -> tuple[str, ...]:
     """The canonical names, in registry order: all, or those whose field ``having`` is set (not None/False).
 
     >>> names("mrope")
-    ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_vl_moe', 'glm4v', 'glm4v_moe')
+    ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_vl_moe', 'glm4v', 'glm4v_moe', 'glm46v')
     """
     if having is not None and having not in {f.name for f in fields(Family)}:
         raise ValueError(

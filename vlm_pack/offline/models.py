@@ -40,9 +40,8 @@ class _Dims:
 
 def _qwen_like(family: str, d: _Dims, text: dict[str, Any], ids: Any) -> dict[str, Any]:
     """Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4.1V: mRoPE over (t, h, w), patch 14 (16 for Qwen3) merged 2x2."""
-    half = (
-        (d.hidden // d.heads) // 2 if family != "glm4v" else (d.hidden // d.heads) // 4
-    )  # GLM: partial rotary 0.5
+    glm = family in _GLM_FAMILIES
+    half = (d.hidden // d.heads) // 4 if glm else (d.hidden // d.heads) // 2  # GLM: partial rotary 0.5
     section = [half - 2 * (half // 4), half // 4, half // 4]
     text["rope_parameters"] = {"rope_type": "default", "mrope_section": section, "rope_theta": 10000.0}
     vision = dict(
@@ -64,8 +63,10 @@ def _qwen_like(family: str, d: _Dims, text: dict[str, Any], ids: Any) -> dict[st
         text.update(head_dim=d.hidden // d.heads)
         text["rope_parameters"]["mrope_interleaved"] = True
         vision.update(num_position_embeddings=64, deepstack_visual_indexes=[])
-    if family == "glm4v":
+    if glm:
         text["rope_parameters"]["partial_rotary_factor"] = 0.5
+        if family != "glm4v":
+            _glm_moe_text(text)
         vision.update(image_size=336)
         names = ("image_token_id", "<|image|>"), ("image_start_token_id", "<|begin_of_image|>")
         names += (("image_end_token_id", "<|end_of_image|>"), ("video_token_id", "<|video|>"))
@@ -76,9 +77,20 @@ def _qwen_like(family: str, d: _Dims, text: dict[str, Any], ids: Any) -> dict[st
     return dict(vision_config=vision, **{k: ids(t) for k, t in names})
 
 
+_GLM_FAMILIES = ("glm4v", "glm4v_moe", "glm46v")
+
+
+def _glm_moe_text(text: dict[str, Any]) -> None:
+    """GLM-4.5V / 4.6V's mixture-of-experts text model (``glm4v_moe_text``), shrunk: 4 routed experts, 2 per
+    token, one shared expert, the first layer dense as in the checkpoints (``first_k_dense_replace``)."""
+    text.update(model_type="glm4v_moe_text", n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1)
+    text.update(moe_intermediate_size=text["hidden_size"], first_k_dense_replace=1, n_group=1, topk_group=1)
+    text.update(norm_topk_prob=True, routed_scaling_factor=1.0)
+
+
 def _family_parts(family: str, d: _Dims, text: dict[str, Any], ids: Any, tok: Any) -> dict[str, Any]:
     """The config's vision tower and multimodal fields; edits ``text`` where the family's LM needs it."""
-    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"):
+    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", *_GLM_FAMILIES):
         return _qwen_like(family, d, text, ids)
     if family in ("llava", "llava_next"):  # CLIP 336; vision_feature_layer=-2 needs two layers
         text["model_type"] = "llama"

@@ -63,6 +63,13 @@ _IMAGE_PROCESSOR_PARAMS: dict[str, dict[str, Any]] = {
     "glm4v": dict(
         _QWEN2, cls="Glm4vImageProcessorPil", size={"shortest_edge": 12544, "longest_edge": 9633792}
     ),
+    # zai-org/GLM-4.5V, zai-org/GLM-4.6V (the GLM-4.1V rule; GLM-4.6V under its own class name)
+    "glm4v_moe": dict(
+        _QWEN2, cls="Glm4vImageProcessorPil", size={"shortest_edge": 12544, "longest_edge": 9633792}
+    ),
+    "glm46v": dict(
+        _QWEN2, cls="Glm46VImageProcessorPil", size={"shortest_edge": 12544, "longest_edge": 9633792}
+    ),
     # llava-hf/llava-1.5-7b-hf
     "llava": _LLAVA,
     # llava-hf/llava-v1.6-mistral-7b-hf
@@ -115,6 +122,8 @@ _PROCESSOR_PARAMS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_5_vl": ("Qwen2_5_VLProcessor", {}),
     "qwen3_vl": ("Qwen3VLProcessor", {}),
     "glm4v": ("Glm4vProcessor", {}),
+    "glm4v_moe": ("Glm4vProcessor", {}),
+    "glm46v": ("Glm46VProcessor", {}),
     # llava-hf checkpoints count the CLS token (+1) and drop it again with the "default" strategy: 576.
     "llava": (
         "LlavaProcessor",

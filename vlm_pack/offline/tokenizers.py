@@ -52,6 +52,23 @@ _LLAVA = dict(
     roles=dict(image_token="<image>"),
     extra=[],
 )
+_GLM = dict(
+    core=dict(pad_token="<|endoftext|>", eos_token="<|endoftext|>"),
+    roles=dict(image_token="<|image|>", video_token="<|video|>"),
+    extra=[
+        "[gMASK]",
+        "<sop>",
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|begin_of_image|>",
+        "<|end_of_image|>",
+        "<|image|>",
+        "<|begin_of_video|>",
+        "<|end_of_video|>",
+        "<|video|>",
+    ],
+)
 # Per family: ``core`` (bos/eos/pad/unk), ``roles`` (named tokens set as tokenizer attributes), ``extra`` tokens;
 # those of the released checkpoints' tokenizers (named in comments).
 _FAMILY_TOKENS: dict[str, dict[str, Any]] = {
@@ -122,23 +139,10 @@ _FAMILY_TOKENS: dict[str, dict[str, Any]] = {
         ],
     ),
     # zai-org/GLM-4.1V-9B-Thinking
-    "glm4v": dict(
-        core=dict(pad_token="<|endoftext|>", eos_token="<|endoftext|>"),
-        roles=dict(image_token="<|image|>", video_token="<|video|>"),
-        extra=[
-            "[gMASK]",
-            "<sop>",
-            "<|system|>",
-            "<|user|>",
-            "<|assistant|>",
-            "<|begin_of_image|>",
-            "<|end_of_image|>",
-            "<|image|>",
-            "<|begin_of_video|>",
-            "<|end_of_video|>",
-            "<|video|>",
-        ],
-    ),
+    "glm4v": _GLM,
+    # zai-org/GLM-4.5V, zai-org/GLM-4.6V (the GLM-4.5 vocabulary: its thinking blocks are special tokens)
+    "glm4v_moe": dict(_GLM, extra=[*_GLM["extra"], "<think>", "</think>"]),
+    "glm46v": dict(_GLM, extra=[*_GLM["extra"], "<think>", "</think>"]),
 }
 
 

@@ -72,7 +72,8 @@ def _qwen_video_kwargs(video: Any) -> dict[str, Any]:
 
 _SUPPORTED_PROCESSORS = (
     "Qwen2VLImageProcessor[Pil] (Qwen2VLProcessor, Qwen2_5_VLProcessor, Qwen3VLProcessor)",
-    "Glm4vImageProcessor[Pil] (Glm4vProcessor)",
+    "Glm4vImageProcessor[Pil] (Glm4vProcessor: GLM-4.1V, GLM-4.5V)",
+    "Glm46VImageProcessor[Pil] (Glm46VProcessor)",
     "LlavaImageProcessor[Pil] / CLIPImageProcessor (LlavaProcessor)",
     "LlavaNextImageProcessor[Pil] (LlavaNextProcessor)",
     "LlavaOnevisionImageProcessor[Pil] (LlavaOnevisionProcessor)",
@@ -102,7 +103,7 @@ def _read_qwen(src: _Source) -> VisionSpec:
         min_pixels=int(_get(size, "shortest_edge")),
         max_pixels=int(_get(size, "longest_edge")),
     )
-    if src.ip_name == "Glm4vImageProcessor":
+    if src.ip_name in ("Glm4vImageProcessor", "Glm46VImageProcessor"):
         return Glm4vSpec(**kwargs)
     kwargs.update(_qwen_video_kwargs(getattr(src.processor, "video_processor", None)))
     if src.proc_name.startswith("Qwen3VL") or (not src.proc_name and kwargs["patch_size"] == 16):
@@ -228,6 +229,7 @@ def _read_pixtral(src: _Source) -> VisionSpec:
 _READERS: dict[str, Callable[[_Source], VisionSpec]] = {
     "Qwen2VLImageProcessor": _read_qwen,
     "Glm4vImageProcessor": _read_qwen,
+    "Glm46VImageProcessor": _read_qwen,
     "LlavaImageProcessor": _read_llava,
     "CLIPImageProcessor": _read_llava,
     "LlavaNextImageProcessor": _read_llava,
