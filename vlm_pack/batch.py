@@ -193,6 +193,13 @@ class PackedBatch:
         """Tokens that carry a loss (labels != -100): the denominator of a per-token loss."""
         return int((self.labels != IGNORE_INDEX).sum())
 
+    def real_tokens(self) -> torch.Tensor:
+        """``[R, T]`` int64, 1 on real tokens and 0 on padding (expanded layout): what router statistics and
+        an MoE auxiliary loss must count (``vlm_pack.routers``), where the rows carry no 2-D mask."""
+        return real_tokens(
+            self.cu_seqlens_expanded, self.cu_seqlens_padded_expanded, self.num_rows, self.row_length
+        )
+
     def _apply(self, fn: Any) -> PackedBatch:
         changes = {
             f.name: _apply(getattr(self, f.name), fn)
