@@ -48,6 +48,7 @@ FAMILIES = (
     "glm4v",
     "glm4v_moe",
     "glm46v",
+    "gemma4",
 )
 # Fewer tokens than the checkpoints would make of the same images, by the same rule: Qwen-style pixel caps,
 # InternVL at most 4 tiles, Idefics3 / SmolVLM images of at most 2 x 2 crops.
@@ -60,6 +61,7 @@ OVERRIDES = {
     "glm4v_moe": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 48 * 28 * 28}),
     "glm46v": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 48 * 28 * 28}),
     "internvl": dict(max_patches=4),
+    "gemma4": dict(max_soft_tokens=70),
     "idefics3": dict(size={"longest_edge": 2 * 364}),
     "smolvlm": dict(size={"longest_edge": 2 * 384}),
 }
@@ -205,8 +207,19 @@ def _three_row_mrope(model, batch):
     return model(**kwargs).logits
 
 
-_CONTROLS = [(f, "positions", _positions_as_one_sequence) for f in FAMILIES if f != "gemma3"]
-_CONTROLS += [("gemma3", "row-causal-mask", _row_causal_mask)]
+def _gemma4_hf_packed_path(model, batch):
+    """Gemma 4 with ``mm_token_type_ids`` and no vlm-pack mask: transformers' own packed path (restarted
+    positions), which builds its two-way image blocks over the whole row."""
+    kwargs = dict(batch.model_inputs("sdpa"))
+    kwargs.pop("attention_mask")
+    return model(**kwargs, mm_token_type_ids=batch.mm_token_type_ids).logits
+
+
+# Gemma 3 / 4: positions as one sequence change no relative position inside a sample (RoPE) and their masks
+# come from vlm-pack: the controls are the masks instead.
+_CONTROLS = [(f, "positions", _positions_as_one_sequence) for f in FAMILIES if f not in ("gemma3", "gemma4")]
+_CONTROLS += [(f, "row-causal-mask", _row_causal_mask) for f in ("gemma3", "gemma4")]
+_CONTROLS += [("gemma4", "transformers-packed-path", _gemma4_hf_packed_path)]
 _CONTROLS += [(f, "3-row-mrope", _three_row_mrope) for f in ("glm4v", "glm4v_moe", "glm46v")]
 
 
@@ -262,7 +275,7 @@ def test_onevision_row_wide_batch_num_images_breaks_the_token_counts():
 # ------------------------------------------------------------------- flash-style inputs (varlen kernels)
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma3"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("gemma3", "gemma4")])
 @pytest.mark.slow
 def test_flash_style_inputs_through_varlen_attention_match_each_sample_alone(family):
     """``model_inputs("flash_attention_2")`` (rows flattened, ``cu_seq_lens_q/k``) on vlm-pack's varlen

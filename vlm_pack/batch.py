@@ -129,7 +129,8 @@ class PackedBatch:
     - vision tensors in packed order, joined as the family's model reads them (``vision_inputs.py``:
       ``pixel_values``, Idefics3's ``pixel_attention_mask``, ``image_sizes``, OneVision's per-sample
       ``batch_num_images`` ...); ``mm_token_type_ids`` shaped like ``input_ids``; ``tokens_per_image``
-      ``[num_images]`` embeddings per image; ``sliding_window``: the text config's (Gemma 3's masks).
+      ``[num_images]`` embeddings per image; ``sliding_window``: the text config's (Gemma 3's masks);
+      ``two_way_layers``: the layer types whose image tokens attend both ways (Gemma 4: sliding only).
     - ``extra``: other per-sample tensors (concatenated along dim 0, or packed like ``input_ids`` when
       they have one entry per token, e.g. Gemma 3's ``token_type_ids``); ``metadata``: non-tensor values
       (e.g. ``__key__``) in packed order.
@@ -162,9 +163,11 @@ class PackedBatch:
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None
+    image_position_ids: torch.Tensor | None = None
     mm_token_type_ids: torch.Tensor | None = None
     tokens_per_image: torch.Tensor | None = None
     sliding_window: int | None = None
+    two_way_layers: tuple[str, ...] | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     metadata: dict[str, list[Any]] = field(default_factory=dict)
 
@@ -245,10 +248,16 @@ class PackedBatch:
         cache = self.__dict__.setdefault("_attention_masks", {})
         if dtype not in cache:
             types = self.extra.get("token_type_ids")
+            if types is None and self.mm_token_type_ids is not None:  # Gemma 4: images 1, videos 2
+                types = (self.mm_token_type_ids > 0).long()
             if types is None:
                 types = torch.zeros_like(self.input_ids)  # text only: plain causal per sample
+            layers = self.two_way_layers
+            if layers is None:  # built without a collator: the family's own
+                record = lookup(self.family)
+                layers = record.two_way_layers if record is not None else ()
             cache[dtype] = gemma3_attention_masks(
-                types, self.cu_seqlens_padded, self.sliding_window, dtype=dtype
+                types, self.cu_seqlens_padded, self.sliding_window, dtype=dtype, two_way_layers=layers
             )
         return cache[dtype]
 

@@ -14,6 +14,8 @@ the *shape* each model wants the images of several samples in::
                                  pixel_attention_mask [1, N_i, H, W]   cat dim 1: [1, sum N_i, H, W]
     Mistral3 / Pixtral tower     pixel_values [n_i, C, H_i, W_i]       zero-pad H, W to the max, cat dim 0
                                  image_sizes [n_i, 2]                  cat dim 0 (the tower crops each image)
+    Gemma 4                      pixel_values [n_i, P, D] patch rows   cat dim 0
+                                 image_position_ids [n_i, P, 2]        cat dim 0
 
 OneVision's ``batch_num_images`` must stay per sample: one sample with several images skips the anyres
 tiling of each image, a sample with one image keeps it. Summing a row into one entry switches every image
@@ -41,6 +43,7 @@ VISION_KEYS = (
     "pixel_values_videos",
     "video_grid_thw",
     "second_per_grid_ts",
+    "image_position_ids",
 )
 
 
@@ -136,12 +139,16 @@ def join_vision(per_sample: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
     out: dict[str, torch.Tensor] = {}
     # Idefics3 / SmolVLM carry a per-crop pixel mask: their crops join along the crop axis.
     crops_flat = any("pixel_attention_mask" in s for s in per_sample)
+    # Gemma 4 gives each image's patches as rows, with their (x, y) in image_position_ids.
+    patches = any("image_position_ids" in s for s in per_sample)
     for key in VISION_KEYS:
         parts = [s[key] for s in per_sample if key in s]
         if not parts:
             continue
         try:
-            if key == "pixel_values":
+            if key == "pixel_values" and patches:  # Gemma 4: [n_i, max_patches, D] patch rows per image
+                out[key] = _cat(parts)
+            elif key == "pixel_values":
                 out[key] = _join_pixel_values(parts, crops_flat)
             elif key == "pixel_attention_mask":
                 out[key] = _cat(_pad_to(parts, (2, 3)), 1)

@@ -88,6 +88,21 @@ def _glm_moe_text(text: dict[str, Any]) -> None:
     text.update(norm_topk_prob=True, routed_scaling_factor=1.0)
 
 
+def _gemma4(d: _Dims, text: dict[str, Any], tok: Any) -> dict[str, Any]:
+    """Gemma 4: 16 px patches pooled 3 x 3; sliding / full text layers (the last one full), per-layer inputs,
+    image tokens attending both ways on the sliding layers where ``use_bidirectional_attention="vision"``
+    (the released 26B / 31B; pass ``use_bidirectional_attention=None`` for the E2B / E4B behaviour)."""
+    head_dim = d.hidden // d.heads
+    text.update(model_type="gemma4_text", head_dim=head_dim, global_head_dim=head_dim, sliding_window=8)
+    text.update(hidden_size_per_layer_input=8, vocab_size_per_layer_input=text["vocab_size"])
+    text["layer_types"] = ["sliding_attention"] * (d.layers - 1) + ["full_attention"]
+    text["use_bidirectional_attention"] = "vision"
+    vision = d.vision_tower("gemma4_vision", head_dim=d.vision // 2, patch_size=16, pooling_kernel_size=3)
+    vision.update(num_key_value_heads=2)
+    ids = dict(image_token_id=tok.image_token_id, boi_token_id=tok.boi_token_id, eoi_token_id=tok.eoi_token_id)
+    return dict(vision_config=vision, audio_config=None, **ids)
+
+
 def _family_parts(family: str, d: _Dims, text: dict[str, Any], ids: Any, tok: Any) -> dict[str, Any]:
     """The config's vision tower and multimodal fields; edits ``text`` where the family's LM needs it."""
     if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", *_GLM_FAMILIES):
@@ -129,6 +144,8 @@ def _family_parts(family: str, d: _Dims, text: dict[str, Any], ids: Any, tok: An
         out = dict(vision_config=d.vision_tower("siglip_vision_model", image_size=896, patch_size=14))
         out.update(mm_tokens_per_image=256, image_token_index=tok.image_token_id)
         return dict(out, boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id)
+    if family == "gemma4":
+        return _gemma4(d, text, tok)
     # mistral3: Pixtral tower, 14 px patches merged 2 x 2
     text["model_type"] = "mistral"
     vision = d.vision_tower("pixtral", image_size=1540, patch_size=14, head_dim=d.vision // 2)

@@ -124,6 +124,19 @@ _FAMILY_TOKENS: dict[str, dict[str, Any]] = {
             "<image_soft_token>",
         ],
     ),
+    # google/gemma-4-E4B-it, google/gemma-4-31B-it: turns <|turn>role ... <turn|>, images <|image>...<image|>
+    "gemma4": dict(
+        core=dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"),
+        roles=dict(
+            boi_token="<|image>",
+            eoi_token="<image|>",
+            image_token="<|image|>",
+            boa_token="<|audio>",  # Gemma4Processor refuses a tokenizer without its audio tokens
+            eoa_token="<audio|>",
+            audio_token="<|audio|>",
+        ),
+        extra=["<bos>", "<eos>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|think|>", "<|audio>", "<audio|>", "<|audio|>"],
+    ),
     # mistralai/Mistral-Small-3.1-24B-Instruct-2503 (Tekken vocabulary; Pixtral image tokens)
     "mistral3": dict(
         core=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"),

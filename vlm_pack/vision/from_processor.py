@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 from ..families import names
 from .anyres import LlavaNextSpec, LlavaOnevisionSpec, LlavaSpec
 from .families import vision_spec
+from .patch_budget import Gemma4Spec
 from .pixtral import PixtralSpec
 from .smart_resize import Glm4vSpec, Qwen2VLSpec, Qwen3VLSpec
 from .spec import VisionSpec
@@ -81,6 +82,7 @@ _SUPPORTED_PROCESSORS = (
     "Idefics3ImageProcessor[Pil] (Idefics3Processor)",
     "SmolVLMImageProcessor[Pil] (SmolVLMProcessor)",
     "Gemma3ImageProcessor[Pil] (Gemma3Processor)",
+    "Gemma4ImageProcessor[Pil] (Gemma4Processor)",
     "PixtralImageProcessor[Pil] (PixtralProcessor)",
 )
 
@@ -207,6 +209,12 @@ def _read_gemma3(src: _Source) -> VisionSpec:
     return Gemma3Spec(**kwargs)
 
 
+def _read_gemma4(src: _Source) -> VisionSpec:
+    ip = src.ip
+    names = ("patch_size", "pooling_kernel_size", "max_soft_tokens")
+    return Gemma4Spec(**{name: int(_get(ip, name)) for name in names})
+
+
 def _read_pixtral(src: _Source) -> VisionSpec:
     ip, processor = src.ip, src.processor
     patch = _get(ip, "patch_size")
@@ -238,6 +246,7 @@ _READERS: dict[str, Callable[[_Source], VisionSpec]] = {
     "Idefics3ImageProcessor": _read_idefics3,
     "SmolVLMImageProcessor": _read_idefics3,
     "Gemma3ImageProcessor": _read_gemma3,
+    "Gemma4ImageProcessor": _read_gemma4,
     "PixtralImageProcessor": _read_pixtral,
 }
 
