@@ -35,6 +35,9 @@ END_OF_TURN = {
     "gemma3": "<end_of_turn>",  # google/gemma-3-4b-it
     "internvl": "<|im_end|>",  # OpenGVLab/InternVL3-1B-hf
     "mistral3": "</s>",  # mistralai/Mistral-Small-3.1-24B-Instruct-2503
+    "glm4v_moe": "",  # zai-org/GLM-4.5V format: the next turn's <|user|> ends a reply (tests/templates/README.md)
+    "glm46v": "",  # zai-org/GLM-4.6V format
+    "gemma4": "<turn|>",  # google/gemma-4-*-it format
 }
 # Checkpoint image-processor parameters everywhere, except Qwen's pixel cap (fewer tokens, same rule).
 OVERRIDES = {
