@@ -170,7 +170,7 @@ _RECORDS = (
     Family(
         "glm4v_moe",
         ("GLM-4.5V",),
-        vision=_rule("smart_resize.Glm4vSpec"),
+        vision=_rule("smart_resize.Glm4vSpec", variant="glm4v_moe"),
         image_token="<|image|>",
         wraps="template",
         mrope="qwen3_vl",
@@ -180,7 +180,7 @@ _RECORDS = (
     Family(
         "glm46v",
         ("GLM-4.6V",),
-        vision=_rule("smart_resize.Glm4vSpec"),
+        vision=_rule("smart_resize.Glm4vSpec", variant="glm46v"),
         image_token="<|image|>",
         wraps="template",
         mrope="qwen3_vl",

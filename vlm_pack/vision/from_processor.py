@@ -105,7 +105,9 @@ def _read_qwen(src: _Source) -> VisionSpec:
         min_pixels=int(_get(size, "shortest_edge")),
         max_pixels=int(_get(size, "longest_edge")),
     )
-    if src.ip_name in ("Glm4vImageProcessor", "Glm46VImageProcessor"):
+    if src.ip_name == "Glm46VImageProcessor":
+        return Glm4vSpec(**kwargs, variant="glm46v")
+    if src.ip_name == "Glm4vImageProcessor":  # GLM-4.1V and GLM-4.5V share the processor classes
         return Glm4vSpec(**kwargs)
     kwargs.update(_qwen_video_kwargs(getattr(src.processor, "video_processor", None)))
     if src.proc_name.startswith("Qwen3VL") or (not src.proc_name and kwargs["patch_size"] == 16):
