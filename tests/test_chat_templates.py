@@ -36,6 +36,9 @@ END_OF_TURN = {
     "internvl": "<|im_end|>",  # OpenGVLab/InternVL3-1B-hf
     "mistral3": "</s>",  # mistralai/Mistral-Small-3.1-24B-Instruct-2503
     "lfm2_vl": "<|im_end|>",  # LiquidAI/LFM2-VL-1.6B (its image processor needs torchvision)
+    "glm4v_moe": "",  # zai-org/GLM-4.5V format: the next turn's <|user|> ends a reply (tests/templates/README.md)
+    "glm46v": "",  # zai-org/GLM-4.6V format
+    "gemma4": "<turn|>",  # google/gemma-4-*-it format
 }
 # Checkpoint image-processor parameters everywhere, except Qwen's pixel cap (fewer tokens, same rule).
 OVERRIDES = {

@@ -46,6 +46,9 @@ FAMILIES = (
     "gemma3",
     "mistral3",
     "glm4v",
+    "glm4v_moe",
+    "glm46v",
+    "gemma4",
 )
 # Fewer tokens than the checkpoints would make of the same images, by the same rule: Qwen-style pixel caps,
 # InternVL at most 4 tiles, Idefics3 / SmolVLM images of at most 2 x 2 crops.
@@ -55,7 +58,10 @@ OVERRIDES = {
     "qwen2_5_vl": _QWEN_CAP,
     "qwen3_vl": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 48 * 32 * 32}),
     "glm4v": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 48 * 28 * 28}),
+    "glm4v_moe": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 48 * 28 * 28}),
+    "glm46v": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 48 * 28 * 28}),
     "internvl": dict(max_patches=4),
+    "gemma4": dict(max_soft_tokens=70),
     "idefics3": dict(size={"longest_edge": 2 * 364}),
     "smolvlm": dict(size={"longest_edge": 2 * 384}),
 }
@@ -201,8 +207,20 @@ def _three_row_mrope(model, batch):
     return model(**kwargs).logits
 
 
-_CONTROLS = [(f, "positions", _positions_as_one_sequence) for f in FAMILIES if f != "gemma3"]
-_CONTROLS += [("gemma3", "row-causal-mask", _row_causal_mask), ("glm4v", "3-row-mrope", _three_row_mrope)]
+def _gemma4_hf_packed_path(model, batch):
+    """Gemma 4 with ``mm_token_type_ids`` and no vlm-pack mask: transformers' own packed path (restarted
+    positions), which builds its two-way image blocks over the whole row."""
+    kwargs = dict(batch.model_inputs("sdpa"))
+    kwargs.pop("attention_mask")
+    return model(**kwargs, mm_token_type_ids=batch.mm_token_type_ids).logits
+
+
+# Gemma 3 / 4: positions as one sequence change no relative position inside a sample (RoPE) and their masks
+# come from vlm-pack: the controls are the masks instead.
+_CONTROLS = [(f, "positions", _positions_as_one_sequence) for f in FAMILIES if f not in ("gemma3", "gemma4")]
+_CONTROLS += [(f, "row-causal-mask", _row_causal_mask) for f in ("gemma3", "gemma4")]
+_CONTROLS += [("gemma4", "transformers-packed-path", _gemma4_hf_packed_path)]
+_CONTROLS += [(f, "3-row-mrope", _three_row_mrope) for f in ("glm4v", "glm4v_moe", "glm46v")]
 
 
 @pytest.mark.parametrize(
@@ -257,7 +275,7 @@ def test_onevision_row_wide_batch_num_images_breaks_the_token_counts():
 # ------------------------------------------------------------------- flash-style inputs (varlen kernels)
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma3"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("gemma3", "gemma4")])
 @pytest.mark.slow
 def test_flash_style_inputs_through_varlen_attention_match_each_sample_alone(family):
     """``model_inputs("flash_attention_2")`` (rows flattened, ``cu_seq_lens_q/k``) on vlm-pack's varlen
@@ -352,9 +370,10 @@ def test_gemma3_masks_are_transformers_masks_of_each_sample_alone():
     assert not torch.equal(got["full_attention"], got["sliding_attention"])
 
 
-def test_glm4v_positions_are_the_models_get_rope_index_per_sample():
-    model = _model("glm4v", "sdpa")
-    collator, samples = _one_row("glm4v")
+@pytest.mark.parametrize("family", ["glm4v", "glm4v_moe", "glm46v"])
+def test_glm4v_positions_are_the_models_get_rope_index_per_sample(family):
+    model = _model(family, "sdpa")
+    collator, samples = _one_row(family)
     batch = collator(list(samples))
     assert batch.position_ids.shape == (4, 1, batch.row_length)
     cu = batch.cu_seqlens.tolist()

@@ -203,7 +203,9 @@ def test_every_family_and_alias_gives_the_same_at_every_entry_point(qwen, name):
     tok, _ = qwen
     record = FAMILIES[name]
     samples = [{"input_ids": torch.tensor([5, 6, 7])}, {"input_ids": torch.tensor([8, 9])}]
-    reference = PackingCollator(16, family=name, sliding_window=4)(samples)
+    # Gemma 4 reads whether its images attend both ways from the model config (nothing else tells)
+    config = SimpleNamespace(**dict([record.two_way_switch])) if record.two_way_switch else None
+    reference = PackingCollator(16, family=name, sliding_window=4, model_config=config)(samples)
     rows = (4, 1, 16) if record.mrope else (1, 16)
     assert reference.position_ids.shape == rows
     assert (reference.attention_masks() is not None) == record.two_way_images
@@ -211,7 +213,7 @@ def test_every_family_and_alias_gives_the_same_at_every_entry_point(qwen, name):
         assert canonical(spelling) == name and family(spelling) is record and _family_name(spelling) == name
         assert Preprocessor(tok, family=spelling).family == name
         assert is_mrope_family(spelling) == (record.mrope is not None)
-        batch = PackingCollator(16, family=spelling, sliding_window=4)(samples)
+        batch = PackingCollator(16, family=spelling, sliding_window=4, model_config=config)(samples)
         _same_batch(batch, reference)
         respelled = dataclasses.replace(reference, family=spelling)  # a PackedBatch normalises its own
         assert respelled.family == name and respelled.model_inputs("sdpa").keys() == (

@@ -68,8 +68,8 @@ def test_names_lookups_and_refusals():
         family("")
     with pytest.raises(TypeError, match="must be a string"):
         canonical(3)  # type: ignore[arg-type]
-    assert names("mrope") == ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")
-    assert names("two_way_images") == ("gemma3",) and names() == tuple(FAMILIES)
+    assert names("mrope") == ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "glm46v")
+    assert names("two_way_images") == ("gemma3", "gemma4") and names() == tuple(FAMILIES)
     with pytest.raises(ValueError, match="Family has no field 'colour'"):
         names("colour")
 

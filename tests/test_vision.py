@@ -721,3 +721,69 @@ def test_a_spec_with_a_count_that_is_not_a_positive_integer_names_the_field(make
     # A zero patch or tile count would divide by zero (or forecast zero tokens) at the first image.
     with pytest.raises(ValueError, match=rf": {field} must be a positive integer, got "):
         make()
+
+
+# ------------------------------------------------------------------ Gemma 4, GLM-4.5V / 4.6V (issue 31)
+
+
+def _gemma4_resize(w: int, h: int, budget: int):
+    """transformers' own ``get_aspect_ratio_preserving_size`` as ``(w, h)``, or the ValueError it raises."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import get_aspect_ratio_preserving_size
+
+    try:
+        th, tw = get_aspect_ratio_preserving_size(h, w, patch_size=16, max_patches=budget * 9, pooling_kernel_size=3)
+    except ValueError:
+        return "refused"
+    return tw, th
+
+
+@pytest.mark.parametrize("budget", [70, 140, 280, 560, 1120])
+def test_gemma4_sweep_matches_the_processors_resize(budget):
+    spec = vision_spec("gemma4", max_soft_tokens=budget)
+    sizes = sweep_sizes(budget)
+    want = [_gemma4_resize(w, h, budget) for w, h in sizes]
+
+    def mine(w, h):
+        try:
+            return spec.resized_size(w, h)
+        except ValueError:
+            return "refused"
+
+    assert_all_equal(sizes, want, [mine(w, h) for w, h in sizes], f"max_soft_tokens={budget}")
+    assert all(spec.num_tokens(w, h) <= budget for (w, h), r in zip(sizes, want) if r != "refused")
+
+
+GEMMA4_SIZES = [(20, 20), (90, 60), (640, 480), (1000, 57), (57, 1000), (3000, 40), (40, 3000), (1337, 777),
+                (48, 48), (4000, 3000)]  # fmt: skip
+
+
+@pytest.mark.parametrize("budget", [70, 280])
+def test_gemma4_forecast_is_the_processors_call(budget):
+    """Oracle: Gemma4Processor.__call__ (the released PIL image processor), image tokens and wrappers."""
+    from vlm_pack import offline
+
+    proc = offline.processor("gemma4", max_soft_tokens=budget)
+    spec = vision_spec_from_processor(proc)
+    assert spec == vision_spec("gemma4", max_soft_tokens=budget)
+    base = len(proc.tokenizer("hi  x")["input_ids"])
+    for i, (w, h) in enumerate(GEMMA4_SIZES):
+        out = proc(text=f"hi {proc.image_token} x", images=[rgb(w, h, i)], return_tensors="np")
+        ids = out["input_ids"][0]
+        assert (ids == proc.image_token_id).sum() == spec.num_tokens(w, h), (w, h)
+        assert len(ids) - base == spec.total_tokens(w, h), (w, h)
+        assert out["pixel_values"].shape[1] == budget * 9  # patch rows padded to the budget
+        assert (out["image_position_ids"][0, :, 0] >= 0).sum() == spec.num_patches(w, h)
+
+
+@pytest.mark.parametrize("family", ["glm4v_moe", "glm46v"])
+def test_glm45v_46v_forecast_is_the_processors_call(family):
+    from vlm_pack import offline
+
+    proc = offline.processor(family)
+    spec = vision_spec_from_processor(proc)
+    assert spec == vision_spec("glm4v" if family == "glm4v_moe" else family)  # GLM-4.5V: the GLM-4.1V classes
+    assert spec.resized_size(640, 480) == vision_spec(family).resized_size(640, 480)
+    image = proc.tokenizer.convert_tokens_to_ids("<|image|>")
+    for i, (w, h) in enumerate(FULL_SIZES):
+        out = proc(text="hi <|begin_of_image|><|image|><|end_of_image|> x", images=[rgb(w, h, i)], return_tensors="np")
+        assert (out["input_ids"][0] == image).sum() == spec.num_tokens(w, h), (family, w, h)

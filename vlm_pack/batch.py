@@ -140,7 +140,8 @@ class PackedBatch:
       ``pixel_values``, Idefics3's and LFM2-VL's ``pixel_attention_mask``, ``image_sizes``, LFM2-VL's
       ``spatial_shapes``, OneVision's per-sample
       ``batch_num_images`` ...); ``mm_token_type_ids`` shaped like ``input_ids``; ``tokens_per_image``
-      ``[num_images]`` embeddings per image; ``sliding_window``: the text config's (Gemma 3's masks).
+      ``[num_images]`` embeddings per image; ``sliding_window``: the text config's (Gemma 3's masks);
+      ``two_way_layers``: the layer types whose image tokens attend both ways (Gemma 4: sliding only).
     - ``extra``: other per-sample tensors (concatenated along dim 0, or packed like ``input_ids`` when
       they have one entry per token, e.g. Gemma 3's ``token_type_ids``); ``metadata``: non-tensor values
       (e.g. ``__key__``) in packed order.
@@ -174,9 +175,11 @@ class PackedBatch:
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None
+    image_position_ids: torch.Tensor | None = None
     mm_token_type_ids: torch.Tensor | None = None
     tokens_per_image: torch.Tensor | None = None
     sliding_window: int | None = None
+    two_way_layers: tuple[str, ...] | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     metadata: dict[str, list[Any]] = field(default_factory=dict)
 
@@ -204,6 +207,13 @@ class PackedBatch:
     def num_label_tokens(self) -> int:
         """Tokens that carry a loss (labels != -100): the denominator of a per-token loss."""
         return int((self.labels != IGNORE_INDEX).sum())
+
+    def real_tokens(self) -> torch.Tensor:
+        """``[R, T]`` int64, 1 on real tokens and 0 on padding (expanded layout): what router statistics and
+        an MoE auxiliary loss must count (``vlm_pack.routers``), where the rows carry no 2-D mask."""
+        return real_tokens(
+            self.cu_seqlens_expanded, self.cu_seqlens_padded_expanded, self.num_rows, self.row_length
+        )
 
     def _apply(self, fn: Any) -> PackedBatch:
         changes = {
@@ -250,10 +260,16 @@ class PackedBatch:
         cache = self.__dict__.setdefault("_attention_masks", {})
         if dtype not in cache:
             types = self.extra.get("token_type_ids")
+            if types is None and self.mm_token_type_ids is not None:  # Gemma 4: images 1, videos 2
+                types = (self.mm_token_type_ids > 0).long()
             if types is None:
                 types = torch.zeros_like(self.input_ids)  # text only: plain causal per sample
+            layers = self.two_way_layers
+            if layers is None:  # built without a collator: the family's own
+                record = lookup(self.family)
+                layers = record.two_way_layers if record is not None else ()
             cache[dtype] = gemma3_attention_masks(
-                types, self.cu_seqlens_padded, self.sliding_window, dtype=dtype
+                types, self.cu_seqlens_padded, self.sliding_window, dtype=dtype, two_way_layers=layers
             )
         return cache[dtype]
 

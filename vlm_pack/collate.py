@@ -148,6 +148,23 @@ def _attr(obj: Any, *names: str) -> Any:
 
 
 
+def _two_way_layers(record: Any, family: str | None, model_config: Any, text_cfg: Any) -> tuple[str, ...]:
+    """The layer types whose packed masks let image tokens attend both ways (``Family.two_way_layers``),
+    none where the model's config switches that off (Gemma 4's ``use_bidirectional_attention``)."""
+    if record is None or not record.two_way_images:
+        return ()
+    if record.two_way_switch is None:
+        return record.two_way_layers
+    name, value = record.two_way_switch
+    if model_config is None:
+        raise ValueError(
+            f"family {family!r}: whether image tokens attend both ways is the text config's {name!r}: "
+            "pass model_config=model.config"
+        )
+    setting = _attr(text_cfg, name) if text_cfg is not None else _attr(model_config, name)
+    return record.two_way_layers if setting == value else ()
+
+
 class PackingCollator:
     """Collate a list of processed samples into a :class:`PackedBatch` (or a model-input dict).
 
@@ -258,6 +275,7 @@ class PackingCollator:
                 f"family {self.family!r} builds its packed attention masks from the text config's "
                 "sliding_window: pass model_config=model.config (or sliding_window=)"
             )
+        self.two_way_layers = _two_way_layers(record, self.family, model_config, text_cfg)
         self.layout = layout
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pad_to_capacity = bool(pad_to_capacity)
@@ -478,6 +496,7 @@ class PackingCollator:
             family=self.family,
             pad_to_multiple_of=self.pad_to_multiple_of,
             sliding_window=self.sliding_window,
+            two_way_layers=self.two_way_layers,
             mm_token_type_ids=flat_types.reshape(shape) if flat_types is not None else None,
             tokens_per_image=tokens_per_image,
             extra=_packed_extras(ordered, plan, shape),

@@ -12,6 +12,8 @@ CLI) reads this registry and nothing else, so every spelling means the same fami
     wraps           template                  processor_markers   processor_text    processing, data/forecast
     mrope           qwen2_vl                  None (1-D)          None (1-D)        positions, collate, batch
     two_way_images  False                     False               True              collate, batch (masks)
+    two_way_layers  (full, sliding)           (full, sliding)     (full, sliding)   collate (masks)
+    two_way_switch  None                      None                None              collate (masks)
     collapsed       True                      False               True              Preprocessor
     chat_format     qwen                      None                None              chat (no chat template)
     token_mixers    ()                        ()                  ()                mixers, batch
@@ -104,6 +106,11 @@ class Family:
     ``qwen3_vl``: ``vlm_pack.positions``); None: 1-D per-sample positions."""
     two_way_images: bool = False
     """Image tokens attend both ways inside their image (``token_type_ids``): packed rows need its masks."""
+    two_way_layers: tuple[str, ...] = ("full_attention", "sliding_attention")
+    """The layer types whose masks let image tokens attend both ways (Gemma 4: the sliding ones only)."""
+    two_way_switch: tuple[str, str] | None = None
+    """``(text config attribute, value)`` that turns the two-way image blocks on; None: always on.
+    Gemma 4: ``("use_bidirectional_attention", "vision")`` (its E2B / E4B leave it None: causal)."""
     collapsed: bool = True
     """``layout="collapsed"`` works: each image's embedding tokens form one run (no markers between them)."""
     chat_format: str | None = None
@@ -158,7 +165,26 @@ _RECORDS = (
         wraps="template",
         mrope="qwen3_vl",
     ),
-    Family("glm4v_moe", image_token="<|image|>", wraps="template", mrope="qwen3_vl"),  # as glm4v (5.23)
+    # zai-org/GLM-4.5V: the GLM-4.1V processor and get_rope_index (glm4v_moe/modular_glm4v_moe.py) around a
+    # mixture-of-experts text model (transformers >= 4.56)
+    Family(
+        "glm4v_moe",
+        ("GLM-4.5V",),
+        vision=_rule("smart_resize.Glm4vSpec", variant="glm4v_moe"),
+        image_token="<|image|>",
+        wraps="template",
+        mrope="qwen3_vl",
+    ),
+    # zai-org/GLM-4.6V: Glm4vForConditionalGeneration and the GLM-4.1V processor under their own names
+    # (glm46v/modular_glm46v.py; transformers >= 5.0); the released text model is GLM-4.5V's MoE
+    Family(
+        "glm46v",
+        ("GLM-4.6V",),
+        vision=_rule("smart_resize.Glm4vSpec", variant="glm46v"),
+        image_token="<|image|>",
+        wraps="template",
+        mrope="qwen3_vl",
+    ),
     # llava-hf/llava-1.5-7b-hf
     Family(
         "llava", ("LLaVA-1.5",), vision=_rule("anyres.LlavaSpec"), image_token="<image>", chat_format="llava"
@@ -218,6 +244,19 @@ _RECORDS = (
     ),
     # google/gemma-3-4b-it (the template writes <start_of_image>, which the processor expands)
     Family("gemma3", vision=_rule("tiles.Gemma3Spec"), wraps="processor_text", two_way_images=True),
+    # google/gemma-4-31B-it (transformers >= 5.5): images wrapped in <|image> <image|> by the processor; with
+    # use_bidirectional_attention="vision" image tokens attend both ways on the sliding layers only
+    Family(
+        "gemma4",
+        ("Gemma-4",),
+        vision=_rule("patch_budget.Gemma4Spec"),
+        image_token="<|image|>",
+        wraps="processor",
+        two_way_images=True,
+        two_way_layers=("sliding_attention",),
+        two_way_switch=("use_bidirectional_attention", "vision"),
+        collapsed=False,
+    ),
     # mistralai/Mistral-Small-3.1-24B-Instruct-2503: a Pixtral tower (vision_spec_from_processor reads it)
     Family("mistral3", image_token="[IMG]", wraps="processor", collapsed=False),
     # mistral-community/pixtral-12b
@@ -299,7 +338,7 @@ def names(having: str | None = None) -> tuple[str, ...]:
     """The canonical names, in registry order: all, or those whose field ``having`` is set (not None/False).
 
     >>> names("mrope")
-    ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_vl_moe', 'glm4v', 'glm4v_moe')
+    ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_vl_moe', 'glm4v', 'glm4v_moe', 'glm46v')
     """
     if having is not None and having not in {f.name for f in fields(Family)}:
         raise ValueError(

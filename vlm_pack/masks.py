@@ -1,4 +1,4 @@
-"""Attention masks for packed rows of models whose attention is not plain causal: Gemma 3.
+"""Attention masks for packed rows of models whose attention is not plain causal: Gemma 3 and Gemma 4.
 
 Gemma 3's image tokens attend to each other both ways inside one image (``token_type_ids == 1``), text is
 causal, and every other layer sees only a sliding window. For one sample transformers builds::
@@ -17,6 +17,8 @@ built from the packed row itself, so every sample gets exactly the mask it gets 
     sliding(q, k) = allowed(q, k) AND k > q - sliding_window
 
 Positions inside a sample differ by the same amount as in the row, so the window needs no re-indexing.
+Gemma 4 (``use_bidirectional_attention="vision"``, ``modeling_gemma4.py``) keeps the two-way image blocks on
+its sliding layers only; its full-attention layers are causal per sample (``two_way_layers``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def gemma3_attention_masks(
     sliding_window: int | None,
     *,
     dtype: torch.dtype | None = None,
+    two_way_layers: tuple[str, ...] = ("full_attention", "sliding_attention"),
 ) -> dict[str, torch.Tensor]:
     """Gemma 3's per-layer-type masks of a packed batch: ``{"full_attention": M, "sliding_attention": S}``.
 
@@ -59,6 +62,8 @@ def gemma3_attention_masks(
             full layer sees).
         dtype: None gives bool masks (True = attend; what sdpa takes); a float dtype gives additive masks
             (0 or the dtype's minimum; what eager attention adds to its scores).
+        two_way_layers: the layer types whose image blocks attend both ways; the others are causal per
+            sample (Gemma 4: ``("sliding_attention",)``, as its ``create_masks_for_vision_model``).
 
     Returns:
         The masks ``[R, 1, T, T]``, to pass as ``attention_mask=`` (Gemma 3 then uses them as they are,
@@ -73,10 +78,12 @@ def gemma3_attention_masks(
     causal = pos[None, :] <= pos[:, None]  # [q, k]
     same_sample = sample[:, :, None] == sample[:, None, :]
     same_block = (block[:, :, None] == block[:, None, :]) & (block[:, :, None] >= 0)
-    full = same_sample & (causal[None] | same_block)
-    sliding = full
+    causal_only = same_sample & causal[None]
+    two_way = same_sample & (causal[None] | same_block)
+    full = two_way if "full_attention" in two_way_layers else causal_only
+    sliding = two_way if "sliding_attention" in two_way_layers else causal_only
     if sliding_window is not None:
-        sliding = full & (pos[None, :] > pos[:, None] - int(sliding_window))[None]
+        sliding = sliding & (pos[None, :] > pos[:, None] - int(sliding_window))[None]
     masks = {"full_attention": full[:, None], "sliding_attention": sliding[:, None]}
     if dtype is None:
         return masks

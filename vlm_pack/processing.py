@@ -97,6 +97,12 @@ def _image_token(tokenizer: Any, family: str | None = None) -> tuple[str, int]:
 
 def _placeholder(tokenizer: Any, processor: Any, family: str | None) -> str:
     """The token a chat template writes once per image (what the processor then expands)."""
+    # Gemma 4's template writes <|image|>, its processor's image_token, which it expands into
+    # <|image> <|image|>... <image|>: the family's own token, before the Gemma 3 rule below.
+    record = lookup(canonical(family or getattr(tokenizer, "vlm_pack_family", None), strict=False))
+    named = getattr(processor, "image_token", None) if processor is not None else None
+    if record is not None and record.image_token and named == record.image_token:
+        return str(named)
     # Gemma 3's template writes <start_of_image>: transformers >= 5.7 names it the processor's image_token,
     # 5.6 its boi_token (image_token there is the embedding token it expands into).
     for name in ("boi_token", "image_token"):

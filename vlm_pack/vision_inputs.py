@@ -14,6 +14,8 @@ the *shape* each model wants the images of several samples in::
                                  pixel_attention_mask [1, N_i, H, W]   cat dim 1: [1, sum N_i, H, W]
     Mistral3 / Pixtral tower     pixel_values [n_i, C, H_i, W_i]       zero-pad H, W to the max, cat dim 0
                                  image_sizes [n_i, 2]                  cat dim 0 (the tower crops each image)
+    Gemma 4                      pixel_values [n_i, P, D] patch rows   cat dim 0
+                                 image_position_ids [n_i, P, 2]        cat dim 0
     LFM2-VL (SigLIP2-NaFlex)     pixel_values [N_i, P_i, D]            zero-pad P to the max, cat dim 0
                                  pixel_attention_mask [N_i, P_i]       zero-pad P (padding), cat dim 0
                                  spatial_shapes [N_i, 2]               cat dim 0 (patch rows, cols per crop)
@@ -48,6 +50,7 @@ VISION_KEYS = (
     "pixel_values_videos",
     "video_grid_thw",
     "second_per_grid_ts",
+    "image_position_ids",
 )
 
 
@@ -169,12 +172,16 @@ def join_vision(per_sample: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
     patch_rows = any(m.dim() == 2 for m in masks)
     if crops_flat and patch_rows:
         raise ValueError("cannot join 'pixel_attention_mask' of two model families (pixel and patch masks)")
+    # Gemma 4 gives each image's patches as rows, with their (x, y) in image_position_ids.
+    patches = any("image_position_ids" in s for s in per_sample)
     for key in VISION_KEYS:
         parts = [s[key] for s in per_sample if key in s]
         if not parts:
             continue
         try:
-            if key == "pixel_values":
+            if key == "pixel_values" and patches:  # Gemma 4: [n_i, max_patches, D] patch rows per image
+                out[key] = _cat(parts)
+            elif key == "pixel_values":
                 out[key] = _join_pixel_values(parts, crops_flat, patch_rows)
             elif key == "pixel_attention_mask" and patch_rows:
                 out[key] = _cat(_pad_to(parts, (1,)))

@@ -40,9 +40,8 @@ class _Dims:
 
 def _qwen_like(family: str, d: _Dims, text: dict[str, Any], ids: Any) -> dict[str, Any]:
     """Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4.1V: mRoPE over (t, h, w), patch 14 (16 for Qwen3) merged 2x2."""
-    half = (
-        (d.hidden // d.heads) // 2 if family != "glm4v" else (d.hidden // d.heads) // 4
-    )  # GLM: partial rotary 0.5
+    glm = family in _GLM_FAMILIES
+    half = (d.hidden // d.heads) // 4 if glm else (d.hidden // d.heads) // 2  # GLM: partial rotary 0.5
     section = [half - 2 * (half // 4), half // 4, half // 4]
     text["rope_parameters"] = {"rope_type": "default", "mrope_section": section, "rope_theta": 10000.0}
     vision = dict(
@@ -64,8 +63,10 @@ def _qwen_like(family: str, d: _Dims, text: dict[str, Any], ids: Any) -> dict[st
         text.update(head_dim=d.hidden // d.heads)
         text["rope_parameters"]["mrope_interleaved"] = True
         vision.update(num_position_embeddings=64, deepstack_visual_indexes=[])
-    if family == "glm4v":
+    if glm:
         text["rope_parameters"]["partial_rotary_factor"] = 0.5
+        if family != "glm4v":
+            _glm_moe_text(text)
         vision.update(image_size=336)
         names = ("image_token_id", "<|image|>"), ("image_start_token_id", "<|begin_of_image|>")
         names += (("image_end_token_id", "<|end_of_image|>"), ("video_token_id", "<|video|>"))
@@ -76,9 +77,35 @@ def _qwen_like(family: str, d: _Dims, text: dict[str, Any], ids: Any) -> dict[st
     return dict(vision_config=vision, **{k: ids(t) for k, t in names})
 
 
+_GLM_FAMILIES = ("glm4v", "glm4v_moe", "glm46v")
+
+
+def _glm_moe_text(text: dict[str, Any]) -> None:
+    """GLM-4.5V / 4.6V's mixture-of-experts text model (``glm4v_moe_text``), shrunk: 4 routed experts, 2 per
+    token, one shared expert, the first layer dense as in the checkpoints (``first_k_dense_replace``)."""
+    text.update(model_type="glm4v_moe_text", n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1)
+    text.update(moe_intermediate_size=text["hidden_size"], first_k_dense_replace=1, n_group=1, topk_group=1)
+    text.update(norm_topk_prob=True, routed_scaling_factor=1.0)
+
+
+def _gemma4(d: _Dims, text: dict[str, Any], tok: Any) -> dict[str, Any]:
+    """Gemma 4: 16 px patches pooled 3 x 3; sliding / full text layers (the last one full), per-layer inputs,
+    image tokens attending both ways on the sliding layers where ``use_bidirectional_attention="vision"``
+    (the released 26B / 31B; pass ``use_bidirectional_attention=None`` for the E2B / E4B behaviour)."""
+    head_dim = d.hidden // d.heads
+    text.update(model_type="gemma4_text", head_dim=head_dim, global_head_dim=head_dim, sliding_window=8)
+    text.update(hidden_size_per_layer_input=8, vocab_size_per_layer_input=text["vocab_size"])
+    text["layer_types"] = ["sliding_attention"] * (d.layers - 1) + ["full_attention"]
+    text["use_bidirectional_attention"] = "vision"
+    vision = d.vision_tower("gemma4_vision", head_dim=d.vision // 2, patch_size=16, pooling_kernel_size=3)
+    vision.update(num_key_value_heads=2)
+    ids = dict(image_token_id=tok.image_token_id, boi_token_id=tok.boi_token_id, eoi_token_id=tok.eoi_token_id)
+    return dict(vision_config=vision, audio_config=None, **ids)
+
+
 def _family_parts(family: str, d: _Dims, text: dict[str, Any], ids: Any, tok: Any) -> dict[str, Any]:
     """The config's vision tower and multimodal fields; edits ``text`` where the family's LM needs it."""
-    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"):
+    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", *_GLM_FAMILIES):
         return _qwen_like(family, d, text, ids)
     if family in ("llava", "llava_next"):  # CLIP 336; vision_feature_layer=-2 needs two layers
         text["model_type"] = "llama"
@@ -122,6 +149,8 @@ def _family_parts(family: str, d: _Dims, text: dict[str, Any], ids: Any, tok: An
         vision = d.vision_tower("siglip2_vision_model", patch_size=16, num_patches=256, vision_use_head=False)
         out = dict(vision_config=vision, image_token_id=ids("<image>"), downsample_factor=2)
         return dict(out, projector_hidden_size=2 * d.hidden)
+    if family == "gemma4":
+        return _gemma4(d, text, tok)
     # mistral3: Pixtral tower, 14 px patches merged 2 x 2
     text["model_type"] = "mistral"
     vision = d.vision_tower("pixtral", image_size=1540, patch_size=14, head_dim=d.vision // 2)

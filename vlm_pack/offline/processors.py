@@ -63,6 +63,13 @@ _IMAGE_PROCESSOR_PARAMS: dict[str, dict[str, Any]] = {
     "glm4v": dict(
         _QWEN2, cls="Glm4vImageProcessorPil", size={"shortest_edge": 12544, "longest_edge": 9633792}
     ),
+    # zai-org/GLM-4.5V, zai-org/GLM-4.6V (the GLM-4.1V rule; GLM-4.6V under its own class name)
+    "glm4v_moe": dict(
+        _QWEN2, cls="Glm4vImageProcessorPil", size={"shortest_edge": 12544, "longest_edge": 9633792}
+    ),
+    "glm46v": dict(
+        _QWEN2, cls="Glm46VImageProcessorPil", size={"shortest_edge": 12544, "longest_edge": 9633792}
+    ),
     # llava-hf/llava-1.5-7b-hf
     "llava": _LLAVA,
     # llava-hf/llava-v1.6-mistral-7b-hf
@@ -107,6 +114,8 @@ _IMAGE_PROCESSOR_PARAMS: dict[str, dict[str, Any]] = {
         image_mean=_HALF,
         image_std=_HALF,
     ),
+    # google/gemma-4-E4B-it: 16 px patches pooled 3 x 3, at most 280 soft tokens, pixels in [0, 1]
+    "gemma4": dict(cls="Gemma4ImageProcessorPil", patch_size=16, max_soft_tokens=280, pooling_kernel_size=3),
     # mistralai/Mistral-Small-3.1-24B-Instruct-2503 (Pixtral tower: 14 px patches merged 2x2)
     "mistral3": dict(
         cls="PixtralImageProcessorPil",
@@ -123,6 +132,8 @@ _PROCESSOR_PARAMS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_5_vl": ("Qwen2_5_VLProcessor", {}),
     "qwen3_vl": ("Qwen3VLProcessor", {}),
     "glm4v": ("Glm4vProcessor", {}),
+    "glm4v_moe": ("Glm4vProcessor", {}),
+    "glm46v": ("Glm46VProcessor", {}),
     # llava-hf checkpoints count the CLS token (+1) and drop it again with the "default" strategy: 576.
     "llava": (
         "LlavaProcessor",
@@ -140,6 +151,7 @@ _PROCESSOR_PARAMS: dict[str, tuple[str, dict[str, Any]]] = {
     "idefics3": ("Idefics3Processor", dict(image_seq_len=169)),
     "smolvlm": ("SmolVLMProcessor", dict(image_seq_len=81)),
     "gemma3": ("Gemma3Processor", dict(image_seq_length=256)),
+    "gemma4": ("Gemma4Processor", dict(image_seq_length=280)),
     "mistral3": ("PixtralProcessor", dict(patch_size=14, spatial_merge_size=2)),
     "lfm2_vl": ("Lfm2VlProcessor", {}),
 }
@@ -177,6 +189,11 @@ def image_processor(family: str = "qwen2_vl", **overrides: Any) -> Any:
     return pil_image_processor_class(name)(**params)
 
 
+# Parts an image + text processor is built without: video processors need torchvision; Gemma 4's audio
+# feature extractor is not needed for images.
+_OPTIONAL_PARTS = ("video_processor", "feature_extractor")
+
+
 @functools.cache
 def _without_video(cls: type) -> type:
     """``cls`` accepting ``video_processor=None``: video processors need torchvision, images do not.
@@ -186,7 +203,7 @@ def _without_video(cls: type) -> type:
     """
 
     def check_argument_for_proper_class(self: Any, argument_name: str, argument: Any) -> Any:
-        if argument_name == "video_processor" and argument is None:
+        if argument_name in _OPTIONAL_PARTS and argument is None:
             return None
         return cls.check_argument_for_proper_class(self, argument_name, argument)
 
@@ -254,7 +271,9 @@ def processor(
     kwargs: dict[str, Any] = dict(
         image_processor=image_processor(family, **overrides), tokenizer=tok, **params
     )
-    if "video_processor" in cls.get_attributes():
-        cls, kwargs["video_processor"] = _without_video(cls), None
+    optional = [part for part in _OPTIONAL_PARTS if part in cls.get_attributes()]
+    if optional:
+        cls = _without_video(cls)
+        kwargs.update(dict.fromkeys(optional))
     with _smolvlm_without_num2words() if name == "SmolVLMProcessor" else contextlib.nullcontext():
         return cls(chat_template=chat_template, **kwargs)

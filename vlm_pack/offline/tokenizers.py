@@ -52,6 +52,23 @@ _LLAVA = dict(
     roles=dict(image_token="<image>"),
     extra=[],
 )
+_GLM = dict(
+    core=dict(pad_token="<|endoftext|>", eos_token="<|endoftext|>"),
+    roles=dict(image_token="<|image|>", video_token="<|video|>"),
+    extra=[
+        "[gMASK]",
+        "<sop>",
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|begin_of_image|>",
+        "<|end_of_image|>",
+        "<|image|>",
+        "<|begin_of_video|>",
+        "<|end_of_video|>",
+        "<|video|>",
+    ],
+)
 # Per family: ``core`` (bos/eos/pad/unk), ``roles`` (named tokens set as tokenizer attributes), ``extra`` tokens;
 # those of the released checkpoints' tokenizers (named in comments).
 _FAMILY_TOKENS: dict[str, dict[str, Any]] = {
@@ -107,6 +124,19 @@ _FAMILY_TOKENS: dict[str, dict[str, Any]] = {
             "<image_soft_token>",
         ],
     ),
+    # google/gemma-4-E4B-it, google/gemma-4-31B-it: turns <|turn>role ... <turn|>, images <|image>...<image|>
+    "gemma4": dict(
+        core=dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"),
+        roles=dict(
+            boi_token="<|image>",
+            eoi_token="<image|>",
+            image_token="<|image|>",
+            boa_token="<|audio>",  # Gemma4Processor refuses a tokenizer without its audio tokens
+            eoa_token="<audio|>",
+            audio_token="<|audio|>",
+        ),
+        extra=["<bos>", "<eos>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|think|>", "<|audio>", "<audio|>", "<|audio|>"],
+    ),
     # mistralai/Mistral-Small-3.1-24B-Instruct-2503 (Tekken vocabulary; Pixtral image tokens)
     "mistral3": dict(
         core=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"),
@@ -141,23 +171,10 @@ _FAMILY_TOKENS: dict[str, dict[str, Any]] = {
         ],
     ),
     # zai-org/GLM-4.1V-9B-Thinking
-    "glm4v": dict(
-        core=dict(pad_token="<|endoftext|>", eos_token="<|endoftext|>"),
-        roles=dict(image_token="<|image|>", video_token="<|video|>"),
-        extra=[
-            "[gMASK]",
-            "<sop>",
-            "<|system|>",
-            "<|user|>",
-            "<|assistant|>",
-            "<|begin_of_image|>",
-            "<|end_of_image|>",
-            "<|image|>",
-            "<|begin_of_video|>",
-            "<|end_of_video|>",
-            "<|video|>",
-        ],
-    ),
+    "glm4v": _GLM,
+    # zai-org/GLM-4.5V, zai-org/GLM-4.6V (the GLM-4.5 vocabulary: its thinking blocks are special tokens)
+    "glm4v_moe": dict(_GLM, extra=[*_GLM["extra"], "<think>", "</think>"]),
+    "glm46v": dict(_GLM, extra=[*_GLM["extra"], "<think>", "</think>"]),
 }
 
 

@@ -41,6 +41,7 @@ Where things live (one file per rule; every name below is importable from ``vlm_
 - ``anyres.py``: LLaVA-1.5 (fixed crop), LLaVA-NeXT and LLaVA-OneVision (anyres pinpoints);
 - ``tiles.py``: InternVL, Idefics3 / SmolVLM, Gemma 3, LFM2-VL (fixed-size tiles and crops);
 - ``pixtral.py``: Pixtral (patches with row breaks);
+- ``patch_budget.py``: Gemma 4 (aspect kept, whole pooled patches within a token budget);
 - ``megatron.py``: Megatron-LM / NeMo LLaVA (fixed embeddings per tile);
 - ``families.py``: :func:`vision_spec`, a family's spec by name (which rule each family has: ``vlm_pack.families``);
 - ``from_processor.py``: :func:`vision_spec_from_processor`, one reader per HF image processor class;
@@ -54,6 +55,7 @@ from .families import vision_spec
 from .from_processor import vision_spec_from_processor
 from .headers import ImageSource, image_size
 from .megatron import MegatronSpec
+from .patch_budget import Gemma4Spec
 from .pixtral import PixtralSpec
 from .smart_resize import Glm4vSpec, Qwen2VLSpec, Qwen3VLSpec, smart_resize
 from .spec import VisionSpec
@@ -61,6 +63,7 @@ from .tiles import Gemma3Spec, Idefics3Spec, InternVLSpec, Lfm2VlSpec
 
 __all__ = [
     "Gemma3Spec",
+    "Gemma4Spec",
     "Glm4vSpec",
     "Idefics3Spec",
     "ImageSource",

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 from ..families import names
 from .anyres import LlavaNextSpec, LlavaOnevisionSpec, LlavaSpec
 from .families import vision_spec
+from .patch_budget import Gemma4Spec
 from .pixtral import PixtralSpec
 from .smart_resize import Glm4vSpec, Qwen2VLSpec, Qwen3VLSpec
 from .spec import VisionSpec
@@ -72,7 +73,8 @@ def _qwen_video_kwargs(video: Any) -> dict[str, Any]:
 
 _SUPPORTED_PROCESSORS = (
     "Qwen2VLImageProcessor[Pil] (Qwen2VLProcessor, Qwen2_5_VLProcessor, Qwen3VLProcessor)",
-    "Glm4vImageProcessor[Pil] (Glm4vProcessor)",
+    "Glm4vImageProcessor[Pil] (Glm4vProcessor: GLM-4.1V, GLM-4.5V)",
+    "Glm46VImageProcessor[Pil] (Glm46VProcessor)",
     "LlavaImageProcessor[Pil] / CLIPImageProcessor (LlavaProcessor)",
     "LlavaNextImageProcessor[Pil] (LlavaNextProcessor)",
     "LlavaOnevisionImageProcessor[Pil] (LlavaOnevisionProcessor)",
@@ -81,6 +83,7 @@ _SUPPORTED_PROCESSORS = (
     "SmolVLMImageProcessor[Pil] (SmolVLMProcessor)",
     "Gemma3ImageProcessor[Pil] (Gemma3Processor)",
     "Lfm2VlImageProcessor (Lfm2VlProcessor; torchvision)",
+    "Gemma4ImageProcessor[Pil] (Gemma4Processor)",
     "PixtralImageProcessor[Pil] (PixtralProcessor)",
 )
 
@@ -103,7 +106,9 @@ def _read_qwen(src: _Source) -> VisionSpec:
         min_pixels=int(_get(size, "shortest_edge")),
         max_pixels=int(_get(size, "longest_edge")),
     )
-    if src.ip_name == "Glm4vImageProcessor":
+    if src.ip_name == "Glm46VImageProcessor":
+        return Glm4vSpec(**kwargs, variant="glm46v")
+    if src.ip_name == "Glm4vImageProcessor":  # GLM-4.1V and GLM-4.5V share the processor classes
         return Glm4vSpec(**kwargs)
     kwargs.update(_qwen_video_kwargs(getattr(src.processor, "video_processor", None)))
     if src.proc_name.startswith("Qwen3VL") or (not src.proc_name and kwargs["patch_size"] == 16):
@@ -229,6 +234,12 @@ def _read_gemma3(src: _Source) -> VisionSpec:
     return Gemma3Spec(**kwargs)
 
 
+def _read_gemma4(src: _Source) -> VisionSpec:
+    ip = src.ip
+    names = ("patch_size", "pooling_kernel_size", "max_soft_tokens")
+    return Gemma4Spec(**{name: int(_get(ip, name)) for name in names})
+
+
 def _read_pixtral(src: _Source) -> VisionSpec:
     ip, processor = src.ip, src.processor
     patch = _get(ip, "patch_size")
@@ -251,6 +262,7 @@ def _read_pixtral(src: _Source) -> VisionSpec:
 _READERS: dict[str, Callable[[_Source], VisionSpec]] = {
     "Qwen2VLImageProcessor": _read_qwen,
     "Glm4vImageProcessor": _read_qwen,
+    "Glm46VImageProcessor": _read_qwen,
     "LlavaImageProcessor": _read_llava,
     "CLIPImageProcessor": _read_llava,
     "LlavaNextImageProcessor": _read_llava,
@@ -259,6 +271,7 @@ _READERS: dict[str, Callable[[_Source], VisionSpec]] = {
     "Idefics3ImageProcessor": _read_idefics3,
     "SmolVLMImageProcessor": _read_idefics3,
     "Gemma3ImageProcessor": _read_gemma3,
+    "Gemma4ImageProcessor": _read_gemma4,
     "PixtralImageProcessor": _read_pixtral,
     "Lfm2VlImageProcessor": _read_lfm2_vl,
 }

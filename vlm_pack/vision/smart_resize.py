@@ -335,6 +335,9 @@ class Qwen3VLSpec(_QwenVideoSpec):
         )
 
 
+_GLM_VARIANTS = ("glm4v", "glm4v_moe", "glm46v")
+
+
 @dataclass(frozen=True)
 class Glm4vSpec(_QwenStyleSpec):
     """GLM-4.1V-Thinking (``Glm4vImageProcessor``): 3-D ``smart_resize`` with ``num_frames = 2``.
@@ -344,12 +347,22 @@ class Glm4vSpec(_QwenStyleSpec):
     between ``<|begin_of_image|>`` and ``<|end_of_image|>``.
     """
 
-    family: ClassVar[str] = "glm4v"
-
-    # THUDM/GLM-4.1V-9B-Thinking preprocessor_config.json.
+    # THUDM/GLM-4.1V-9B-Thinking preprocessor_config.json (and zai-org/GLM-4.5V's, GLM-4.6V's).
     patch_size: int = 14
     min_pixels: int = 12544
     max_pixels: int = 9633792
+    variant: str = "glm4v"
+    """``"glm4v"``, ``"glm4v_moe"`` (GLM-4.5V) or ``"glm46v"`` (GLM-4.6V): the family name the spec reports."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.variant not in _GLM_VARIANTS:
+            raise ValueError(f"Glm4vSpec.variant must be one of {_GLM_VARIANTS}, got {self.variant!r}.")
+
+    @property  # type: ignore[override]
+    def family(self) -> str:
+        """The GLM release: all three share the GLM-4.1V image rule."""
+        return self.variant
 
     def resized_size(self, width: int, height: int) -> tuple[int, int]:
         width, height = _check_size(self.family, width, height)
