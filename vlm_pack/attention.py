@@ -648,7 +648,9 @@ def use_varlen_attention(model: torch.nn.Module, backend: str = "auto") -> torch
 
     ``backend`` fixes the varlen backend for this model ("auto" picks per call). Feed packed rows with
     per-sample ``position_ids`` (Qwen2-VL: (4, 1, T)) or with ``cu_seq_lens_q``/``cu_seq_lens_k``/
-    ``max_length_q``/``max_length_k``, ``attention_mask=None`` and ``use_cache=False``. Returns the model.
+    ``max_length_q``/``max_length_k``, ``attention_mask=None`` and ``use_cache=False``. The token mixers that
+    are not attention (Qwen3.5's gated delta net, LFM2's short conv) get the boundaries too
+    (``isolate_token_mixers``). Returns the model.
     """
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} or 'auto'.")
@@ -665,4 +667,6 @@ def use_varlen_attention(model: torch.nn.Module, backend: str = "auto") -> torch
         if isinstance(sub, PreTrainedModel) and sub.config is not config and sub.config is not text_config:
             for module in sub.modules():
                 module._vlm_pack_encoder = True
-    return model
+    from .mixers import isolate_token_mixers
+
+    return isolate_token_mixers(model)
