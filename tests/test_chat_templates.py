@@ -36,15 +36,14 @@ END_OF_TURN = {
     "internvl": "<|im_end|>",  # OpenGVLab/InternVL3-1B-hf
     "mistral3": "</s>",  # mistralai/Mistral-Small-3.1-24B-Instruct-2503
     "qwen3_5": "<|im_end|>",  # Qwen/Qwen3.5-27B (reconstructed: tests/templates/README.md)
+    "qwen3_5_moe": "<|im_end|>",  # Qwen/Qwen3.5-35B-A3B (the same template)
 }
 # Checkpoint image-processor parameters everywhere, except Qwen's pixel cap (fewer tokens, same rule).
 OVERRIDES = {
     f: dict(size={"shortest_edge": 3136, "longest_edge": 200704}) for f in ("qwen2_vl", "qwen2_5_vl")
 }
-OVERRIDES["qwen3_5"] = dict(size={"shortest_edge": 4096, "longest_edge": 256 * 32 * 32})
+OVERRIDES.update({f: dict(size={"shortest_edge": 4096, "longest_edge": 256 * 32 * 32}) for f in ("qwen3_5", "qwen3_5_moe")})
 _CACHE: dict[str, object] = {}
-#: Families whose checkpoints ship another family's template (Qwen3.5's MoE checkpoints: Qwen3.5's).
-SAME_TEMPLATE = {"qwen3_5_moe": "qwen3_5"}
 
 
 def _processor(family):
@@ -238,7 +237,7 @@ def test_collapsed_layout_keeps_one_token_per_image_where_the_family_has_one_run
 @pytest.mark.slow
 def test_offline_tiny_model_runs_a_processed_sample(family):
     """Every family's genuine transformers class, built from a tiny config, reads what process_sample gives."""
-    path = TEMPLATES / f"{SAME_TEMPLATE.get(family, family)}.jinja"  # Qwen3-VL: vlm-pack's own Qwen format
+    path = TEMPLATES / f"{family}.jinja"  # Qwen3-VL: vlm-pack's own Qwen format
     template = path.read_text() if path.exists() else None
     tok = offline.build_tokenizer(family)
     small = {  # fewer crops keep this forward quick; the rules are checked above at checkpoint settings
