@@ -215,12 +215,6 @@ def test_control_without_isolated_mixers_leaks(family, attn):
 # ------------------------------------------------------------------------------------ experts: the router
 
 
-def _router_logits_and_aux(model, kwargs):
-    with torch.no_grad():
-        out = model(**kwargs, output_router_logits=True)
-    return out, out.router_logits
-
-
 @pytest.mark.slow
 def test_moe_aux_loss_of_a_padded_packed_row_counts_the_real_tokens_only():
     """Oracle: transformers' own ``load_balancing_loss_func`` on the router logits of the real tokens only
@@ -228,18 +222,23 @@ def test_moe_aux_loss_of_a_padded_packed_row_counts_the_real_tokens_only():
     without a padding mask is counted, differ."""
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
 
-    model = _model("qwen3_5_moe")
-    text = model.config.text_config
-    batch = _batch("qwen3_5_moe")
-    for style in ("sdpa", "eager", "flash_attention_2"):
-        kwargs = dict(batch.model_inputs(style))
-        if style == "flash_attention_2":
-            from vlm_pack.attention import use_varlen_attention
+    from vlm_pack.attention import use_varlen_attention
 
-            model = use_varlen_attention(_model("qwen3_5_moe", isolated=False))
-        out, logits = _router_logits_and_aux(model, kwargs)
-        real = batch.cu_seqlens.tolist()[-1]  # one row: the real tokens are its first `real`
-        assert batch.row_length - real >= PAD_TAIL and len(logits) == text.num_hidden_layers
+    batch = _batch("qwen3_5_moe")
+    models = {
+        "sdpa": _model("qwen3_5_moe", "sdpa"),
+        "eager": _model("qwen3_5_moe", "eager"),
+        "flash_attention_2": use_varlen_attention(_model("qwen3_5_moe", isolated=False)),
+    }
+    text = models["sdpa"].config.text_config
+    real = batch.cu_seqlens.tolist()[-1]  # one row: the real tokens are its first `real`
+    assert batch.row_length - real >= PAD_TAIL
+    for style, model in models.items():
+        kwargs = dict(batch.model_inputs(style))
+        with torch.no_grad():
+            out = model(**kwargs, output_router_logits=True)
+        logits = out.router_logits
+        assert len(logits) == text.num_hidden_layers and logits[0].shape[0] == batch.row_length
         want = load_balancing_loss_func(tuple(g[:real] for g in logits), text.num_experts, text.num_experts_per_tok)
         counted_padding = load_balancing_loss_func(logits, text.num_experts, text.num_experts_per_tok)
         assert torch.allclose(out.aux_loss, want, atol=1e-6, rtol=1e-6), style
