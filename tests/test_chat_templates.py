@@ -39,11 +39,14 @@ END_OF_TURN = {
     "glm4v_moe": "",  # zai-org/GLM-4.5V format: the next turn's <|user|> ends a reply (tests/templates/README.md)
     "glm46v": "",  # zai-org/GLM-4.6V format
     "gemma4": "<turn|>",  # google/gemma-4-*-it format
+    "qwen3_5": "<|im_end|>",  # Qwen/Qwen3.5-27B (reconstructed: tests/templates/README.md)
+    "qwen3_5_moe": "<|im_end|>",  # Qwen/Qwen3.5-35B-A3B (the same template)
 }
 # Checkpoint image-processor parameters everywhere, except Qwen's pixel cap (fewer tokens, same rule).
 OVERRIDES = {
     f: dict(size={"shortest_edge": 3136, "longest_edge": 200704}) for f in ("qwen2_vl", "qwen2_5_vl")
 }
+OVERRIDES.update({f: dict(size={"shortest_edge": 4096, "longest_edge": 256 * 32 * 32}) for f in ("qwen3_5", "qwen3_5_moe")})
 _CACHE: dict[str, object] = {}
 
 
@@ -165,13 +168,28 @@ def test_qwen_tokenizer_template_with_image_processor_equals_the_processor_path(
     assert n == len(b["input_ids"])
 
 
-def test_template_that_rewrites_earlier_turns_is_refused_naming_the_sample():
-    # Like reasoning templates that rewrite earlier assistant turns: here they get an "(earlier) " mark.
+def test_template_that_rewrites_earlier_turns_around_their_text_gets_spans_from_the_whole_rendering():
+    # Like reasoning templates that rewrite earlier assistant turns: here they get an "(earlier) " mark, so
+    # render(messages[:i]) is no prefix of the whole; the texts themselves are copied, and found there.
     template = (
         "{% for m in messages %}{% set is_last = loop.last %}<|im_start|>{{ m['role'] }}\n"
         "{% if m['role'] == 'assistant' and not is_last %}(earlier) {% endif %}{% for p in m['content'] %}"
         "{% if p['type'] == 'text' %}{{ p['text'] }}{% else %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}"
         "{% endfor %}<|im_end|>\n{% endfor %}"
+    )
+    tok = offline.build_tokenizer("qwen2_vl", chat_template=template)
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * 2
+    ids, mask = tokenize_conversation(conv, tokenizer=tok, key="k/7")
+    assert tok.decode(ids).count("(earlier) hello") == 1
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "hello<|im_end|>hello<|im_end|>"
+
+
+def test_template_that_rewrites_earlier_texts_is_refused_naming_the_sample():
+    # Earlier assistant texts written twice once later turns follow: no span is the text as given.
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for p in m['content'] %}{{ p['text'] }}{% endfor %}"
+        "{% if m['role'] == 'assistant' and not loop.last %} {{ m['content'][0]['text'] }}{% endif %}"
+        "<|im_end|>\n{% endfor %}"
     )
     tok = offline.build_tokenizer("qwen2_vl", chat_template=template)
     conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * 2
@@ -285,3 +303,19 @@ def test_forecast_sources_with_the_processor_gives_the_processors_lengths(family
     assert table.lengths.tolist() == expected
     per_image = [process_sample(IMAGES[: len(names)], conv, processor=proc)["tokens_per_image"] for conv, names in cases]
     assert table.image_tokens.tolist() == torch.cat(per_image).tolist()
+
+
+def test_qwen3_5_thinking_blocks_as_its_template_writes_them():
+    """Qwen3.5's template writes an empty ``<think>`` block into the assistant turns after the last user query
+    only (earlier turns lose theirs); the ids are transformers' rendering and only the answers are trained."""
+    proc = _processor("qwen3_5")
+    tok = proc.tokenizer
+    text, ref = _oracle(proc, MULTI, IMAGES)
+    assert text.count("<think>\n\n</think>\n\n") == 1 and text.endswith("<think>\n\n</think>\n\nthree cats<|im_end|>\n")
+    assert "assistant\nthe dog is left<|im_end|>" in text  # the earlier turn: no think block
+    s = process_sample(IMAGES, MULTI, processor=proc)
+    assert s["input_ids"].tolist() == ref
+    trained = tok.decode(s["labels"][s["labels"] != -100])
+    assert trained == "the dog is left<|im_end|>three cats<|im_end|>"
+    think = tok.convert_tokens_to_ids("<think>")
+    assert think in ref and s["labels"][s["input_ids"] == think].eq(-100).all()  # the block is prompt

@@ -208,7 +208,7 @@ def test_every_family_and_alias_gives_the_same_at_every_entry_point(qwen, name):
     reference = PackingCollator(16, family=name, sliding_window=4, model_config=config)(samples)
     rows = (4, 1, 16) if record.mrope else (1, 16)
     assert reference.position_ids.shape == rows
-    assert (reference.attention_masks() is not None) == record.two_way_images
+    assert (reference.attention_masks() is not None) == (record.two_way_images or record.experts)
     for spelling in _spellings(name):
         assert canonical(spelling) == name and family(spelling) is record and _family_name(spelling) == name
         assert Preprocessor(tok, family=spelling).family == name

@@ -68,7 +68,11 @@ def test_names_lookups_and_refusals():
         family("")
     with pytest.raises(TypeError, match="must be a string"):
         canonical(3)  # type: ignore[arg-type]
-    assert names("mrope") == ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "glm46v")
+    assert names("mrope") == (
+        "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe",
+        "glm46v",
+    )
+    assert names("experts") == ("qwen3_5_moe",)
     assert names("two_way_images") == ("gemma3", "gemma4") and names() == tuple(FAMILIES)
     with pytest.raises(ValueError, match="Family has no field 'colour'"):
         names("colour")
@@ -136,7 +140,7 @@ def test_a_text_only_sample_of_an_mrope_family_carries_its_token_types_as_the_pr
     """Qwen-VL and GLM-4.1V processors write ``mm_token_type_ids`` for every sample; the tokenizer + image
     processor path does too (GLM-4.1V's text-only samples lacked them)."""
     proc = _processor(name)
-    text_only = CONVERSATION[1:2]
+    text_only = [{"role": "user", "content": "What is the dog?"}, CONVERSATION[1]]  # a user turn: Qwen3.5 needs one
     theirs = Preprocessor(processor=proc).process([], text_only)
     ours = Preprocessor(proc.tokenizer, proc.image_processor, family=name, template=proc.chat_template)
     ours = ours.process([], text_only)

@@ -195,6 +195,12 @@ class PackedBatch:
         return record is not None and record.two_way_images
 
     @property
+    def _experts(self) -> bool:
+        """The family's router counts tokens in a load-balancing loss that reads a padding mask (Qwen3.5-MoE)."""
+        record = lookup(self.family)
+        return record is not None and record.experts
+
+    @property
     def num_samples(self) -> int:
         return int(self.seq_lens.numel())
 
@@ -252,25 +258,30 @@ class PackedBatch:
         """The per-layer-type masks of models whose packed rows need one (Gemma 3), else None.
 
         ``{"full_attention": [R, 1, T, T], "sliding_attention": [R, 1, T, T]}`` (see ``masks.py``): bool
-        for ``dtype=None`` (sdpa), additive in ``dtype`` otherwise (eager).
+        for ``dtype=None`` (sdpa), additive in ``dtype`` otherwise (eager). Mixture-of-experts families
+        (``experts``: Qwen3.5-MoE) get ``{"full_attention": per-sample causal, "linear_attention": None}``, so
+        that ``model_inputs`` can pass the 2-D mask of real tokens their router loss reads.
         """
-        if not self._two_way_images:
+        if not self._two_way_images and not self._experts:
             return None
         # Built once per dtype: batch[name] and `in` go through model_inputs, and the masks are O(T^2).
         cache = self.__dict__.setdefault("_attention_masks", {})
         if dtype not in cache:
-            types = self.extra.get("token_type_ids")
-            if types is None and self.mm_token_type_ids is not None:  # Gemma 4: images 1, videos 2
-                types = (self.mm_token_type_ids > 0).long()
+            types = self.extra.get("token_type_ids") if self._two_way_images else None
+            if types is None and self._two_way_images and self.mm_token_type_ids is not None:
+                types = (self.mm_token_type_ids > 0).long()  # Gemma 4: images 1, videos 2
             if types is None:
-                types = torch.zeros_like(self.input_ids)  # text only: plain causal per sample
+                types = torch.zeros_like(self.input_ids)  # no two-way images: plain causal per sample
             layers = self.two_way_layers
             if layers is None:  # built without a collator: the family's own
                 record = lookup(self.family)
                 layers = record.two_way_layers if record is not None else ()
-            cache[dtype] = gemma3_attention_masks(
+            masks = gemma3_attention_masks(
                 types, self.cu_seqlens_padded, self.sliding_window, dtype=dtype, two_way_layers=layers
             )
+            if not self._two_way_images:  # mixture of experts: the padding mask is what it needs (real_tokens)
+                masks = {"full_attention": masks["full_attention"], "linear_attention": None}
+            cache[dtype] = masks
         return cache[dtype]
 
     def model_inputs(self, style: str = "sdpa", *, mask_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -280,6 +291,9 @@ class PackedBatch:
           gets ``token_type_ids`` and an ``attention_mask`` dict of its two layer types' masks (bool for
           sdpa, additive in ``mask_dtype`` for eager: use the model's dtype), which keep each image's
           two-way attention inside its sample (transformers' own packed path gets the sliding layers wrong).
+          Mixture-of-experts families (Qwen3.5-MoE) get one too, in every style (``full_attention`` and
+          ``linear_attention`` None in the flash styles): its ``real_tokens`` is what their load-balancing
+          loss reads (``attention_mask.reshape(-1)``), so padding never reaches the router's statistics.
         - ``"flash_attention_2"`` / ``"flash_attention_3"``: rows flattened to ``[1, R*T]`` with
           ``cu_seq_lens_q/k`` and ``max_length_q/k`` from ``cu_seqlens_padded``. (transformers' flash path
           of Gemma 3 attends causally inside images, alone as packed: it cannot express the two-way blocks.)
@@ -314,6 +328,10 @@ class PackedBatch:
             if name in vision:
                 vision[name] = vision[name].reshape(1, flat)
         cu = self.cu_seqlens_padded
+        if self._experts:  # attention reads cu_seq_lens; the router loss the real tokens
+            tokens = real_tokens(self.cu_seqlens, cu, self.num_rows, self.row_length).reshape(1, flat)
+            masks = {"full_attention": None, "linear_attention": None, TOKENS_KEY: tokens}
+            vision = {**vision, "attention_mask": MaskMapping(masks)}
         return {
             "input_ids": self.input_ids.reshape(1, flat),
             "labels": self.labels.reshape(1, flat),

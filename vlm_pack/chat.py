@@ -417,6 +417,49 @@ def _has_generation(template: str) -> bool:
     return re.search(r"\{\%-?\s*generation\s*-?\%\}", template) is not None
 
 
+def _spans_in_full(turns: _Turns, full: str, specials: tuple[str, ...]) -> list[tuple[int, int]]:
+    """Assistant spans of a template that renders earlier turns differently once later ones follow (Qwen3 /
+    Qwen3.5 write ``<think>...</think>`` only in the turns after the last user query): the whole conversation
+    rendered once with every assistant text part a numbered sentinel, which must give ``full`` back when each
+    sentinel is replaced by its text (the template copies the texts verbatim), else the rewrite error."""
+    inputs, texts = list(turns.inputs), []
+    owner: list[int] = []
+    for i, message in enumerate(inputs):
+        if message.get("role") != "assistant":
+            continue
+        content = message["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        marked = []
+        for part in parts:
+            if part.get("type") == "text":
+                texts.append(part["text"])
+                owner.append(i)
+                part = {"type": "text", "text": _SENTINEL.format(len(texts) - 1)}
+            marked.append(part)
+        inputs[i] = {**message, "content": marked[0]["text"] if isinstance(content, str) else marked}
+    probe = _render(turns.template, inputs, turns.env)
+    rebuilt, at, bounds = [], 0, []
+    for j, text in enumerate(texts):
+        pos = probe.find(_SENTINEL.format(j), at)
+        if pos < 0:
+            raise turns.rewrites(owner[j])
+        rebuilt.append(probe[at:pos])
+        start = sum(map(len, rebuilt))
+        rebuilt.append(text)
+        bounds.append((start, start + len(text)))
+        at = pos + len(_SENTINEL.format(j))
+    if "".join(rebuilt) + probe[at:] != full:
+        raise turns.rewrites(owner[0] if owner else 0)
+    spans: dict[int, tuple[int, int]] = {}
+    for i, (lo, hi) in zip(owner, bounds):
+        spans[i] = (spans[i][0], hi) if i in spans else (lo, hi)
+    out = []
+    for start, end in spans.values():
+        eot = next((s for s in specials if full.startswith(s, end)), "")
+        out.append((start, end + len(eot)))
+    return out
+
+
 def _assistant_spans(turns: _Turns, full: str, specials: tuple[str, ...]) -> list[tuple[int, int]]:
     spans = []
     for i, message in enumerate(turns.messages):
@@ -424,7 +467,7 @@ def _assistant_spans(turns: _Turns, full: str, specials: tuple[str, ...]) -> lis
             continue
         before, turn = turns.prefix(i), turns.prefix(i + 1)
         if not turn.startswith(before) or not full.startswith(turn):
-            raise turns.rewrites(i)
+            return _spans_in_full(turns, full, specials)
         lo, hi = turns.content_region(i, before, turn)
         found = _find_in_order(turn, _texts(message), lo, hi)
         if found is None:

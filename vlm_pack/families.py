@@ -17,6 +17,7 @@ CLI) reads this registry and nothing else, so every spelling means the same fami
     collapsed       True                      False               True              Preprocessor
     chat_format     qwen                      None                None              chat (no chat template)
     token_mixers    ()                        ()                  ()                mixers, batch
+    experts         False                     False               False             batch (router mask)
 
 Packed layouts: *expanded* rows hold one token per image embedding, as HF processors write them; *collapsed*
 rows one placeholder per image (Megatron), expanded inside the model, which needs each image's embedding tokens
@@ -118,6 +119,10 @@ class Family:
     token_mixers: tuple[str, ...] = ()
     """Layers of its text model that mix tokens without attention (``"gated_delta_net"``, ``"short_conv"``):
     packed rows must reach them with the sample boundaries too (``vlm_pack.mixers``)."""
+    experts: bool = False
+    """Its text model routes tokens to experts and counts them in an auxiliary load-balancing loss that reads
+    the 2-D ``attention_mask``: packed rows pass one (``real_tokens`` of a ``MaskMapping``) so that padding
+    never reaches the router's statistics."""
 
     def __post_init__(self) -> None:
         if self.wraps not in WRAPS:
@@ -155,6 +160,28 @@ _RECORDS = (
         chat_format="qwen",
     ),
     Family("qwen3_vl_moe", image_token="<|image_pad|>", wraps="template", mrope="qwen3_vl"),
+    # Qwen/Qwen3.5-27B (Qwen3VLProcessor; image settings as Qwen3-VL's). Text model: gated delta-net layers
+    # and attention 3:1 (modeling_qwen3_5.py, 5.24); positions: Qwen3-VL's get_rope_index (videos split per frame)
+    Family(
+        "qwen3_5",
+        ("Qwen3.5", "Qwen3.6"),
+        vision=_rule("smart_resize.Qwen3_5Spec"),
+        image_token="<|image_pad|>",
+        wraps="template",
+        mrope="qwen3_vl",
+        token_mixers=("gated_delta_net",),
+    ),
+    # Qwen/Qwen3.5-35B-A3B: the same with a mixture-of-experts MLP, whose router reads a 2-D padding mask
+    Family(
+        "qwen3_5_moe",
+        ("Qwen3.5-MoE", "Qwen3.6-MoE"),
+        vision=_rule("smart_resize.Qwen3_5MoeSpec"),
+        image_token="<|image_pad|>",
+        wraps="template",
+        mrope="qwen3_vl",
+        token_mixers=("gated_delta_net",),
+        experts=True,
+    ),
     # THUDM/GLM-4.1V-9B-Thinking; its mRoPE numbers images as Qwen2-VL and splits videos into one-frame
     # grids as Qwen3-VL's does
     Family(
@@ -338,7 +365,8 @@ def names(having: str | None = None) -> tuple[str, ...]:
     """The canonical names, in registry order: all, or those whose field ``having`` is set (not None/False).
 
     >>> names("mrope")
-    ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_vl_moe', 'glm4v', 'glm4v_moe', 'glm46v')
+    ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_vl_moe', 'qwen3_5', 'qwen3_5_moe', 'glm4v', 'glm4v_moe',
+     'glm46v')
     """
     if having is not None and having not in {f.name for f in fields(Family)}:
         raise ValueError(

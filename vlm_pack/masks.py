@@ -98,7 +98,9 @@ TOKENS_KEY = "real_tokens"
 
 
 class MaskMapping(dict):
-    """Gemma 3's packed masks as the one ``attention_mask`` a forward call takes::
+    """Packed masks as the one ``attention_mask`` a forward call takes (Gemma 3; mixture-of-experts models
+    whose router loss reads a padding mask, Qwen3.5-MoE: ``full_attention`` and ``linear_attention`` None in
+    the flash style)::
 
         {"full_attention": [R, 1, T, T], "sliding_attention": [R, 1, T, T], "real_tokens": [R, T] int64}
 
@@ -116,6 +118,11 @@ class MaskMapping(dict):
 
     def sum(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self[TOKENS_KEY].sum(*args, **kwargs)
+
+    def reshape(self, *shape: Any) -> torch.Tensor:
+        """``real_tokens`` reshaped: what a mixture-of-experts load-balancing loss reads
+        (``attention_mask.reshape(-1)``), so that padding never enters the router's statistics."""
+        return self[TOKENS_KEY].reshape(*shape)
 
 
 def real_tokens(

@@ -102,11 +102,41 @@ def _gemma4(d: _Dims, text: dict[str, Any], tok: Any) -> dict[str, Any]:
     ids = dict(image_token_id=tok.image_token_id, boi_token_id=tok.boi_token_id, eoi_token_id=tok.eoi_token_id)
     return dict(vision_config=vision, audio_config=None, **ids)
 
+def _qwen3_5(family: str, d: _Dims, text: dict[str, Any], ids: Any) -> dict[str, Any]:
+    """Qwen3.5 (and its MoE): Qwen3-VL's tower without deepstack; a text model of gated delta-net layers and
+    attention 3:1 as released (a tiny one of fewer than 4 layers ends on one attention layer), rotary on a
+    quarter of each head (partial_rotary_factor 0.25) in interleaved mRoPE sections."""
+    head_dim = 32
+    kinds = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(d.layers)]
+    if "full_attention" not in kinds:
+        kinds[-1] = "full_attention"
+    text.update(head_dim=head_dim, layer_types=kinds, linear_conv_kernel_dim=4)
+    text.update(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+    half = head_dim // 4 // 2
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [half - 2 * (half // 4), half // 4, half // 4],
+        "mrope_interleaved": True,
+    }
+    if family == "qwen3_5_moe":  # 4 experts, 2 per token, a shared expert: as the released ones, tiny
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=d.hidden)
+        text.update(shared_expert_intermediate_size=d.hidden, router_aux_loss_coef=0.001)
+    vision = dict(depth=d.vision_layers, num_heads=2, spatial_merge_size=2, temporal_patch_size=2)
+    vision.update(patch_size=16, out_hidden_size=d.hidden, hidden_size=d.vision, intermediate_size=2 * d.vision)
+    vision.update(num_position_embeddings=64, initializer_range=d.init)
+    names = ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>")
+    names += (("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))
+    return dict(vision_config=vision, **{k: ids(t) for k, t in names})
+
 
 def _family_parts(family: str, d: _Dims, text: dict[str, Any], ids: Any, tok: Any) -> dict[str, Any]:
     """The config's vision tower and multimodal fields; edits ``text`` where the family's LM needs it."""
     if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", *_GLM_FAMILIES):
         return _qwen_like(family, d, text, ids)
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        return _qwen3_5(family, d, text, ids)
     if family in ("llava", "llava_next"):  # CLIP 336; vision_feature_layer=-2 needs two layers
         text["model_type"] = "llama"
         vision = d.vision_tower("clip_vision_model", image_size=336, patch_size=14)

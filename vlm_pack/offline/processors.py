@@ -59,6 +59,21 @@ _IMAGE_PROCESSOR_PARAMS: dict[str, dict[str, Any]] = {
         image_mean=_HALF,
         image_std=_HALF,
     ),
+    # Qwen/Qwen3.5-27B, Qwen/Qwen3.5-35B-A3B: Qwen3-VL's preprocessor settings
+    "qwen3_5": dict(
+        _QWEN2,
+        patch_size=16,
+        size={"shortest_edge": 65536, "longest_edge": 16777216},
+        image_mean=_HALF,
+        image_std=_HALF,
+    ),
+    "qwen3_5_moe": dict(
+        _QWEN2,
+        patch_size=16,
+        size={"shortest_edge": 65536, "longest_edge": 16777216},
+        image_mean=_HALF,
+        image_std=_HALF,
+    ),
     # zai-org/GLM-4.1V-9B-Thinking
     "glm4v": dict(
         _QWEN2, cls="Glm4vImageProcessorPil", size={"shortest_edge": 12544, "longest_edge": 9633792}
@@ -131,6 +146,8 @@ _PROCESSOR_PARAMS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_vl": ("Qwen2VLProcessor", {}),
     "qwen2_5_vl": ("Qwen2_5_VLProcessor", {}),
     "qwen3_vl": ("Qwen3VLProcessor", {}),
+    "qwen3_5": ("Qwen3VLProcessor", {}),
+    "qwen3_5_moe": ("Qwen3VLProcessor", {}),
     "glm4v": ("Glm4vProcessor", {}),
     "glm4v_moe": ("Glm4vProcessor", {}),
     "glm46v": ("Glm46VProcessor", {}),

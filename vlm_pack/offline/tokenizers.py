@@ -47,6 +47,10 @@ _IDEFICS3_ROLES = dict(
 
 
 _QWEN = dict(core=dict(pad_token="<|endoftext|>", eos_token="<|im_end|>"), roles=_QWEN_ROLES, extra=[])
+# Qwen3.5's vocabulary adds reasoning and tool tags as plain (not special) added tokens: `plain` below.
+_QWEN3_5 = dict(
+    _QWEN, plain=["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+)
 _LLAVA = dict(
     core=dict(pad_token="<pad>", eos_token="</s>", bos_token="<s>", unk_token="<unk>"),
     roles=dict(image_token="<image>"),
@@ -69,12 +73,15 @@ _GLM = dict(
         "<|video|>",
     ],
 )
-# Per family: ``core`` (bos/eos/pad/unk), ``roles`` (named tokens set as tokenizer attributes), ``extra`` tokens;
+# Per family: ``core`` (bos/eos/pad/unk), ``roles`` (named tokens set as tokenizer attributes), ``extra`` tokens,
+# ``plain``: added tokens that are not special (kept by ``decode(skip_special_tokens=True)``);
 # those of the released checkpoints' tokenizers (named in comments).
 _FAMILY_TOKENS: dict[str, dict[str, Any]] = {
     "qwen2_vl": _QWEN,  # Qwen/Qwen2-VL-7B-Instruct
     "qwen2_5_vl": _QWEN,  # Qwen/Qwen2.5-VL-7B-Instruct
     "qwen3_vl": _QWEN,  # Qwen/Qwen3-VL-*-Instruct
+    "qwen3_5": _QWEN3_5,  # Qwen/Qwen3.5-27B
+    "qwen3_5_moe": _QWEN3_5,  # Qwen/Qwen3.5-35B-A3B
     "llava": _LLAVA,  # llava-hf/llava-1.5-7b-hf
     "llava_next": _LLAVA,  # llava-hf/llava-v1.6-mistral-7b-hf
     # llava-hf/llava-onevision-qwen2-7b-ov-hf (a Qwen2 vocabulary with <image> and <video> added)
@@ -248,6 +255,7 @@ def build_tokenizer(
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)))
     tok.add_special_tokens({"additional_special_tokens": [*_SPECIAL_TOKENS, *layout["extra"]]})
     tok.add_special_tokens(dict(layout["core"]))
+    tok.add_tokens(list(layout.get("plain", ())))
     # The named tokens as transformers' model-specific special tokens (``tok.boi_token`` / ``tok.boi_token_id``
     # ...), written to tokenizer_config.json, so a saved stand-in loads back with them as a released one does.
     # Set after the tokens are added: the ids stay those of the list above.

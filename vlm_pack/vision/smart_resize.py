@@ -339,6 +339,21 @@ _GLM_VARIANTS = ("glm4v", "glm4v_moe", "glm46v")
 
 
 @dataclass(frozen=True)
+class Qwen3_5Spec(Qwen3VLSpec):
+    """Qwen3.5 / 3.6: ``Qwen3VLProcessor`` with Qwen3-VL's image and video rules and settings
+    (Qwen/Qwen3.5-27B preprocessor_config.json: patch 16, merge 2, temporal 2, 65536..16777216 pixels)."""
+
+    family: ClassVar[str] = "qwen3_5"
+
+
+@dataclass(frozen=True)
+class Qwen3_5MoeSpec(Qwen3VLSpec):
+    """Qwen3.5 / 3.6 mixture-of-experts (Qwen/Qwen3.5-35B-A3B): the rules and settings of :class:`Qwen3_5Spec`."""
+
+    family: ClassVar[str] = "qwen3_5_moe"
+
+
+@dataclass(frozen=True)
 class Glm4vSpec(_QwenStyleSpec):
     """GLM-4.1V-Thinking (``Glm4vImageProcessor``): 3-D ``smart_resize`` with ``num_frames = 2``.
 
