@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from test_host_syncs import SyncCounter
 from torch import nn
 
 import vlm_pack as vp
@@ -158,10 +159,12 @@ def _next_token_logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return logits[:-1].log_softmax(-1).gather(-1, ids[1:, None]).sum()
 
 
-def _gradients(name: str, packed: bool, isolate: bool = True) -> dict[str, torch.Tensor]:
+def _gradients(name: str, packed: bool, isolate: bool = True, checkpoint: bool = False) -> dict[str, torch.Tensor]:
     """Gradients of the next-token log-likelihood summed over the samples, packed in one row or alone."""
     samples = [s["input_ids"] for s in _samples()]
     model = _model(name).train()
+    if checkpoint:  # the recompute in backward must see the same boundaries
+        model.activation_checkpointing_enable()
     model = isolate_token_mixers(model) if isolate else model
     if packed:
         pos = torch.cat([torch.arange(len(s)) for s in samples])[None]
@@ -184,6 +187,7 @@ def test_gradients_equal_packed_and_alone(name):
     alone = _gradients(name, packed=False)
     assert any(".conv" in n or "linear_attn" in n for n in alone)  # the mixers' own weights are compared
     assert _relative_gap(_gradients(name, packed=True), alone) < 1e-4  # fp32 sums in another order
+    assert _relative_gap(_gradients(name, packed=True, checkpoint=True), alone) < 1e-4
     assert _relative_gap(_gradients(name, packed=True, isolate=False), alone) > 1e-2  # the control leaks
 
 
@@ -226,6 +230,38 @@ def test_three_row_mrope_restarts_only_where_every_row_is_zero():
     w = [0, 1, 2, 3, 2, 3, 4, 5, 0, 1, 2]
     restarted = _mrope_restarts(torch.tensor([t, h, w])[:, None])
     assert restarted.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2]]
+
+
+def _syncs(name: str, mixer_layers: int, counter: SyncCounter) -> list[str]:
+    """Sync-forcing ops of one packed forward + backward with ``mixer_layers`` token mixers + 1 attention."""
+    torch.manual_seed(0)
+    cfg, cls = _config(name)
+    mixer = cfg.layer_types[0]
+    cfg.layer_types = [mixer] * mixer_layers + ["full_attention"]
+    cfg.num_hidden_layers = mixer_layers + 1
+    model = isolate_token_mixers(cls(cfg).train())
+    samples = [s["input_ids"] for s in _samples()]
+    pos = torch.cat([torch.arange(len(s)) for s in samples])[None]
+    ids = torch.cat(samples)[None]
+    counter.calls.clear()
+    with counter:
+        model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss.backward()
+    return sorted(counter.calls)
+
+
+@pytest.fixture
+def sync_counter(monkeypatch) -> SyncCounter:
+    counter = SyncCounter()
+    tolist = torch.Tensor.tolist  # never reaches the dispatcher on CPU: counted by wrapping it
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: counter.calls.append("Tensor.tolist") or tolist(self))
+    return counter
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
+def test_boundaries_are_read_back_once_per_forward_not_per_layer(name, sync_counter):
+    one = _syncs(name, 1, sync_counter)
+    assert "Tensor.tolist" in one  # the counter sees the one host read of the boundaries
+    assert one == _syncs(name, 4, sync_counter)
 
 
 class _ToyConvMixer(nn.Module):

@@ -273,7 +273,9 @@ def _packing(state: _Boundaries | None, hidden: torch.Tensor, kwargs: dict) -> P
 class _Segments(NamedTuple):
     """How to run one forward's tokens per sample: groups of segments, and the way back."""
 
-    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per group: index [n, L] long, valid [n, L] bool
+    # per group: index [n, L] long (into the B*T tokens), valid [n, L] bool, keep [k] long (the flat [n*L]
+    # entries that are valid; integer indexing: a boolean mask would size its output from device data)
+    groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
     inverse: torch.Tensor  # [B*T] long: where each token's output sits in the groups' concatenated outputs
     whole_rows: bool  # every row is one segment: run the layer as it is
 
@@ -313,7 +315,8 @@ def _segments(packing: Packing, batch: int, length: int, device: torch.device) -
         valid = offsets < size
         index = torch.where(valid, start + offsets, torch.zeros_like(offsets))
         order.append(index[valid])
-        groups.append((to_device(index, device), to_device(valid, device)))
+        keep = valid.flatten().nonzero().flatten()
+        groups.append((to_device(index, device), to_device(valid, device), to_device(keep, device)))
     inverse = torch.empty(batch * length, dtype=torch.long)
     inverse[torch.cat(order)] = torch.arange(batch * length)
     out = _Segments(tuple(groups), to_device(inverse, device), len(starts) == batch)
@@ -367,11 +370,11 @@ class _IsolatedForward:
         args = args[:1]
         mask_flat = mask.reshape(-1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         outputs = []
-        for index, valid in segments.groups:
+        for index, valid, keep in segments.groups:
             part = flat[index] * valid[..., None].to(flat.dtype)
             part_mask = None if mask_flat is None else mask_flat[index] * valid.to(mask_flat.dtype)
             out = forward(self.module, part, *args, attention_mask=part_mask, **kwargs)
-            outputs.append(out[valid])
+            outputs.append(out.flatten(0, 1)[keep])
         return torch.cat(outputs)[segments.inverse].reshape(batch, length, -1)
 
 
