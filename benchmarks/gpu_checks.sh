@@ -34,3 +34,11 @@ step kernels 60 python3 benchmarks/bench_train_step.py --device cuda --kernels
 step train_step 150 python3 benchmarks/bench_train_step.py --device cuda --backend torch_varlen --steps 3 --repeats 2
 step sync_l2 60 python3 benchmarks/bench_train_step.py --device cuda --backend torch_varlen --sync-debug --layers 2
 step sync_l8 60 python3 benchmarks/bench_train_step.py --device cuda --backend torch_varlen --sync-debug --layers 8
+# this year's families (issue 31) in bf16 on the GPU: packed (varlen attention, token mixers isolated) vs the
+# padded batch, and the controls that leave gated delta-net / short convolutions to transformers (must exit 1)
+for fam in qwen3_5 qwen3_5_moe lfm2_vl glm4v_moe glm46v gemma4; do
+    step "bf16_$fam" 90 python3 examples/check_equivalence.py --family "$fam" --device cuda --dtype bfloat16 --attn varlen --capacity 2048
+done
+for fam in qwen3_5 lfm2_vl; do
+    step "leak_$fam" 90 python3 examples/check_equivalence.py --family "$fam" --device cuda --dtype bfloat16 --attn sdpa --capacity 2048 --mistake mixers
+done

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -131,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             family, size={"shortest_edge": 56 * 56, "longest_edge": 64 * 28 * 28}
         )
         pre = Preprocessor(tokenizer, image_processor, family=family)
-    else:  # the family's processor stand-in: its chat template, tokenizer and image processor
-        pre = Preprocessor(processor=offline.processor(family))
+    else:  # the family's processor stand-in with the released checkpoint's chat template (tests/templates)
+        template = Path(__file__).resolve().parents[1] / "tests" / "templates" / f"{family}.jinja"
+        chat_template = template.read_text() if template.exists() else None
+        pre = Preprocessor(processor=offline.processor(family, chat_template=chat_template))
         tokenizer = pre.tokenizer
 
     def build(attn: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -178,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     style = "sdpa" if args.attn == "varlen" else args.attn  # model_inputs style of the packed rows
     packed_forward = {
         "none": None,
+        "mixers": None,  # the model was built without isolate_token_mixers
         "positions": positions_not_restarting,
         "use_cache": default_packed_forward(style, use_cache=None),
     }[args.mistake]
