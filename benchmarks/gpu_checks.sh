@@ -36,9 +36,11 @@ step sync_l2 60 python3 benchmarks/bench_train_step.py --device cuda --backend t
 step sync_l8 60 python3 benchmarks/bench_train_step.py --device cuda --backend torch_varlen --sync-debug --layers 8
 # this year's families (issue 31) in bf16 on the GPU: packed (varlen attention, token mixers isolated) vs the
 # padded batch, and the controls that leave gated delta-net / short convolutions to transformers (must exit 1)
-for fam in qwen3_5 qwen3_5_moe lfm2_vl glm4v_moe glm46v gemma4; do
+for fam in qwen3_5 qwen3_5_moe lfm2_vl glm4v_moe glm46v; do
     step "bf16_$fam" 90 python3 examples/check_equivalence.py --family "$fam" --device cuda --dtype bfloat16 --attn varlen --capacity 2048
 done
+# Gemma 4's image tokens attend both ways on its sliding layers: vlm-pack's masks through sdpa, not varlen
+step bf16_gemma4 90 python3 examples/check_equivalence.py --family gemma4 --device cuda --dtype bfloat16 --attn sdpa --capacity 2048
 for fam in qwen3_5 lfm2_vl; do
     step "leak_$fam" 90 python3 examples/check_equivalence.py --family "$fam" --device cuda --dtype bfloat16 --attn sdpa --capacity 2048 --mistake mixers
 done
