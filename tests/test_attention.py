@@ -513,10 +513,20 @@ def test_in_place_edit_of_cu_seqlens_is_not_served_from_cache():
         torch.testing.assert_close(out.double(), reference_attention(q, k, v, cu, True), atol=2e-6, rtol=1e-5)
 
 
-def test_bare_mrope_rows_are_refused():
-    rope = torch.tensor([[[0, 1, 1, 1, 1, 2, 0, 1]]]).expand(3, 1, 8)  # temporal rows stand still on images
+def test_bare_mrope_rows_mark_a_sample_where_all_three_restart():
+    """GLM-4.5V's text model hands its layers the (3, B, T) mRoPE rows without the text row: a sample starts
+    where all three are 0, never where one row alone stands still or restarts over an image."""
+    rope = torch.tensor(
+        [
+            [[0, 1, 1, 1, 1, 2, 3, 0, 1, 1, 2]],  # t: stands still over each image
+            [[0, 1, 1, 2, 2, 3, 4, 0, 1, 1, 2]],  # h
+            [[0, 1, 2, 1, 2, 3, 4, 0, 0, 1, 2]],  # w: a second sample at 7, its image's w starts at 0
+        ]
+    )
+    cu, max_seqlen = cu_seqlens_from_position_ids(rope)
+    assert cu.tolist() == [0, 7, 11] and max_seqlen == 7
     with pytest.raises(ValueError, match=r"\(4, B, T\)"):
-        cu_seqlens_from_position_ids(rope)
+        cu_seqlens_from_position_ids(torch.zeros(2, 1, 8, dtype=torch.long))
 
 
 @pytest.mark.slow

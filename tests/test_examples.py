@@ -73,3 +73,20 @@ def test_energon_restart_gives_every_sample_once(capsys):
     result = _load("train_energon").main(["--samples", "8", "--ranks", "2", "--workers", "0"])
     assert "PASS" in capsys.readouterr().out and result["ok"]
     assert sorted(result["seen"]) == [f"demo-{i:06d}" for i in range(8)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "glm4v_moe"])
+def test_check_equivalence_passes_this_years_families_through_varlen_attention(family, capsys):
+    """The GPU check's command on CPU: varlen attention fed position ids only (GLM-4.5V's text model hands
+    its layers the bare 3-row mRoPE ids), Qwen3.5's gated delta-net isolated by use_varlen_attention."""
+    status = _load("check_equivalence").main(["--family", family, "--attn", "varlen", "--capacity", "2048"])
+    out = capsys.readouterr().out
+    assert status == 0 and "PASS: token_mult_prob_error 1.00000" in out
+
+
+def test_check_equivalence_fails_qwen3_5_whose_delta_net_is_left_to_transformers(capsys):
+    status = _load("check_equivalence").main(["--family", "qwen3_5", "--mistake", "mixers", "--capacity", "2048"])
+    out = capsys.readouterr().out
+    assert status == 1 and "linear_attn mixes tokens without attention" in out
+    metric = float(out.split("token_mult_prob_error ")[1].split()[0])
+    assert metric > 1.0001  # the leak itself, not only the structural problem

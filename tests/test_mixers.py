@@ -18,8 +18,9 @@ import vlm_pack as vp
 from vlm_pack import batch as batch_module
 from vlm_pack import boundaries
 from vlm_pack.attention import register_hf_attention
+from vlm_pack.boundaries import mrope_restarts
 from vlm_pack.families import lookup
-from vlm_pack.mixers import _mrope_restarts, find_token_mixers, isolate_token_mixers
+from vlm_pack.mixers import find_token_mixers, isolate_token_mixers
 from vlm_pack.testing import check_packed_equivalence
 
 transformers = pytest.importorskip("transformers")
@@ -228,7 +229,7 @@ def test_three_row_mrope_restarts_only_where_every_row_is_zero():
     t = [0, 1, 2, 2, 2, 2, 4, 5, 0, 1, 2]
     h = [0, 1, 2, 2, 3, 3, 4, 5, 0, 1, 2]
     w = [0, 1, 2, 3, 2, 3, 4, 5, 0, 1, 2]
-    restarted = _mrope_restarts(torch.tensor([t, h, w])[:, None])
+    restarted = mrope_restarts(torch.tensor([t, h, w])[:, None])
     assert restarted.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2]]
 
 

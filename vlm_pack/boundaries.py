@@ -173,13 +173,16 @@ def check_bounds(bounds: list[int], total_tokens: int) -> int:
 
 
 def text_positions(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
-    """(B, T) text positions from (B, T), (T,), (1, T) shared by ``batch`` rows, or Qwen-VL's (4, B, T)."""
+    """(B, T) text positions from (B, T), (T,), (1, T) shared by ``batch`` rows, Qwen-VL's (4, B, T) (row 0),
+    or the bare (3, B, T) mRoPE rows that GLM-4.5V's text model hands its layers (:func:`mrope_restarts`)."""
     if position_ids.dim() == 3:
+        if position_ids.shape[0] == 3:
+            return mrope_restarts(position_ids)
         if position_ids.shape[0] != 4:
             raise ValueError(
                 f"position_ids of shape {tuple(position_ids.shape)}: a 3-D input must be Qwen-VL's (4, B, T) "
-                "layout with the text positions (arange per sample) in row 0; the (3, B, T) mRoPE rows "
-                "cannot mark sample starts. Prepend the text row or pass the (B, T) text positions."
+                "layout with the text positions (arange per sample) in row 0, or the (3, B, T) mRoPE rows. "
+                "Pass one of those or the (B, T) text positions."
             )
         position_ids = position_ids[0]
     if position_ids.dim() == 1:
@@ -189,6 +192,31 @@ def text_positions(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
     if position_ids.shape[0] == 1 and batch > 1:
         position_ids = position_ids.expand(batch, -1)
     return position_ids
+
+
+_MROPE_TEXT = IdentityCache()
+
+
+def mrope_restarts(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions restarting where the (3, B, T) mRoPE ids are all 0.
+
+    ``get_rope_index`` starts every sample at (0, 0, 0), and no later token of a sample is there again (an
+    image's rows stand still on one axis but not on all three), so the all-zero tokens are exactly the sample
+    starts; row 0 alone could not tell them (it stands still over an image)::
+
+        mRoPE rows  t [0 1 1 1 1 2 0 1]     (an image of 2 x 2 at 1..4, a second sample at 6)
+                    h [0 1 1 2 2 3 0 1]
+                    w [0 1 2 1 2 3 0 1]   ->  [0 1 2 3 4 5 0 1]
+    """
+    cached = _MROPE_TEXT.get(position_ids, None)
+    if cached is not None:
+        return cached
+    host = host_copy(position_ids)
+    starts = (host == 0).all(0)
+    starts[:, 0] = True
+    arange = torch.arange(host.shape[-1]).expand_as(starts)
+    last_start = torch.where(starts, arange, torch.zeros_like(arange)).cummax(-1).values
+    return _MROPE_TEXT.put(position_ids, None, arange - last_start)
 
 
 def sample_starts(positions: torch.Tensor) -> torch.Tensor:
@@ -202,14 +230,15 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
     """Sample boundaries of packed rows from their position ids: a sample starts wherever a position does
     not follow its predecessor by exactly 1, and at the start of every row.
 
-    position_ids: (B, T), or (4, B, T) with row 0 the text positions (Qwen2-VL's packed layout).
+    position_ids: (B, T), (4, B, T) with row 0 the text positions (Qwen2-VL's packed layout), or the bare
+    (3, B, T) mRoPE rows (a sample starts where all three are 0: :func:`mrope_restarts`).
     Returns cu_seqlens (N+1,) int32 over the B*T flattened tokens and max_seqlen (int). This is the rule
     ``transformers.masking_utils.find_packed_sequence_indices`` uses, so sdpa packed and varlen agree::
 
         position_ids  [[0 1 2 0 1 0 1 2 3]]  ->  cu_seqlens [0 3 5 9], max_seqlen 4
 
-    The bare (3, B, T) mRoPE rows are refused: their rows stand still over an image, which would read as
-    one sample per image token.
+    Row 0 of bare mRoPE rows alone is not used: it stands still over an image, which would read as one
+    sample per image token.
     """
     pos = text_positions(position_ids, 1)
     starts = sample_starts(pos)

@@ -236,23 +236,7 @@ class _Boundaries:
         self.position_ids = pos if isinstance(pos, torch.Tensor) else None
 
 
-_MROPE_TEXT = IdentityCache()
 _SEGMENTS = IdentityCache()
-
-
-def _mrope_restarts(position_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) positions restarting where Qwen's (3, B, T) mRoPE ids are all 0 (every sample's first token:
-    ``get_rope_index`` starts each sample at (0, 0, 0); an image's rows stand still, so row 0 alone cannot
-    tell a sample start)."""
-    cached = _MROPE_TEXT.get(position_ids, None)
-    if cached is not None:
-        return cached
-    host = host_copy(position_ids)
-    starts = (host == 0).all(0)
-    starts[:, 0] = True
-    arange = torch.arange(host.shape[-1]).expand_as(starts)
-    last_start = torch.where(starts, arange, torch.zeros_like(arange)).cummax(-1).values
-    return _MROPE_TEXT.put(position_ids, None, arange - last_start)
 
 
 def _packing(state: _Boundaries | None, hidden: torch.Tensor, kwargs: dict) -> Packing | None:
@@ -265,8 +249,6 @@ def _packing(state: _Boundaries | None, hidden: torch.Tensor, kwargs: dict) -> P
     pos = None if state is None else state.position_ids
     if pos is None:
         return None
-    if pos.dim() == 3 and pos.shape[0] == 3:
-        pos = _mrope_restarts(pos)
     return packing_from_positions(pos, batch, length, hidden.device)
 
 
