@@ -15,15 +15,28 @@ collator lays it out, ``vlm_pack.packing.padded_lengths``), and the collator (``
 that would need two. ``pack.batch.metadata["__key__"]`` (= ``pack.batch.sample_keys`` = ``pack.keys``) names the
 samples in packed order.
 
-Policy for samples left out: best fit over the whole buffer places every sample that fits ``capacity``, so the
-only samples left out are those longer than ``capacity`` on their own. Each is reported as ``(key, reason)`` in
-the :attr:`PackedVLMSample.left_out` of a pack of the same buffer, so the report travels with the packs from
-worker processes to the training loop and is restored with them (the left-out samples ride in that pack's
-group, the stateless packer recognises them by length); it is also logged as a warning and recorded in
-:attr:`VLMPackingTaskEncoder.left_out` of the process that selected it (with ``num_workers > 0`` a worker's copy,
-not the main process's). A buffer in which no sample fits has no pack to carry its report: only the warning
-and that list tell. That is ``oversized="skip"``; ``oversized="raise"`` (the default, as everywhere in vlm-pack)
-stops at the first one instead, and "truncate" is refused (the encoder never cuts a sample).
+Energon hands what a cooker or packer raises to ``WorkerConfig.global_error_handler``; its default logs it
+and drops the sample, or the whole packing buffer when the selection raised, and training goes on. So the
+encoder decides inside the hooks, and never lets a bad sample take good ones with it::
+
+    oversized="raise" (default)   the cooker raises FatalPackingError naming the sample: a FatalSampleError,
+                                  which Energon re-raises whatever the handler, so the run stops
+    oversized="skip"              the sample is left out before packing and reported (below)
+    bad data (vlm_pack.failures)  a forecast, decode or processed length that fails: that sample alone is
+                                  left out and reported, its pack's good samples are packed
+    an error of code, or more     FatalPackingError (from the SampleCodeError / FailureBudgetError): stops
+    than max_consecutive_failures the run; Energon's handler would otherwise skip it sample after sample
+    bad samples in a row
+
+A sample left out is reported as ``(key, "reason: detail")`` (``reason`` one of ``vlm_pack.failures.REASONS``:
+``too_long``, ``decode_error``, ...) in the :attr:`PackedVLMSample.left_out` of a pack of the same buffer, so
+the report travels with the packs from worker processes to the training loop and is restored with them (the
+selection puts the left-out samples at the end of the first pack's group, and the stateless packer
+recognises them); it is also logged as a warning and recorded in :attr:`VLMPackingTaskEncoder.left_out` of
+the process that selected it (with ``num_workers > 0`` a worker's copy, not the main process's). Best fit
+over the whole buffer places every sample that fits ``capacity``. A buffer in which no sample fits, or a pack
+none of whose samples decodes, has no pack to carry its report: only the warnings and that list tell. "truncate" is refused (the encoder never
+cuts a sample).
 Nothing is carried between buffers: a carry list would live outside Energon's saved state, and a restore
 would then repeat or lose those samples.
 
