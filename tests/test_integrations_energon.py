@@ -251,7 +251,8 @@ def _truncated_image_record(key: str) -> dict:
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory, setup):
     """An Energon dataset of 16 samples in 4 shards: 12 good text samples of 30, 33, 36 tokens, two of 130
-    (longer than ``EDGE_CAPACITY``) and one whose image does not decode, the bad ones in different shards."""
+    (longer than ``EDGE_CAPACITY``), one whose image does not decode and one whose image header does not read,
+    the bad ones spread over the shards."""
     path = tmp_path_factory.mktemp("energon-mixed")
     pre = Preprocessor(setup[1], setup[2], family="qwen2_vl")
     records = [{"key": f"good-{i:02d}", "images": [], "conversation": _text_conversation(pre, n)}
@@ -259,6 +260,9 @@ def mixed(tmp_path_factory, setup):
     for at, n in ((1, 130), (9, 130)):
         records.insert(at, {"key": f"long-{at:02d}", "images": [], "conversation": _text_conversation(pre, n)})
     records.insert(6, _truncated_image_record("undecodable"))
+    unreadable = _truncated_image_record("unreadable")
+    unreadable["images"] = [(b"\x89PNG\r\n\x1a\n-not-a-png", "png")]  # no header: the cooker's forecast fails
+    records.insert(13, unreadable)
     write_shards(records, str(path / "part-%05d.tar"), maxcount=4)
     energon_prepare(path)
     return path, sorted(r["key"] for r in records if r["key"].startswith("good"))
@@ -285,17 +289,32 @@ def test_default_oversized_stops_the_run_through_energons_default_handler(setup,
 
 @pytest.mark.slow
 def test_skip_keeps_every_good_sample_once_through_energons_default_handler(setup, mixed):
-    """oversized="skip", 2 ranks x 2 workers, Energon's default handler: the two long samples and the undecodable
-    one are left out, each reported once on a pack with its reason, and every good sample arrives exactly once
-    (on main a decode error dropped its whole pack, good samples included)."""
+    """oversized="skip", 2 ranks x 2 workers, Energon's default handler: the two long samples and the two with a
+    bad image are left out, each reported once on a pack with its reason, and every good sample arrives exactly
+    once (on main a decode error dropped its whole pack, good samples included)."""
     packs = [p for rank in range(2) for p in _mixed_loader(
         mixed[0], _encoder(setup, capacity=EDGE_CAPACITY, pad_to_multiple_of=4, oversized="skip"), rank)]
     assert sorted(k for p in packs for k in p.keys) == mixed[1]
     left = dict(item for p in packs for item in p.left_out)
-    assert sorted(left) == ["long-01", "long-09", "undecodable"]
-    assert sum(len(p.left_out) for p in packs) == 3
+    assert sorted(left) == ["long-01", "long-09", "undecodable", "unreadable"]
+    assert sum(len(p.left_out) for p in packs) == 4
     assert left["long-01"] == "too_long: 130 tokens (padded to 132) > capacity 100"
     assert left["undecodable"].startswith("decode_error: sample 'undecodable', image 0 does not decode")
+    assert left["unreadable"].startswith("corrupt_image: ")
+
+
+@pytest.mark.slow
+def test_an_error_of_code_stops_the_run_through_energons_default_handler(setup):
+    """A check of vlm-pack's own processing that fails (a tokenizer that splits the image placeholder): every
+    sample would fail it, so the packer stops the run naming the sample, whatever Energon's handler."""
+    tok = build_tokenizer("qwen2_vl")
+    tok.split_special_tokens = True
+    encoder = VLMPackingTaskEncoder(CAPACITY, Preprocessor(tok, setup[2], family="qwen2_vl"))
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)  # Energon's default handler: logs and drops
+    loader = get_savable_loader(packed_train_dataset(str(setup[0]), encoder, worker_config=wc, repeat=False),
+                                watchdog_timeout_seconds=None)
+    with pytest.raises(FatalSampleError, match=r"sample 'demo-\d+': InternalCheckError: .*image token"):
+        next(iter(loader))
 
 
 @pytest.mark.slow
@@ -320,4 +339,4 @@ def test_skip_restored_mid_epoch_gives_the_same_packs_and_reports(setup, mixed):
         restored.restore_state_rank(state)
         assert head + _take(restored, 3, both) == full, f"rank {rank}: the restart changed the packs or reports"
         reports.update(key for _, left_out in full for key, _ in left_out)
-    assert reports == {"long-01", "long-09", "undecodable"}  # the compared packs carry every bad sample
+    assert reports == {"long-01", "long-09", "undecodable", "unreadable"}  # every bad sample is compared
