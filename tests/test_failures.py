@@ -20,7 +20,7 @@ from vlm_pack.config import PackingConfig
 from vlm_pack.data import PackedDataLoader, PackedWebDataset, write_shards
 from vlm_pack.data.map_style import PackedMapDataset, PackedSampler, plan_info
 from vlm_pack.data.stats import BadSampleWarning
-from vlm_pack.failures import FailureBudgetError, SampleCodeError
+from vlm_pack.failures import FailureBudgetError, InternalCheckError, SampleCodeError
 from vlm_pack.offline import build_tokenizer, image_processor
 
 CAPACITY = 512
@@ -126,6 +126,30 @@ def test_stream_an_image_processor_bug_is_raised_and_its_refusals_counted(tmp_pa
         else:
             with pytest.raises(FailureBudgetError, match=r"decode_error \(3 of 3\).*refuses every image"):
                 _epoch(ds)
+
+
+@pytest.fixture(scope="module")
+def splitting_tokenizer():
+    """A tokenizer that splits special tokens in text (``split_special_tokens=True``, an HF option), so a
+    rendered ``<|image_pad|>`` is no longer one token: vlm-pack's own check in processing refuses it."""
+    tok = build_tokenizer("qwen2_vl")
+    tok.split_special_tokens = True
+    return tok
+
+
+def test_stream_a_check_of_vlm_packs_own_processing_raises_naming_the_sample(tmp_path, qwen, splitting_tokenizer):
+    """A ValueError of vlm-pack's own processing is an error of code: SampleCodeError naming the sample at once,
+    not a decode_error counted on every sample until a failure budget trips."""
+    urls = _shards(tmp_path, [_record(f"s{i}", _png(i)) for i in range(3)])
+    ds = PackedWebDataset(urls, tokenizer=splitting_tokenizer, image_processor=qwen[1], capacity=CAPACITY)
+    with pytest.raises(SampleCodeError, match=r"sample 's0'.*InternalCheckError: .*1 image\(s\) became 0 image "
+                       r"token\(s\) '<\|image_pad\|>'") as caught:
+        _epoch(ds)
+    causes = [caught.value]
+    while causes[-1].__cause__ is not None:
+        causes.append(causes[-1].__cause__)
+    assert isinstance(causes[-1], InternalCheckError)  # raised from vlm-pack's own check
+    assert isinstance(causes[-1], ValueError)  # `except ValueError` still catches the check
 
 
 @pytest.mark.slow

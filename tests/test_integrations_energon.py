@@ -14,12 +14,12 @@ import pytest
 pytest.importorskip("megatron.energon", reason="needs the [energon] extra")
 
 from megatron.energon import WorkerConfig, get_savable_loader
-from megatron.energon.errors import reraise_exception
+from megatron.energon.errors import FatalSampleError, reraise_exception
 
 from vlm_pack import Preprocessor, pad_multiple_for
 from vlm_pack.data import write_shards
 from vlm_pack.demo import demo_records
-from vlm_pack.integrations.energon import VLMPackingTaskEncoder, packed_train_dataset
+from vlm_pack.integrations.energon import FatalPackingError, VLMPackingTaskEncoder, packed_train_dataset
 from vlm_pack.offline import build_tokenizer, image_processor
 from vlm_pack.processing import process_sample
 
@@ -63,10 +63,10 @@ def _loader(setup, rank, world, workers, encoder=None, repeat=False):
     return get_savable_loader(ds, watchdog_timeout_seconds=None)
 
 
-def _take(loader, n):
-    """The keys of the next ``n`` packs; then stop the loader's worker processes now (an abandoned persistent
+def _take(loader, n, what=lambda pack: pack.keys):
+    """``what`` (the keys) of the next ``n`` packs; then stop the loader's worker processes now (an abandoned persistent
     iterator is otherwise shut down by a later garbage collection, stalling whatever runs then)."""
-    keys = [p.keys for p in itertools.islice(loader, n)]
+    keys = [what(p) for p in itertools.islice(loader, n)]
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None:
         iterator._shutdown_workers()
@@ -207,7 +207,7 @@ def test_padded_packs_keep_every_sample_and_report_the_left_out_ones_on_the_pack
     left = [key for p in packs for key, _ in p.left_out]
     assert sorted(packed + left) == sorted(lengths), "a sample was lost or repeated"
     assert sorted(left) == sorted(k for k, n in lengths.items() if n > EDGE_CAPACITY)
-    assert all(reason == "130 tokens (padded to 132) > capacity 100" for p in packs for _, reason in p.left_out)
+    assert all(reason == "too_long: 130 tokens (padded to 132) > capacity 100" for p in packs for _, reason in p.left_out)
     for p in packs:
         batch = p.batch
         assert batch.num_rows == 1 and batch.row_length == EDGE_CAPACITY
@@ -232,3 +232,111 @@ def test_three_samples_that_fit_only_unpadded_make_two_packs(setup, tmp_path):
                                     watchdog_timeout_seconds=None))
     assert sorted(k for p in packs for k in p.keys) == ["t30", "t33", "t36"] and len(packs) == 2
     assert encoder.left_out == [] and all(p.left_out == [] for p in packs)
+
+
+def _truncated_image_record(key: str) -> dict:
+    """A small PNG cut in half: its header reads (the cooker forecasts it), its pixels do not decode."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(buf, format="PNG")
+    data = buf.getvalue()
+    conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
+    return {"key": key, "images": [(data[: len(data) // 2], "png")], "conversation": conv}
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory, setup):
+    """An Energon dataset of 16 samples in 4 shards: 12 good text samples of 30, 33, 36 tokens, two of 130
+    (longer than ``EDGE_CAPACITY``), one whose image does not decode and one whose image header does not read,
+    the bad ones spread over the shards."""
+    path = tmp_path_factory.mktemp("energon-mixed")
+    pre = Preprocessor(setup[1], setup[2], family="qwen2_vl")
+    records = [{"key": f"good-{i:02d}", "images": [], "conversation": _text_conversation(pre, n)}
+               for i, n in enumerate([30, 33, 36] * 4)]
+    for at, n in ((1, 130), (9, 130)):
+        records.insert(at, {"key": f"long-{at:02d}", "images": [], "conversation": _text_conversation(pre, n)})
+    records.insert(6, _truncated_image_record("undecodable"))
+    unreadable = _truncated_image_record("unreadable")
+    unreadable["images"] = [(b"\x89PNG\r\n\x1a\n-not-a-png", "png")]  # no header: the cooker's forecast fails
+    records.insert(13, unreadable)
+    write_shards(records, str(path / "part-%05d.tar"), maxcount=4)
+    energon_prepare(path)
+    return path, sorted(r["key"] for r in records if r["key"].startswith("good"))
+
+
+def _mixed_loader(path, encoder, rank, repeat=False, buffer=8):
+    """A savable loader of rank ``rank`` of 2, 2 workers, Energon's default error handler (log and drop)."""
+    wc = WorkerConfig(rank=rank, world_size=2, num_workers=2)
+    ds = packed_train_dataset(str(path), encoder, worker_config=wc, packing_buffer_size=buffer, repeat=repeat)
+    return get_savable_loader(ds, watchdog_timeout_seconds=None)
+
+
+@pytest.mark.slow
+def test_default_oversized_stops_the_run_through_energons_default_handler(setup, mixed):
+    """The README's encoder (default oversized="raise", padded for cp=2), 2 ranks x 2 workers, Energon's default
+    ``global_error_handler`` (which logs and drops what a hook raises): the run stops, naming the sample."""
+    with pytest.raises(FatalSampleError, match=r"sample 'long-\d\d': 130 tokens \(padded to 132\) > capacity 100; "
+                       r"raise capacity or use oversized='skip'"):
+        for rank in range(2):
+            encoder = _encoder(setup, capacity=EDGE_CAPACITY, pad_to_multiple_of=pad_multiple_for(cp=2))
+            list(_mixed_loader(mixed[0], encoder, rank))
+    assert issubclass(FatalPackingError, FatalSampleError)
+
+
+@pytest.mark.slow
+def test_skip_keeps_every_good_sample_once_through_energons_default_handler(setup, mixed):
+    """oversized="skip", 2 ranks x 2 workers, Energon's default handler: the two long samples and the two with a
+    bad image are left out, each reported once on a pack with its reason, and every good sample arrives exactly
+    once (on main a decode error dropped its whole pack, good samples included)."""
+    packs = [p for rank in range(2) for p in _mixed_loader(
+        mixed[0], _encoder(setup, capacity=EDGE_CAPACITY, pad_to_multiple_of=4, oversized="skip"), rank)]
+    assert sorted(k for p in packs for k in p.keys) == mixed[1]
+    left = dict(item for p in packs for item in p.left_out)
+    assert sorted(left) == ["long-01", "long-09", "undecodable", "unreadable"]
+    assert sum(len(p.left_out) for p in packs) == 4
+    assert left["long-01"] == "too_long: 130 tokens (padded to 132) > capacity 100"
+    assert left["undecodable"].startswith("decode_error: sample 'undecodable', image 0 does not decode")
+    assert left["unreadable"].startswith("corrupt_image: ")
+
+
+@pytest.mark.slow
+def test_an_error_of_code_stops_the_run_through_energons_default_handler(setup):
+    """A check of vlm-pack's own processing that fails (a tokenizer that splits the image placeholder): every
+    sample would fail it, so the packer stops the run naming the sample, whatever Energon's handler."""
+    tok = build_tokenizer("qwen2_vl")
+    tok.split_special_tokens = True
+    encoder = VLMPackingTaskEncoder(CAPACITY, Preprocessor(tok, setup[2], family="qwen2_vl"))
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)  # Energon's default handler: logs and drops
+    loader = get_savable_loader(packed_train_dataset(str(setup[0]), encoder, worker_config=wc, repeat=False),
+                                watchdog_timeout_seconds=None)
+    with pytest.raises(FatalSampleError, match=r"sample 'demo-\d+': InternalCheckError: .*image token"):
+        next(iter(loader))
+
+
+@pytest.mark.slow
+def test_skip_restored_mid_epoch_gives_the_same_packs_and_reports(setup, mixed):
+    """Saved after one pack and restored in a new loader (2 workers, default handler), each rank yields the packs
+    and left-out reports of the uninterrupted run, across the bad samples."""
+    def loader(rank):  # a buffer smaller than a worker's share (4): with repeat=True a larger one repeats samples
+        encoder = _encoder(setup, capacity=EDGE_CAPACITY, pad_to_multiple_of=4, oversized="skip")
+        return _mixed_loader(mixed[0], encoder, rank, repeat=True, buffer=3)
+
+    def both(pack):
+        return pack.keys, pack.left_out
+
+    reports = set()
+    for rank in range(2):
+        full = _take(loader(rank), 4, both)
+        first = loader(rank)
+        head = [both(p) for p in itertools.islice(first, 1)]
+        state = first.save_state_rank()
+        _take(first, 0)
+        restored = loader(rank)
+        restored.restore_state_rank(state)
+        assert head + _take(restored, 3, both) == full, f"rank {rank}: the restart changed the packs or reports"
+        reports.update(key for _, left_out in full for key, _ in left_out)
+    assert reports == {"long-01", "long-09", "undecodable", "unreadable"}  # every bad sample is compared

@@ -8,13 +8,15 @@ processing the packed samples; streaming, map-style and forecast alike) hands th
      ├─ an error of the data: counted under its reason, warned about, the sample skipped
      │    SampleError(reason, ...)    vlm-pack's checks: a malformed record, a missing or bad text, an
      │                                image that does not decode (ImageDecodeError), a sample too long
-     │    ValueError                  a value the code refuses: an HF processor refusing an input, a
-     │                                template callable refusing a sample on purpose
+     │    ValueError                  a value another library's code refuses: an HF processor refusing
+     │                                an input, a template callable refusing a sample on purpose
      │    jinja2 TemplateError        the chat template's raise_exception() (a syntax error is code)
      │    PIL UnidentifiedImageError, DecompressionBombError
      └─ an error of code: SampleCodeError naming the sample, raised from the original exception
           AttributeError, TypeError, NameError, KeyError, IndexError, RuntimeError, ...: a chat template
           or callable that raises them, or a bug in vlm-pack. Skipping it would skip every sample.
+          InternalCheckError: a ValueError of vlm-pack's own checks of its parts, settings or state (a
+          tokenizer that splits the image placeholder, patch rows that disagree with their grids).
 
 A systematic failure stops the run instead of becoming an empty epoch (:class:`FailureBudget`, one per
 stage, as Megatron-Energon's failure tolerance): more than ``PackingConfig.max_consecutive_failures`` bad
@@ -34,6 +36,7 @@ __all__ = [
     "FailureBudget",
     "FailureBudgetError",
     "ImageDecodeError",
+    "InternalCheckError",
     "SampleCodeError",
     "SampleError",
     "describe_failures",
@@ -87,6 +90,14 @@ class ImageDecodeError(SampleError, OSError):
     default_reason = "decode_error"
 
 
+class InternalCheckError(ValueError):
+    """One of vlm-pack's own checks of its parts, settings or state failed while processing a sample: a
+    tokenizer that splits the image placeholder, an image processor the family cannot take, patch rows that
+    disagree with their grids. An error of code (every sample would fail it): :func:`skip_reason` raises
+    :class:`SampleCodeError` for it and never counts it as bad data. A ``ValueError``, as before, so
+    ``except ValueError`` still catches it."""
+
+
 class SampleCodeError(RuntimeError):
     """A sample met an error of code (a chat template or callable that raises, a bug in vlm-pack).
 
@@ -116,8 +127,8 @@ def _data_types() -> tuple[type[BaseException], ...]:
 def _is_data_error(exc: BaseException) -> bool:
     from jinja2 import TemplateSyntaxError
 
-    if isinstance(exc, (SampleCodeError, FailureBudgetError, TemplateSyntaxError)):
-        return False  # a template that does not compile fails every sample: code
+    if isinstance(exc, (SampleCodeError, FailureBudgetError, TemplateSyntaxError, InternalCheckError)):
+        return False  # a template that does not compile, or a check of vlm-pack's parts: fails every sample
     return isinstance(exc, _data_types())
 
 

@@ -53,7 +53,7 @@ from .chat import (
     chat_format,
     render_conversation,
 )
-from .failures import ImageDecodeError, SampleError, skip_reason
+from .failures import ImageDecodeError, InternalCheckError, SampleError, skip_reason
 from .families import FAMILIES, canonical, lookup
 from .labels import IGNORE_INDEX
 
@@ -89,7 +89,7 @@ def _image_token(tokenizer: Any, family: str | None = None) -> tuple[str, int]:
         tid = tokenizer.convert_tokens_to_ids(token)
         if tid is not None and tid != tokenizer.unk_token_id:
             return token, int(tid)
-    raise ValueError(
+    raise InternalCheckError(
         f"the tokenizer has none of the image tokens {candidates}: set tokenizer.image_token and "
         "tokenizer.image_token_id (or add the token with tokenizer.add_special_tokens), or pass processor=."
     )
@@ -211,7 +211,7 @@ def _collapsed_ids(
     image_id = tokenizer.convert_tokens_to_ids(rendering.placeholder)
     mask = [m and i != image_id for i, m in zip(ids, mask)]
     if ids.count(image_id) != num_images:
-        raise ValueError(
+        raise InternalCheckError(
             f"sample {key!r}: {num_images} image(s) became {ids.count(image_id)} image token(s) "
             f"{rendering.placeholder!r}; the tokenizer must keep {rendering.placeholder!r} as one special token."
         )
@@ -250,7 +250,7 @@ def _marker_extra_tokens(spec: Any, tokenizer: Any, processor: Any, width: int, 
         image_id = tokenizer.convert_tokens_to_ids(prompt.image)
         if not ids or ids[0] != first or ids[-1] != last or ids.count(image_id) != crops:
             kept = list(dict.fromkeys([*prompt.edges, prompt.image]))
-            raise ValueError(
+            raise InternalCheckError(
                 f"the tokenizer must keep {', '.join(map(repr, kept))} as one special token each (the "
                 f"processor wraps every image in them): add them with tokenizer.add_special_tokens"
                 f"({{'additional_special_tokens': {kept!r}}})"
@@ -512,8 +512,9 @@ def _call_processor(
         if reported is not None:
             return enc, [tuple(r["new_span"]) for r in reported[0] if r["type"] == "image"]
     if _EDGE in rendering.text:
-        raise ValueError(
-            f"the rendered prompt holds {_EDGE!r}, which vlm-pack marks placeholders with; remove it"
+        raise SampleError(
+            "bad_text",
+            f"the rendered prompt holds {_EDGE!r}, which vlm-pack marks placeholders with; remove it",
         )
     recorder = _RecordingTokenizer(processor.tokenizer)
     marked = copy.copy(processor)  # a shallow copy: the user's processor keeps its own tokenizer
@@ -545,7 +546,8 @@ def _with_processor(processor: Any, rendering: Rendering, images: list[Any], key
         emb = ids == _embedding_token_id(processor)
         counts = torch.bincount(image_of[emb & inside], minlength=len(images))
         if int(counts.sum()) != int(emb.sum()):
-            raise ValueError(
+            raise SampleError(
+                "placeholder_mismatch",
                 f"sample {key!r}: image tokens outside the images' expansions; remove them from the text"
             )
     out = {k: v for k, v in enc.items() if k not in _TEXT_KEYS}
@@ -568,7 +570,7 @@ def _collapse(out: dict[str, Any], image_id: int, key: Any) -> dict[str, Any]:
     cum = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
     first, last = positions[cum[:-1]], positions[cum[1:] - 1]
     if not bool((last - first + 1 == counts).all()):
-        raise ValueError(
+        raise InternalCheckError(
             f"sample {key!r}: layout='collapsed' needs each image's tokens in one run, but this family's "
             "processor interleaves them with row or tile markers; use layout='expanded'."
         )
@@ -585,7 +587,7 @@ def _llava_counts(image_processor: Any, tokenizer: Any, images: list[Any]) -> li
 
     name = type(image_processor).__name__
     if not name.startswith(("LlavaImageProcessor", "LlavaNextImageProcessor", "CLIPImageProcessor")):
-        raise ValueError(
+        raise InternalCheckError(
             f"process_sample with {name}: pass processor= (the checkpoint's HF processor) for this family; "
             "tokenizer= with image_processor= covers the Qwen-style and LLaVA / LLaVA-NeXT image processors."
         )
@@ -609,7 +611,7 @@ def _checked_tokens(
     ids_list, mask = tokens if tokens is not None else _tokenize(tokenizer, rendering)
     image_id = tokenizer.convert_tokens_to_ids(rendering.placeholder)
     if ids_list.count(image_id) != n_images:
-        raise ValueError(
+        raise InternalCheckError(
             f"sample {key!r}: {n_images} image(s) became {ids_list.count(image_id)} image token(s) "
             f"{rendering.placeholder!r}; the tokenizer must keep {rendering.placeholder!r} as one special token."
         )
@@ -708,11 +710,13 @@ def process_sample(
     if processor is not None:
         tokenizer = tokenizer or processor.tokenizer
     if tokenizer is None:
-        raise ValueError("process_sample needs tokenizer= (or processor=)")
+        raise InternalCheckError("process_sample needs tokenizer= (or processor=)")
     if layout not in ("expanded", "collapsed"):
-        raise ValueError(f"layout must be 'expanded' or 'collapsed', got {layout!r}")
+        raise InternalCheckError(f"layout must be 'expanded' or 'collapsed', got {layout!r}")
     if images and processor is None and image_processor is None:
-        raise ValueError(f"sample {key!r} has images: process_sample needs image_processor= (or processor=)")
+        raise InternalCheckError(
+            f"sample {key!r} has images: process_sample needs image_processor= (or processor=)"
+        )
     if prompt is None:
         prompt = Prompt(_render(conversation, tokenizer, processor, family, template, len(images), key))
     rendering = prompt.rendering
@@ -844,7 +848,7 @@ def _stage(
     tokenizer = options["tokenizer"]
     layout = options.get("layout", "expanded")
     if layout not in ("expanded", "collapsed"):
-        raise ValueError(f"layout must be 'expanded' or 'collapsed', got {layout!r}")
+        raise InternalCheckError(f"layout must be 'expanded' or 'collapsed', got {layout!r}")
     if prompt is None:
         family, template = options.get("family"), options.get("template")
         prompt = Prompt(_render(conversation, tokenizer, None, family, template, len(images), key))
@@ -863,7 +867,7 @@ def _vision_of_pack(image_processor: Any, staged: list[_Staged]) -> list[dict[st
     image_cuts = [0, *itertools.accumulate(len(sample.images) for sample in staged)]
     row_cuts = torch.cat([grid.new_zeros(1), grid.prod(-1).cumsum(0)])[image_cuts].tolist()
     if row_cuts[-1] != pixels.shape[0]:
-        raise ValueError(
+        raise InternalCheckError(
             f"{type(image_processor).__name__}: {pixels.shape[0]} patch rows, its grids {row_cuts[-1]}"
         )
     out: list[dict[str, torch.Tensor]] = []

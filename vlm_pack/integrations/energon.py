@@ -15,15 +15,28 @@ collator lays it out, ``vlm_pack.packing.padded_lengths``), and the collator (``
 that would need two. ``pack.batch.metadata["__key__"]`` (= ``pack.batch.sample_keys`` = ``pack.keys``) names the
 samples in packed order.
 
-Policy for samples left out: best fit over the whole buffer places every sample that fits ``capacity``, so the
-only samples left out are those longer than ``capacity`` on their own. Each is reported as ``(key, reason)`` in
-the :attr:`PackedVLMSample.left_out` of a pack of the same buffer, so the report travels with the packs from
-worker processes to the training loop and is restored with them (the left-out samples ride in that pack's
-group, the stateless packer recognises them by length); it is also logged as a warning and recorded in
-:attr:`VLMPackingTaskEncoder.left_out` of the process that selected it (with ``num_workers > 0`` a worker's copy,
-not the main process's). A buffer in which no sample fits has no pack to carry its report: only the warning
-and that list tell. That is ``oversized="skip"``; ``oversized="raise"`` (the default, as everywhere in vlm-pack)
-stops at the first one instead, and "truncate" is refused (the encoder never cuts a sample).
+Energon hands what a cooker or packer raises to ``WorkerConfig.global_error_handler``; its default logs it
+and drops the sample, or the whole packing buffer when the selection raised, and training goes on. So the
+encoder decides inside the hooks, and never lets a bad sample take good ones with it::
+
+    oversized="raise" (default)   the cooker raises FatalPackingError naming the sample: a FatalSampleError,
+                                  which Energon re-raises whatever the handler, so the run stops
+    oversized="skip"              the sample is left out before packing and reported (below)
+    bad data (vlm_pack.failures)  a forecast, decode or processed length that fails: that sample alone is
+                                  left out and reported, its pack's good samples are packed
+    an error of code, or more     FatalPackingError (from the SampleCodeError / FailureBudgetError): stops
+    than max_consecutive_failures the run; Energon's handler would otherwise skip it sample after sample
+    bad samples in a row
+
+A sample left out is reported as ``(key, "reason: detail")`` (``reason`` one of ``vlm_pack.failures.REASONS``:
+``too_long``, ``decode_error``, ...) in the :attr:`PackedVLMSample.left_out` of a pack of the same buffer, so
+the report travels with the packs from worker processes to the training loop and is restored with them (the
+selection puts the left-out samples at the end of the first pack's group, and the stateless packer
+recognises them); it is also logged as a warning and recorded in :attr:`VLMPackingTaskEncoder.left_out` of
+the process that selected it (with ``num_workers > 0`` a worker's copy, not the main process's). Best fit
+over the whole buffer places every sample that fits ``capacity``. A buffer in which no sample fits, or a pack
+none of whose samples decodes, has no pack to carry its report: only the warnings and that list tell. "truncate" is refused (the encoder never
+cuts a sample).
 Nothing is carried between buffers: a carry list would live outside Energon's saved state, and a restore
 would then repeat or lose those samples.
 
@@ -52,36 +65,53 @@ try:
         get_train_dataset,
         stateless,
     )
+    from megatron.energon.errors import FatalSampleError, SkipSample
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "vlm_pack.integrations.energon needs Megatron-Energon: pip install 'vlm-pack[energon]'"
     ) from exc
 
 from ..batch import PackedBatch
-from ..config import PackingConfig
+from ..config import DEFAULT_MAX_CONSECUTIVE_FAILURES, PackingConfig
 from ..data import read_header
+from ..failures import FailureBudget, FailureBudgetError, SampleCodeError, SampleError, skip_reason
 from ..packing import pack, padded_lengths
 from ..preprocessor import Preprocessor
 
-__all__ = ["PackedVLMSample", "VLMPackingTaskEncoder", "VLMSample", "packed_train_dataset"]
+__all__ = ["FatalPackingError", "PackedVLMSample", "VLMPackingTaskEncoder", "VLMSample", "packed_train_dataset"]
 
 logger = logging.getLogger(__name__)
 
 
+class FatalPackingError(FatalSampleError):
+    """vlm-pack stops the run from inside an Energon hook, naming the sample (message) and the fix.
+
+    Energon catches what a cooker or packer raises and hands it to ``WorkerConfig.global_error_handler``,
+    whose default logs it and drops the sample, or the whole packing buffer when it came from the
+    selection. A ``FatalSampleError`` is the one kind it re-raises whatever the handler
+    (``megatron.energon.errors.SYSTEM_EXCEPTIONS``), so "raise" stops the run there too. Raised from the
+    original error: an oversized sample with ``oversized="raise"`` (a ``SampleError`` ``too_long``), an error
+    of code (``SampleCodeError``) or too many bad samples in a row (``FailureBudgetError``).
+    """
+
+
 @edataclass
 class VLMSample(Sample):
-    """A cooked sample: raw image bytes (not decoded), the conversation and its exact forecast length."""
+    """A cooked sample: raw image bytes (not decoded), the conversation and its exact forecast length, or
+    ``failure``: why its forecast failed (``"reason: detail"``, a bad sample carried to a pack's report)."""
 
     images: list
     conversation: Any
     length: int
+    failure: str | None = None
 
 
 @edataclass
 class PackedVLMSample(Sample):
     """One pack: the collated :class:`~vlm_pack.PackedBatch` (one row), the keys of its samples in packed order
-    (also ``batch.metadata["__key__"]``) and ``left_out``: ``(key, reason)`` of the samples of the same packing
-    buffer that no pack holds (longer than ``capacity``), reported once, on one pack of that buffer."""
+    (also ``batch.metadata["__key__"]``) and ``left_out``: ``(key, "reason: detail")`` of the samples of the
+    same packing buffer that no pack holds (``reason`` one of ``vlm_pack.failures.REASONS``: ``too_long``,
+    or bad data such as ``decode_error``), reported once, on one pack of that buffer."""
 
     batch: PackedBatch
     keys: list
@@ -99,11 +129,12 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         model_config: the model's config (family, token ids, merge size; see :class:`~vlm_pack.PackingCollator`).
         pad_to_multiple_of: per-sample padding for context/sequence parallelism (``pad_multiple_for``); packs
             are planned on the padded spans, so each is one row.
-        oversized: a sample longer than ``capacity``: ``"raise"`` (default, as ``PackingConfig``'s; pair it
-            with ``WorkerConfig(global_error_handler=megatron.energon.errors.reraise_exception)``: Energon's
-            default handler logs a failed selection and skips its whole buffer) or ``"skip"`` (leave the
-            sample out, report it in a pack's ``left_out``, warn, record it in :attr:`left_out`).
-            ``"truncate"`` is refused: the encoder never cuts a sample.
+        oversized: a sample longer than ``capacity``: ``"raise"`` (default, as ``PackingConfig``'s: the cooker
+            raises :class:`FatalPackingError` naming it, which stops the run whatever Energon's
+            ``global_error_handler``) or ``"skip"`` (leave the sample out, report it in a pack's ``left_out``,
+            warn, record it in :attr:`left_out`). ``"truncate"`` is refused: the encoder never cuts a sample.
+        max_consecutive_failures: bad samples in a row (a forecast or a decode that fails) before the run stops
+            (``PackingConfig``'s; None: no limit). Bad data is always skipped alone, never with its pack.
 
     Use with ``get_train_dataset(..., batch_size=None, packing_buffer_size=N, task_encoder=encoder)`` or
     :func:`packed_train_dataset`.
@@ -120,12 +151,13 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         model_config: Any = None,
         pad_to_multiple_of: int = 1,
         oversized: str = "raise",
+        max_consecutive_failures: int | None = DEFAULT_MAX_CONSECUTIVE_FAILURES,
     ) -> None:
         super().__init__()
         # PackingConfig validates the settings (names, values, capacity a multiple of pad_to_multiple_of)
-        PackingConfig.resolve(
+        config = PackingConfig.resolve(
             "VLMPackingTaskEncoder", capacity=capacity, pad_to_multiple_of=pad_to_multiple_of,
-            oversized=oversized, refuse=("truncate",),
+            oversized=oversized, max_consecutive_failures=max_consecutive_failures, refuse=("truncate",),
         )
         self.preprocessor = Preprocessor.check(preprocessor)
         # max_rows=1: a pack is one row, or the collator raises naming its samples
@@ -140,23 +172,51 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         self.pad_to_multiple_of = pad_to_multiple_of
         self.oversized = oversized
         self.left_out: list[tuple[str, str]] = []
+        # One budget per stage, as each sees samples in its own order (per process: a worker has its copy).
+        limit = config.max_consecutive_failures
+        self.forecast_budget = FailureBudget(limit, "VLMPackingTaskEncoder (forecast in the cooker)")
+        self.process_budget = FailureBudget(limit, "VLMPackingTaskEncoder (decode and process in the packer)")
         self.cookers = [Cooker(self.cook_sample)]
 
     @stateless
     def cook_sample(self, crude: dict) -> VLMSample:
-        """Crude WebDataset sample (raw bytes) -> :class:`VLMSample` with its exact expanded length."""
+        """Crude WebDataset sample (raw bytes) -> :class:`VLMSample` with its exact expanded length; a sample
+        whose forecast fails as bad data carries its ``failure`` on to a pack's report.
+
+        Raises:
+            FatalPackingError: a sample longer than ``capacity`` with ``oversized="raise"``, an error of code,
+                or too many bad samples in a row.
+        """
         key = crude["__key__"]
-        header = read_header(crude, image_name=lambda name: f"{key}.{name}")
-        length, _ = self.preprocessor.forecast(header.conversation, header.image_sizes, key)
-        return VLMSample(
-            __key__=key,
-            __restore_key__=crude.get("__restore_key__", ()),
-            __subflavors__=crude.get("__subflavors__"),
-            __sources__=crude.get("__sources__"),
-            images=[crude[name] for name in header.image_names],
-            conversation=header.conversation,
-            length=int(length),
-        )
+        meta = dict(__key__=key, __restore_key__=crude.get("__restore_key__", ()),
+                    __subflavors__=crude.get("__subflavors__"), __sources__=crude.get("__sources__"))
+        try:
+            header = read_header(crude, image_name=lambda name: f"{key}.{name}")
+            length, _ = self.preprocessor.forecast(header.conversation, header.image_sizes, key)
+        except Exception as exc:
+            failure = self._bad(exc, "bad_text", key, self.forecast_budget)
+            return VLMSample(**meta, images=[], conversation=None, length=0, failure=failure)
+        self.forecast_budget.success()
+        sample = VLMSample(**meta, images=[crude[name] for name in header.image_names],
+                           conversation=header.conversation, length=int(length))
+        reason = self._too_long(sample)
+        if reason is not None and self.oversized == "raise":
+            message = f"sample {key!r}: {reason}; raise capacity or use oversized='skip'"
+            raise FatalPackingError(message) from SampleError("too_long", message)
+        return sample
+
+    def _bad(self, exc: Exception, default: str, key: str, budget: FailureBudget) -> str:
+        """``"reason: detail"`` of a sample that failed as bad data (counted in ``budget``).
+
+        Raises:
+            FatalPackingError: from ``exc`` when it is an error of code, or when the budget runs out.
+        """
+        try:
+            reason = skip_reason(exc, default, f"sample {key!r}", key)
+            budget.failure(reason, f"sample {key!r}", str(exc))
+        except (SampleCodeError, FailureBudgetError) as stop:  # Energon's handler would log and drop these
+            raise FatalPackingError(str(stop)) from stop
+        return f"{reason}: {exc}"
 
     def _too_long(self, sample: VLMSample) -> str | None:
         """Why ``sample`` fits no pack (its padded span exceeds ``capacity``), or None when it fits one."""
@@ -166,56 +226,90 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         padding = f" (padded to {span})" if span != sample.length else ""
         return f"{sample.length} tokens{padding} > capacity {self.capacity}"
 
+    def _left_out(self, sample: VLMSample) -> str | None:
+        """``"reason: detail"`` of a sample no pack holds (its forecast failed, or it exceeds ``capacity``)."""
+        if sample.failure is not None:
+            return sample.failure
+        reason = self._too_long(sample)
+        return None if reason is None else f"too_long: {reason}"
+
+    def _report(self, key: str, why: str) -> None:
+        logger.warning("vlm-pack/energon: left out sample %r: %s", key, why)
+        self.left_out.append((key, why))
+
     def select_samples_to_pack(self, samples: list[VLMSample]) -> list[list[VLMSample]]:
         """Best-fit decreasing over the whole buffer on the padded spans; samples keep their buffer order inside
-        a pack. The samples left out go at the end of the first pack's group: ``pack_selected_samples`` reports
-        them on that pack."""
-        lengths = [s.length for s in samples]
-        plan = pack(lengths, self.capacity, oversized="skip", pad_to_multiple_of=self.pad_to_multiple_of)
-        left = [samples[miss.index] for miss in plan.unpacked]
-        for sample in left:
-            reason = self._too_long(sample)
-            if self.oversized == "raise":
-                raise ValueError(
-                    f"sample {sample.__key__!r}: {reason}; raise capacity or use oversized='skip'"
-                )
-            logger.warning("vlm-pack/energon: left out sample %r: %s", sample.__key__, reason)
-            self.left_out.append((sample.__key__, reason))
-        groups = [[samples[i] for i in sorted(b)] for b in plan.bins]
+        a pack. The samples left out (bad, or longer than ``capacity``) go at the end of the first pack's
+        group: ``pack_selected_samples`` reports them on that pack, so none is dropped without a word."""
+        reasons = [self._left_out(s) for s in samples]
+        fits = [i for i, why in enumerate(reasons) if why is None]
+        left = [samples[i] for i, why in enumerate(reasons) if why is not None]
+        for sample, why in zip(left, (why for why in reasons if why is not None)):
+            self._report(sample.__key__, why)
+        plan = pack([samples[i].length for i in fits], self.capacity, oversized="raise",
+                    pad_to_multiple_of=self.pad_to_multiple_of)
+        groups = [[samples[fits[i]] for i in sorted(b)] for b in plan.bins]
         if groups:
             groups[0] += left
         elif left:
             logger.warning(
-                "vlm-pack/energon: no sample of this packing buffer fits capacity %d: %d sample(s) left out "
-                "with no pack to report them on: %s", self.capacity, len(left), [s.__key__ for s in left],
+                "vlm-pack/energon: no sample of this packing buffer fits a pack: %d sample(s) left out "
+                "with no pack to report them on: %s", len(left), [s.__key__ for s in left],
             )
         return groups
 
+    def _process(self, sample: VLMSample) -> dict | str:
+        """The processed sample, or ``"reason: detail"`` when its pixels do not decode (bad data, counted)
+        or its processed length is not its forecast (``forecast_mismatch``)."""
+        try:
+            p = self.preprocessor.process(sample.images, sample.conversation, sample.__key__)
+        except Exception as exc:
+            return self._bad(exc, "decode_error", sample.__key__, self.process_budget)
+        tpi = p.get("tokens_per_image")
+        n = len(p["input_ids"])
+        if self.preprocessor.layout == "collapsed" and tpi is not None:  # one placeholder per image
+            n += int(tpi.sum()) - len(tpi)
+        if n != sample.length:
+            detail = (f"forecast {sample.length} tokens, processed {n}: the vision spec does not match the "
+                      "image processor (build both from the same checkpoint)")
+            return self._bad(SampleError("forecast_mismatch", detail), "forecast_mismatch", sample.__key__,
+                             self.process_budget)
+        self.process_budget.success()
+        p["__key__"] = sample.__key__  # batch.metadata["__key__"] in packed order
+        return p
+
     @stateless
     def pack_selected_samples(self, samples: list[VLMSample]) -> PackedVLMSample:
-        """Decode and process the pack's samples and collate them into one :class:`PackedBatch` row; the
-        samples too long for any pack (placed here by the selection) become the pack's ``left_out``."""
-        reasons = [self._too_long(s) for s in samples]
-        left_out = [(s.__key__, why) for s, why in zip(samples, reasons) if why is not None]
-        samples = [s for s, why in zip(samples, reasons) if why is None]
-        processed = [self.preprocessor.process(s.images, s.conversation, s.__key__) for s in samples]
-        for s, p in zip(samples, processed):
-            p["__key__"] = s.__key__  # batch.metadata["__key__"] in packed order
-            tpi = p.get("tokens_per_image")
-            n = len(p["input_ids"])
-            if self.preprocessor.layout == "collapsed" and tpi is not None:  # one placeholder per image
-                n += int(tpi.sum()) - len(tpi)
-            if n != s.length:
-                raise RuntimeError(
-                    f"sample {s.__key__!r}: forecast {s.length} tokens, processed {n}: the vision spec does "
-                    "not match the image processor (build both from the same checkpoint)"
-                )
-        batch = self.collator.collate(processed)
-        sources = tuple(src for s in samples for src in (s.__sources__ or ()))
+        """Decode and process the pack's samples and collate them into one :class:`PackedBatch` row. The
+        samples the selection left out (placed here) and those whose pixels do not decode become the pack's
+        ``left_out``: a bad sample never takes its pack's good ones with it.
+
+        Raises:
+            FatalPackingError: an error of code, or too many bad samples in a row.
+            SkipSample: no sample of the pack was good (each is logged and in :attr:`left_out`).
+        """
+        left_out = [(s.__key__, why) for s in samples if (why := self._left_out(s)) is not None]
+        kept, processed = [], []
+        for sample in (s for s in samples if self._left_out(s) is None):
+            result = self._process(sample)
+            if isinstance(result, str):
+                self._report(sample.__key__, result)
+                left_out.append((sample.__key__, result))
+            else:
+                kept.append(sample)
+                processed.append(result)
+        if not kept:
+            raise SkipSample()
+        try:
+            batch = self.collator.collate(processed)
+        except Exception as exc:  # the plan fits one row: a collator that refuses it is code
+            keys = [s.__key__ for s in kept]
+            raise FatalPackingError(f"pack of samples {keys}: {type(exc).__name__}: {exc}") from exc
+        sources = tuple(src for s in kept for src in (s.__sources__ or ()))
         return PackedVLMSample(
-            __key__="+".join(s.__key__ for s in samples),
+            __key__="+".join(s.__key__ for s in kept),
             __restore_key__=(),
-            __subflavors__=samples[0].__subflavors__,
+            __subflavors__=kept[0].__subflavors__,
             __sources__=sources or None,
             batch=batch,
             keys=list(batch.sample_keys),
