@@ -194,6 +194,7 @@ from vlm_pack.data.pipeline import (  # noqa: E402
     stream_info,
 )
 from vlm_pack.offline import build_tokenizer, image_processor  # noqa: E402
+from vlm_pack.preprocessor import Preprocessor  # noqa: E402
 
 CAPACITY = 256
 BAD_REASONS = {
@@ -296,8 +297,6 @@ def qwen():
 def _pipeline(corpus, qwen, **overrides) -> PackedWebDataset:
     tok, ip = qwen
     kwargs = dict(
-        tokenizer=tok,
-        image_processor=ip,
         capacity=CAPACITY,
         oversized="skip",  # the corpus's too-long sample is counted as too_long
         shuffle_seed=3,
@@ -306,7 +305,7 @@ def _pipeline(corpus, qwen, **overrides) -> PackedWebDataset:
         min_fill_ratio=0.9,  # keeps bins open longer: checkpoints catch samples in the packer
     )
     kwargs.update(overrides)
-    return PackedWebDataset(corpus["urls"], **kwargs)
+    return PackedWebDataset(corpus["urls"], Preprocessor(tok, ip), **kwargs)
 
 
 def _summary(batch) -> tuple:
@@ -352,7 +351,7 @@ def test_two_workers_every_good_sample_in_exactly_one_pack(corpus, reference):
         forecast = dict(zip((k for _, k in meta["samples"]), meta["forecast"]))
         assert [forecast[k] for k in b.metadata["__key__"]] == b.seq_lens.tolist()
         assert meta["lengths"] == meta["forecast"]
-        n_image_tokens = int((b.input_ids == ds.tokenizer.image_token_id).sum())
+        n_image_tokens = int((b.input_ids == ds.preprocessor.tokenizer.image_token_id).sum())
         if b.image_grid_thw is None:  # a pack of text-only samples
             assert n_image_tokens == 0 and b.pixel_values is None
         else:
@@ -527,7 +526,7 @@ def test_llava_next_forecast_equals_processed_length(tmp_path):
         for i in range(5)
     ]
     urls = write_shards(records, tmp_path / "ln", maxcount=3)
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=4096)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=4096)
     batches = list(ds)
     assert sorted(_keys_of(batches)) == [f"n{i}" for i in range(5)]
     assert all(_forecast_matches(b) for b in batches) and ds.stats.forecast_mismatches == 0
@@ -595,13 +594,13 @@ def test_url_forms_and_more_workers_than_shards(tmp_path, qwen):
     urls = _small_shards(tmp_path / "s")
     pattern = str(tmp_path / "s" / "shard-{000000..000001}.tar")
     for given in (pattern, urls, [Path(u) for u in urls], f"{urls[0]}::{urls[1]}"):
-        assert PackedWebDataset(given, tokenizer=tok, image_processor=ip, capacity=256).urls == urls
-    assert PackedWebDataset(Path(urls[0]), tokenizer=tok, image_processor=ip, capacity=256).urls == urls[:1]
+        assert PackedWebDataset(given, Preprocessor(tok, ip), capacity=256).urls == urls
+    assert PackedWebDataset(Path(urls[0]), Preprocessor(tok, ip), capacity=256).urls == urls[:1]
     with pytest.raises(ValueError, match="no shard URLs"):
-        PackedWebDataset([], tokenizer=tok, image_processor=ip, capacity=256)
+        PackedWebDataset([], Preprocessor(tok, ip), capacity=256)
 
     # 3 workers for 2 shards: the idle worker yields nothing, the epoch still completes and resumes.
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=1.0)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, min_fill_ratio=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DataLoader: 3 workers on 2 cores
         batches = list(PackedDataLoader(ds, num_workers=3))
@@ -617,7 +616,7 @@ def test_url_forms_and_more_workers_than_shards(tmp_path, qwen):
     assert "<|vision_start|><|image_pad|>" in texts["llava"] and "What?" in texts["llava"]
     assert "\n<|vision_start|>" not in texts["llava"].split("What?")[0][-1:]  # placeholder newline dropped
     assert texts["noph"].index("<|vision_start|>") < texts["noph"].index("describe")
-    next_epoch = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=1.0)
+    next_epoch = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, min_fill_ratio=1.0)
     next_epoch.load_state_dict(json.loads(json.dumps(ds.state_dict())))
     assert next_epoch.epoch == 0 and next_epoch.state_dict()["progress"]["complete"]
 
@@ -632,7 +631,7 @@ def test_forecast_mismatch_is_warned_counted_and_never_overflows(tmp_path, qwen)
     ]
     urls = write_shards(records, tmp_path / "m")
     smaller = copy.deepcopy(ip)
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=smaller, capacity=64, min_fill_ratio=1.0)
+    ds = PackedWebDataset(urls, Preprocessor(tok, smaller), capacity=64, min_fill_ratio=1.0)
     smaller.size["longest_edge"] = 56 * 56  # now every image becomes 4 tokens
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -648,7 +647,7 @@ def test_forecast_mismatch_is_warned_counted_and_never_overflows(tmp_path, qwen)
     assert meta["lengths"] != meta["forecast"]
 
     larger = copy.deepcopy(ip)
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=larger, capacity=64, min_fill_ratio=1.0)
+    ds = PackedWebDataset(urls, Preprocessor(tok, larger), capacity=64, min_fill_ratio=1.0)
     larger.size["shortest_edge"] = 56 * 56 * 8  # now longer than forecast: the bin would overflow
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -659,7 +658,7 @@ def test_forecast_mismatch_is_warned_counted_and_never_overflows(tmp_path, qwen)
     assert st.reasons.get("forecast_mismatch", 0) >= 1
     assert any("forecast_mismatch" in str(w.message) and "overflow the bin" in str(w.message) for w in caught)
     changed = copy.deepcopy(ip)
-    strict = PackedWebDataset(urls, tokenizer=tok, image_processor=changed, capacity=64, on_error="raise")
+    strict = PackedWebDataset(urls, Preprocessor(tok, changed), capacity=64, on_error="raise")
     changed.size["shortest_edge"] = 56 * 56 * 8
     with (
         pytest.raises(ValueError, match=r"forecast \d+ != processed length \d+ for key 'm0'"),
@@ -673,8 +672,9 @@ _RESUME_SCRIPT = """
 import json, sys, warnings
 from vlm_pack.data.pipeline import PackedDataLoader, PackedWebDataset
 from vlm_pack.offline import build_tokenizer, image_processor
+from vlm_pack.preprocessor import Preprocessor
 urls, state_path = json.loads(sys.argv[1]), sys.argv[2]
-ds = PackedWebDataset(urls, tokenizer=build_tokenizer("qwen2_vl"), image_processor=image_processor("qwen2_vl"),
+ds = PackedWebDataset(urls, Preprocessor(build_tokenizer("qwen2_vl"), image_processor("qwen2_vl")),
                       capacity=256, oversized="skip", shuffle_seed=3, shuffle_buffer=4, buffer_size=4,
                       min_fill_ratio=0.9)
 with open(state_path) as f:
@@ -742,7 +742,7 @@ def _legacy_shards(root: Path) -> list[str]:
 def _legacy_pipeline(urls, qwen, **knobs) -> PackedWebDataset:
     tok, ip = qwen
     config = PackingConfig(capacity=48, shuffle_seed=3, shuffle_buffer=3, buffer_size=3, min_fill_ratio=0.9)
-    return PackedWebDataset(urls, config, tokenizer=tok, image_processor=ip, oversized="skip", **knobs)
+    return PackedWebDataset(urls, Preprocessor(tok, ip), config, oversized="skip", **knobs)
 
 
 @pytest.mark.filterwarnings("ignore::vlm_pack.data.BadSampleWarning")
@@ -792,21 +792,21 @@ def test_a_state_of_an_unknown_version_is_refused_naming_both_versions(tmp_path,
 def test_packing_config_or_keyword_knobs(tmp_path, qwen):
     tok, ip = qwen
     urls = _small_shards(tmp_path / "s")
-    by_keywords = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, buffer_size=8)
+    by_keywords = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, buffer_size=8)
     config = PackingConfig(capacity=256, buffer_size=8)
     assert by_keywords.config == config and config.oversized == "raise"  # the same defaults either way
-    by_config = PackedWebDataset(urls, config, tokenizer=tok, image_processor=ip)
+    by_config = PackedWebDataset(urls, Preprocessor(tok, ip), config)
     assert [list(b.metadata["__key__"]) for b in by_config] == [list(b.metadata["__key__"]) for b in by_keywords]
     # keywords over a config; validation is PackingConfig's
-    assert PackedWebDataset(urls, config, tokenizer=tok, image_processor=ip, capacity=512).capacity == 512
+    assert PackedWebDataset(urls, Preprocessor(tok, ip), config, capacity=512).capacity == 512
     with pytest.raises(ValueError, match="min_fill_ratio must be a float in"):
-        PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=2)
+        PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, min_fill_ratio=2)
     with pytest.raises(TypeError, match=r"unknown argument\(s\) \['capcity'\]; packing settings: \["):
-        PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capcity=256)
+        PackedWebDataset(urls, Preprocessor(tok, ip), capcity=256)
     with pytest.raises(TypeError, match="needs capacity="):
-        PackedWebDataset(urls, tokenizer=tok, image_processor=ip)
+        PackedWebDataset(urls, Preprocessor(tok, ip))
     with pytest.raises(ValueError, match="PackedWebDataset cannot do oversized='truncate'"):
-        PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, oversized="truncate")
+        PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, oversized="truncate")
 
 
 # -- issue 18: streams that yield nothing, lost counts, unreadable shard lists, huge headers ------------
@@ -824,7 +824,7 @@ def _good_and_garbage(root: Path) -> list[str]:
 def test_a_stream_that_yields_no_batch_still_completes_the_epoch_with_a_plain_dataloader(tmp_path, qwen):
     tok, ip = qwen
     urls = _good_and_garbage(tmp_path)
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=1.0)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, min_fill_ratio=1.0)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
     passes = []
     for _ in range(2):
@@ -842,7 +842,7 @@ def test_an_unreadable_shard_is_counted_with_any_worker_count(tmp_path, qwen):
     urls = _good_and_garbage(tmp_path)
     reasons = {}
     for workers in (0, 2):
-        ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256)
+        ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256)
         batches = list(PackedDataLoader(ds, num_workers=workers))
         assert sorted(_keys_of(batches)) == ["llava", "noph"]
         reasons[workers] = ds.stats.reasons
@@ -855,7 +855,7 @@ def test_an_unreadable_shard_is_counted_with_any_worker_count(tmp_path, qwen):
 def test_all_shards_unreadable_is_an_error_naming_them(tmp_path, qwen, workers):
     tok, ip = qwen
     pattern = str(tmp_path / "shrad-{000000..000001}.tar")  # a typo: no such files
-    ds = PackedWebDataset(pattern, tokenizer=tok, image_processor=ip, capacity=256)
+    ds = PackedWebDataset(pattern, Preprocessor(tok, ip), capacity=256)
     with pytest.raises(ValueError, match=r"none of the 2 shard\(s\) this epoch could be read") as exc:
         list(PackedDataLoader(ds, num_workers=workers))
     assert "shrad-000000.tar" in str(exc.value) and "Check the paths" in str(exc.value)
@@ -887,7 +887,7 @@ def test_an_image_header_over_max_image_pixels_is_refused_before_decoding(tmp_pa
         {"key": "small", "images": _encoded((60, 50), "PNG"), "caption": "fine"},
     ]
     urls = write_shards(records, tmp_path / "s")
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=4096)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=4096)
     with pytest.warns(BadSampleWarning) as caught:
         keys = sorted(_keys_of(list(ds)))
     assert keys == ["photo", "small"] and ds.stats.reasons == {"image_too_large": 1}
@@ -896,7 +896,7 @@ def test_an_image_header_over_max_image_pixels_is_refused_before_decoding(tmp_pa
     assert "PackingConfig.max_image_pixels" in message
 
     # the limit is a knob: 100x100 pixels refuses the 120x90 photo and keeps the 60x50 one
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=4096, max_image_pixels=100 * 100)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=4096, max_image_pixels=100 * 100)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BadSampleWarning)
         assert sorted(_keys_of(list(ds))) == ["small"]
@@ -920,7 +920,7 @@ def test_a_plain_dataloader_gets_only_batches_and_counts_bad_samples_after_each_
     # then the all-bad shard. A tiny min_fill_ratio emits each sample's pack as soon as it is read, so
     # both streams count their bad shard after their last pack was made.
     urls = [good[0], good[1], str(tmp_path / "garbage.tar"), bad[0]]
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=0.01)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, min_fill_ratio=0.01)
     items = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2))
     assert not any(isinstance(item, StreamEnd) for item in items)
     assert sorted(_keys_of(items)) == ["cap", "llava", "noph", "txt"] and len(items) == 4
@@ -950,7 +950,7 @@ def test_each_conversation_is_tokenized_once_and_packs_what_process_sample_gives
         return tokenize(self, text, *args, **kwargs)
 
     monkeypatch.setattr(type(tok), "__call__", counting)
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=1.0)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, min_fill_ratio=1.0)
     batches = list(ds)  # the forecast tokenizes; processing the packed samples reuses its ids
     assert len(texts) == len(set(texts)) == 4 == ds.stats.samples_packed
     raw = {sample["__key__"]: sample for url in urls for sample in stream_tar_samples(url)}

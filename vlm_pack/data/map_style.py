@@ -6,7 +6,7 @@
     (rows)      (headers only,       capacity,      equal bins per    rows of each bin, bins of each rank
                  num_proc workers)   vision budget  rank, by cost     (vlm_pack.data.plan.build_plan)
 
-    or  PackedMapDataset(dataset, plan=PLAN_DIR, rank=r): a saved plan, checked against the parts, mapped
+    or  PackedMapDataset(dataset, pre, plan=PLAN_DIR, rank=r): a saved plan, checked against the parts, mapped
 
     PackedMapDataset[i] ──> rows of one bin ──> process_sample (real processor) ──> PackingCollator
                                                                                     -> PackedBatch
@@ -60,6 +60,7 @@ import torch
 from ..config import PackingConfig, collator_options
 from ..failures import FailureBudget, example, no_good_sample, skip_reason, tally
 from ..packing.steps import block_order
+from ..preprocessor import Preprocessor
 from .fingerprint import Unfingerprintable
 from .plan import (
     Plan,
@@ -100,6 +101,8 @@ class PackedMapDataset(torch.utils.data.Dataset):
     Args:
         dataset: a ``datasets.Dataset`` (or the folder ``save_to_disk`` wrote) in any record format of
             ``vlm_pack.data.RECORD_FORMATS``; image columns may be ``Image`` features (bytes or paths) or paths.
+        preprocessor: the checkpoint's :class:`~vlm_pack.Preprocessor` (tokenizer, processor, family,
+            template, layout and spec, held once): what the plan is forecast with and each pack processed with.
         config: a ``PackingConfig``; each of its settings can also be a keyword (``capacity=8192``), alone (a
             config is built, with the same defaults) or over ``config``: ``capacity``,
             ``max_samples_per_bin``, ``vision_capacity`` / ``vision_cost``, ``oversized`` ("raise", default,
@@ -107,8 +110,6 @@ class PackedMapDataset(torch.utils.data.Dataset):
             ``on_error`` ("skip", default: unreadable records are listed in ``skipped``; "raise"),
             ``exif_transpose``, ``shuffle_seed`` (pack order per epoch; None keeps the plan's order),
             ``max_consecutive_failures``.
-        processor / tokenizer + image_processor: the checkpoint's.
-        family, template: the chat format (see ``processing.tokenize_conversation``).
         record_format, image_root: see ``records.normalise_record`` (default: detected per record).
         world_size, rank: data-parallel ranks; ``rank=None`` indexes every rank's packs interleaved.
             ``world_size`` defaults to the plan's when ``plan=`` is given, else 1.
@@ -135,13 +136,9 @@ class PackedMapDataset(torch.utils.data.Dataset):
     def __init__(
         self,
         dataset: Any,
+        preprocessor: Preprocessor,
         config: PackingConfig | None = None,
         *,
-        processor: Any = None,
-        tokenizer: Any = None,
-        image_processor: Any = None,
-        family: str | None = None,
-        template: Callable[..., Any] | None = None,
         record_format: str | None = None,
         image_root: str | os.PathLike[str] | None = None,
         world_size: int | None = None,
@@ -155,15 +152,10 @@ class PackedMapDataset(torch.utils.data.Dataset):
         balance: Any = None,
         **knobs: Any,
     ) -> None:
-        from ..preprocessor import Preprocessor
-
+        Preprocessor.refuse_parts("PackedMapDataset", knobs)
+        self.preprocessor = Preprocessor.check(preprocessor)
         config = PackingConfig.resolve("PackedMapDataset", config, refuse=("truncate",), **knobs)
         collator_kwargs = collator_options("PackedMapDataset", collator_kwargs)
-        if processor is not None:
-            tokenizer = tokenizer if tokenizer is not None else processor.tokenizer
-            image_processor = image_processor if image_processor is not None else processor.image_processor
-        if tokenizer is None or image_processor is None:
-            raise ValueError("PackedMapDataset needs tokenizer= and image_processor= (or processor=).")
         given = _given_plan(plan, rank)
         if world_size is None:
             world_size = given.world_size if given is not None else 1
@@ -178,7 +170,6 @@ class PackedMapDataset(torch.utils.data.Dataset):
         self.dataset, root = open_dataset(dataset, image_root, "PackedMapDataset")
         self.config, self.world_size, self.rank, self.strategy = config, world_size, rank, strategy
         self.balance = balance
-        self.preprocessor = Preprocessor(tokenizer, image_processor, processor, family, template)
         self.record_format, self.image_root = record_format, root
         if "return_style" in collator_kwargs:
             raise ValueError(
