@@ -193,6 +193,7 @@ from vlm_pack.data.pipeline import (  # noqa: E402
     StreamEnd,
     stream_info,
 )
+from vlm_pack.failures import FailureBudgetError, SampleError  # noqa: E402
 from vlm_pack.offline import build_tokenizer, image_processor  # noqa: E402
 from vlm_pack.preprocessor import Preprocessor  # noqa: E402
 
@@ -383,7 +384,7 @@ def test_bad_data_is_warned_with_shard_and_key_or_raised(corpus, qwen):
 
     strict = _pipeline(corpus, qwen, shuffle_seed=None, on_error="raise")
     with pytest.raises(
-        ValueError, match=r"bad_text: shard .*main/shard-000000.tar, key 'bad_header'|corrupt_image"
+        ValueError, match=r"bad_text: key 'bad_header' in .*main/shard-000000.tar|corrupt_image"
     ):
         list(strict)
 
@@ -621,8 +622,10 @@ def test_url_forms_and_more_workers_than_shards(tmp_path, qwen):
     assert next_epoch.epoch == 0 and next_epoch.state_dict()["progress"]["complete"]
 
 
-def test_forecast_mismatch_is_warned_counted_and_never_overflows(tmp_path, qwen):
-    """A processor changed after the pipeline read its vision spec: processed lengths differ from the forecast."""
+def test_forecast_mismatch_is_bad_data_left_out_counted_and_never_packed(tmp_path, qwen):
+    """A processor changed after the pipeline read its vision spec: processed lengths differ from the forecast.
+    One policy (``vlm_pack.failures.forecast_mismatch``): the sample cannot be packed as planned, so it is
+    left out under its own reason, warned about and counted, shorter or longer; raised under on_error="raise"."""
     import copy
 
     tok, ip = qwen
@@ -630,38 +633,34 @@ def test_forecast_mismatch_is_warned_counted_and_never_overflows(tmp_path, qwen)
         {"key": f"m{i}", "images": _encoded((56 * (i + 1), 56), "PNG", i), "caption": "x"} for i in range(3)
     ]
     urls = write_shards(records, tmp_path / "m")
-    smaller = copy.deepcopy(ip)
-    ds = PackedWebDataset(urls, Preprocessor(tok, smaller), capacity=64, min_fill_ratio=1.0)
-    smaller.size["longest_edge"] = 56 * 56  # now every image becomes 4 tokens
+    shorter = copy.deepcopy(ip)
+    ds = PackedWebDataset(urls, Preprocessor(tok, shorter), capacity=64, min_fill_ratio=1.0)
+    shorter.size["longest_edge"] = 56 * 56  # m1 and m2 now process to 4 image tokens (m0 already did)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         batches = list(ds)
     mismatches = [str(w.message) for w in caught if "FORECAST MISMATCH" in str(w.message)]
-    assert len(mismatches) == 2 and all("shard-000000.tar" in m for m in mismatches)
-    assert any("key 'm1'" in m and re.search(r"forecast \d+ tokens, processed \d+", m) for m in mismatches), (
-        mismatches
-    )
-    assert sorted(_keys_of(batches)) == ["m0", "m1", "m2"]  # shorter than forecast: still packed
-    assert ds.stats.forecast_mismatches == 2 and ds.stats.samples_bad == 0
-    meta = stream_info(batches[0])
-    assert meta["lengths"] != meta["forecast"]
-
+    assert len(mismatches) == 2 and all("shard-000000.tar" in m for m in mismatches), mismatches
+    assert any("key 'm1'" in m and re.search(r"forecast \d+ != processed length \d+", m) for m in mismatches)
+    assert sorted(_keys_of(batches)) == ["m0"]  # shorter than forecast: still never packed as planned
+    st = ds.stats
+    assert st.forecast_mismatches == 2 and st.samples_bad == 2 and st.reasons == {"forecast_mismatch": 2}
+    assert all(stream_info(b)["lengths"] == stream_info(b)["forecast"] for b in batches)
+    # every sample longer than forecast (a spec that does not match the processor): systematic, the run stops
     larger = copy.deepcopy(ip)
     ds = PackedWebDataset(urls, Preprocessor(tok, larger), capacity=64, min_fill_ratio=1.0)
-    larger.size["shortest_edge"] = 56 * 56 * 8  # now longer than forecast: the bin would overflow
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        batches = list(ds)
-    assert all(int(b.seq_lens.sum()) <= 64 for b in batches)
-    st = ds.stats
-    assert st.samples_packed + st.reasons.get("forecast_mismatch", 0) == 3
-    assert st.reasons.get("forecast_mismatch", 0) >= 1
-    assert any("forecast_mismatch" in str(w.message) and "overflow the bin" in str(w.message) for w in caught)
+    larger.size["shortest_edge"] = 56 * 56 * 8
+    with (
+        pytest.raises(FailureBudgetError, match=r"no sample was good.*forecast_mismatch \(3 of 3\)"),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore", BadSampleWarning)
+        list(ds)
     changed = copy.deepcopy(ip)
     strict = PackedWebDataset(urls, Preprocessor(tok, changed), capacity=64, on_error="raise")
     changed.size["shortest_edge"] = 56 * 56 * 8
     with (
-        pytest.raises(ValueError, match=r"forecast \d+ != processed length \d+ for key 'm0'"),
+        pytest.raises(SampleError, match=r"forecast \d+ != processed length \d+ for key 'm\d' in .*shard-000000.tar"),
         warnings.catch_warnings(),
     ):
         warnings.simplefilter("ignore", BadSampleWarning)

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from ..config import PackingConfig, collator_options
-from ..failures import FailureBudget, example, no_good_sample, skip_reason, tally
+from ..failures import Failure, FailurePolicy, Guard, Skip, forecast_mismatch, no_good_sample, tally
 from ..packing.steps import block_order
 from ..preprocessor import Preprocessor
 from .fingerprint import Unfingerprintable
@@ -73,7 +73,6 @@ from .plan import (
     shown_parts,
 )
 from .records import normalise_record
-from .shards import SampleError
 from .stats import BadSampleWarning
 
 __all__ = ["PackedMapDataset", "PackedSampler", "plan_info"]
@@ -93,6 +92,15 @@ def plan_info(batch: Any) -> dict[str, Any] | None:
     if isinstance(metadata, Mapping) and _META in metadata:
         return metadata[_META]
     return None
+
+
+def _warn_left_out(failure: Failure) -> None:
+    """How a map-style dataset reports a row left out of its pack (``plan_info``'s ``left_out`` lists it)."""
+    warnings.warn(
+        f"vlm-pack: {failure.sample} left out of its pack: {failure.reason}: {failure.detail}",
+        BadSampleWarning,
+        stacklevel=5,
+    )
 
 
 class PackedMapDataset(torch.utils.data.Dataset):
@@ -303,8 +311,8 @@ class PackedMapDataset(torch.utils.data.Dataset):
         processed, kept, failed = [], [], {}
         for row, length in zip(rows.tolist(), forecast.tolist()):
             out = self._load(row, length)
-            if isinstance(out, tuple):  # (reason, example): left out
-                failed[row] = out
+            if isinstance(out, Skip):  # left out
+                failed[row] = (out.reason, out.example)
             else:
                 processed.append(out)
                 kept.append(row)
@@ -325,25 +333,22 @@ class PackedMapDataset(torch.utils.data.Dataset):
         batch.metadata[_META] = info  # a dataclass field: survives .to(device) and pin_memory()
         return batch
 
-    def _load(self, row: int, forecast: int) -> dict[str, Any] | tuple[str, str]:
-        """``_process``, or ``(reason, example)`` for a row with bad data: under ``on_error="skip"`` it is
-        warned about, left out and counted in this process's failure budget (``vlm_pack.failures``); an
-        error of code raises ``SampleCodeError`` naming the row."""
+    @property
+    def _loading(self) -> Guard:
+        """The guarded stage of loading packs, one per process (a DataLoader worker's own budget)."""
+        if "_guard" not in self.__dict__:
+            policy = FailurePolicy.of("PackedMapDataset", self.config, _warn_left_out)
+            self.__dict__["_guard"] = policy.stage("loading packs", "decode_error")
+        return self.__dict__["_guard"]
+
+    def _load(self, row: int, forecast: int) -> dict[str, Any] | Skip:
+        """``_process``, or a :class:`~vlm_pack.failures.Skip` for a row with bad data (a processed length
+        that is not its forecast included): warned about, left out and counted in this process's failure
+        budget; raised under ``on_error="raise"``; an error of code raises ``SampleCodeError`` naming the row."""
         sample = f"dataset row {row}"
-        budget = self.__dict__.setdefault(
-            "_budget", FailureBudget(self.config.max_consecutive_failures, "PackedMapDataset, loading packs")
-        )
-        try:
-            out = self._process(row, forecast)
-        except Exception as e:
-            reason = skip_reason(e, "decode_error", sample, str(row))
-            if self.config.on_error == "raise":
-                raise
-            detail = f"{type(e).__name__}: {e}"
-            warnings.warn(f"vlm-pack: {sample} left out of its pack: {reason}: {detail}", BadSampleWarning, stacklevel=3)
-            budget.failure(reason, sample, detail)
-            return reason, example(sample, detail)
-        budget.success()
+        out = self._loading.call(self._process, row, forecast, sample=sample, key=str(row), where=row)
+        if not isinstance(out, Skip):
+            self._loading.good()
         return out
 
     def _process(self, row: int, forecast: int) -> dict[str, Any]:
@@ -357,11 +362,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         out = self.preprocessor.process(images, sample.conversation, sample.key)
         n = int(out["input_ids"].shape[0])
         if n != forecast:
-            raise SampleError(
-                "forecast_mismatch",
-                f"{sample.label}: processed to {n} tokens but the plan forecast {forecast}: the data or the "
-                "processor changed since the plan was made, or the vision spec does not match the processor.",
-            )
+            raise forecast_mismatch(forecast, n, sample.label)
         out["__key__"], out["__row__"] = sample.key, row
         return out
 
@@ -371,6 +372,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_arrow"] = None  # reopened lazily in each DataLoader worker
+        state.pop("_guard", None)  # each worker counts its own run of bad samples
         return state
 
     def trainer_collator(self, style: str = "sdpa") -> Callable[[Sequence[Any]], dict[str, Any]]:
