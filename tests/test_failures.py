@@ -355,3 +355,41 @@ def test_map_more_consecutive_bad_records_than_the_limit_raise(qwen):
         _map_epoch(strict)
     lenient = _map(_dataset(images, texts), qwen, config=PackingConfig(capacity=CAPACITY, max_consecutive_failures=2))
     assert [r for b in _map_epoch(lenient) for r in plan_info(b)["rows"]] == [0]
+
+
+# -- one failure loop: the guarded stage every pipeline uses ------------------------------------------------
+
+
+def test_a_guarded_stage_skips_data_raises_code_and_spends_its_budget():
+    """``FailurePolicy`` declared once per run, a ``Guard`` per stage: a data error is reported and skipped
+    (a ``Skip``), an error of code raises ``SampleCodeError`` naming the sample, a run of bad samples longer
+    than the limit raises ``FailureBudgetError``, a good sample resets the run; ``on_error="raise"`` raises the
+    data error naming the sample, its class kept (an undecodable image is still an ``OSError``)."""
+    from vlm_pack.failures import FailurePolicy, ImageDecodeError, SampleError, Skip, forecast_mismatch
+
+    reported = []
+    guard = FailurePolicy("run", "skip", 2, reported.append).stage("processing", "decode_error")
+
+    def fails(exc):
+        raise exc
+
+    out = guard.call(fails, ValueError("the processor refuses it"), sample="row 3", key="3")
+    assert isinstance(out, Skip) and out.reason == "decode_error" and "row 3" in out.example
+    assert [(f.reason, f.sample, f.key) for f in reported] == [("decode_error", "row 3", "3")]
+    assert guard.call(lambda: 7, sample="row 4") == 7
+    guard.good()  # the run of bad samples ends
+    with pytest.raises(SampleCodeError, match=r"row 5: AttributeError: a bug") as caught:
+        guard.call(fails, AttributeError("a bug"), sample="row 5", key="5")
+    assert caught.value.key == "5"
+    guard.bad(forecast_mismatch(10, 12, "row 6"), "row 6")
+    guard.call(fails, ImageDecodeError("decode_error", "truncated"), sample="row 7")
+    with pytest.raises(FailureBudgetError, match=r"run, processing: 3 bad samples in a row.*forecast_mismatch"):
+        guard.call(fails, ValueError("again"), sample="row 8")
+    assert [f.reason for f in reported] == ["decode_error", "forecast_mismatch", "decode_error", "decode_error"]
+
+    strict = FailurePolicy("run", "raise", None).stage("processing", "decode_error")
+    with pytest.raises(OSError, match=r"bad sample: decode_error: row 9: truncated") as caught:
+        strict.call(fails, ImageDecodeError("decode_error", "truncated"), sample="row 9")
+    assert isinstance(caught.value, ImageDecodeError) and caught.value.reason == "decode_error"
+    with pytest.raises(SampleError, match=r"forecast 10 != processed length 12 for row 10"):
+        strict.bad(forecast_mismatch(10, 12, "row 10"), "row 10")

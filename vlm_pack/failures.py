@@ -85,7 +85,7 @@ REASONS: dict[str, str] = {
     "too_long": "a sample longer than capacity (oversized='skip')",
     "vision_too_large": "a sample with more vision cost than vision_capacity",
     "decode_error": "pixels that do not decode, or a processor that refuses the sample",
-    "forecast_mismatch": "a processed length that differs from the forecast the plan was made on",
+    "forecast_mismatch": "a processed length that differs from the forecast the plan was made on (left out)",
 }
 BAD_REASONS = tuple(REASONS)
 

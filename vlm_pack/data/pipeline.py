@@ -68,7 +68,8 @@ and key and counted by reason in :attr:`PackedWebDataset.stats` (``on_error="rai
 Reasons: ``unreadable_shard``, ``missing_text``, ``bad_text``, ``corrupt_image`` (header),
 ``image_too_large`` (header over ``max_image_pixels``, refused before decoding), ``placeholder_mismatch``,
 ``image_rejected`` (the processor's size rule), ``too_long``, ``vision_too_large``, ``decode_error``
-(pixels, or a processor refusing the sample), ``forecast_mismatch``. An error of code (a template or
+(pixels, or a processor refusing the sample), ``forecast_mismatch`` (processed to another length than its
+forecast: left out, never packed as it was not planned; counted in ``stats.forecast_mismatches`` too). An error of code (a template or
 callable raising ``AttributeError`` / ``TypeError`` ..., a bug) raises ``SampleCodeError`` naming the
 sample. A systematic failure raises ``FailureBudgetError`` naming the most common reason and a sample of
 each: more than ``max_consecutive_failures`` bad samples in a row (per stream and stage), or an epoch in
