@@ -250,7 +250,7 @@ def test_map_style_dataset_covers_every_row_once(data_run):
     after, outputs, folder = data_run
     ns = after[3]
     ds, hf, batch = ns["ds"], ns["hf"], ns["batch"]
-    other = type(ds)(hf, config=ns["config"], tokenizer=ns["tok"], image_processor=ns["ip"], world_size=2,
+    other = type(ds)(hf, ds.preprocessor, ns["config"], world_size=2,
                      rank=1, cache=str(folder / "plans"), num_proc=1)
     assert other.from_cache  # the plan was forecast once, by the page's block
     rows = [int(r) for d in (ds, other) for i in range(len(d)) for r in d.rows_of(d.bin_of(i)[2])]
