@@ -225,9 +225,9 @@ def test_gemma4_causal_images_flash_style_inputs_match_each_sample_alone():
 
 
 @pytest.mark.slow
-def test_gemma4_causal_images_control_row_numbered_as_one_sequence_fails():
+def test_gemma4_causal_images_control_one_causal_mask_over_the_row_fails():
     report = _gemma4_check(
-        _gemma4("sdpa", use_bidirectional_attention=None), "sdpa", packed_forward=tf._positions_as_one_sequence
+        _gemma4("sdpa", use_bidirectional_attention=None), "sdpa", packed_forward=tf._row_causal_mask
     )
     assert not report.passed and report.metric > WRONG, str(report)
 
