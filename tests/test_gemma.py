@@ -16,11 +16,11 @@ import functools
 
 import numpy as np
 import pytest
+import test_chat_templates as tct
+import test_families as tf
 import torch
 from PIL import Image
 
-import test_chat_templates as tct
-import test_families as tf
 from vlm_pack import offline
 from vlm_pack.collate import PackingCollator
 from vlm_pack.mixers import find_token_mixers
@@ -134,13 +134,22 @@ def test_gemma3n_flash_style_inputs_through_varlen_attention_match_each_sample_a
     _gemma3n("sdpa")  # skips without timm / torchvision
     sdpa = _build("gemma3n", "sdpa", num_layers=4, **_WIDE)
     model = use_varlen_attention(_unwindowed(_build("gemma3n", "sdpa", num_layers=4, **_WIDE)))
-    report = _gemma3n_check(
-        "sdpa",
-        model=model,
-        packed_forward=default_packed_forward("flash_attention_2"),
-        batched_forward=lambda _, inputs: sdpa(**inputs, use_cache=False).logits,
-    )
+    alone = dict(batched_forward=lambda _, inputs: sdpa(**inputs, use_cache=False).logits)
+    report = _gemma3n_check("sdpa", model=model, packed_forward=default_packed_forward("flash_attention_2"), **alone)
     assert report.passed and report.max_abs_diff <= MAX_ABS, str(report)
+    control = _gemma3n_check("sdpa", model=model, packed_forward=_flash_as_one_sequence, **alone)
+    assert not control.passed and control.metric > WRONG, str(control)
+
+
+def _flash_as_one_sequence(model, batch):
+    """Control: the flash-style row given as ONE sequence (cu_seq_lens [0, T], positions 0..T-1)."""
+    kwargs = dict(batch.model_inputs("flash_attention_2"), use_cache=False)
+    length = kwargs["input_ids"].shape[-1]
+    kwargs["position_ids"] = torch.arange(length)[None]
+    for side in ("q", "k"):
+        kwargs[f"cu_seq_lens_{side}"] = torch.tensor([0, length], dtype=torch.int32)
+        kwargs[f"max_length_{side}"] = length
+    return model(**kwargs).logits.reshape(*batch.input_ids.shape, -1)
 
 
 @pytest.mark.torchvision
