@@ -8,6 +8,9 @@ from typing import Any
 from .processors import _IMAGE_PROCESSOR_PARAMS
 from .tokenizers import build_tokenizer, family_tokens
 
+#: Families whose tiny model needs timm and torchvision (Gemma 3n's MobileNetV5 tower is timm's).
+NEEDS_TIMM = ("gemma3n",)
+
 
 def _transformers_class(family: str, kind: str) -> Any:
     """The genuine ``transformers`` config (``kind="config"``) or ``*ForConditionalGeneration`` class of
