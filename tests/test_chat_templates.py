@@ -50,14 +50,17 @@ OVERRIDES.update({f: dict(size={"shortest_edge": 4096, "longest_edge": 256 * 32 
 _CACHE: dict[str, object] = {}
 
 
-def _needs_torchvision(family):
-    """LFM2-VL's image processor is a torchvision class: its cases run where torchvision loads."""
-    if family in offline.NEEDS_TORCHVISION:
+def _needs_torchvision(family, model=False):
+    """LFM2-VL's image processor is a torchvision class, Gemma 3n's tower timm's: they run where those load."""
+    if family in offline.NEEDS_TORCHVISION or (model and family in offline.NEEDS_TIMM):
         pytest.importorskip("torchvision")
+    if model and family in offline.NEEDS_TIMM:
+        pytest.importorskip("timm")
 
 
 def _params(families):
-    return [pytest.param(f, marks=pytest.mark.torchvision) if f in offline.NEEDS_TORCHVISION else f for f in families]
+    tv = (*offline.NEEDS_TORCHVISION, *offline.NEEDS_TIMM)
+    return [pytest.param(f, marks=pytest.mark.torchvision) if f in tv else f for f in families]
 
 
 def _processor(family):
@@ -252,7 +255,7 @@ def test_collapsed_layout_keeps_one_token_per_image_where_the_family_has_one_run
 @pytest.mark.slow
 def test_offline_tiny_model_runs_a_processed_sample(family):
     """Every family's genuine transformers class, built from a tiny config, reads what process_sample gives."""
-    _needs_torchvision(family)
+    _needs_torchvision(family, model=True)
     path = TEMPLATES / f"{family}.jinja"  # Qwen3-VL: vlm-pack's own Qwen format
     template = path.read_text() if path.exists() else None
     tok = offline.build_tokenizer(family)

@@ -288,6 +288,17 @@ _RECORDS = (
         two_way_switch=("use_bidirectional_attention", "vision"),
         collapsed=False,
     ),
+    # google/gemma-3n-E4B-it (transformers >= 4.53): 256 tokens per image whatever its size, wrapped in
+    # "\n\n<start_of_image>" ... "<end_of_image>\n\n" by the processor as Gemma 3's; image tokens attend causally
+    # (modeling_gemma3n.py: no token_type_ids mask); AltUp, LAuReL and per-layer inputs act per token
+    Family(
+        "gemma3n",
+        ("Gemma-3n",),
+        vision=_rule("tiles.Gemma3nSpec"),
+        image_token="<image_soft_token>",
+        wraps="processor_text",
+        collapsed=False,
+    ),
     # mistralai/Mistral-Small-3.1-24B-Instruct-2503: a Pixtral tower (vision_spec_from_processor reads it)
     Family("mistral3", image_token="[IMG]", wraps="processor", collapsed=False),
     # mistral-community/pixtral-12b

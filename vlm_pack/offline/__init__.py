@@ -21,12 +21,13 @@ takes those objects unchanged.
 
 from __future__ import annotations
 
-from .models import tiny_model, tiny_model_config
+from .models import NEEDS_TIMM, tiny_model, tiny_model_config
 from .processors import NEEDS_TORCHVISION, image_processor, processor
 from .tokenizers import FAMILIES, _tokenizer_json, build_tokenizer
 
 __all__ = [
     "FAMILIES",
+    "NEEDS_TIMM",
     "NEEDS_TORCHVISION",
     "build_tokenizer",
     "image_processor",

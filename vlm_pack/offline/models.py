@@ -8,6 +8,9 @@ from typing import Any
 from .processors import _IMAGE_PROCESSOR_PARAMS
 from .tokenizers import build_tokenizer, family_tokens
 
+#: Families whose tiny model needs timm and torchvision (Gemma 3n's MobileNetV5 tower is timm's).
+NEEDS_TIMM = ("gemma3n",)
+
 
 def _transformers_class(family: str, kind: str) -> Any:
     """The genuine ``transformers`` config (``kind="config"``) or ``*ForConditionalGeneration`` class of
@@ -102,6 +105,40 @@ def _gemma4(d: _Dims, text: dict[str, Any], tok: Any) -> dict[str, Any]:
     ids = dict(image_token_id=tok.image_token_id, boi_token_id=tok.boi_token_id, eoi_token_id=tok.eoi_token_id)
     return dict(vision_config=vision, audio_config=None, **ids)
 
+def _gemma3n(d: _Dims, text: dict[str, Any], ids: Any) -> dict[str, Any]:
+    """Gemma 3n: a MobileNetV5 tower (timm, through ``TimmWrapperModel``: needs timm and torchvision), shrunk
+    to four stages of 8/16 channels but keeping its multi-scale fusion adapter (2048 channels on a 16 x 16
+    grid: the 256 tokens); a text model of sliding / full layers with AltUp, LAuReL, per-layer inputs,
+    activation sparsity on the first layer and, from four layers on, the second half sharing the first
+    half's keys and values. Token ids from ``<end_of_image>`` on enter the vision embedder's table, from
+    ``<end_of_audio>`` on the audio one's (``Gemma3nMultimodalEmbedder.vocab_offset``), as released."""
+    try:
+        from timm.models._efficientnet_builder import decode_arch_def
+    except ImportError as e:
+        raise ImportError(
+            f"gemma3n: its vision tower is timm's MobileNetV5 ({e}): pip install timm torchvision"
+        ) from None
+
+    head_dim = d.hidden // d.heads
+    vision_offset, audio_offset = ids("<end_of_image>"), ids("<end_of_audio>")
+    text.update(model_type="gemma3n_text", head_dim=head_dim, sliding_window=8, laurel_rank=8)
+    text.update(vocab_size_per_layer_input=vision_offset, hidden_size_per_layer_input=8)
+    text["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(d.layers)]
+    text["num_kv_shared_layers"] = d.layers // 2 if d.layers >= 4 else 0
+    text["activation_sparsity_pattern"] = [0.95] + [0.0] * (d.layers - 1)
+    stages = [["er_r1_k3_s2_e4_c8"], ["uir_r1_a3_k5_s2_e2_c16"], ["uir_r1_a3_k5_s2_e2_c16"]]
+    stages.append(["uir_r1_a3_k5_s2_e2_c16", "mqa_r1_k3_h2_s1_d8_c16", "uir_r1_a0_k0_s1_e2_c16"])
+    vision = dict(architecture="mobilenetv5_300m_enc", hidden_size=2048, initializer_range=d.init)
+    vision.update(model_args=dict(block_args=decode_arch_def(stages), stem_size=8))
+    vision.update(vocab_offset=vision_offset, vocab_size=audio_offset - vision_offset)
+    audio = dict(vocab_offset=audio_offset, vocab_size=text["vocab_size"] - audio_offset, hidden_size=16)
+    audio.update(conf_num_attention_heads=2, conf_num_hidden_layers=1, sscp_conv_channel_size=[8, 4])
+    names = ("boi_token_id", "<start_of_image>"), ("eoi_token_id", "<end_of_image>")
+    names += (("image_token_id", "<image_soft_token>"), ("boa_token_id", "<start_of_audio>"))
+    names += (("eoa_token_id", "<end_of_audio>"), ("audio_token_id", "<audio_soft_token>"))
+    return dict(vision_config=vision, audio_config=audio, **{k: ids(t) for k, t in names})
+
+
 def _qwen3_5(family: str, d: _Dims, text: dict[str, Any], ids: Any) -> dict[str, Any]:
     """Qwen3.5 (and its MoE): Qwen3-VL's tower without deepstack; a text model of gated delta-net layers and
     attention 3:1 as released (a tiny one of fewer than 4 layers ends on one attention layer), rotary on a
@@ -181,6 +218,8 @@ def _family_parts(family: str, d: _Dims, text: dict[str, Any], ids: Any, tok: An
         return dict(out, projector_hidden_size=2 * d.hidden)
     if family == "gemma4":
         return _gemma4(d, text, tok)
+    if family == "gemma3n":
+        return _gemma3n(d, text, ids)
     # mistral3: Pixtral tower, 14 px patches merged 2 x 2
     text["model_type"] = "mistral"
     vision = d.vision_tower("pixtral", image_size=1540, patch_size=14, head_dim=d.vision // 2)

@@ -131,6 +131,14 @@ _IMAGE_PROCESSOR_PARAMS: dict[str, dict[str, Any]] = {
     ),
     # google/gemma-4-E4B-it: 16 px patches pooled 3 x 3, at most 280 soft tokens, pixels in [0, 1]
     "gemma4": dict(cls="Gemma4ImageProcessorPil", patch_size=16, max_soft_tokens=280, pooling_kernel_size=3),
+    # google/gemma-3n-E4B-it: SiglipImageProcessor to 768 x 768, pixels rescaled to [0, 1], not normalised
+    "gemma3n": dict(
+        cls="SiglipImageProcessorPil",
+        size={"height": 768, "width": 768},
+        do_normalize=False,
+        image_mean=_HALF,
+        image_std=_HALF,
+    ),
     # mistralai/Mistral-Small-3.1-24B-Instruct-2503 (Pixtral tower: 14 px patches merged 2x2)
     "mistral3": dict(
         cls="PixtralImageProcessorPil",
@@ -169,6 +177,7 @@ _PROCESSOR_PARAMS: dict[str, tuple[str, dict[str, Any]]] = {
     "smolvlm": ("SmolVLMProcessor", dict(image_seq_len=81)),
     "gemma3": ("Gemma3Processor", dict(image_seq_length=256)),
     "gemma4": ("Gemma4Processor", dict(image_seq_length=280)),
+    "gemma3n": ("Gemma3nProcessor", dict(image_seq_length=256, audio_seq_length=188)),
     "mistral3": ("PixtralProcessor", dict(patch_size=14, spatial_merge_size=2)),
     "lfm2_vl": ("Lfm2VlProcessor", {}),
 }

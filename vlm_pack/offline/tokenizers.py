@@ -144,6 +144,32 @@ _FAMILY_TOKENS: dict[str, dict[str, Any]] = {
         ),
         extra=["<bos>", "<eos>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|think|>", "<|audio>", "<audio|>", "<|audio|>"],
     ),
+    # google/gemma-3n-E4B-it: Gemma 3's turns; <end_of_image> and <image_soft_token> open the vision
+    # embedder's table (ids 262144, 262145: Gemma3nVisionConfig.vocab_offset), <end_of_audio> and
+    # <audio_soft_token> the audio one (262272, 262273); the offline ids keep that order (tiny_model_config)
+    "gemma3n": dict(
+        core=dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"),
+        roles=dict(
+            boi_token="<start_of_image>",
+            eoi_token="<end_of_image>",
+            image_token="<image_soft_token>",
+            boa_token="<start_of_audio>",  # Gemma3nProcessor refuses a tokenizer without its audio tokens
+            eoa_token="<end_of_audio>",
+            audio_token="<audio_soft_token>",
+        ),
+        extra=[
+            "<bos>",
+            "<eos>",
+            "<start_of_turn>",
+            "<end_of_turn>",
+            "<start_of_image>",
+            "<start_of_audio>",
+            "<end_of_image>",
+            "<image_soft_token>",
+            "<end_of_audio>",
+            "<audio_soft_token>",
+        ],
+    ),
     # mistralai/Mistral-Small-3.1-24B-Instruct-2503 (Tekken vocabulary; Pixtral image tokens)
     "mistral3": dict(
         core=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"),

@@ -59,10 +59,11 @@ from .patch_budget import Gemma4Spec
 from .pixtral import PixtralSpec
 from .smart_resize import Glm4vSpec, Qwen2VLSpec, Qwen3VLSpec, smart_resize
 from .spec import VisionSpec
-from .tiles import Gemma3Spec, Idefics3Spec, InternVLSpec, Lfm2VlSpec
+from .tiles import Gemma3nSpec, Gemma3Spec, Idefics3Spec, InternVLSpec, Lfm2VlSpec
 
 __all__ = [
     "Gemma3Spec",
+    "Gemma3nSpec",
     "Gemma4Spec",
     "Glm4vSpec",
     "Idefics3Spec",

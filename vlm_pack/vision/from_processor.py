@@ -16,7 +16,7 @@ from .patch_budget import Gemma4Spec
 from .pixtral import PixtralSpec
 from .smart_resize import Glm4vSpec, Qwen2VLSpec, Qwen3VLSpec
 from .spec import VisionSpec
-from .tiles import Gemma3Spec, Idefics3Spec, InternVLSpec, Lfm2VlSpec
+from .tiles import Gemma3nSpec, Gemma3Spec, Idefics3Spec, InternVLSpec, Lfm2VlSpec
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -84,6 +84,7 @@ _SUPPORTED_PROCESSORS = (
     "Gemma3ImageProcessor[Pil] (Gemma3Processor)",
     "Lfm2VlImageProcessor (Lfm2VlProcessor; torchvision)",
     "Gemma4ImageProcessor[Pil] (Gemma4Processor)",
+    "SiglipImageProcessor[Pil] (Gemma3nProcessor only)",
     "PixtralImageProcessor[Pil] (PixtralProcessor)",
 )
 
@@ -240,6 +241,20 @@ def _read_gemma4(src: _Source) -> VisionSpec:
     return Gemma4Spec(**{name: int(_get(ip, name)) for name in names})
 
 
+def _read_gemma3n(src: _Source) -> VisionSpec:
+    """Gemma 3n's ``SiglipImageProcessor`` is SigLIP's generic one: only the processor around it says the
+    model, and so the 256 tokens per image."""
+    if src.proc_name != "Gemma3nProcessor":
+        raise ValueError(
+            f"vision_spec_from_processor: a bare {type(src.ip).__name__} does not say which model's images it "
+            "prepares (vlm-pack reads it for Gemma 3n only): pass the Gemma3nProcessor, or vision_spec('gemma3n')."
+        )
+    return Gemma3nSpec(
+        image_size=_hw(_get(src.ip, "size"), "size")[0],
+        image_seq_length=int(_get(src.processor, "image_seq_length", 256)),
+    )
+
+
 def _read_pixtral(src: _Source) -> VisionSpec:
     ip, processor = src.ip, src.processor
     patch = _get(ip, "patch_size")
@@ -272,6 +287,7 @@ _READERS: dict[str, Callable[[_Source], VisionSpec]] = {
     "SmolVLMImageProcessor": _read_idefics3,
     "Gemma3ImageProcessor": _read_gemma3,
     "Gemma4ImageProcessor": _read_gemma4,
+    "SiglipImageProcessor": _read_gemma3n,
     "PixtralImageProcessor": _read_pixtral,
     "Lfm2VlImageProcessor": _read_lfm2_vl,
 }

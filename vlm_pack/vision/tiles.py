@@ -312,6 +312,47 @@ class Gemma3Spec(VisionSpec):
         return self.wrapper_tokens * self.tiles(width, height)
 
 
+@dataclass(frozen=True)
+class Gemma3nSpec(VisionSpec):
+    """Gemma 3n: every image is resized to one ``image_size`` square (``SiglipImageProcessor``, no crops) and
+    MobileNetV5's multi-scale fusion adapter pools it to a 16 x 16 grid: ``image_seq_length`` (256) tokens,
+    whatever the image's size (``Gemma3nProcessor``, ``models/gemma3n/processing_gemma3n.py``).
+
+    The processor writes ``"\\n\\n<start_of_image>" + 256 x <image_soft_token> + "<end_of_image>\\n\\n"`` for each
+    ``<image_soft_token>`` the template writes: the ``"\\n\\n"`` merge with the text around it as Gemma 3's do.
+    """
+
+    family: ClassVar[str] = "gemma3n"
+
+    image_size: int = 768
+    """Side in pixels every image is resized to (preprocessor_config.json ``size``)."""
+    image_seq_length: int = 256
+    """``<image_soft_token>`` tokens per image (processor_config.json ``image_seq_length``)."""
+    wrapper_tokens: int = 2
+    """``<start_of_image>`` and ``<end_of_image>`` around each image."""
+
+    def __post_init__(self) -> None:
+        self._check_positive("image_size", "image_seq_length")
+
+    def num_crops(self, width: int, height: int) -> int:
+        """Crops added to the base image: none (Gemma 3n has no pan-and-scan)."""
+        _check_size(self.family, width, height)
+        return 0
+
+    def tiles(self, width: int, height: int) -> int:
+        _check_size(self.family, width, height)
+        return 1
+
+    def num_tokens(self, width: int, height: int) -> int:
+        _check_size(self.family, width, height)
+        return self.image_seq_length
+
+    def num_patches(self, width: int, height: int) -> int:
+        """The tower's output positions: a convolutional tower has no patches; its 16 x 16 grid is pooled
+        into nothing further (``Gemma3nModel.get_image_features`` reshapes it to 256 tokens)."""
+        return self.num_tokens(width, height)
+
+
 def _round_by_factor(number: float, factor: int) -> int:
     """``round_by_factor``: the nearest multiple of ``factor`` (Python's ``round``: halves to even)."""
     return round(number / factor) * factor
