@@ -50,6 +50,10 @@ collapsed space so that every sample's *expanded* span is a multiple of ``pad_to
 
 ``PackedBatch`` (``batch.py``) is what comes out: the rows, the boundaries in both spaces, the vision
 tensors, which samples it holds (``sample_index``, ``sample_keys``) and ``model_inputs(style)``.
+
+Its rooms: ``collate_settings`` (the model's facts, read once), ``collate_samples`` (one sample read and
+checked), ``collate_rows`` (which row each sample lands in: one planned bin as one row, or a list re-packed),
+and this module (the rows' tensors: labels, position ids, expanded boundaries, vision tensors).
 """
 
 from __future__ import annotations
@@ -144,20 +148,25 @@ class PackingCollator:
             :func:`pad_multiple_for`); ``capacity`` must be a multiple of it.
         pad_to_capacity: rows are exactly ``capacity`` long (static shapes); else as long as the fullest
             row.
-        strategy: how samples are grouped into rows (``vlm_pack.packing.pack``): ``"bfd"`` (default,
+        strategy: how a list of samples is re-packed into rows (``collate_rows.repack``, ``max_rows`` other
+            than 1): ``"bfd"`` (default,
             fewest rows), ``"ffd"``, ``"ff"`` (first fit in data order), ``"nf"`` (consecutive samples,
             data order kept across rows). Inside a row samples keep their input order and rows are sorted
             by their first sample, so the layout is reproducible and easy to read.
         max_samples_per_bin: optional cap on samples per row (a bin of the plan; ``PackingConfig``'s name).
         max_rows: at most this many rows per call (None: as many as the samples need). ``1`` when each call
             gets one planned bin (``pack``, ``StreamPacker``, a ``PackedMapDataset`` / ``PackedWebDataset`` /
-            Energon pack): the bin becomes exactly one row, or the call raises naming its samples (a plan
+            Energon pack; :meth:`from_config`): the bin becomes exactly one row in the order given
+            (``collate_rows.one_row``, no re-packing), or the call raises naming its samples (a plan
             made on other lengths than the rows': plan with this ``pad_to_multiple_of``) instead of
             quietly re-packing it into more rows than the caller planned.
         return_style: None returns a :class:`PackedBatch`; a style of :data:`STYLES` returns
             ``batch.model_inputs(style)`` (use ``"sdpa"`` etc. as an HF ``Trainer`` ``data_collator``).
 
-    The collator keeps only ints and strings, so it pickles into ``DataLoader`` workers.
+    The model's facts (``family``, the token ids, ``spatial_merge_size`` ...) are read once into
+    ``settings`` (:class:`~vlm_pack.collate_settings.CollatorSettings`: an explicit value, else the model's
+    config, else the tokenizer, as its table says). The collator keeps only ints and strings, so it pickles
+    into ``DataLoader`` workers.
 
     Raises (at call time) ``ValueError`` naming the sample for: a sample longer than ``capacity``, image
     placeholders that do not match the images, a labels/ids length mismatch, an empty sample.
