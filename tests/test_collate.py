@@ -5,12 +5,17 @@ from __future__ import annotations
 import inspect
 import itertools
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
 from PIL import Image
 
+from vlm_pack import collate as collate_module
 from vlm_pack.collate import PackedBatch, PackingCollator, pad_multiple_for
+from vlm_pack.collate_rows import one_row, repack
+from vlm_pack.collate_settings import SOURCES, CollatorSettings
+from vlm_pack.config import PackingConfig
 from vlm_pack.offline import build_tokenizer, image_processor, processor, tiny_model
 from vlm_pack.packing import pack, padded_lengths
 from vlm_pack.processing import process_sample
@@ -193,6 +198,71 @@ def test_a_planned_bin_is_one_row_or_an_error_naming_its_samples():
     assert pickle.loads(pickle.dumps(one_row)).max_rows == 1
     with pytest.raises(ValueError, match="max_rows must be a positive int or None"):
         PackingCollator(100, max_rows=0)
+
+
+def test_one_bin_is_one_row_in_its_order_and_the_repacker_is_a_function_of_its_own(monkeypatch):
+    # rows of one call: one_row keeps a bin as given, repack groups a list (padded spans 32, 36, 36)
+    assert one_row([32, 36, 36], 104, None) == [[0, 1, 2]]
+    assert one_row([32, 36, 36], 100, None) is None  # 104 tokens fit no row of 100
+    assert one_row([32, 36], 100, 1) is None  # two samples, at most one per row
+    assert repack([36, 32, 36], 100, "bfd", None) == [[0, 2], [1]]  # the two 36s fill one row
+    assert repack([36, 32, 36], 100, "nf", 1) == [[0], [1], [2]]
+    samples = [_text(n, f"s{n}") for n in (36, 9, 21)]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a bin that fits one row was re-packed")
+
+    monkeypatch.setattr(collate_module, "repack", refuse)
+    batch = PackingCollator(72, pad_to_multiple_of=4, max_rows=1)(samples)
+    assert batch.sample_keys == ["s36", "s9", "s21"] and batch.num_rows == 1
+    assert batch.cu_seqlens_padded.tolist() == [0, 36, 48, 72]  # 36, 12, 24: the row is the bin's span
+    with pytest.raises(AssertionError, match="re-packed"):
+        PackingCollator(72, pad_to_multiple_of=4)(samples)  # max_rows=None: in-batch packing re-packs
+
+
+def test_the_settings_are_read_once_from_one_table():
+    proc = processor("qwen2_vl", size=QWEN_SMALL)
+    tok = proc.tokenizer
+    config = SimpleNamespace(
+        model_type="qwen2_vl",
+        image_token_id=tok.image_token_id + 1,  # the config's id wins over the tokenizer's
+        pad_token_id=tok.pad_token_id + 1,  # ... but the tokenizer pads
+        text_config=SimpleNamespace(sliding_window=None, pad_token_id=None),
+        vision_config=SimpleNamespace(spatial_merge_size=None, tokens_per_second=2),
+    )
+    s = CollatorSettings.resolve(tokenizer=proc, model_config=config)
+    assert s.family == "qwen2_vl" and s.mrope and s.two_way_layers == ()
+    assert s.image_token_id == tok.image_token_id + 1 and s.pad_token_id == tok.pad_token_id
+    assert s.video_token_id == tok.video_token_id and s.vision_start_token_id == tok.vision_start_token_id
+    assert s.spatial_merge_size == proc.image_processor.merge_size and s.tokens_per_second == 2
+    assert CollatorSettings.resolve(tokenizer=proc, model_config=config, image_token_id=5).image_token_id == 5
+    assert CollatorSettings.resolve().to_dict() == {
+        **{name: default for name, (_, default) in SOURCES.items()}, "family": None, "two_way_layers": (),
+        "mrope": False,
+    }
+    with pytest.raises(TypeError, match="no such setting"):
+        CollatorSettings.resolve(image_token=5)
+    collator = PackingCollator(64, tokenizer=proc, model_config=config)
+    assert collator.settings == s
+    assert (collator.family, collator.image_token_id, collator.spatial_merge_size) == ("qwen2_vl", s.image_token_id, 2)
+    # a real model's config gives what its own forward reads
+    model = tiny_model("qwen2_vl", tok)
+    real = PackingCollator(64, tokenizer=tok, model_config=model.config)
+    assert real.image_token_id == model.config.image_token_id
+    assert real.spatial_merge_size == model.config.vision_config.spatial_merge_size
+
+
+def test_from_config_reads_the_packing_config(qwen):
+    tok, model, samples, _ = qwen
+    config = PackingConfig(capacity=96, pad_to_multiple_of=4, max_samples_per_bin=2)
+    collator = PackingCollator.from_config(config, tokenizer=tok, model_config=model.config)
+    assert (collator.capacity, collator.pad_to_multiple_of, collator.max_samples_per_bin) == (96, 4, 2)
+    assert collator.max_rows == 1 and collator.family == "qwen2_vl"
+    by_hand = PackingCollator(96, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=1)
+    a, b = collator(samples[:2]), by_hand(samples[:2])
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.position_ids, b.position_ids)
+    with pytest.raises(ValueError, match="and at most 2 samples"):
+        collator([samples[1], samples[4], samples[1]])  # three samples: more than a bin holds
 
 
 def test_strategies_keep_every_sample(qwen):

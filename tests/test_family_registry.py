@@ -154,7 +154,7 @@ def test_a_text_only_sample_of_an_mrope_family_carries_its_token_types_as_the_pr
 NOT_A_FAMILY = {
     ("batch.py", "megatron"): "the Megatron-Core input style of model_inputs()",
     ("chat.py", "llava"): "the name of vlm-pack's LLaVA chat format (a record's chat_format)",
-    ("cli.py", "llava"): "the LLaVA-Instruct record format (--format)",
+    ("cli_parser.py", "llava"): "the LLaVA-Instruct record format (--format)",
     ("data/records.py", "llava"): "the LLaVA-Instruct record format",
     ("positions.py", "qwen2_5_vl"): "a get_rope_index variant positions.py implements (a record's mrope)",
     ("positions.py", "qwen3_vl"): "a get_rope_index variant positions.py implements (a record's mrope)",

@@ -50,34 +50,40 @@ collapsed space so that every sample's *expanded* span is a multiple of ``pad_to
 
 ``PackedBatch`` (``batch.py``) is what comes out: the rows, the boundaries in both spaces, the vision
 tensors, which samples it holds (``sample_index``, ``sample_keys``) and ``model_inputs(style)``.
+
+Its rooms: ``collate_settings`` (the model's facts, read once), ``collate_samples`` (one sample read and
+checked), ``collate_rows`` (which row each sample lands in: one planned bin as one row, or a list re-packed),
+and this module (the rows' tensors: labels, position ids, expanded boundaries, vision tensors).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from .batch import (
     HF_STYLES,
     SAMPLE_KEY_NAMES,
     STYLES,
-    VISION_KEYS,
     PackedBatch,
     packed_seq_params_class,
 )
-from .families import canonical, lookup, names
+from .collate_rows import RowPlan, one_row, repack, row_plan
+from .collate_samples import SampleParts, TokenFields, keys_of, num_images, packed_extras, split_fields
+from .collate_settings import CollatorSettings
+from .families import names
 from .labels import IGNORE_INDEX
 from .packing.bins import round_up
-from .positions import MRopeOptions, is_mrope_family, packed_position_ids
+from .positions import MRopeOptions, packed_position_ids
 from .remap import remap_cu_seqlens_padded
 from .vision_inputs import check_patch_rows, join_vision
+
+if TYPE_CHECKING:
+    from .config import PackingConfig
 
 __all__ = [
     "HF_STYLES",
@@ -89,10 +95,6 @@ __all__ = [
 ]
 
 # Per-sample keys the collator consumes itself.
-_TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "mm_token_type_ids")
-_OWN_KEYS = (*_TOKEN_KEYS, *VISION_KEYS, "tokens_per_image")
-
-
 def __getattr__(name: str) -> Any:
     # ``from vlm_pack.collate import PackedSeqParams`` imports megatron-core here, on first use only.
     if name == "PackedSeqParams":
@@ -124,47 +126,6 @@ def pad_multiple_for(tp: int = 1, cp: int = 1, sequence_parallel: bool = False, 
     return multiple
 
 
-@dataclass
-class _Sample:
-    index: int
-    name: str  # "sample 3" or "sample 3 (key 'abc')" for error messages
-    ids: torch.Tensor  # [L] long, in the collator's layout
-    labels: torch.Tensor  # [L] long
-    types: torch.Tensor | None  # [L] long mm_token_type_ids
-    expanded_len: int
-    tokens_per_image: torch.Tensor | None  # [n] long
-    vision: dict[str, torch.Tensor]
-    token_extra: dict[str, torch.Tensor]
-    other_extra: dict[str, torch.Tensor]
-    metadata: dict[str, Any]
-
-
-def _attr(obj: Any, *names: str) -> Any:
-    for name in names:
-        value = getattr(obj, name, None) if obj is not None else None
-        if value is not None:
-            return value
-    return None
-
-
-
-def _two_way_layers(record: Any, family: str | None, model_config: Any, text_cfg: Any) -> tuple[str, ...]:
-    """The layer types whose packed masks let image tokens attend both ways (``Family.two_way_layers``),
-    none where the model's config switches that off (Gemma 4's ``use_bidirectional_attention``)."""
-    if record is None or not record.two_way_images:
-        return ()
-    if record.two_way_switch is None:
-        return record.two_way_layers
-    name, value = record.two_way_switch
-    if model_config is None:
-        raise ValueError(
-            f"family {family!r}: whether image tokens attend both ways is the text config's {name!r}: "
-            "pass model_config=model.config"
-        )
-    setting = _attr(text_cfg, name) if text_cfg is not None else _attr(model_config, name)
-    return record.two_way_layers if setting == value else ()
-
-
 class PackingCollator:
     """Collate a list of processed samples into a :class:`PackedBatch` (or a model-input dict).
 
@@ -187,20 +148,25 @@ class PackingCollator:
             :func:`pad_multiple_for`); ``capacity`` must be a multiple of it.
         pad_to_capacity: rows are exactly ``capacity`` long (static shapes); else as long as the fullest
             row.
-        strategy: how samples are grouped into rows (``vlm_pack.packing.pack``): ``"bfd"`` (default,
+        strategy: how a list of samples is re-packed into rows (``collate_rows.repack``, ``max_rows`` other
+            than 1): ``"bfd"`` (default,
             fewest rows), ``"ffd"``, ``"ff"`` (first fit in data order), ``"nf"`` (consecutive samples,
             data order kept across rows). Inside a row samples keep their input order and rows are sorted
             by their first sample, so the layout is reproducible and easy to read.
         max_samples_per_bin: optional cap on samples per row (a bin of the plan; ``PackingConfig``'s name).
         max_rows: at most this many rows per call (None: as many as the samples need). ``1`` when each call
             gets one planned bin (``pack``, ``StreamPacker``, a ``PackedMapDataset`` / ``PackedWebDataset`` /
-            Energon pack): the bin becomes exactly one row, or the call raises naming its samples (a plan
+            Energon pack; :meth:`from_config`): the bin becomes exactly one row in the order given
+            (``collate_rows.one_row``, no re-packing), or the call raises naming its samples (a plan
             made on other lengths than the rows': plan with this ``pad_to_multiple_of``) instead of
             quietly re-packing it into more rows than the caller planned.
         return_style: None returns a :class:`PackedBatch`; a style of :data:`STYLES` returns
             ``batch.model_inputs(style)`` (use ``"sdpa"`` etc. as an HF ``Trainer`` ``data_collator``).
 
-    The collator keeps only ints and strings, so it pickles into ``DataLoader`` workers.
+    The model's facts (``family``, the token ids, ``spatial_merge_size`` ...) are read once into
+    ``settings`` (:class:`~vlm_pack.collate_settings.CollatorSettings`: an explicit value, else the model's
+    config, else the tokenizer, as its table says). The collator keeps only ints and strings, so it pickles
+    into ``DataLoader`` workers.
 
     Raises (at call time) ``ValueError`` naming the sample for: a sample longer than ``capacity``, image
     placeholders that do not match the images, a labels/ids length mismatch, an empty sample.
@@ -230,70 +196,55 @@ class PackingCollator:
         return_style: str | None = None,
     ) -> None:
         _check_arguments(capacity, layout, pad_to_multiple_of, strategy, return_style)
-        tok = getattr(tokenizer, "tokenizer", tokenizer)  # a processor carries its tokenizer
-        text_cfg = _attr(model_config, "text_config")
-        vision_cfg = _attr(model_config, "vision_config")
+        if max_rows is not None and (type(max_rows) is not int or max_rows < 1):
+            raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}")
+        self.settings = CollatorSettings.resolve(
+            family=family,
+            tokenizer=tokenizer,
+            model_config=model_config,
+            image_token_id=image_token_id,
+            video_token_id=video_token_id,
+            vision_start_token_id=vision_start_token_id,
+            pad_token_id=pad_token_id,
+            spatial_merge_size=spatial_merge_size,
+            tokens_per_second=tokens_per_second,
+            image_seq_length=image_seq_length,
+            sliding_window=sliding_window,
+        )
         self.capacity = capacity
-        # One spelling everywhere ("Qwen2-VL" is "qwen2_vl"); a config's model_type without a rule is kept.
-        self.family = (
-            canonical(family)
-            or canonical(_attr(model_config, "model_type"), strict=False)
-            or canonical(_attr(tok, "vlm_pack_family"))
-        )
-        self.image_token_id = _first_int(
-            image_token_id, _attr(model_config, "image_token_id", "image_token_index"), _attr(tok, "image_token_id")
-        )
-        self.video_token_id = _first_int(
-            video_token_id, _attr(model_config, "video_token_id"), _attr(tok, "video_token_id")
-        )
-        self.vision_start_token_id = _first_int(
-            vision_start_token_id, _attr(model_config, "vision_start_token_id"), _attr(tok, "vision_start_token_id")
-        )
-        self.pad_token_id = _first_int(
-            pad_token_id,
-            _attr(tok, "pad_token_id"),
-            _attr(text_cfg, "pad_token_id"),
-            _attr(model_config, "pad_token_id"),
-            0,
-        )
-        self.spatial_merge_size = _first_int(
-            spatial_merge_size,
-            _attr(vision_cfg, "spatial_merge_size"),
-            _attr(getattr(tokenizer, "image_processor", None), "merge_size"),
-            2,
-        )
-        tps = tokens_per_second if tokens_per_second is not None else _attr(vision_cfg, "tokens_per_second")
-        self.tokens_per_second = tps
-        self.image_seq_length = _first_int(image_seq_length, _attr(model_config, "image_seq_length"))
-        # Gemma 3's sliding-window layers: its packed masks (batch.attention_masks) need the window.
-        self.sliding_window = _first_int(
-            sliding_window, _attr(text_cfg, "sliding_window"), _attr(model_config, "sliding_window")
-        )
-        record = lookup(self.family)
-        if record is not None and record.two_way_images and self.sliding_window is None:
-            raise ValueError(
-                f"family {self.family!r} builds its packed attention masks from the text config's "
-                "sliding_window: pass model_config=model.config (or sliding_window=)"
-            )
-        self.two_way_layers = _two_way_layers(record, self.family, model_config, text_cfg)
         self.layout = layout
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pad_to_capacity = bool(pad_to_capacity)
         self.strategy = strategy
         self.max_samples_per_bin = max_samples_per_bin
-        if max_rows is not None and (type(max_rows) is not int or max_rows < 1):
-            raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}")
         self.max_rows = max_rows
         self.return_style = return_style
-        self.mrope = is_mrope_family(self.family)
-        if self.family is None and self.vision_start_token_id is not None:
-            # <|vision_start|> marks a Qwen-VL vocabulary: 1-D positions would silently disable the packed
-            # mask (the model then sees no text row) and, for Qwen3-VL, the image mRoPE.
-            raise ValueError(
-                "the tokenizer/config has a vision_start_token_id (a Qwen-VL model) but no family: pass "
-                f"model_config=model.config or family= one of {', '.join(names('mrope'))} so that position_ids "
-                "get the 4-row multimodal RoPE"
-            )
+
+    @classmethod
+    def from_config(cls, config: PackingConfig, *, max_rows: int | None = 1, **options: Any) -> PackingCollator:
+        """The collator for the bins a plan of ``config`` makes: its ``capacity``, ``pad_to_multiple_of`` and
+        ``max_samples_per_bin``, one planned bin per call (``max_rows=1``); ``options`` are the constructor's
+        other keywords (``tokenizer=``, ``model_config=``, ``layout=``, ``return_style=`` ...)."""
+        return cls(
+            config.capacity,
+            pad_to_multiple_of=config.pad_to_multiple_of,
+            max_samples_per_bin=config.max_samples_per_bin,
+            max_rows=max_rows,
+            **options,
+        )
+
+    # The model's facts, read once into ``settings`` (``collate_settings.SOURCES`` says from where).
+    family = property(lambda self: self.settings.family)
+    mrope = property(lambda self: self.settings.mrope)
+    two_way_layers = property(lambda self: self.settings.two_way_layers)
+    image_token_id = property(lambda self: self.settings.image_token_id)
+    video_token_id = property(lambda self: self.settings.video_token_id)
+    vision_start_token_id = property(lambda self: self.settings.vision_start_token_id)
+    pad_token_id = property(lambda self: self.settings.pad_token_id)
+    spatial_merge_size = property(lambda self: self.settings.spatial_merge_size)
+    tokens_per_second = property(lambda self: self.settings.tokens_per_second)
+    image_seq_length = property(lambda self: self.settings.image_seq_length)
+    sliding_window = property(lambda self: self.settings.sliding_window)
 
     def __repr__(self) -> str:
         return (
@@ -302,7 +253,7 @@ class PackingCollator:
         )
 
     # ------------------------------------------------------------------ per sample
-    def _normalise(self, index: int, sample: Mapping[str, Any]) -> _Sample:
+    def _normalise(self, index: int, sample: Mapping[str, Any]) -> SampleParts:
         """One sample checked and in the collator's terms: 1-D ids and labels, vision, extras, lengths."""
         if not isinstance(sample, Mapping):
             raise TypeError(f"sample {index}: expected a dict of tensors, got {type(sample).__name__}")
@@ -313,7 +264,7 @@ class PackingCollator:
         name = f"sample {index}" + (f" (key {key!r})" if key is not None else "")
         if "input_ids" not in sample:
             raise ValueError(f"{name} has no 'input_ids'")
-        tokens = _TokenFields(sample, name)
+        tokens = TokenFields(sample, name)
         ids = tokens.ids
         is_image = self._marks(ids, self.image_token_id)
         is_video = self._marks(ids, self.video_token_id)
@@ -328,7 +279,7 @@ class PackingCollator:
         )
         if types is None and self.mrope:
             types = is_image.long() + 2 * is_video.long()
-        vision, token_extra, other_extra, metadata = _split_fields(sample, tokens)
+        vision, token_extra, other_extra, metadata = split_fields(sample, tokens)
         check_patch_rows(vision, name)
         if not self.mrope and ("image_grid_thw" in vision or "video_grid_thw" in vision):
             raise ValueError(
@@ -349,7 +300,7 @@ class PackingCollator:
                 "(pixel_values / image_grid_thw): give the images or remove the placeholders"
             )
         expanded_len = self._expanded_length(name, ids, is_video, vision, tpi, n_images, n_placeholders)
-        return _Sample(
+        return SampleParts(
             index=index,
             name=name,
             ids=ids,
@@ -374,7 +325,7 @@ class PackingCollator:
         """Embeddings per image (``[n]`` long, or None where the sample does not tell) and the image count."""
         tpi = sample.get("tokens_per_image")
         tpi = torch.as_tensor(tpi, dtype=torch.long).reshape(-1) if tpi is not None else None
-        n_images = _num_images(vision, tpi)
+        n_images = num_images(vision, tpi)
         grid = vision.get("image_grid_thw")
         if grid is not None:
             grid = grid.reshape(-1, 3)
@@ -499,17 +450,19 @@ class PackingCollator:
             two_way_layers=self.two_way_layers,
             mm_token_type_ids=flat_types.reshape(shape) if flat_types is not None else None,
             tokens_per_image=tokens_per_image,
-            extra=_packed_extras(ordered, plan, shape),
-            metadata={k: [s.metadata.get(k) for s in ordered] for k in _keys_of(s.metadata for s in ordered)},
+            extra=packed_extras(ordered, plan, shape),
+            metadata={k: [s.metadata.get(k) for s in ordered] for k in keys_of(s.metadata for s in ordered)},
             **vision,
         )
 
-    def _plan(self, items: list[_Sample]) -> _RowPlan:
-        """Group the samples into rows and lay the rows out as one flat buffer (see ``_RowPlan``)."""
-        from .packing import pack, padded_lengths
+    def _plan(self, items: list[SampleParts]) -> RowPlan:
+        """The samples as rows of one flat buffer (``collate_rows``): one planned bin as one row in its given
+        order (``max_rows=1``), else re-packed into as few rows as ``strategy`` finds."""
+        from .packing import padded_lengths
 
         multiple = self.pad_to_multiple_of
-        padded = padded_lengths([s.expanded_len for s in items], multiple).tolist()  # as every planner does
+        expanded = [s.expanded_len for s in items]
+        padded = padded_lengths(expanded, multiple).tolist()  # as every planner does
         for sample, padded_len in zip(items, padded):
             if padded_len > self.capacity:
                 pad_note = (
@@ -522,34 +475,15 @@ class PackingCollator:
                     f"{self.capacity}: raise capacity, lower the images' max_pixels, or split/filter long "
                     "samples before collating (vlm_pack.packing.pack(..., oversized='skip') reports them)"
                 )
-        result = pack(
-            padded, self.capacity, strategy=self.strategy, max_samples_per_bin=self.max_samples_per_bin
-        )
-        if self.max_rows is not None and result.num_bins > self.max_rows:
-            raise ValueError(self._too_many_rows(items, padded, result.num_bins))
-        rows = sorted((sorted(b) for b in result.bins), key=lambda b: b[0])
-        order = [i for row in rows for i in row]
-        used = [sum(padded[i] for i in row) for row in rows]
-        row_length = self.capacity if self.pad_to_capacity else max(used)
+        rows = one_row(padded, self.capacity, self.max_samples_per_bin) if self.max_rows == 1 else None
+        if rows is None:
+            rows = repack(padded, self.capacity, self.strategy, self.max_samples_per_bin)
+            if self.max_rows is not None and len(rows) > self.max_rows:
+                raise ValueError(self._too_many_rows(items, padded, len(rows)))
+        row_length = self.capacity if self.pad_to_capacity else None
+        return row_plan(rows, padded, expanded, [s.ids.numel() for s in items], row_length)
 
-        # Expanded spans: the padded length, plus the row's tail for its last sample.
-        exp_span = torch.tensor([padded[i] for i in order], dtype=torch.int64)
-        last_in_row = torch.cumsum(torch.tensor([len(row) for row in rows], dtype=torch.int64), 0) - 1
-        exp_span[last_in_row] += torch.tensor([row_length - u for u in used], dtype=torch.int64)
-        pad_count = exp_span - torch.tensor([items[i].expanded_len for i in order], dtype=torch.int64)
-        lens = torch.tensor([items[i].ids.numel() for i in order], dtype=torch.int64)
-        span = lens + pad_count  # padding is text, the same count in both layouts
-        return _RowPlan(
-            order=order,
-            row_of=[r for r, row in enumerate(rows) for _ in row],
-            num_rows=len(rows),
-            row_length=row_length,
-            lens=lens,
-            cu_real=F.pad(torch.cumsum(lens, 0), (1, 0)),
-            cu_padded=F.pad(torch.cumsum(span, 0), (1, 0)),
-        )
-
-    def _too_many_rows(self, items: list[_Sample], padded: list[int], num_rows: int) -> str:
+    def _too_many_rows(self, items: list[SampleParts], padded: list[int], num_rows: int) -> str:
         """Why a call of ``max_rows`` rows needs ``num_rows``: its samples, their spans and the fix."""
         multiple = self.pad_to_multiple_of
         names = ", ".join(s.name for s in items)
@@ -569,7 +503,7 @@ class PackingCollator:
         self,
         flat_ids: torch.Tensor,
         flat_types: torch.Tensor | None,
-        plan: _RowPlan,
+        plan: RowPlan,
         tokens_per_image: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """The buffer as the language model sees it: ids, types, ``cu_seqlens``, ``cu_seqlens_padded``.
@@ -650,166 +584,7 @@ def _check_arguments(
         raise ValueError(f"return_style={return_style!r} needs layout='expanded' (HF models expand nothing)")
 
 
-def _token_tensor(value: Any, name: str, what: str, integer: bool = True) -> torch.Tensor:
-    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    if t.dim() == 2 and t.shape[0] == 1:  # HF processors return [1, L] for one example
-        t = t[0]
-    if t.dim() != 1:
-        raise ValueError(
-            f"{name}: {what} must be [L] or [1, L] (one example), got shape {tuple(t.shape)}; collate "
-            "examples one per list entry"
-        )
-    if not integer:
-        return t
-    if t.dtype.is_floating_point:
-        raise TypeError(f"{name}: {what} must hold integers, got {t.dtype}")
-    return t.long()
-
-
-class _TokenFields:
-    """One sample's ``input_ids`` ``[L]`` without a processor's padding, and its other per-token fields
-    read aligned with them (``fields(value, what)``)."""
-
-    def __init__(self, sample: Mapping[str, Any], name: str) -> None:
-        self.name = name
-        ids = _token_tensor(sample["input_ids"], name, "input_ids")
-        self.n_tokens = ids.numel()  # as given, padding included
-        self.keep: torch.Tensor | None = None
-        if sample.get("attention_mask") is not None:
-            mask = _token_tensor(sample["attention_mask"], name, "attention_mask")
-            if mask.numel() != self.n_tokens:
-                raise ValueError(
-                    f"{name}: attention_mask has {mask.numel()} entries, input_ids {self.n_tokens}"
-                )
-            if not bool(mask.all()):
-                self.keep = mask.bool()  # a processor's padding: drop it, packing pads by itself
-                ids = ids[self.keep]
-        if ids.numel() == 0:
-            raise ValueError(f"{name} has no tokens: drop empty samples before collating")
-        self.ids = ids
-
-    def is_per_token(self, value: torch.Tensor) -> bool:
-        """``[L]`` or ``[1, L]``: one entry per token of the sample as given."""
-        return (
-            value.dim() in (1, 2)
-            and value.shape[-1] == self.n_tokens
-            and (value.dim() == 1 or value.shape[0] == 1)
-        )
-
-    def __call__(self, value: Any, what: str, integer: bool = True) -> torch.Tensor:
-        t = _token_tensor(value, self.name, what, integer=integer)
-        if t.numel() != self.n_tokens:
-            raise ValueError(
-                f"{self.name}: {what} has {t.numel()} entries but input_ids has {self.n_tokens}: one per token"
-            )
-        return t[self.keep] if self.keep is not None else t
-
-
-def _split_fields(
-    sample: Mapping[str, Any], tokens: _TokenFields
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
-    """The sample's vision tensors, other per-token tensors, other tensors and non-tensor values."""
-    vision: dict[str, torch.Tensor] = {}
-    for k in VISION_KEYS:
-        if sample.get(k) is not None:
-            v = sample[k]
-            vision[k] = v if isinstance(v, torch.Tensor) else torch.as_tensor(v)
-    if "second_per_grid_ts" in vision:
-        vision["second_per_grid_ts"] = vision["second_per_grid_ts"].reshape(-1)
-    token_extra: dict[str, torch.Tensor] = {}
-    other_extra: dict[str, torch.Tensor] = {}
-    metadata: dict[str, Any] = {}
-    for k, v in sample.items():
-        if k in _OWN_KEYS:
-            continue
-        if not isinstance(v, torch.Tensor):
-            metadata[k] = v
-        elif tokens.is_per_token(v):
-            token_extra[k] = tokens(v, k, integer=False)  # weights, masks: keep their dtype
-        else:
-            other_extra[k] = v
-    return vision, token_extra, other_extra, metadata
-
-
-@dataclass
-class _RowPlan:
-    """Where the packed samples go: packed order, rows, and the offsets of the flat buffer (int64).
-
-    ``lens`` ``[N]`` real lengths in the layout's own space, ``cu_real`` ``[N + 1]`` their cumulative sum,
-    ``cu_padded`` ``[N + 1]`` sample offsets in the flat ``R*T`` buffer (collapsed: its collapsed length).
-    """
-
-    order: list[int]
-    row_of: list[int]
-    num_rows: int
-    row_length: int
-    lens: torch.Tensor
-    cu_real: torch.Tensor
-    cu_padded: torch.Tensor
-
-    @property
-    def total(self) -> int:
-        return int(self.cu_padded[-1])
-
-    @functools.cached_property
-    def dest(self) -> torch.Tensor:
-        """Destination of every real token in the flat buffer: its sample's offset plus its index inside."""
-        return torch.arange(int(self.cu_real[-1])) + torch.repeat_interleave(
-            self.cu_padded[:-1] - self.cu_real[:-1], self.lens
-        )
-
-    def scatter(self, parts: list[torch.Tensor], fill: int) -> torch.Tensor:
-        """Per-sample ``[L_i]`` tensors in packed order -> the flat buffer ``[total]``, ``fill`` elsewhere."""
-        cat = torch.cat(parts)
-        flat = torch.full((self.total,), fill, dtype=cat.dtype)
-        flat[self.dest] = cat
-        return flat
-
-
-def _keys_of(dicts: Iterable[Mapping[str, Any]]) -> list[str]:
-    """Every key of ``dicts``, in first-seen order."""
-    return list(dict.fromkeys(k for d in dicts for k in d))
-
-
-def _packed_extras(ordered: list[_Sample], plan: _RowPlan, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """Other per-token tensors packed like ``input_ids`` (0 where a sample lacks one); other tensors
-    concatenated along dim 0 in packed order."""
-    extra = {}
-    for k in _keys_of(s.token_extra for s in ordered):
-        dtype = next(s.token_extra[k].dtype for s in ordered if k in s.token_extra)
-        parts = [s.token_extra.get(k, torch.zeros(s.ids.shape, dtype=dtype)) for s in ordered]
-        extra[k] = plan.scatter(parts, 0).reshape(shape)
-    for k in _keys_of(s.other_extra for s in ordered):
-        parts = [s.other_extra[k] for s in ordered if k in s.other_extra]
-        try:
-            extra[k] = torch.cat([p.reshape(1) if p.dim() == 0 else p for p in parts])
-        except RuntimeError as e:
-            raise ValueError(f"cannot concatenate the per-sample tensors {k!r} along dim 0: {e}") from None
-    return extra
-
-
-def _first_int(*values: Any) -> int | None:
-    for v in values:
-        if v is not None:
-            return int(v)
-    return None
-
-
-def _num_images(vision: dict[str, torch.Tensor], tpi: torch.Tensor | None) -> int:
-    if "image_grid_thw" in vision:
-        return int(vision["image_grid_thw"].reshape(-1, 3).shape[0])
-    if "image_sizes" in vision:
-        return int(vision["image_sizes"].reshape(-1, 2).shape[0])
-    if tpi is not None:
-        return int(tpi.numel())
-    pv = vision.get("pixel_values")
-    if pv is not None:
-        # LLaVA-1.5: [n, C, H, W]; a single [C, H, W] image is one.
-        return int(pv.shape[0]) if pv.dim() == 4 else 1
-    return 0
-
-
-def _concat_vision(ordered: list[_Sample]) -> dict[str, torch.Tensor]:
+def _concat_vision(ordered: list[SampleParts]) -> dict[str, torch.Tensor]:
     """The samples' vision tensors joined in packed order as the model reads them (``vision_inputs``)."""
     return join_vision([s.vision for s in ordered])
 
