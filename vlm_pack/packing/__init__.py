@@ -35,7 +35,8 @@ Where things live (each file one concept):
   :func:`pack` is its whole-dataset counterpart.
 - ``ranks.py``: :func:`balance_bins` (fixed bins dealt to ranks) and the per-bin cost model.
 - ``cost.py``: :class:`PackCost`, a pack's compute cost from the model's widths and depths (LM + vision tower).
-- ``steps.py``: :func:`step_plan`, packs dealt to (step, rank) so each step costs the same on every rank.
+- ``steps.py``: :func:`step_plan`, packs dealt to (step, rank) so each step costs the same on every rank
+  (``StepBalance``), or by epoch totals (``EpochBalance``).
 - ``balanced.py``: :func:`~vlm_pack.packing.balanced.balanced_packs`, packs made for a step plan (each rank's
   share of a step about the same cost) where dealing fixed packs cannot balance; ``step_lower_bound``.
 - ``window.py``: :class:`StreamBalance`, the same for streaming without moving packs between ranks: a look-ahead
@@ -72,11 +73,12 @@ from .cost import PackCost, pack_costs
 from .offline import STRATEGIES, pack
 from .online import StreamPacker, StreamStats
 from .ranks import balance_bins, bin_costs, partition_imbalance
-from .steps import StepBalance, step_imbalance, step_plan
+from .steps import EpochBalance, StepBalance, step_imbalance, step_plan
 from .window import StreamBalance
 
 __all__ = [
     "STRATEGIES",
+    "EpochBalance",
     "PackCost",
     "PackResult",
     "PackedBin",
