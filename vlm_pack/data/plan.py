@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._compat import dataset_fingerprint
 from ..config import PackingConfig
 from ..failures import example, no_good_sample, tally
 from .fingerprint import Unfingerprintable, changed_parts, fingerprint
@@ -395,7 +396,7 @@ def plan_key(
     _, parts = fingerprint(preprocessor)
     return {
         "format": PLAN_FORMAT,
-        "dataset": {"fingerprint": getattr(dataset, "_fingerprint", None), "rows": len(dataset)},
+        "dataset": {"fingerprint": dataset_fingerprint(dataset), "rows": len(dataset)},
         **parts,
         "packing": {
             **{f: getattr(config, f) for f in _PLAN_FIELDS},
