@@ -42,6 +42,7 @@ from PIL import Image, ImageDraw, ImageFilter
 from vlm_pack.data.pipeline import PackedDataLoader, PackedWebDataset
 from vlm_pack.data.stats import PHASES
 from vlm_pack.offline import build_tokenizer, image_processor
+from vlm_pack.preprocessor import Preprocessor
 
 WORDS = "the a dog cat car red blue sky tree house street person sign water building left right".split()
 BAD_KINDS = ("garbage_image", "truncated_image", "no_text", "broken_json", "two_placeholders")
@@ -206,8 +207,7 @@ def main() -> None:
     peer = PaddedLoader(tok, ip)
 
     def packed(workers: int):
-        ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=args.capacity, shuffle_seed=0,
-                              oversized="skip")  # a too-long sample is counted as too_long, not fatal
+        ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=args.capacity, shuffle_seed=0, oversized="skip")  # a too-long sample is counted as too_long, not fatal
         packed.ds = ds
         return PackedDataLoader(ds, num_workers=workers)
 

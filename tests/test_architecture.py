@@ -168,3 +168,55 @@ def test_the_checker_finds_cycles_through_function_and_type_only_imports(tmp_pat
     assert edges["pkg.d"] == {"pkg.sub.deep": 1}  # a submodule by name: not the package's __init__
     assert edges["pkg.sub"] == {"pkg.sub.deep": 3}
     assert cycles(edges) == [["pkg.a", "pkg.sub.deep"], ["pkg.e", "pkg.f"]]
+
+
+# -- the built objects travel: every dataset and adapter takes a Preprocessor, never its parts ------------
+
+_PARTS = ("tokenizer", "image_processor", "processor", "family", "template")
+
+
+def _adapters() -> list:
+    """Every dataset, planner and trainer adapter that reads samples: each takes the Preprocessor whole."""
+    from vlm_pack.data.map_style import PackedMapDataset
+    from vlm_pack.data.pipeline import PackedWebDataset
+    from vlm_pack.data.plan import build_plan
+    from vlm_pack.integrations.energon import VLMPackingTaskEncoder
+    from vlm_pack.integrations.ray import build_plan_ray
+    from vlm_pack.integrations.trl import packed_dataset
+
+    return [PackedWebDataset, PackedMapDataset, packed_dataset, build_plan, build_plan_ray, VLMPackingTaskEncoder]
+
+
+def test_datasets_and_adapters_take_a_preprocessor_not_its_parts():
+    """(source, preprocessor, config): the Preprocessor alone owns tokenizer, processor, family, template,
+    layout and spec, so no dataset or adapter rebuilds one (without layout or spec) from loose keywords."""
+    import inspect
+
+    from vlm_pack.preprocessor import Preprocessor
+
+    for adapter in _adapters():
+        params = inspect.signature(adapter).parameters
+        names = list(params)
+        assert not set(names) & set(_PARTS), f"{adapter.__name__} takes {sorted(set(names) & set(_PARTS))}"
+        assert "preprocessor" in names, f"{adapter.__name__} takes no preprocessor"
+        pre = params["preprocessor"]
+        assert pre.default is inspect.Parameter.empty, f"{adapter.__name__}: preprocessor must be required"
+        assert pre.annotation in (Preprocessor, "Preprocessor"), f"{adapter.__name__}: {pre.annotation!r}"
+        if adapter.__name__ != "VLMPackingTaskEncoder":  # Energon's encoder has no source: capacity first
+            assert names[1:3] == ["preprocessor", "config"], f"{adapter.__name__}{inspect.signature(adapter)}"
+
+
+def test_a_part_given_to_a_dataset_names_the_preprocessor_to_build():
+    """The keywords the datasets took before (tokenizer= ... template=) are refused with the replacement,
+    not swallowed as unknown packing settings."""
+    import pytest
+
+    from vlm_pack.data.map_style import PackedMapDataset
+    from vlm_pack.data.pipeline import PackedWebDataset
+    from vlm_pack.integrations.trl import packed_dataset
+
+    for adapter in (PackedWebDataset, PackedMapDataset, packed_dataset):
+        with pytest.raises(TypeError, match=r"tokenizer=, image_processor= belong to the Preprocessor: build it"):
+            adapter("x.tar", None, tokenizer=object(), image_processor=object(), capacity=64)
+    with pytest.raises(TypeError, match=r"expected a vlm_pack.Preprocessor, got object"):
+        PackedWebDataset("x.tar", object(), capacity=64)

@@ -38,8 +38,8 @@ END_OF_TURN = {
     "lfm2_vl": "<|im_end|>",  # LiquidAI/LFM2-VL-1.6B (its image processor needs torchvision)
     "glm4v_moe": "",  # zai-org/GLM-4.5V format: the next turn's <|user|> ends a reply (tests/templates/README.md)
     "glm46v": "",  # zai-org/GLM-4.6V format
-    "gemma4": "<turn|>",  # google/gemma-4-*-it format
-    "qwen3_5": "<|im_end|>",  # Qwen/Qwen3.5-27B (reconstructed: tests/templates/README.md)
+    "gemma4": "<turn|>",  # google/gemma-4-*-it rendering rules (tests/templates/README.md)
+    "qwen3_5": "<|im_end|>",  # Qwen/Qwen3.5-27B (byte-identical to a quoted copy: tests/templates/README.md)
     "qwen3_5_moe": "<|im_end|>",  # Qwen/Qwen3.5-35B-A3B (the same template)
 }
 # Checkpoint image-processor parameters everywhere, except Qwen's pixel cap (fewer tokens, same rule).
@@ -319,3 +319,24 @@ def test_qwen3_5_thinking_blocks_as_its_template_writes_them():
     assert trained == "the dog is left<|im_end|>three cats<|im_end|>"
     think = tok.convert_tokens_to_ids("<think>")
     assert think in ref and s["labels"][s["input_ids"] == think].eq(-100).all()  # the block is prompt
+
+
+def test_gemma4_turns_as_its_template_writes_them():
+    """Gemma 4's template (rules of the released file: tests/templates/README.md) puts ``<|think|>\\n`` at the
+    top of a system turn when thinking is on, writes each image as ``\\n\\n<|image|>\\n\\n`` (which
+    ``Gemma4Processor`` expands), and strips a ``<|channel>thought ...<channel|>`` block from model turns: such
+    a reply's text would be rewritten, so vlm-pack refuses it naming the sample instead of training on it."""
+    from vlm_pack.failures import SampleError
+
+    proc = _processor("gemma4")
+    tok = proc.tokenizer
+    text, ref = _oracle(proc, MULTI, IMAGES)
+    assert text.startswith("<bos><|turn>system\nYou are helpful.<turn|>\n<|turn>user\n\n\n<|image|>\n\nWhat is")
+    s = process_sample(IMAGES, MULTI, processor=proc)
+    assert s["input_ids"].tolist() == ref
+    assert tok.decode(s["labels"][s["labels"] != -100]) == "the dog is left<turn|>three cats<turn|>"
+    thinking = ProcessorMixin.apply_chat_template(proc, MULTI[1:2], enable_thinking=True)
+    assert thinking.startswith("<bos><|turn>system\n<|think|>\n<turn|>\n<|turn>user\n")
+    thought = [MULTI[1], {"role": "assistant", "content": "<|channel>thought\nhm<channel|>the dog is left"}]
+    with pytest.raises((ValueError, SampleError), match="shard-0/t"):
+        process_sample(IMAGES[:1], thought, processor=proc, key="shard-0/t")

@@ -193,7 +193,9 @@ from vlm_pack.data.pipeline import (  # noqa: E402
     StreamEnd,
     stream_info,
 )
+from vlm_pack.failures import FailureBudgetError, SampleError  # noqa: E402
 from vlm_pack.offline import build_tokenizer, image_processor  # noqa: E402
+from vlm_pack.preprocessor import Preprocessor  # noqa: E402
 
 CAPACITY = 256
 BAD_REASONS = {
@@ -296,8 +298,6 @@ def qwen():
 def _pipeline(corpus, qwen, **overrides) -> PackedWebDataset:
     tok, ip = qwen
     kwargs = dict(
-        tokenizer=tok,
-        image_processor=ip,
         capacity=CAPACITY,
         oversized="skip",  # the corpus's too-long sample is counted as too_long
         shuffle_seed=3,
@@ -306,7 +306,7 @@ def _pipeline(corpus, qwen, **overrides) -> PackedWebDataset:
         min_fill_ratio=0.9,  # keeps bins open longer: checkpoints catch samples in the packer
     )
     kwargs.update(overrides)
-    return PackedWebDataset(corpus["urls"], **kwargs)
+    return PackedWebDataset(corpus["urls"], Preprocessor(tok, ip), **kwargs)
 
 
 def _summary(batch) -> tuple:
@@ -352,7 +352,7 @@ def test_two_workers_every_good_sample_in_exactly_one_pack(corpus, reference):
         forecast = dict(zip((k for _, k in meta["samples"]), meta["forecast"]))
         assert [forecast[k] for k in b.metadata["__key__"]] == b.seq_lens.tolist()
         assert meta["lengths"] == meta["forecast"]
-        n_image_tokens = int((b.input_ids == ds.tokenizer.image_token_id).sum())
+        n_image_tokens = int((b.input_ids == ds.preprocessor.tokenizer.image_token_id).sum())
         if b.image_grid_thw is None:  # a pack of text-only samples
             assert n_image_tokens == 0 and b.pixel_values is None
         else:
@@ -384,7 +384,7 @@ def test_bad_data_is_warned_with_shard_and_key_or_raised(corpus, qwen):
 
     strict = _pipeline(corpus, qwen, shuffle_seed=None, on_error="raise")
     with pytest.raises(
-        ValueError, match=r"bad_text: shard .*main/shard-000000.tar, key 'bad_header'|corrupt_image"
+        ValueError, match=r"bad_text: key 'bad_header' in .*main/shard-000000.tar|corrupt_image"
     ):
         list(strict)
 
@@ -527,7 +527,7 @@ def test_llava_next_forecast_equals_processed_length(tmp_path):
         for i in range(5)
     ]
     urls = write_shards(records, tmp_path / "ln", maxcount=3)
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=4096)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=4096)
     batches = list(ds)
     assert sorted(_keys_of(batches)) == [f"n{i}" for i in range(5)]
     assert all(_forecast_matches(b) for b in batches) and ds.stats.forecast_mismatches == 0
@@ -595,13 +595,13 @@ def test_url_forms_and_more_workers_than_shards(tmp_path, qwen):
     urls = _small_shards(tmp_path / "s")
     pattern = str(tmp_path / "s" / "shard-{000000..000001}.tar")
     for given in (pattern, urls, [Path(u) for u in urls], f"{urls[0]}::{urls[1]}"):
-        assert PackedWebDataset(given, tokenizer=tok, image_processor=ip, capacity=256).urls == urls
-    assert PackedWebDataset(Path(urls[0]), tokenizer=tok, image_processor=ip, capacity=256).urls == urls[:1]
+        assert PackedWebDataset(given, Preprocessor(tok, ip), capacity=256).urls == urls
+    assert PackedWebDataset(Path(urls[0]), Preprocessor(tok, ip), capacity=256).urls == urls[:1]
     with pytest.raises(ValueError, match="no shard URLs"):
-        PackedWebDataset([], tokenizer=tok, image_processor=ip, capacity=256)
+        PackedWebDataset([], Preprocessor(tok, ip), capacity=256)
 
     # 3 workers for 2 shards: the idle worker yields nothing, the epoch still completes and resumes.
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=1.0)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, min_fill_ratio=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DataLoader: 3 workers on 2 cores
         batches = list(PackedDataLoader(ds, num_workers=3))
@@ -617,13 +617,15 @@ def test_url_forms_and_more_workers_than_shards(tmp_path, qwen):
     assert "<|vision_start|><|image_pad|>" in texts["llava"] and "What?" in texts["llava"]
     assert "\n<|vision_start|>" not in texts["llava"].split("What?")[0][-1:]  # placeholder newline dropped
     assert texts["noph"].index("<|vision_start|>") < texts["noph"].index("describe")
-    next_epoch = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=1.0)
+    next_epoch = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, min_fill_ratio=1.0)
     next_epoch.load_state_dict(json.loads(json.dumps(ds.state_dict())))
     assert next_epoch.epoch == 0 and next_epoch.state_dict()["progress"]["complete"]
 
 
-def test_forecast_mismatch_is_warned_counted_and_never_overflows(tmp_path, qwen):
-    """A processor changed after the pipeline read its vision spec: processed lengths differ from the forecast."""
+def test_forecast_mismatch_is_bad_data_left_out_counted_and_never_packed(tmp_path, qwen):
+    """A processor changed after the pipeline read its vision spec: processed lengths differ from the forecast.
+    One policy (``vlm_pack.failures.forecast_mismatch``): the sample cannot be packed as planned, so it is
+    left out under its own reason, warned about and counted, shorter or longer; raised under on_error="raise"."""
     import copy
 
     tok, ip = qwen
@@ -631,38 +633,34 @@ def test_forecast_mismatch_is_warned_counted_and_never_overflows(tmp_path, qwen)
         {"key": f"m{i}", "images": _encoded((56 * (i + 1), 56), "PNG", i), "caption": "x"} for i in range(3)
     ]
     urls = write_shards(records, tmp_path / "m")
-    smaller = copy.deepcopy(ip)
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=smaller, capacity=64, min_fill_ratio=1.0)
-    smaller.size["longest_edge"] = 56 * 56  # now every image becomes 4 tokens
+    shorter = copy.deepcopy(ip)
+    ds = PackedWebDataset(urls, Preprocessor(tok, shorter), capacity=64, min_fill_ratio=1.0)
+    shorter.size["longest_edge"] = 56 * 56  # m1 and m2 now process to 4 image tokens (m0 already did)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         batches = list(ds)
     mismatches = [str(w.message) for w in caught if "FORECAST MISMATCH" in str(w.message)]
-    assert len(mismatches) == 2 and all("shard-000000.tar" in m for m in mismatches)
-    assert any("key 'm1'" in m and re.search(r"forecast \d+ tokens, processed \d+", m) for m in mismatches), (
-        mismatches
-    )
-    assert sorted(_keys_of(batches)) == ["m0", "m1", "m2"]  # shorter than forecast: still packed
-    assert ds.stats.forecast_mismatches == 2 and ds.stats.samples_bad == 0
-    meta = stream_info(batches[0])
-    assert meta["lengths"] != meta["forecast"]
-
-    larger = copy.deepcopy(ip)
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=larger, capacity=64, min_fill_ratio=1.0)
-    larger.size["shortest_edge"] = 56 * 56 * 8  # now longer than forecast: the bin would overflow
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        batches = list(ds)
-    assert all(int(b.seq_lens.sum()) <= 64 for b in batches)
+    assert len(mismatches) == 2 and all("shard-000000.tar" in m for m in mismatches), mismatches
+    assert any("key 'm1'" in m and re.search(r"forecast \d+ != processed length \d+", m) for m in mismatches)
+    assert sorted(_keys_of(batches)) == ["m0"]  # shorter than forecast: still never packed as planned
     st = ds.stats
-    assert st.samples_packed + st.reasons.get("forecast_mismatch", 0) == 3
-    assert st.reasons.get("forecast_mismatch", 0) >= 1
-    assert any("forecast_mismatch" in str(w.message) and "overflow the bin" in str(w.message) for w in caught)
+    assert st.forecast_mismatches == 2 and st.samples_bad == 2 and st.reasons == {"forecast_mismatch": 2}
+    assert all(stream_info(b)["lengths"] == stream_info(b)["forecast"] for b in batches)
+    # every sample longer than forecast (a spec that does not match the processor): systematic, the run stops
+    larger = copy.deepcopy(ip)
+    ds = PackedWebDataset(urls, Preprocessor(tok, larger), capacity=64, min_fill_ratio=1.0)
+    larger.size["shortest_edge"] = 56 * 56 * 8
+    with (
+        pytest.raises(FailureBudgetError, match=r"no sample was good.*forecast_mismatch \(3 of 3\)"),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore", BadSampleWarning)
+        list(ds)
     changed = copy.deepcopy(ip)
-    strict = PackedWebDataset(urls, tokenizer=tok, image_processor=changed, capacity=64, on_error="raise")
+    strict = PackedWebDataset(urls, Preprocessor(tok, changed), capacity=64, on_error="raise")
     changed.size["shortest_edge"] = 56 * 56 * 8
     with (
-        pytest.raises(ValueError, match=r"forecast \d+ != processed length \d+ for key 'm0'"),
+        pytest.raises(SampleError, match=r"forecast \d+ != processed length \d+ for key 'm\d' in .*shard-000000.tar"),
         warnings.catch_warnings(),
     ):
         warnings.simplefilter("ignore", BadSampleWarning)
@@ -673,8 +671,9 @@ _RESUME_SCRIPT = """
 import json, sys, warnings
 from vlm_pack.data.pipeline import PackedDataLoader, PackedWebDataset
 from vlm_pack.offline import build_tokenizer, image_processor
+from vlm_pack.preprocessor import Preprocessor
 urls, state_path = json.loads(sys.argv[1]), sys.argv[2]
-ds = PackedWebDataset(urls, tokenizer=build_tokenizer("qwen2_vl"), image_processor=image_processor("qwen2_vl"),
+ds = PackedWebDataset(urls, Preprocessor(build_tokenizer("qwen2_vl"), image_processor("qwen2_vl")),
                       capacity=256, oversized="skip", shuffle_seed=3, shuffle_buffer=4, buffer_size=4,
                       min_fill_ratio=0.9)
 with open(state_path) as f:
@@ -742,7 +741,7 @@ def _legacy_shards(root: Path) -> list[str]:
 def _legacy_pipeline(urls, qwen, **knobs) -> PackedWebDataset:
     tok, ip = qwen
     config = PackingConfig(capacity=48, shuffle_seed=3, shuffle_buffer=3, buffer_size=3, min_fill_ratio=0.9)
-    return PackedWebDataset(urls, config, tokenizer=tok, image_processor=ip, oversized="skip", **knobs)
+    return PackedWebDataset(urls, Preprocessor(tok, ip), config, oversized="skip", **knobs)
 
 
 @pytest.mark.filterwarnings("ignore::vlm_pack.data.BadSampleWarning")
@@ -792,21 +791,21 @@ def test_a_state_of_an_unknown_version_is_refused_naming_both_versions(tmp_path,
 def test_packing_config_or_keyword_knobs(tmp_path, qwen):
     tok, ip = qwen
     urls = _small_shards(tmp_path / "s")
-    by_keywords = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, buffer_size=8)
+    by_keywords = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, buffer_size=8)
     config = PackingConfig(capacity=256, buffer_size=8)
     assert by_keywords.config == config and config.oversized == "raise"  # the same defaults either way
-    by_config = PackedWebDataset(urls, config, tokenizer=tok, image_processor=ip)
+    by_config = PackedWebDataset(urls, Preprocessor(tok, ip), config)
     assert [list(b.metadata["__key__"]) for b in by_config] == [list(b.metadata["__key__"]) for b in by_keywords]
     # keywords over a config; validation is PackingConfig's
-    assert PackedWebDataset(urls, config, tokenizer=tok, image_processor=ip, capacity=512).capacity == 512
+    assert PackedWebDataset(urls, Preprocessor(tok, ip), config, capacity=512).capacity == 512
     with pytest.raises(ValueError, match="min_fill_ratio must be a float in"):
-        PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=2)
+        PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, min_fill_ratio=2)
     with pytest.raises(TypeError, match=r"unknown argument\(s\) \['capcity'\]; packing settings: \["):
-        PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capcity=256)
+        PackedWebDataset(urls, Preprocessor(tok, ip), capcity=256)
     with pytest.raises(TypeError, match="needs capacity="):
-        PackedWebDataset(urls, tokenizer=tok, image_processor=ip)
+        PackedWebDataset(urls, Preprocessor(tok, ip))
     with pytest.raises(ValueError, match="PackedWebDataset cannot do oversized='truncate'"):
-        PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, oversized="truncate")
+        PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, oversized="truncate")
 
 
 # -- issue 18: streams that yield nothing, lost counts, unreadable shard lists, huge headers ------------
@@ -824,7 +823,7 @@ def _good_and_garbage(root: Path) -> list[str]:
 def test_a_stream_that_yields_no_batch_still_completes_the_epoch_with_a_plain_dataloader(tmp_path, qwen):
     tok, ip = qwen
     urls = _good_and_garbage(tmp_path)
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=1.0)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, min_fill_ratio=1.0)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
     passes = []
     for _ in range(2):
@@ -842,7 +841,7 @@ def test_an_unreadable_shard_is_counted_with_any_worker_count(tmp_path, qwen):
     urls = _good_and_garbage(tmp_path)
     reasons = {}
     for workers in (0, 2):
-        ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256)
+        ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256)
         batches = list(PackedDataLoader(ds, num_workers=workers))
         assert sorted(_keys_of(batches)) == ["llava", "noph"]
         reasons[workers] = ds.stats.reasons
@@ -855,7 +854,7 @@ def test_an_unreadable_shard_is_counted_with_any_worker_count(tmp_path, qwen):
 def test_all_shards_unreadable_is_an_error_naming_them(tmp_path, qwen, workers):
     tok, ip = qwen
     pattern = str(tmp_path / "shrad-{000000..000001}.tar")  # a typo: no such files
-    ds = PackedWebDataset(pattern, tokenizer=tok, image_processor=ip, capacity=256)
+    ds = PackedWebDataset(pattern, Preprocessor(tok, ip), capacity=256)
     with pytest.raises(ValueError, match=r"none of the 2 shard\(s\) this epoch could be read") as exc:
         list(PackedDataLoader(ds, num_workers=workers))
     assert "shrad-000000.tar" in str(exc.value) and "Check the paths" in str(exc.value)
@@ -887,7 +886,7 @@ def test_an_image_header_over_max_image_pixels_is_refused_before_decoding(tmp_pa
         {"key": "small", "images": _encoded((60, 50), "PNG"), "caption": "fine"},
     ]
     urls = write_shards(records, tmp_path / "s")
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=4096)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=4096)
     with pytest.warns(BadSampleWarning) as caught:
         keys = sorted(_keys_of(list(ds)))
     assert keys == ["photo", "small"] and ds.stats.reasons == {"image_too_large": 1}
@@ -896,7 +895,7 @@ def test_an_image_header_over_max_image_pixels_is_refused_before_decoding(tmp_pa
     assert "PackingConfig.max_image_pixels" in message
 
     # the limit is a knob: 100x100 pixels refuses the 120x90 photo and keeps the 60x50 one
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=4096, max_image_pixels=100 * 100)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=4096, max_image_pixels=100 * 100)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BadSampleWarning)
         assert sorted(_keys_of(list(ds))) == ["small"]
@@ -920,7 +919,7 @@ def test_a_plain_dataloader_gets_only_batches_and_counts_bad_samples_after_each_
     # then the all-bad shard. A tiny min_fill_ratio emits each sample's pack as soon as it is read, so
     # both streams count their bad shard after their last pack was made.
     urls = [good[0], good[1], str(tmp_path / "garbage.tar"), bad[0]]
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=0.01)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, min_fill_ratio=0.01)
     items = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2))
     assert not any(isinstance(item, StreamEnd) for item in items)
     assert sorted(_keys_of(items)) == ["cap", "llava", "noph", "txt"] and len(items) == 4
@@ -950,7 +949,7 @@ def test_each_conversation_is_tokenized_once_and_packs_what_process_sample_gives
         return tokenize(self, text, *args, **kwargs)
 
     monkeypatch.setattr(type(tok), "__call__", counting)
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=256, min_fill_ratio=1.0)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=256, min_fill_ratio=1.0)
     batches = list(ds)  # the forecast tokenizes; processing the packed samples reuses its ids
     assert len(texts) == len(set(texts)) == 4 == ds.stats.samples_packed
     raw = {sample["__key__"]: sample for url in urls for sample in stream_tar_samples(url)}

@@ -22,6 +22,7 @@ from vlm_pack.data.map_style import PackedMapDataset, PackedSampler, plan_info
 from vlm_pack.data.stats import BadSampleWarning
 from vlm_pack.failures import FailureBudgetError, InternalCheckError, SampleCodeError
 from vlm_pack.offline import build_tokenizer, image_processor
+from vlm_pack.preprocessor import Preprocessor
 
 CAPACITY = 512
 
@@ -55,9 +56,9 @@ def _shards(tmp_path, records: list[dict], maxcount: int = 1000) -> list[str]:
     return write_shards(records, tmp_path / "shards", maxcount=maxcount)
 
 
-def _stream(urls, qwen, **knobs) -> PackedWebDataset:
+def _stream(urls, qwen, template=None, **knobs) -> PackedWebDataset:
     tok, ip = qwen
-    return PackedWebDataset(urls, tokenizer=tok, image_processor=ip, **{"capacity": CAPACITY, **knobs})
+    return PackedWebDataset(urls, Preprocessor(tok, ip, template=template), **{"capacity": CAPACITY, **knobs})
 
 
 def _epoch(ds: PackedWebDataset, num_workers: int = 0) -> list:
@@ -119,7 +120,7 @@ def test_stream_an_image_processor_bug_is_raised_and_its_refusals_counted(tmp_pa
         cls.__name__ = type(ip).__name__  # read as the processor it extends
         processor = type(ip).from_dict(ip.to_dict())
         processor.__class__ = cls
-        ds = PackedWebDataset(urls, tokenizer=tok, image_processor=processor, capacity=CAPACITY)
+        ds = PackedWebDataset(urls, Preprocessor(tok, processor), capacity=CAPACITY)
         if cls is Buggy:
             with pytest.raises(SampleCodeError, match=r"shard .*shard-000000\.tar, sample 's0'.*AttributeError"):
                 _epoch(ds)
@@ -141,7 +142,7 @@ def test_stream_a_check_of_vlm_packs_own_processing_raises_naming_the_sample(tmp
     """A ValueError of vlm-pack's own processing is an error of code: SampleCodeError naming the sample at once,
     not a decode_error counted on every sample until a failure budget trips."""
     urls = _shards(tmp_path, [_record(f"s{i}", _png(i)) for i in range(3)])
-    ds = PackedWebDataset(urls, tokenizer=splitting_tokenizer, image_processor=qwen[1], capacity=CAPACITY)
+    ds = PackedWebDataset(urls, Preprocessor(splitting_tokenizer, qwen[1]), capacity=CAPACITY)
     with pytest.raises(SampleCodeError, match=r"sample 's0'.*InternalCheckError: .*1 image\(s\) became 0 image "
                        r"token\(s\) '<\|image_pad\|>'") as caught:
         _epoch(ds)
@@ -292,10 +293,10 @@ def _dataset(images: list[bytes | None], texts: list[str] | None = None) -> data
     return ds.cast_column("images", datasets.List(datasets.Image(decode=False)))
 
 
-def _map(dataset, qwen, **kwargs) -> PackedMapDataset:
+def _map(dataset, qwen, template=None, **kwargs) -> PackedMapDataset:
     tok, ip = qwen
     config = kwargs.pop("config", PackingConfig(capacity=CAPACITY))
-    return PackedMapDataset(dataset, config=config, tokenizer=tok, image_processor=ip, cache=None, **kwargs)
+    return PackedMapDataset(dataset, Preprocessor(tok, ip, template=template), config, cache=None, **kwargs)
 
 
 def _map_epoch(ds: PackedMapDataset) -> list:
@@ -354,3 +355,41 @@ def test_map_more_consecutive_bad_records_than_the_limit_raise(qwen):
         _map_epoch(strict)
     lenient = _map(_dataset(images, texts), qwen, config=PackingConfig(capacity=CAPACITY, max_consecutive_failures=2))
     assert [r for b in _map_epoch(lenient) for r in plan_info(b)["rows"]] == [0]
+
+
+# -- one failure loop: the guarded stage every pipeline uses ------------------------------------------------
+
+
+def test_a_guarded_stage_skips_data_raises_code_and_spends_its_budget():
+    """``FailurePolicy`` declared once per run, a ``Guard`` per stage: a data error is reported and skipped
+    (a ``Skip``), an error of code raises ``SampleCodeError`` naming the sample, a run of bad samples longer
+    than the limit raises ``FailureBudgetError``, a good sample resets the run; ``on_error="raise"`` raises the
+    data error naming the sample, its class kept (an undecodable image is still an ``OSError``)."""
+    from vlm_pack.failures import FailurePolicy, ImageDecodeError, SampleError, Skip, forecast_mismatch
+
+    reported = []
+    guard = FailurePolicy("run", "skip", 2, reported.append).stage("processing", "decode_error")
+
+    def fails(exc):
+        raise exc
+
+    out = guard.call(fails, ValueError("the processor refuses it"), sample="row 3", key="3")
+    assert isinstance(out, Skip) and out.reason == "decode_error" and "row 3" in out.example
+    assert [(f.reason, f.sample, f.key) for f in reported] == [("decode_error", "row 3", "3")]
+    assert guard.call(lambda: 7, sample="row 4") == 7
+    guard.good()  # the run of bad samples ends
+    with pytest.raises(SampleCodeError, match=r"row 5: AttributeError: a bug") as caught:
+        guard.call(fails, AttributeError("a bug"), sample="row 5", key="5")
+    assert caught.value.key == "5"
+    guard.bad(forecast_mismatch(10, 12, "row 6"), "row 6")
+    guard.call(fails, ImageDecodeError("decode_error", "truncated"), sample="row 7")
+    with pytest.raises(FailureBudgetError, match=r"run, processing: 3 bad samples in a row.*forecast_mismatch"):
+        guard.call(fails, ValueError("again"), sample="row 8")
+    assert [f.reason for f in reported] == ["decode_error", "forecast_mismatch", "decode_error", "decode_error"]
+
+    strict = FailurePolicy("run", "raise", None).stage("processing", "decode_error")
+    with pytest.raises(OSError, match=r"bad sample: decode_error: row 9: truncated") as caught:
+        strict.call(fails, ImageDecodeError("decode_error", "truncated"), sample="row 9")
+    assert isinstance(caught.value, ImageDecodeError) and caught.value.reason == "decode_error"
+    with pytest.raises(SampleError, match=r"forecast 10 != processed length 12 for row 10"):
+        strict.bad(forecast_mismatch(10, 12, "row 10"), "row 10")

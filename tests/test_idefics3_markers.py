@@ -87,7 +87,7 @@ def test_an_epoch_keeps_every_image_sample_whatever_the_markers_tokenize_to(fami
     ds = ds.cast_column("images", datasets.List(datasets.Image()))
 
     config = PackingConfig(capacity=8192, on_error="raise")  # a forecast mismatch raises instead of a warning
-    packed = PackedMapDataset(ds, config=config, processor=proc, cache=False)
+    packed = PackedMapDataset(ds, Preprocessor(processor=proc), config, cache=False)
     assert packed.skipped == [] and packed.num_samples == len(images)
     seen: dict[int, int] = {}
     for i in range(len(packed)):

@@ -102,7 +102,7 @@ def test_a_llava_dataset_epoch_keeps_the_newline_after_the_image(checkpoint):
     )
     ds = ds.cast_column("image", datasets.List(datasets.Image()))
     config = PackingConfig(capacity=4096, on_error="raise")
-    packed = PackedMapDataset(ds, config=config, processor=proc, cache=False)
+    packed = PackedMapDataset(ds, Preprocessor(processor=proc), config, cache=False)
     seen: dict[int, int] = {}
     for i in range(len(packed)):
         info = plan_info(packed[i])

@@ -23,6 +23,7 @@ from vlm_pack.config import PackingConfig
 from vlm_pack.data.map_style import PackedMapDataset, PackedSampler, plan_info
 from vlm_pack.data.stats import BadSampleWarning
 from vlm_pack.offline import build_tokenizer, image_processor
+from vlm_pack.preprocessor import Preprocessor
 from vlm_pack.processing import process_sample
 
 N = 30
@@ -77,7 +78,7 @@ def lengths(columns, model):
 def _packed(dataset, model, cache, **kwargs) -> PackedMapDataset:
     tok, ip = model
     config = kwargs.pop("config", PackingConfig(capacity=CAPACITY, shuffle_seed=1))
-    return PackedMapDataset(dataset, config=config, tokenizer=tok, image_processor=ip, cache=cache, **kwargs)
+    return PackedMapDataset(dataset, Preprocessor(tok, ip), config, cache=cache, **kwargs)
 
 
 def _rows(batches) -> list[int]:
@@ -265,7 +266,7 @@ def test_a_processor_whose_images_are_wrapped_plans_and_loads_every_sample(colum
     ds = ds.cast_column("images", datasets.List(datasets.Image()))
     extra = {"collator_kwargs": {"sliding_window": 512}} if family == "gemma3" else {}
     config = PackingConfig(capacity=8192, on_error="raise")
-    packed = PackedMapDataset(ds, config=config, processor=proc, cache=False, **extra)
+    packed = PackedMapDataset(ds, Preprocessor(processor=proc), config, cache=False, **extra)
     assert packed.skipped == [] and packed.num_samples == n
     seen = {}
     for i in range(len(packed)):
@@ -331,11 +332,13 @@ def _variants(tok, ip):
     ]
 
 
-def _build(dataset, tok, cache, **kwargs):
-    kwargs.setdefault("tokenizer", tok)
-    if "processor" not in kwargs:
-        kwargs.setdefault("image_processor", image_processor("qwen2_vl"))
-    return PackedMapDataset(dataset, config=PackingConfig(capacity=CAPACITY, shuffle_seed=1), cache=cache, **kwargs)
+def _build(dataset, tok, cache, **parts):
+    """The dataset of these Preprocessor ``parts`` (a template, a processor or an image processor)."""
+    parts.setdefault("tokenizer", tok)
+    if "processor" not in parts:
+        parts.setdefault("image_processor", image_processor("qwen2_vl"))
+    config = PackingConfig(capacity=CAPACITY, shuffle_seed=1)
+    return PackedMapDataset(dataset, Preprocessor(**parts), config, cache=cache)
 
 
 def _epoch_rows(ds) -> list[int]:

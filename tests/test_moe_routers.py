@@ -20,9 +20,10 @@ from PIL import Image
 
 from vlm_pack import offline
 from vlm_pack.collate import PackingCollator
+from vlm_pack.families import family as record_of
 from vlm_pack.loss import token_cross_entropy
 from vlm_pack.processing import process_sample
-from vlm_pack.routers import expert_load, load_balancing_loss
+from vlm_pack.routers import expert_load, load_balancing_loss, record_router_logits
 
 TEMPLATES = Path(__file__).parent / "templates"
 MOE = ("glm4v_moe", "glm46v")
@@ -51,20 +52,16 @@ def _setup(family: str):
 
 
 def _forward(model, **inputs):
-    """``(outputs, router logits per MoE layer)``. The logits are read with forward hooks on the routers:
-    transformers 5.24's Glm46V forward refuses ``output_router_logits`` (its output class has no field for
-    them) and computes no aux loss; GLM-4.5V's is asked for them too, for the control below."""
+    """``(outputs, router logits per MoE layer)``, read with ``record_router_logits``: transformers 5.24's
+    Glm46V forward refuses ``output_router_logits`` (its output class has no field for them) and computes no
+    aux loss; GLM-4.5V's is asked for them too, for the control below."""
     routers = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
-    seen: list[torch.Tensor] = []
-    hooks = [r.register_forward_hook(lambda _m, _a, out: seen.append(out[0])) for r in routers]
-    try:
-        with torch.no_grad():
-            extra = {"output_router_logits": True} if type(model).__name__.startswith("Glm4vMoe") else {}
-            out = model(**inputs, **extra)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with record_router_logits(model) as seen, torch.no_grad():
+        extra = {"output_router_logits": True} if type(model).__name__.startswith("Glm4vMoe") else {}
+        out = model(**inputs, **extra)
     assert len(seen) == len(routers) >= 1
+    if extra:  # the hooks read what the model itself reports
+        assert all(torch.equal(a, b) for a, b in zip(seen, out.router_logits, strict=True))
     return out, tuple(seen)
 
 
@@ -135,3 +132,38 @@ def test_real_tokens_must_match_the_router_rows():
         load_balancing_loss([torch.zeros(6, 4)], torch.ones(1, 5), 4, 2)
     with pytest.raises(ValueError, match="output_router_logits"):
         expert_load([], torch.ones(1, 5), 2)
+
+
+def test_record_router_logits_refuses_a_model_without_routers():
+    with pytest.raises(ValueError, match="output_router_logits"), record_router_logits(torch.nn.Linear(2, 2)):
+        pass
+
+
+def test_glm45v_takes_the_routers_path_because_its_attention_cannot_take_the_mask_path():
+    """Why GLM-4.5V is not ``experts=True`` (Qwen3.5-MoE's automatic path): its text model hands
+    ``attention_mask`` to ``create_causal_mask`` (``modeling_glm4v_moe.py``). A ``MaskMapping`` is refused there,
+    and the 2-D mask of real tokens (what its aux loss would read) makes one causal span of the row: the samples
+    attend across each other and the router sees other tokens (the aux loss is off too)."""
+    from transformers.models.glm4v_moe.modeling_glm4v_moe import load_balancing_loss_func
+
+    from vlm_pack.masks import TOKENS_KEY, MaskMapping
+
+    assert not record_of("glm4v_moe").experts and not record_of("glm46v").experts
+    assert record_of("qwen3_5_moe").experts
+    _, samples, model = _setup("glm4v_moe")
+    batch, out, routed = _packed("glm4v_moe")
+    inputs, real = batch.model_inputs("sdpa"), batch.real_tokens()
+    with pytest.raises(AttributeError):
+        _forward(model, **inputs, attention_mask=MaskMapping({"full_attention": None, TOKENS_KEY: real}))
+    joined, joined_routed = _forward(model, **inputs, attention_mask=real)
+    cu = batch.cu_seqlens_padded.tolist()
+    slot, k = 1, batch.sample_index.tolist()[1]  # the second sample sees the first one
+    n = len(samples[k]["input_ids"])
+    alone = _alone(model, samples[k])[0].logits[0]
+    assert torch.allclose(out.logits[0, cu[slot] : cu[slot] + n], alone, atol=1e-4)  # vlm-pack's rows
+    assert (joined.logits[0, cu[slot] : cu[slot] + n] - alone).abs().max() > 1e-2
+    text = model.config.text_config
+    experts, top = text.n_routed_experts, text.num_experts_per_tok
+    oracle = load_balancing_loss(routed, real, experts, top)  # equal to the samples alone (test above)
+    assert abs(float(joined.aux_loss) - float(oracle)) > 1e-3
+    assert torch.allclose(joined.aux_loss, load_balancing_loss_func(joined_routed, experts, top, real))

@@ -15,6 +15,7 @@ from vlm_pack.data.pipeline import BadSampleWarning, PackedWebDataset
 from vlm_pack.data.reader import stream_tar_samples
 from vlm_pack.data.shards import image_fields, parse_text, write_shards
 from vlm_pack.offline import build_tokenizer, image_processor
+from vlm_pack.preprocessor import Preprocessor
 from vlm_pack.processing import process_pack, process_sample
 from vlm_pack.vision_inputs import join_vision
 
@@ -70,7 +71,7 @@ def _records(n: int) -> list[dict]:
 def test_pipeline_batches_equal_the_per_sample_path_bit_for_bit(tmp_path, family, capacity, one_call):
     tok, ip = build_tokenizer(family), image_processor(family)
     urls = write_shards(_records(14), tmp_path / "shards", maxcount=5)
-    ds = PackedWebDataset(urls, tokenizer=tok, image_processor=ip, capacity=capacity, shuffle_seed=1)
+    ds = PackedWebDataset(urls, Preprocessor(tok, ip), capacity=capacity, shuffle_seed=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BadSampleWarning)
         batches = list(ds)

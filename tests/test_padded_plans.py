@@ -76,8 +76,7 @@ def _check_rows(batches, lengths_of) -> Counter:
 @pytest.mark.slow
 def test_stream_epoch_with_padding_gives_every_sample_once_one_row_per_bin(parts, shards, workers):
     tok, ip = parts
-    ds = PackedWebDataset(shards, tokenizer=tok, image_processor=ip, family="qwen2_vl", capacity=CAPACITY,
-                          pad_to_multiple_of=MULTIPLE, buffer_size=8, min_fill_ratio=1.0)
+    ds = PackedWebDataset(shards, Preprocessor(tok, ip, family="qwen2_vl"), capacity=CAPACITY, pad_to_multiple_of=MULTIPLE, buffer_size=8, min_fill_ratio=1.0)
     batches = list(PackedDataLoader(ds, num_workers=workers))
     seen = _check_rows(batches, lambda key: LENGTHS[int(key.split("-")[1])])
     assert seen == Counter(f"edge-{i:03d}" for i in range(len(LENGTHS)))
@@ -89,8 +88,7 @@ def test_stream_bin_that_the_collator_would_split_raises_naming_its_samples(part
     tok, ip = parts
     collator = PackingCollator(CAPACITY, tokenizer=tok, family="qwen2_vl", pad_to_multiple_of=MULTIPLE,
                                max_samples_per_bin=1, max_rows=1)
-    ds = PackedWebDataset(shards, tokenizer=tok, image_processor=ip, family="qwen2_vl", capacity=CAPACITY,
-                          pad_to_multiple_of=MULTIPLE, collator=collator)
+    ds = PackedWebDataset(shards, Preprocessor(tok, ip, family="qwen2_vl"), capacity=CAPACITY, pad_to_multiple_of=MULTIPLE, collator=collator)
     with pytest.raises(ValueError, match=r"\(key 'edge-\d+'\).* need \d rows of capacity 100 and at most 1 samples"):
         list(PackedDataLoader(ds))
 
@@ -103,8 +101,7 @@ def table(conversations):
 def test_map_style_epoch_with_padding_gives_every_row_once_one_row_per_pack(parts, table):
     tok, ip = parts
     config = PackingConfig(capacity=CAPACITY, pad_to_multiple_of=MULTIPLE)
-    packed = PackedMapDataset(table, config=config, tokenizer=tok, image_processor=ip, family="qwen2_vl",
-                              world_size=2, cache=False)
+    packed = PackedMapDataset(table, Preprocessor(tok, ip, family="qwen2_vl"), config, world_size=2, cache=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", BadSampleWarning)  # nothing left out of a pack at load time
         batches = [packed[i] for i in range(len(packed))]
@@ -120,5 +117,4 @@ def test_map_style_collator_cannot_disagree_with_the_plan_on_a_packing_setting(p
     config = PackingConfig(capacity=CAPACITY, pad_to_multiple_of=MULTIPLE)
     for name in ("max_samples_per_bin", "pad_to_multiple_of"):
         with pytest.raises(TypeError, match=rf"pass {name}= to PackedMapDataset"):
-            PackedMapDataset(table, config=config, tokenizer=tok, image_processor=ip, family="qwen2_vl",
-                             cache=False, collator_kwargs={name: 1})
+            PackedMapDataset(table, Preprocessor(tok, ip, family="qwen2_vl"), config, cache=False, collator_kwargs={name: 1})

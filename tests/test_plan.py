@@ -63,10 +63,10 @@ def saved(dataset, parts, tmp_path_factory):
     return plan, plan.save(tmp_path_factory.mktemp("plans") / "train.plan")
 
 
-def _packed(dataset, parts, **kwargs) -> PackedMapDataset:
+def _packed(dataset, parts, template=None, **kwargs) -> PackedMapDataset:
     tok, ip = parts
     config = PackingConfig(capacity=kwargs.pop("capacity", CAPACITY), shuffle_seed=1)
-    return PackedMapDataset(dataset, config=config, tokenizer=tok, image_processor=ip, cache=None, **kwargs)
+    return PackedMapDataset(dataset, Preprocessor(tok, ip, template=template), config, cache=None, **kwargs)
 
 
 def _tensors(batch) -> dict[str, torch.Tensor]:
@@ -213,13 +213,11 @@ def test_a_partial_or_corrupt_plan_folder_is_named(saved, tmp_path):
 def test_the_cache_is_a_plan_folder_and_an_old_npz_path_is_refused(dataset, parts, tmp_path):
     tok, ip = parts
     config = PackingConfig(capacity=CAPACITY)
-    first = PackedMapDataset(dataset, config=config, tokenizer=tok, image_processor=ip, cache=tmp_path)
+    first = PackedMapDataset(dataset, Preprocessor(tok, ip), config, cache=tmp_path)
     (folder,) = tmp_path.iterdir()
     assert folder.name == f"plan-{first.plan_digest}" and Plan.load(folder).digest == first.plan_digest
     with pytest.raises(ValueError, match=r"plans are folders now.*'plan\.plan'"):
-        PackedMapDataset(
-            dataset, config=config, tokenizer=tok, image_processor=ip, cache=tmp_path / "plan.npz"
-        )
+        PackedMapDataset(dataset, Preprocessor(tok, ip), config, cache=tmp_path / "plan.npz")
 
 
 def test_the_cli_plans_a_folder_once_for_every_rank(dataset, parts, tmp_path, monkeypatch, capsys):

@@ -18,7 +18,7 @@ names = {n: type(getattr(vlm_pack, n)).__name__ for n in vlm_pack.__all__}
 print(json.dumps({"before": before, "names": names, "dir": dir(vlm_pack)}))
 """
 
-#: What a user calls, stage by stage (README "The public API, end to end").
+#: What a user calls, stage by stage (README.md and docs/).
 TOP_LEVEL = {
     "__version__",
     # configure, forecast, process

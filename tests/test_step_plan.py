@@ -55,10 +55,7 @@ def parts():
 
 def _packed(dataset, parts, rank: int, **kwargs) -> PackedMapDataset:
     tok, ip = parts
-    return PackedMapDataset(
-        dataset, tokenizer=tok, image_processor=ip, capacity=CAPACITY, shuffle_seed=3, cache=None,
-        world_size=WORLD, rank=rank, balance=StepBalance(grad_accum=ACCUM), **kwargs,
-    )  # fmt: skip
+    return PackedMapDataset(dataset, Preprocessor(tok, ip), capacity=CAPACITY, shuffle_seed=3, cache=None, world_size=WORLD, rank=rank, balance=StepBalance(grad_accum=ACCUM), **kwargs)  # fmt: skip
 
 
 def _epoch(ds: PackedMapDataset, sampler: PackedSampler, stop: int | None = None) -> list[dict]:

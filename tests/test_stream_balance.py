@@ -21,6 +21,7 @@ from vlm_pack.data import BadSampleWarning, PackedDataLoader, PackedWebDataset, 
 from vlm_pack.offline import build_tokenizer, image_processor
 from vlm_pack.packing import PackCost, step_imbalance
 from vlm_pack.packing.window import StreamBalance, reserved_positions, window_order, window_schedule
+from vlm_pack.preprocessor import Preprocessor
 
 CAPACITY = 160
 WORDS = "red dog sky the car two blue tree".split()
@@ -150,7 +151,7 @@ BALANCE = StreamBalance(grad_accum=2, window_steps=2)
 def _dataset(corpus, qwen, balance=BALANCE, **knobs) -> PackedWebDataset:
     tok, ip = qwen
     kwargs = dict(capacity=CAPACITY, shuffle_seed=3, shuffle_buffer=4, buffer_size=4, min_fill_ratio=0.9)
-    return PackedWebDataset(corpus["urls"], tokenizer=tok, image_processor=ip, balance=balance, **{**kwargs, **knobs})
+    return PackedWebDataset(corpus["urls"], Preprocessor(tok, ip), balance=balance, **{**kwargs, **knobs})
 
 
 @contextmanager

@@ -26,6 +26,7 @@ from vlm_pack.config import PackingConfig
 from vlm_pack.data import BadSampleWarning, PackedDataLoader, PackedWebDataset, write_shards
 from vlm_pack.failures import FailureBudgetError
 from vlm_pack.offline import build_tokenizer, image_processor
+from vlm_pack.preprocessor import Preprocessor
 
 WORDS = "red dog sky the car two blue tree".split()
 BAD_KINDS = {"notext": "missing_text", "badjson": "bad_text", "badheader": "corrupt_image"}
@@ -172,7 +173,7 @@ def test_every_good_sample_exactly_once_across_a_resume(shards, shuffle_seed, fi
         urls, good, expected_reasons = _write(Path(tmp), shards)
 
         def pipeline() -> PackedWebDataset:
-            return PackedWebDataset(urls, config, tokenizer=tok, image_processor=ip)
+            return PackedWebDataset(urls, Preprocessor(tok, ip), config)
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", BadSampleWarning)

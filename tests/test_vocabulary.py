@@ -42,12 +42,12 @@ def table():
 
 def _stream(parts, config=None, **knobs):
     tok, ip = parts
-    return PackedWebDataset("never-read-{0..1}.tar", config, tokenizer=tok, image_processor=ip, **knobs)
+    return PackedWebDataset("never-read-{0..1}.tar", Preprocessor(tok, ip), config, **knobs)
 
 
 def _map(parts, table, config=None, **knobs):
     tok, ip = parts
-    return PackedMapDataset(table, config, tokenizer=tok, image_processor=ip, cache=False, **knobs)
+    return PackedMapDataset(table, Preprocessor(tok, ip), config, cache=False, **knobs)
 
 
 def _cli(command: str, *flags: str) -> argparse.Namespace:

@@ -18,7 +18,7 @@ capacity, prints one column per capacity (padding waste of plain padded batches 
 the grad-accumulation whose samples per optimizer update are closest to the padded run's) and writes ``report.json``, ``report.txt`` and PNG plots to
 ``--out`` (default ``./vlm-pack-report``). ``pack`` writes the bins as JSONL, one pack per line, for
 offline pre-packing. ``plan`` builds a ``datasets`` folder's plan once (bins dealt to ``--world-size`` ranks)
-and saves it as a plan folder every rank reads with ``PackedMapDataset(dataset, plan=DIR, rank=r)``.
+and saves it as a plan folder every rank reads with ``PackedMapDataset(dataset, pre, plan=DIR, rank=r)``.
 ``python -m vlm_pack`` is the same command.
 """
 
@@ -313,9 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "plan",
-        help="build a datasets folder's plan once (bins dealt to ranks) for PackedMapDataset(plan=DIR)",
+        help="build a datasets folder's plan once (bins dealt to ranks) for PackedMapDataset(dataset, pre, plan=DIR)",
         description="Forecast a datasets save_to_disk folder, pack it, deal the packs to --world-size ranks "
-        "and save the plan folder every rank reads (PackedMapDataset(dataset, plan=DIR, rank=r)) without "
+        "and save the plan folder every rank reads (PackedMapDataset(dataset, pre, plan=DIR, rank=r)) without "
         "forecasting again. Give the same checkpoint (--processor) the training job loads.",
     )
     p.add_argument("dataset", metavar="DATASET_DIR", help="a datasets save_to_disk folder")

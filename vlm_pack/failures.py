@@ -22,25 +22,52 @@ A systematic failure stops the run instead of becoming an empty epoch (:class:`F
 stage, as Megatron-Energon's failure tolerance): more than ``PackingConfig.max_consecutive_failures`` bad
 samples in a row, or an epoch in which no sample was good (:func:`no_good_sample`), raise
 :class:`FailureBudgetError` naming the most common reason and one sample of each reason.
+
+Every stage runs through one loop (webdataset's ``handler=`` is the model): a run declares its policy once,
+``FailurePolicy.of(who, config, report)`` (``on_error``, the budget's limit and where a skipped sample is
+reported), and each of its stages is a :class:`Guard` of it (``policy.stage("header-only forecast",
+"bad_text")``) with its own budget, as each stage sees the samples in its own order::
+
+    out = guard.call(fn, *args, sample="key 'k' in shard.tar", key="k")   # fn's result, or a Skip
+    if isinstance(out, Skip): ...                                          # counted, warned, budget spent
+    guard.good()                                                           # the sample passed the stage
+    guard.bad(SampleError("too_long", detail), sample, key)               # a check of the caller's own
+
+``on_error="raise"`` raises the first bad sample's error naming it (its class kept: an
+:class:`ImageDecodeError` is still an ``OSError``). A stage whose failures come back as values (a process
+pool's, a batched call's) classifies each with :func:`data_error` and hands it to :meth:`Guard.bad`.
+
+A forecast that disagrees with the processed length (:func:`forecast_mismatch`) is bad data under its own
+reason ``forecast_mismatch``: the sample cannot be packed as planned (a longer one would overflow its row, a
+shorter one is not the pack the plan made), so it is left out, counted and warned about like any bad sample,
+and raised under ``on_error="raise"``. It is never packed at a length other than its forecast. A mismatch on
+every sample (a vision spec that does not match the processor: a vlm-pack bug) trips the failure budget
+and stops the run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
     "BAD_REASONS",
     "REASONS",
+    "Failure",
     "FailureBudget",
     "FailureBudgetError",
+    "FailurePolicy",
+    "Guard",
     "ImageDecodeError",
     "InternalCheckError",
     "SampleCodeError",
     "SampleError",
+    "Skip",
+    "data_error",
     "describe_failures",
     "example",
+    "forecast_mismatch",
     "no_good_sample",
     "skip_reason",
     "tally",
@@ -58,7 +85,7 @@ REASONS: dict[str, str] = {
     "too_long": "a sample longer than capacity (oversized='skip')",
     "vision_too_large": "a sample with more vision cost than vision_capacity",
     "decode_error": "pixels that do not decode, or a processor that refuses the sample",
-    "forecast_mismatch": "a processed length that differs from the forecast the plan was made on",
+    "forecast_mismatch": "a processed length that differs from the forecast the plan was made on (left out)",
 }
 BAD_REASONS = tuple(REASONS)
 
@@ -240,3 +267,106 @@ class FailureBudget:
                 f"{describe_failures(self.counts, self.examples)}.\n  {_HINT} If such runs are expected, raise "
                 "max_consecutive_failures (None: no limit)."
             )
+
+
+def data_error(exc: BaseException, default: str, sample: str, key: Any = None) -> SampleError:
+    """``exc`` as the :class:`SampleError` its sample is skipped with (itself when it is one; else a
+    ``SampleError`` of :func:`skip_reason`'s reason, naming ``sample``, from ``exc``); raises an error of code
+    as :func:`skip_reason` does. For stages whose failures travel as values (process pools, batched calls)."""
+    reason = skip_reason(exc, default, sample, key)
+    if isinstance(exc, SampleError):
+        return exc
+    error = SampleError(reason, f"{sample}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def forecast_mismatch(forecast: int, processed: int, sample: str) -> SampleError:
+    """The error of a sample whose processed length is not its forecast (see the module docstring)."""
+    return SampleError(
+        "forecast_mismatch",
+        f"FORECAST MISMATCH: forecast {forecast} != processed length {processed} for {sample}: it cannot be "
+        "packed as planned, so it is left out. The data or the processor changed since the forecast (a "
+        "stale plan, a processor edited after the dataset was built), or the vision spec does not match the "
+        "image processor: if neither changed, please report it.",
+    )
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One bad sample as a stage reports it: ``reason`` (:data:`REASONS`), ``sample`` (how messages name
+    it), ``detail`` (what was wrong), ``key`` and ``where`` (its shard or row, for the run's own stats)."""
+
+    reason: str
+    sample: str
+    detail: str
+    key: Any = None
+    where: Any = None
+
+
+@dataclass(frozen=True)
+class Skip:
+    """What :meth:`Guard.call` returns for a sample left out: its reason and how a budget quotes it."""
+
+    reason: str
+    example: str
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """The failure policy of one run, declared once: ``on_error`` ("skip" or "raise"), the failure budget's
+    ``limit`` (``PackingConfig.max_consecutive_failures``; None: no limit) and ``report`` (called with each
+    :class:`Failure` skipped: the run's warning and stats). ``who`` names the run in budget errors."""
+
+    who: str
+    on_error: str = "skip"
+    limit: int | None = None
+    report: Callable[[Failure], None] | None = None
+
+    @classmethod
+    def of(cls, who: str, config: Any, report: Callable[[Failure], None] | None = None) -> FailurePolicy:
+        """The policy ``config`` (a :class:`~vlm_pack.PackingConfig`) declares for the run ``who``."""
+        return cls(who, config.on_error, config.max_consecutive_failures, report)
+
+    def stage(self, what: str, default: str) -> Guard:
+        """A guarded stage of this run (``what`` names it; ``default``: the reason of a plain data error)."""
+        return Guard(self, FailureBudget(self.limit, f"{self.who}, {what}"), default)
+
+
+@dataclass
+class Guard:
+    """One stage of a run under its :class:`FailurePolicy`: try, classify, report, count (module docstring)."""
+
+    policy: FailurePolicy
+    budget: FailureBudget
+    default: str
+
+    def call(self, fn: Callable[..., Any], *args: Any, sample: str, key: Any = None, where: Any = None) -> Any:
+        """``fn(*args)``, or a :class:`Skip` after :meth:`bad` when it raised an error of the data; an error
+        of code raises :class:`SampleCodeError` naming ``sample``. The caller calls :meth:`good` once the
+        sample passed the whole stage (its own checks after ``fn`` included)."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            reason = skip_reason(exc, self.default, sample, key)
+            error = exc if isinstance(exc, SampleError) else SampleError(reason, f"{type(exc).__name__}: {exc}")
+            if error is not exc:
+                error.__cause__ = exc
+            return self.bad(error, sample, key, where)
+
+    def bad(self, error: SampleError, sample: str, key: Any = None, where: Any = None) -> Skip:
+        """A bad sample: raised naming it under ``on_error="raise"``; else reported, counted in the budget
+        (raises :class:`FailureBudgetError` when spent) and returned as a :class:`Skip`."""
+        detail = str(error)
+        if self.policy.on_error == "raise":
+            raised = type(error)(error.reason, f"bad sample: {error.reason}: {sample}: {detail} "
+                                 "(on_error='skip' skips such samples and counts them)")
+            raise raised from error
+        if self.policy.report is not None:
+            self.policy.report(Failure(error.reason, sample, detail, key, where))
+        self.budget.failure(error.reason, sample, detail)
+        return Skip(error.reason, example(sample, detail))
+
+    def good(self) -> None:
+        """The sample passed the stage: the run of bad ones ends."""
+        self.budget.success()

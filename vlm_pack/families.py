@@ -121,8 +121,9 @@ class Family:
     packed rows must reach them with the sample boundaries too (``vlm_pack.mixers``)."""
     experts: bool = False
     """Its text model routes tokens to experts and counts them in an auxiliary load-balancing loss that reads
-    the 2-D ``attention_mask``: packed rows pass one (``real_tokens`` of a ``MaskMapping``) so that padding
-    never reaches the router's statistics."""
+    the 2-D ``attention_mask``, and whose text model takes a mask mapping: packed rows pass one (``real_tokens``
+    of a ``MaskMapping``) so that padding never reaches the router's statistics (Qwen3.5-MoE). GLM-4.5V / 4.6V
+    stay False: their aux loss over real tokens is ``vlm_pack.routers`` (why: its module docstring)."""
 
     def __post_init__(self) -> None:
         if self.wraps not in WRAPS:
@@ -193,7 +194,9 @@ _RECORDS = (
         mrope="qwen3_vl",
     ),
     # zai-org/GLM-4.5V: the GLM-4.1V processor and get_rope_index (glm4v_moe/modular_glm4v_moe.py) around a
-    # mixture-of-experts text model (transformers >= 4.56)
+    # mixture-of-experts text model (transformers >= 4.56). Not `experts`: its text model hands attention_mask to
+    # create_causal_mask, which refuses a MaskMapping and makes a 2-D mask one span over the row (the samples
+    # would attend across each other); its aux loss over real tokens is vlm_pack.routers.load_balancing_loss
     Family(
         "glm4v_moe",
         ("GLM-4.5V",),
@@ -203,7 +206,8 @@ _RECORDS = (
         mrope="qwen3_vl",
     ),
     # zai-org/GLM-4.6V: Glm4vForConditionalGeneration and the GLM-4.1V processor under their own names
-    # (glm46v/modular_glm46v.py; transformers >= 5.0); the released text model is GLM-4.5V's MoE
+    # (glm46v/modular_glm46v.py; transformers >= 5.0); the released text model is GLM-4.5V's MoE, and the
+    # model computes no aux loss (vlm_pack.routers: record_router_logits, load_balancing_loss)
     Family(
         "glm46v",
         ("GLM-4.6V",),

@@ -105,6 +105,19 @@ class Preprocessor:
             )
         return obj
 
+    @staticmethod
+    def refuse_parts(who: str, given: Any) -> None:
+        """A TypeError when ``given`` (the keyword names a dataset or adapter was called with) holds a part a
+        Preprocessor owns: they took ``tokenizer=`` ... ``template=`` once and built their own (without
+        ``layout`` or ``spec``); the Preprocessor now travels whole."""
+        parts = [name for name in ("tokenizer", "image_processor", "processor", "family", "template") if name in given]
+        if parts:
+            raise TypeError(
+                f"{who}: {', '.join(p + '=' for p in parts)} belong to the Preprocessor: build it once "
+                "(Preprocessor(tokenizer=tok, image_processor=ip, family=..., template=...) or "
+                f"Preprocessor(processor=processor)) and pass it: {who}(source, preprocessor, config)"
+            )
+
     def collator(self, capacity: int, **options: Any) -> Any:
         """The :class:`~vlm_pack.PackingCollator` for these parts: ``options`` (its keyword arguments, e.g.
         ``model_config=model.config``) win; the tokenizer, the layout, the family, the token a processor scatters

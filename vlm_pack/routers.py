@@ -2,28 +2,72 @@
 
 A packed row carries padding (each sample's pad to a multiple, the row's tail). The router still routes every
 padding token (routing is per token, so padding never changes a real token's experts or output), but
-transformers' auxiliary loss counts every routed token unless it is given a 2-D ``attention_mask``, and packed
-rows are given none (the sample boundaries come from the position ids): padding then enters the expert
-counts and the balance loss (Megatron-Bridge #5470)::
+transformers' auxiliary loss counts every routed token unless it is given a 2-D ``attention_mask`` (Megatron-
+Bridge #5470)::
 
     row        a0 a1 a2 _  b0 b1 _  _          (_ = padding)
     real       1  1  1  0  1  1  0  0          batch.real_tokens(): [R, T]
-    counted    a0 a1 a2    b0 b1               every statistic below, as for the samples alone
+    counted    a0 a1 a2    b0 b1               the model's aux loss or this module, as for the samples alone
 
+One path per family (transformers 5.24):
+
+    family        path                                   why
+    qwen3_5_moe   automatic: the model's own aux_loss    its text model takes a mask mapping, so model_inputs
+                  (Family.experts, batch.model_inputs)   passes a MaskMapping whose reshape() is real_tokens
+    glm4v_moe     this module, in place of aux_loss      its text model hands attention_mask to
+                                                         create_causal_mask, which takes no mapping and
+                                                         turns a 2-D mask into one causal span over the row
+                                                         (the samples attend across each other)
+    glm46v        this module (its only aux loss)        Glm46VForConditionalGeneration computes none and
+                                                         refuses output_router_logits
+
+:func:`record_router_logits` reads the router logits of a forward call (GLM-4.6V gives them no other way);
 :func:`expert_load` gives the router statistics (the share of top-k assignments and the mean routing
 probability of each expert) over real tokens; :func:`load_balancing_loss` the auxiliary loss transformers'
 ``load_balancing_loss_func`` (``models/qwen3_vl_moe/modeling_qwen3_vl_moe.py``, which GLM-4.5V's
-``modeling_glm4v_moe.py`` imports) computes, with exactly those statistics. Each equals the value computed
+``modeling_glm4v_moe.py`` copies) computes, with exactly those statistics. Each equals the value computed
 over the samples run alone, padding-free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
-__all__ = ["expert_load", "load_balancing_loss"]
+__all__ = ["expert_load", "load_balancing_loss", "record_router_logits"]
+
+
+#: Router modules whose forward returns ``(router_logits [N, E], weights, indices)``: GLM-4.5V's text model,
+#: which GLM-4.6V's checkpoints use too (``models/glm4v_moe/modeling_glm4v_moe.py``).
+ROUTERS = ("Glm4vMoeTextTopkRouter",)
+
+
+@contextmanager
+def record_router_logits(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """The router logits of the forward calls made inside the block, one ``[R*T, E]`` tensor per MoE layer
+    and call, in call order (forward hooks on the routers; removed on exit)::
+
+        with record_router_logits(model) as logits:
+            out = model(**batch.model_inputs("sdpa"))
+        loss = out.loss + coef * load_balancing_loss(logits, batch.real_tokens(), experts, top_k)
+
+    Raises ValueError on a model with no router vlm-pack knows (:data:`ROUTERS`).
+    """
+    routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
+    if not routers:
+        raise ValueError(
+            f"{type(model).__name__} has no mixture-of-experts router vlm-pack reads ({', '.join(ROUTERS)}); "
+            "call the model with output_router_logits=True and pass outputs.router_logits instead."
+        )
+    seen: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda _m, _a, out: seen.append(out[0])) for r in routers]
+    try:
+        yield seen
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _flat_mask(real_tokens: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
@@ -42,8 +86,8 @@ def expert_load(
     """Router statistics of real tokens, summed over the MoE layers: ``(tokens_per_expert, prob_per_expert)``.
 
     Args:
-        router_logits: one ``[R*T, E]`` tensor per MoE layer (``outputs.router_logits`` of a forward call with
-            ``output_router_logits=True``).
+        router_logits: one ``[R*T, E]`` tensor per MoE layer (:func:`record_router_logits`, or
+            ``outputs.router_logits`` of a forward call with ``output_router_logits=True``).
         real_tokens: ``[R, T]`` 1 on real tokens, 0 on padding (:meth:`PackedBatch.real_tokens`).
         top_k: experts per token (``config.text_config.num_experts_per_tok``).
 
@@ -52,7 +96,10 @@ def expert_load(
         routing probability of each expert, averaged over real tokens and layers (as transformers does).
     """
     if not router_logits:
-        raise ValueError("no router logits: call the model with output_router_logits=True")
+        raise ValueError(
+            "no router logits: read them with record_router_logits(model), or call the model with "
+            "output_router_logits=True"
+        )
     device = router_logits[0].device
     mask = _flat_mask(real_tokens, router_logits[0].shape[0], device)
     experts = router_logits[0].shape[-1]
@@ -74,7 +121,8 @@ def load_balancing_loss(
 
     Shapes as in :func:`expert_load`; a scalar, differentiable in the router logits. Add
     ``config.text_config.router_aux_loss_coef`` times it to the loss in place of the model's own ``aux_loss``
-    (which, on packed rows, counts padding).
+    (GLM-4.5V's counts padding on packed rows; GLM-4.6V has none). Qwen3.5-MoE needs none of this: its own
+    ``aux_loss`` already counts real tokens only (see the module docstring).
     """
     tokens, prob = expert_load(router_logits, real_tokens, top_k)
     if tokens.numel() != num_experts:

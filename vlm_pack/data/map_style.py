@@ -6,7 +6,7 @@
     (rows)      (headers only,       capacity,      equal bins per    rows of each bin, bins of each rank
                  num_proc workers)   vision budget  rank, by cost     (vlm_pack.data.plan.build_plan)
 
-    or  PackedMapDataset(dataset, plan=PLAN_DIR, rank=r): a saved plan, checked against the parts, mapped
+    or  PackedMapDataset(dataset, pre, plan=PLAN_DIR, rank=r): a saved plan, checked against the parts, mapped
 
     PackedMapDataset[i] ──> rows of one bin ──> process_sample (real processor) ──> PackingCollator
                                                                                     -> PackedBatch
@@ -58,8 +58,9 @@ import numpy as np
 import torch
 
 from ..config import PackingConfig, collator_options
-from ..failures import FailureBudget, example, no_good_sample, skip_reason, tally
+from ..failures import Failure, FailurePolicy, Guard, Skip, forecast_mismatch, no_good_sample, tally
 from ..packing.steps import block_order
+from ..preprocessor import Preprocessor
 from .fingerprint import Unfingerprintable
 from .plan import (
     Plan,
@@ -72,7 +73,6 @@ from .plan import (
     shown_parts,
 )
 from .records import normalise_record
-from .shards import SampleError
 from .stats import BadSampleWarning
 
 __all__ = ["PackedMapDataset", "PackedSampler", "plan_info"]
@@ -94,12 +94,23 @@ def plan_info(batch: Any) -> dict[str, Any] | None:
     return None
 
 
+def _warn_left_out(failure: Failure) -> None:
+    """How a map-style dataset reports a row left out of its pack (``plan_info``'s ``left_out`` lists it)."""
+    warnings.warn(
+        f"vlm-pack: {failure.sample} left out of its pack: {failure.reason}: {failure.detail}",
+        BadSampleWarning,
+        stacklevel=5,
+    )
+
+
 class PackedMapDataset(torch.utils.data.Dataset):
     """Packs of a ``datasets.Dataset``, by index (see the module docstring).
 
     Args:
         dataset: a ``datasets.Dataset`` (or the folder ``save_to_disk`` wrote) in any record format of
             ``vlm_pack.data.RECORD_FORMATS``; image columns may be ``Image`` features (bytes or paths) or paths.
+        preprocessor: the checkpoint's :class:`~vlm_pack.Preprocessor` (tokenizer, processor, family,
+            template, layout and spec, held once): what the plan is forecast with and each pack processed with.
         config: a ``PackingConfig``; each of its settings can also be a keyword (``capacity=8192``), alone (a
             config is built, with the same defaults) or over ``config``: ``capacity``,
             ``max_samples_per_bin``, ``vision_capacity`` / ``vision_cost``, ``oversized`` ("raise", default,
@@ -107,8 +118,6 @@ class PackedMapDataset(torch.utils.data.Dataset):
             ``on_error`` ("skip", default: unreadable records are listed in ``skipped``; "raise"),
             ``exif_transpose``, ``shuffle_seed`` (pack order per epoch; None keeps the plan's order),
             ``max_consecutive_failures``.
-        processor / tokenizer + image_processor: the checkpoint's.
-        family, template: the chat format (see ``processing.tokenize_conversation``).
         record_format, image_root: see ``records.normalise_record`` (default: detected per record).
         world_size, rank: data-parallel ranks; ``rank=None`` indexes every rank's packs interleaved.
             ``world_size`` defaults to the plan's when ``plan=`` is given, else 1.
@@ -135,13 +144,9 @@ class PackedMapDataset(torch.utils.data.Dataset):
     def __init__(
         self,
         dataset: Any,
+        preprocessor: Preprocessor,
         config: PackingConfig | None = None,
         *,
-        processor: Any = None,
-        tokenizer: Any = None,
-        image_processor: Any = None,
-        family: str | None = None,
-        template: Callable[..., Any] | None = None,
         record_format: str | None = None,
         image_root: str | os.PathLike[str] | None = None,
         world_size: int | None = None,
@@ -155,15 +160,10 @@ class PackedMapDataset(torch.utils.data.Dataset):
         balance: Any = None,
         **knobs: Any,
     ) -> None:
-        from ..preprocessor import Preprocessor
-
+        Preprocessor.refuse_parts("PackedMapDataset", knobs)
+        self.preprocessor = Preprocessor.check(preprocessor)
         config = PackingConfig.resolve("PackedMapDataset", config, refuse=("truncate",), **knobs)
         collator_kwargs = collator_options("PackedMapDataset", collator_kwargs)
-        if processor is not None:
-            tokenizer = tokenizer if tokenizer is not None else processor.tokenizer
-            image_processor = image_processor if image_processor is not None else processor.image_processor
-        if tokenizer is None or image_processor is None:
-            raise ValueError("PackedMapDataset needs tokenizer= and image_processor= (or processor=).")
         given = _given_plan(plan, rank)
         if world_size is None:
             world_size = given.world_size if given is not None else 1
@@ -178,7 +178,6 @@ class PackedMapDataset(torch.utils.data.Dataset):
         self.dataset, root = open_dataset(dataset, image_root, "PackedMapDataset")
         self.config, self.world_size, self.rank, self.strategy = config, world_size, rank, strategy
         self.balance = balance
-        self.preprocessor = Preprocessor(tokenizer, image_processor, processor, family, template)
         self.record_format, self.image_root = record_format, root
         if "return_style" in collator_kwargs:
             raise ValueError(
@@ -312,8 +311,8 @@ class PackedMapDataset(torch.utils.data.Dataset):
         processed, kept, failed = [], [], {}
         for row, length in zip(rows.tolist(), forecast.tolist()):
             out = self._load(row, length)
-            if isinstance(out, tuple):  # (reason, example): left out
-                failed[row] = out
+            if isinstance(out, Skip):  # left out
+                failed[row] = (out.reason, out.example)
             else:
                 processed.append(out)
                 kept.append(row)
@@ -334,25 +333,22 @@ class PackedMapDataset(torch.utils.data.Dataset):
         batch.metadata[_META] = info  # a dataclass field: survives .to(device) and pin_memory()
         return batch
 
-    def _load(self, row: int, forecast: int) -> dict[str, Any] | tuple[str, str]:
-        """``_process``, or ``(reason, example)`` for a row with bad data: under ``on_error="skip"`` it is
-        warned about, left out and counted in this process's failure budget (``vlm_pack.failures``); an
-        error of code raises ``SampleCodeError`` naming the row."""
+    @property
+    def _loading(self) -> Guard:
+        """The guarded stage of loading packs, one per process (a DataLoader worker's own budget)."""
+        if "_guard" not in self.__dict__:
+            policy = FailurePolicy.of("PackedMapDataset", self.config, _warn_left_out)
+            self.__dict__["_guard"] = policy.stage("loading packs", "decode_error")
+        return self.__dict__["_guard"]
+
+    def _load(self, row: int, forecast: int) -> dict[str, Any] | Skip:
+        """``_process``, or a :class:`~vlm_pack.failures.Skip` for a row with bad data (a processed length
+        that is not its forecast included): warned about, left out and counted in this process's failure
+        budget; raised under ``on_error="raise"``; an error of code raises ``SampleCodeError`` naming the row."""
         sample = f"dataset row {row}"
-        budget = self.__dict__.setdefault(
-            "_budget", FailureBudget(self.config.max_consecutive_failures, "PackedMapDataset, loading packs")
-        )
-        try:
-            out = self._process(row, forecast)
-        except Exception as e:
-            reason = skip_reason(e, "decode_error", sample, str(row))
-            if self.config.on_error == "raise":
-                raise
-            detail = f"{type(e).__name__}: {e}"
-            warnings.warn(f"vlm-pack: {sample} left out of its pack: {reason}: {detail}", BadSampleWarning, stacklevel=3)
-            budget.failure(reason, sample, detail)
-            return reason, example(sample, detail)
-        budget.success()
+        out = self._loading.call(self._process, row, forecast, sample=sample, key=str(row), where=row)
+        if not isinstance(out, Skip):
+            self._loading.good()
         return out
 
     def _process(self, row: int, forecast: int) -> dict[str, Any]:
@@ -366,11 +362,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         out = self.preprocessor.process(images, sample.conversation, sample.key)
         n = int(out["input_ids"].shape[0])
         if n != forecast:
-            raise SampleError(
-                "forecast_mismatch",
-                f"{sample.label}: processed to {n} tokens but the plan forecast {forecast}: the data or the "
-                "processor changed since the plan was made, or the vision spec does not match the processor.",
-            )
+            raise forecast_mismatch(forecast, n, sample.label)
         out["__key__"], out["__row__"] = sample.key, row
         return out
 
@@ -380,6 +372,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_arrow"] = None  # reopened lazily in each DataLoader worker
+        state.pop("_guard", None)  # each worker counts its own run of bad samples
         return state
 
     def trainer_collator(self, style: str = "sdpa") -> Callable[[Sequence[Any]], dict[str, Any]]:

@@ -41,8 +41,9 @@ The main process keeps the latest snapshot per stream (:meth:`PackedWebDataset.o
 Usage (with a plain ``DataLoader``, call ``ds.observe(item)`` on every item and skip the None it returns
 for a ``StreamEnd``, which only a stream without any batch yields; ``PackedDataLoader`` does both)::
 
-    ds = PackedWebDataset("data/shard-{000000..000099}.tar", tokenizer=tok, image_processor=ip,
-                          capacity=8192, shuffle_seed=0)  # or config=PackingConfig(capacity=8192, ...)
+    pre = Preprocessor(processor=AutoProcessor.from_pretrained("Qwen/Qwen2-VL-2B-Instruct"))
+    ds = PackedWebDataset("data/shard-{000000..000099}.tar", pre,
+                          capacity=8192, shuffle_seed=0)  # or PackingConfig(capacity=8192, ...) third
     loader = PackedDataLoader(ds, num_workers=8)     # a DataLoader(batch_size=None) that observes batches
     for batch in loader:                             # PackedBatch: batch.model_inputs("sdpa") ...
         ...
@@ -67,7 +68,8 @@ and key and counted by reason in :attr:`PackedWebDataset.stats` (``on_error="rai
 Reasons: ``unreadable_shard``, ``missing_text``, ``bad_text``, ``corrupt_image`` (header),
 ``image_too_large`` (header over ``max_image_pixels``, refused before decoding), ``placeholder_mismatch``,
 ``image_rejected`` (the processor's size rule), ``too_long``, ``vision_too_large``, ``decode_error``
-(pixels, or a processor refusing the sample), ``forecast_mismatch``. An error of code (a template or
+(pixels, or a processor refusing the sample), ``forecast_mismatch`` (processed to another length than its
+forecast: left out, never packed as it was not planned; counted in ``stats.forecast_mismatches`` too). An error of code (a template or
 callable raising ``AttributeError`` / ``TypeError`` ..., a bug) raises ``SampleCodeError`` naming the
 sample. A systematic failure raises ``FailureBudgetError`` naming the most common reason and a sample of
 each: more than ``max_consecutive_failures`` bad samples in a row (per stream and stage), or an epoch in
@@ -156,6 +158,8 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
         urls: shard paths or URLs: a brace pattern ``"data/shard-{000000..000099}.tar"``, several joined
             by ``::``, a ``pathlib.Path``, or a list of any of these. Anything ``webdataset.gopen`` opens
             (``pipe:``, ``http://`` ...).
+        preprocessor: the checkpoint's :class:`~vlm_pack.Preprocessor` (tokenizer, processor, family,
+            template, layout and spec, held once): what every sample is forecast and processed with.
         config: the packing and streaming knobs (:class:`~vlm_pack.PackingConfig`: ``capacity``,
             ``buffer_size``, ``min_fill_ratio``, ``drop_last``, ``max_samples_per_bin``, ``vision_capacity``,
             ``vision_cost``, ``oversized``, ``pad_to_multiple_of``, ``shuffle_seed``, ``shuffle_buffer``,
@@ -163,11 +167,6 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
             also be passed as a keyword (``capacity=8192``), alone (a config is built, with the same defaults)
             or over ``config``. ``oversized``: "raise" (default) or "skip" (counted as ``too_long``); a stream
             cannot cut a sample, so "truncate" is refused.
-        tokenizer, image_processor: the model's HF tokenizer and image processor; or ``processor``.
-        family: chat format of ``vlm_pack.processing`` (``qwen2_vl`` ... ``llava_next``); default: from the
-            tokenizer (``vlm_pack.offline``) or the image processor.
-        template: ``callable(conversation, num_images) -> [(text, trained), ...]`` replacing the family's
-            chat format (see ``vlm_pack.processing.ChatFormat.render``).
         collator, collator_kwargs: the collator (default ``PackingCollator(capacity, **collator_kwargs)``
             with ``pad_to_multiple_of`` from the config: packing settings are keywords of the dataset, never
             ``collator_kwargs``).
@@ -183,13 +182,9 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
     def __init__(
         self,
         urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        preprocessor: Preprocessor,
         config: PackingConfig | None = None,
         *,
-        tokenizer: Any = None,
-        image_processor: Any = None,
-        processor: Any = None,
-        family: str | None = None,
-        template: Callable[[Any, int], list[tuple[str, bool]]] | None = None,
         collator: Callable[[list[dict[str, torch.Tensor]]], Any] | None = None,
         collator_kwargs: dict[str, Any] | None = None,
         progress: str | None = None,
@@ -205,19 +200,13 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
                 "(StepBalance is for PackedMapDataset's plans)"
             )
         self.balance = balance
-        if processor is not None:
-            tokenizer = tokenizer if tokenizer is not None else processor.tokenizer
-            image_processor = image_processor if image_processor is not None else processor.image_processor
-        if tokenizer is None or image_processor is None:
-            raise ValueError("PackedWebDataset needs tokenizer= and image_processor= (or processor=).")
+        Preprocessor.refuse_parts("PackedWebDataset", knobs)
+        self.preprocessor = Preprocessor.check(preprocessor)
         if progress not in (None, "log", "tqdm"):
             raise ValueError(f"progress must be None, 'log' or 'tqdm', got {progress!r}")
         collator_kwargs = collator_options("PackedWebDataset", collator_kwargs)
         self.config = _stream_config(config, knobs)
         self.urls = _expand_urls(urls)
-        self.preprocessor = Preprocessor(tokenizer, image_processor, processor, family, template)
-        self.tokenizer, self.image_processor = tokenizer, image_processor
-        self.spec, self.family = self.preprocessor.spec, self.preprocessor.family
         self.collator = collator
         # max_rows=1: a bin of the packer is one row, or the collator raises naming its samples
         self.collator_kwargs = {

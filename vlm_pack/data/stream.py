@@ -26,7 +26,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..failures import FailureBudget, SampleCodeError, SampleError, skip_reason
+from ..failures import (
+    Failure,
+    FailureBudget,
+    FailurePolicy,
+    Guard,
+    SampleCodeError,
+    SampleError,
+    Skip,
+    forecast_mismatch,
+)
 from ..packing import StreamPacker, padded_lengths
 from ..packing.window import StreamBalance, reserved_positions, window_order, window_schedule
 from ..processing import IMAGE_MARKER, Prompt
@@ -158,9 +167,10 @@ class _Sample:
 class StreamRunner:
     """One stream's reading, forecasting, packing and collation (runs in a DataLoader worker).
 
-    Failures follow ``vlm_pack.failures``: a sample with bad data is counted with its reason and skipped,
-    an error of code raises ``SampleCodeError`` naming the sample; each stage (the forecast, the processing
-    of packed samples) has its own :class:`~vlm_pack.failures.FailureBudget` of consecutive bad samples.
+    Failures follow ``vlm_pack.failures``: one :class:`~vlm_pack.failures.FailurePolicy` per stream, whose
+    guarded stages (the forecast, the processing of packed samples, reading shards) count a sample with bad
+    data under its reason and skip it, raise ``SampleCodeError`` naming the sample for an error of code, and
+    each keep a budget of consecutive bad samples.
     """
 
     def __init__(
@@ -195,22 +205,21 @@ class StreamRunner:
         self.flushed = False  # every sample read and the packer flushed: the bins left in ready are the last
         self.window = 0  # look-ahead windows scheduled so far (StreamBalance)
         self.scheduled = 0  # bins at the front of ready already in the window's emission order
-        limit, who = config.max_consecutive_failures, f"PackedWebDataset stream {stream}"
-        self.forecast_budget = FailureBudget(limit, f"{who}, header-only forecast")
-        self.process_budget = FailureBudget(limit, f"{who}, processing packed samples")
+        policy = FailurePolicy.of(f"PackedWebDataset stream {stream}", config, self._report)
+        self.forecasting = policy.stage("header-only forecast", "bad_text")
+        self.processing = policy.stage("processing packed samples", "decode_error")
+        self.reading = Guard(policy, FailureBudget(None, policy.who), "unreadable_shard")  # shards: no budget
 
     # -- bad data
-    def _bad(
-        self, url: str, key: str | None, reason: str, detail: str, budget: FailureBudget | None = None
-    ) -> None:
-        """Count, warn about and skip a bad sample (a shard: no ``budget``), or raise (``on_error``)."""
-        bad = BadSample(url, key, reason, detail)
-        if self.config.on_error == "raise":
-            raise ValueError(f"bad sample: {bad} (on_error='skip' skips such samples and counts them)")
-        warnings.warn(f"vlm-pack: skipping {bad}", BadSampleWarning, stacklevel=3)
+    def _report(self, failure: Failure) -> None:
+        """Warn about and count a skipped sample (or shard) under its reason, with its shard and key."""
+        bad = BadSample(failure.where, failure.key, failure.reason, failure.detail)
+        warnings.warn(f"vlm-pack: skipping {bad}", BadSampleWarning, stacklevel=4)
         self.stats.count_bad(bad, self.work.max_examples)
-        if budget is not None:
-            budget.failure(reason, f"key {key!r} in {url}", detail)
+
+    @staticmethod
+    def _label(url: str, key: str | None) -> str:
+        return f"key {key!r} in {url}"
 
     # -- per sample: header-only forecast
     def _check_images(self, names: list[str], sizes: list[tuple[int, int]]) -> None:
@@ -236,7 +245,7 @@ class StreamRunner:
         if span <= config.capacity:
             return None
         what = f"{length} tokens" + (f" (padded to {span})" if span != length else "")
-        if config.oversized == "raise":
+        if config.oversized == "raise":  # the policy of the run, not bad data: it stops there
             raise ValueError(
                 f"sample {key!r} in {url}: {what} > capacity {config.capacity}; raise capacity, cap the "
                 "image processor's max_pixels, or pass oversized='skip'."
@@ -280,18 +289,16 @@ class StreamRunner:
         """
         started = time.thread_time()
         key = raw.get("__key__")
+        label = self._label(url, key)
         try:
-            try:
-                sample = self._forecast_sample(url, raw)
-            except Exception as exc:
-                reason = skip_reason(exc, "bad_text", f"key {key!r} in {url}", key)
-                self._bad(url, key, reason, str(exc), self.forecast_budget)
+            sample = self.forecasting.call(self._forecast_sample, url, raw, sample=label, key=key, where=url)
+            if isinstance(sample, Skip):
                 return None
             overflow = self._overflow(url, key, sample.length)
             if overflow is not None:
-                self._bad(url, key, "too_long", overflow, self.forecast_budget)
+                self.forecasting.bad(SampleError("too_long", overflow), label, key, url)
                 return None
-            self.forecast_budget.success()
+            self.forecasting.good()
             return sample
         finally:
             self.stats.time["forecast"] += time.thread_time() - started
@@ -352,52 +359,34 @@ class StreamRunner:
             url = next((sample.url for sample in samples if sample.key == exc.key), None)
             raise SampleCodeError(f"shard {url}, {exc}", exc.key) from exc
         self.stats.time["preprocess"] += time.thread_time() - started
-        for sample, out in zip(samples, outs):
-            if isinstance(out, SampleError):
-                self._bad(sample.url, sample.key, out.reason, str(out), self.process_budget)
-        return [None if isinstance(out, SampleError) else out for out in outs]
+        return [self._checked(sample, out) for sample, out in zip(samples, outs)]
 
-    def _warn_mismatch(self, sample: _Sample, processed_length: int) -> None:
-        self.stats.forecast_mismatches += 1
-        warnings.warn(
-            f"vlm-pack: FORECAST MISMATCH for key {sample.key!r} in {sample.url}: forecast {sample.length} "
-            f"tokens, processed {processed_length}. The vision spec does not match the image processor; "
-            "please report it.",
-            BadSampleWarning,
-            stacklevel=3,
-        )
-        if self.config.on_error == "raise":
-            raise ValueError(
-                f"forecast {sample.length} != processed length {processed_length} for key {sample.key!r} "
-                f"in {sample.url}"
-            )
+    def _checked(self, sample: _Sample, out: dict[str, Any] | SampleError) -> dict[str, Any] | None:
+        """``out`` of ``sample``, or None after reporting it bad: its processing failed, or its processed
+        length is not its forecast (``vlm_pack.failures.forecast_mismatch``: the bin was packed on it)."""
+        label = self._label(sample.url, sample.key)
+        if not isinstance(out, SampleError) and int(out["input_ids"].shape[0]) != sample.length:
+            self.stats.forecast_mismatches += 1
+            out = forecast_mismatch(sample.length, int(out["input_ids"].shape[0]), label)
+        if isinstance(out, SampleError):
+            self.processing.bad(out, label, sample.key, sample.url)
+            return None
+        return out
 
     def _make_batch(self, positions: list[int]) -> Any:
-        processed, picked, lengths, mismatched = [], [], [], []
+        processed, picked, lengths = [], [], []
         samples = [self.samples.pop(pos) for pos in positions]
         for sample, out in zip(samples, self._process(samples)):
             if out is None:
                 continue
-            length = int(out["input_ids"].shape[0])
-            if length != sample.length:
-                self._warn_mismatch(sample, length)
-                mismatched.append(len(processed))
             out["__key__"] = sample.key
             out["__url__"] = sample.url
             processed.append(out)
             picked.append(sample)
-            lengths.append(length)
-        # A longer-than-forecast sample may overflow the bin: drop mismatched samples until it fits.
-        multiple = self.config.pad_to_multiple_of
-        while int(padded_lengths(lengths, multiple).sum()) > self.config.capacity and mismatched:
-            j = mismatched.pop()
-            sample = picked[j]
-            detail = f"processed {lengths[j]} tokens overflow the bin"
-            self._bad(sample.url, sample.key, "forecast_mismatch", detail, self.process_budget)
-            del processed[j], picked[j], lengths[j]
+            lengths.append(int(out["input_ids"].shape[0]))
         if not processed:
             return None
-        self.process_budget.success()
+        self.processing.good()
         started = time.thread_time()
         batch = self.collate(processed)
         self.stats.time["collate"] += time.thread_time() - started
@@ -506,7 +495,9 @@ class StreamRunner:
                 except StopIteration:
                     break
                 except Exception as exc:
-                    self._bad(url, key, "unreadable_shard", f"{type(exc).__name__}: {exc} (after key {key!r})")
+                    # any error of the shard (I/O, a cut tar) is counted, never classified as code
+                    detail = f"{type(exc).__name__}: {exc} (after key {key!r})"
+                    self.reading.bad(SampleError("unreadable_shard", detail), url, key, url)
                     break
                 finally:
                     times["read"] += time.thread_time() - started

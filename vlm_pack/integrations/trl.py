@@ -179,6 +179,7 @@ def packed_dataset(
     ``left_out`` attribute, with one warning naming the first. ``oversized="raise"`` (default) stops at the
     first sample longer than ``capacity``, ``on_error="raise"`` at the first record that cannot be read.
     """
+    Preprocessor.refuse_parts("packed_dataset", knobs)
     config = PackingConfig.resolve("packed_dataset", config, refuse=("truncate",), **knobs)
     pre = Preprocessor.check(preprocessor)
     if pre.layout != "expanded":
@@ -375,12 +376,8 @@ def _plan(
         warnings.filterwarnings("ignore", message=_PLAN_WARNING)
         plan = PackedMapDataset(
             table,
-            config=config,
-            processor=pre.processor,
-            tokenizer=pre.tokenizer,
-            image_processor=pre.image_processor,
-            family=pre.family,
-            template=pre.template,
+            pre,
+            config,
             record_format=record_format,
             image_root=image_root,
             cache=True if cache_dir is None else Path(cache_dir) / "vlm_pack_plans",
@@ -389,11 +386,6 @@ def _plan(
             # Only the plan is used: TRLPackingCollator collates the rows, with the model's config. Gemma 3's
             # collator wants a sliding window up front: one as long as a row stands in for the model's here.
             collator_kwargs={"sliding_window": config.capacity},
-        )
-    if plan.preprocessor.spec != pre.spec:
-        raise ValueError(
-            "packed_dataset plans with the vision spec the processor gives; this Preprocessor was given its "
-            "own spec=, which the plan cannot use: build it without spec="
         )
     return plan
 
