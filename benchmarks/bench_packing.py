@@ -185,7 +185,7 @@ def main() -> None:
         for ratio in (0.7, 0.95, 1.0):
 
             def run_many(L=L, C=C, keys=keys, ratio=ratio):
-                s = StreamPacker(C, 256, ratio)
+                s = StreamPacker(C, buffer_size=256, min_fill_ratio=ratio)
                 return s, s.add_many(keys, L) + s.flush()
 
             t_many, (s_many, _bins) = best_ms(run_many, 1)

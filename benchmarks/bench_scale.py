@@ -175,7 +175,7 @@ def main() -> None:
         try:
             for w in (1, 2):
                 t0 = time.perf_counter()
-                table = forecast_ray(str(path), preprocessor=pre, num_workers=w)
+                table = forecast_ray(str(path), preprocessor=pre, num_proc=w)
                 t = time.perf_counter() - t0
                 assert np.array_equal(table.lengths, one.lengths) and table.keys == one.keys
                 ray_rows.append((f"forecast_ray, {w} worker{'s' if w > 1 else ''} (local cluster)", n / t, float("nan")))

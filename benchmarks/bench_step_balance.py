@@ -8,7 +8,7 @@ Metric: the sum over optimizer steps of the slowest rank's cost divided by the s
 costed by the same model, :class:`vlm_pack.packing.PackCost` (Qwen2-VL-7B widths and depths: language model
 linear + per-sample attention, vision tower per image from its patches). Plans compared:
 
-(a) epoch   today's ``PackedMapDataset`` before step plans (``balance="epoch"``): BFD packs, each rank's epoch
+(a) epoch   today's ``PackedMapDataset`` before step plans (``balance=EpochBalance()``): BFD packs, each rank's epoch
             total balanced by Karmarkar-Karp on the same count of packs, steps walked in one shuffled order.
 (b) step    the step plan (``balance=StepBalance(grad_accum)``): the same BFD packs, sorted by cost, cut
             into groups of world_size * grad_accum, dealt by rounds to the least loaded ranks, groups shuffled.
@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 from vlm_pack.data.plan import _split_for_ranks, deal_packs
-from vlm_pack.packing import StepBalance, pack, pack_costs, step_imbalance
+from vlm_pack.packing import EpochBalance, StepBalance, pack, pack_costs, step_imbalance
 from vlm_pack.packing.balanced import balanced_packs, deal_units, step_lower_bound
 from vlm_pack.packing.cost import PackCost, gather_ragged, image_patches
 from vlm_pack.packing.steps import steps_short_of_images
@@ -124,7 +124,7 @@ def run(name: str, table: Table, capacity: int, worlds: list[int], accums: list[
         ncosts = costs_of(table, nbins)[0]
         for k in accums:
             shuffle = np.random.default_rng([0, 0])
-            epoch = deal_packs(table, table.lengths, members, ptr, w, "epoch")[0]
+            epoch = deal_packs(table, table.lengths, members, ptr, w, EpochBalance())[0]
             epoch = epoch[:, shuffle.permutation(epoch.shape[1])]
             step = deal_packs(table, table.lengths, members, ptr, w, StepBalance(grad_accum=k, packs="bfd"))[0]
             t0 = time.perf_counter()

@@ -687,3 +687,25 @@ def test_installed_torch_varlen_signature_gets_its_keywords():
         assert set(kwargs) <= set(declared)
         if "window_size" in declared:
             assert kwargs["window_size"] == ((-1, 0) if causal else (-1, -1))
+
+
+def test_use_varlen_attention_writes_nothing_onto_the_models_modules():
+    """The backend and the encoder flags are vlm-pack's state, held in a weak registry: the model's modules
+    keep their own attributes (a deep copy or a pickle carries no vlm-pack state); the setting still reaches
+    the forward, and is gone with the model."""
+    import gc
+    import weakref
+
+    from vlm_pack import attention
+
+    model = tiny_llama()
+    before = {name: set(module.__dict__) for name, module in model.named_modules()}
+    use_varlen_attention(model, backend="flash_attn")
+    assert {name: set(module.__dict__) for name, module in model.named_modules()} == before
+    assert all(attention._SETTINGS.backend(m) == "flash_attn" for m in model.modules())
+    with pytest.raises(ValueError, match="backend='flash_attn' cannot run here"):  # the setting reaches it
+        model(input_ids=torch.randint(0, 128, (1, 5)), position_ids=torch.tensor([[0, 1, 0, 1, 2]]), use_cache=False)
+    probe = weakref.ref(next(model.modules()))
+    del model
+    gc.collect()
+    assert probe() is None  # the registry does not keep a model alive

@@ -20,7 +20,7 @@ from vlm_pack.data import build_plan
 from vlm_pack.data.forecast import forecast_sources
 from vlm_pack.data.plan import _costs_and_images, plan_key
 from vlm_pack.offline import build_tokenizer, image_processor
-from vlm_pack.packing import PackCost, StepBalance, pack, step_imbalance, step_plan, steps
+from vlm_pack.packing import EpochBalance, PackCost, StepBalance, pack, step_imbalance, step_plan, steps
 from vlm_pack.packing.balanced import balanced_packs, deal_units, step_lower_bound
 from vlm_pack.preprocessor import Preprocessor
 
@@ -155,6 +155,21 @@ def test_a_plan_makes_balanced_packs_by_default_and_keys_the_choice(skewed, monk
     assert keys[0]["packing"]["balance"]["packs"] == "balanced" and keys[0] != keys[1]
     with pytest.raises(ValueError, match="packs must be one of"):
         StepBalance(packs="ffd")
+
+
+def test_epoch_balance_is_a_type_keyed_as_epoch_plans_were(skewed):
+    """balance= takes a type per meaning (StepBalance, EpochBalance); the string "epoch" is gone."""
+    ds, pre = skewed
+    table = forecast_sources(ds, preprocessor=pre, progress=False)
+    capacity = -(-int(table.lengths.max()) // 64) * 128
+    plan = build_plan(ds, pre, capacity=capacity, world_size=4, balance=EpochBalance())
+    assert sorted(plan.rows.tolist()) == list(range(len(ds))) and plan.grad_accum == 1
+    by_epoch = build_plan(ds, pre, capacity=capacity, world_size=4, balance=StepBalance(packs="bfd"))
+    assert np.array_equal(np.sort(plan.rows), np.sort(by_epoch.rows))  # the same best-fit packs, dealt otherwise
+    # a plan saved before EpochBalance was a type keeps its key: "epoch"
+    assert plan_key(ds, pre, PackingConfig(capacity), world_size=4, balance=EpochBalance())["packing"]["balance"] == "epoch"
+    with pytest.raises(ValueError, match=r"StepBalance .* or EpochBalance\(\)"):
+        build_plan(ds, pre, capacity=capacity, world_size=4, balance="epoch")
 
 
 def test_pack_cost_sums_over_samples_as_balanced_packs_assume():

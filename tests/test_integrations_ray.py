@@ -133,7 +133,7 @@ def test_ray_with_two_workers_gives_the_single_process_table_and_plan(
     expected = _single_process_plan(one, pre, world_size=2)
 
     lengths = tmp_path / "ray-lengths.parquet"
-    plan = build_plan_ray(source, pre, CONFIG, world_size=2, lengths=lengths, num_workers=2)
+    plan = build_plan_ray(source, pre, CONFIG, world_size=2, lengths=lengths, num_proc=2)
     got = read_lengths(lengths)
     _assert_same_table(got, one)
     single = write_lengths(one, tmp_path / "one-lengths.parquet")
@@ -156,7 +156,7 @@ def test_ray_forecast_of_a_dataset_is_keyed_for_packed_map_dataset(cluster, pre,
 
     ds = datasets.Dataset.from_parquet(parquet)
     expected = build_plan(ds, pre, CONFIG, world_size=2, progress=False)
-    plan = build_plan_ray(ds, pre, CONFIG, world_size=2, num_workers=2)
+    plan = build_plan_ray(ds, pre, CONFIG, world_size=2, num_proc=2)
     assert plan.key == expected.key and plan.digest == expected.digest
     for name in ("rows", "lengths", "bin_ptr", "rank_bins"):
         assert np.array_equal(getattr(plan, name), getattr(expected, name)), name
@@ -167,7 +167,7 @@ def test_ray_forecast_raises_the_first_bad_sample_in_source_order(cluster, pre, 
     with pytest.raises(ValueError) as single:
         forecast_sources(parquet, preprocessor=pre, on_error="raise", progress=False)
     with pytest.raises(ValueError) as distributed:
-        forecast_ray(parquet, preprocessor=pre, on_error="raise", num_workers=2)
+        forecast_ray(parquet, preprocessor=pre, on_error="raise", num_proc=2)
     assert str(distributed.value) == str(single.value) and "train.parquet:7" in str(single.value)
 
 

@@ -195,12 +195,16 @@ def test_gradients_equal_packed_and_alone(name):
 def test_idempotent_and_state_dict_unchanged(tmp_path):
     model = _model("qwen3_5")
     keys = list(model.state_dict())
+    attributes = {name: set(module.__dict__) for name, module in model.named_modules()}
     isolate_token_mixers(model)
     forward = model.model.layers[0].linear_attn.forward
     hooks = len(model.model._forward_pre_hooks)
     isolate_token_mixers(vp.use_varlen_attention(model))
     assert model.model.layers[0].linear_attn.forward is forward
     assert len(model.model._forward_pre_hooks) == hooks == 1
+    # the mixers' own forward is the only thing installed on a module: no vlm-pack state on the text model
+    added = {n: set(m.__dict__) - attributes[n] for n, m in model.named_modules() if set(m.__dict__) - attributes[n]}
+    assert added and all(new == {"forward"} for new in added.values()), added
     assert list(model.state_dict()) == keys
     model.save_pretrained(tmp_path)
     loaded = type(model).from_pretrained(tmp_path).eval()

@@ -387,7 +387,7 @@ def test_bad_arguments():
 
 
 def run_stream(samples, capacity, buffer_size, ratio, **kw):
-    sp = StreamPacker(capacity, buffer_size, ratio, **kw)
+    sp = StreamPacker(capacity, buffer_size=buffer_size, min_fill_ratio=ratio, **kw)
     bins = []
     for key, L, v in samples:
         bins += [b.keys for b in sp.add(key, L, v)]
@@ -437,12 +437,12 @@ def test_stream_resume_from_any_state_is_exact(items, cut, buffer_size, ratio, d
     kw = dict(drop_last=drop_last, vision_capacity=vcap, oversized="truncate")
     sp_full, full = run_stream(samples, 70, buffer_size, ratio, **kw)
     cut = min(cut, len(samples))
-    sp = StreamPacker(70, buffer_size, ratio, **kw)
+    sp = StreamPacker(70, buffer_size=buffer_size, min_fill_ratio=ratio, **kw)
     before = []
     for key, L, v in samples[:cut]:
         before += [b.keys for b in sp.add(key, L, v)]
     state = json.loads(json.dumps(sp.state_dict()))
-    sp2 = StreamPacker(70, buffer_size, ratio, **kw)
+    sp2 = StreamPacker(70, buffer_size=buffer_size, min_fill_ratio=ratio, **kw)
     sp2.load_state_dict(state)
     after = []
     for key, L, v in samples[cut:]:
@@ -498,14 +498,14 @@ def test_stream_drop_last_reports_dropped():
 def test_stream_add_many_equals_add():
     rng = np.random.default_rng(5)
     L = rng.integers(1, 300, 3000)
-    a = StreamPacker(512, 8)
+    a = StreamPacker(512, buffer_size=8)
     got = a.add_many(range(L.size), L) + a.flush()
-    b = StreamPacker(512, 8)
+    b = StreamPacker(512, buffer_size=8)
     want = [x for i, n in enumerate(L.tolist()) for x in b.add(i, n)] + b.flush()
     assert [x.keys for x in got] == [x.keys for x in want]
     assert a.state_dict() == b.state_dict()
     vis = rng.integers(0, 3, L.size)
-    c = StreamPacker(512, 8, vision_capacity=4)
+    c = StreamPacker(512, buffer_size=8, vision_capacity=4)
     got = c.add_many(range(L.size), L, vis) + c.flush()
     assert all(x.vision_total <= 4 for x in got)
     assert sorted(k for x in got for k in x.keys) == list(range(L.size))
@@ -750,12 +750,36 @@ def test_stream_packer_from_packing_config():
     from vlm_pack.config import PackingConfig
 
     cfg = PackingConfig(**SAVED_KNOBS, shuffle_seed=3, pad_to_multiple_of=4)  # streaming knobs are ignored
-    sp = StreamPacker.from_config(cfg)
+    sp = StreamPacker(cfg)
     assert [getattr(sp, name) for name in SAVED_KNOBS] == list(SAVED_KNOBS.values())
-    assert sp.config == PackingConfig(**SAVED_KNOBS, pad_to_multiple_of=4)  # the padding is a packing knob
+    assert sp.config == cfg
     assert _feed(sp) == _feed(StreamPacker(**SAVED_KNOBS, pad_to_multiple_of=4))
+    # knobs over a config, and the capacity in the config's place, through the same validation
+    assert StreamPacker(cfg, buffer_size=4).config == cfg.replace(buffer_size=4)
+    assert StreamPacker(SAVED_KNOBS["capacity"]).config == PackingConfig(SAVED_KNOBS["capacity"])
     with pytest.raises(TypeError, match="PackingConfig"):
-        StreamPacker.from_config(SAVED_KNOBS)
+        StreamPacker(SAVED_KNOBS)
+    with pytest.raises(TypeError, match="capacity given twice"):
+        StreamPacker(100, capacity=200)
+    with pytest.raises(TypeError, match="unknown argument"):
+        StreamPacker(100, max_samples_per_row=2)  # an old name is gone (CHANGELOG), not translated
+
+
+def test_pack_reads_packing_config():
+    from vlm_pack.config import PackingConfig
+
+    lengths = [900, 700, 500, 400, 300, 120, 60, 1100]
+    cfg = PackingConfig(1024, max_samples_per_bin=2, oversized="skip", shuffle_seed=5, pad_to_multiple_of=4)
+    by_config = pack(lengths, cfg)
+    by_knobs = pack(
+        lengths, 1024, max_samples_per_bin=2, oversized="skip", shuffle_seed=5, pad_to_multiple_of=4
+    )
+    assert by_config.bins == by_knobs.bins and [u.index for u in by_config.unpacked] == [7]
+    assert pack(lengths, cfg, oversized="truncate").truncated == {7: 1100}
+    with pytest.raises(ValueError, match="oversized must be one of"):
+        pack(lengths, cfg, oversized="clip")  # PackingConfig's message, the same as StreamPacker's
+    with pytest.raises(ValueError, match="capacity 1022 is not a multiple of pad_to_multiple_of 4"):
+        pack(lengths, 1022, pad_to_multiple_of=4)
 
 
 def test_stream_truncate_clips_and_reports():

@@ -1,4 +1,8 @@
-"""The transformers releases vlm-pack supports, checked at ``import vlm_pack`` without importing transformers.
+"""Where vlm-pack meets other libraries' versions and private names.
+
+1. The transformers releases vlm-pack supports, checked at ``import vlm_pack`` without importing transformers.
+2. Every private name of transformers, TRL, datasets and torch that vlm-pack reads or writes, one function
+   each (the second half of this module), each checked by tests/test_private_apis.py.
 
 ``TRANSFORMERS_REQUIREMENT`` is pyproject.toml's requirement (a test keeps the two equal); below its lower
 bound the suite fails in ways a user cannot fix from vlm-pack's side (measured per release in README.md,
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 TRANSFORMERS_REQUIREMENT = ">=5.6,<6"
 TRANSFORMERS_MINIMUM = (5, 6)
@@ -87,3 +92,97 @@ def pil_image_processor_class(name: str) -> type:
         if hasattr(found, name):
             return getattr(found, name)
     raise ImportError(f"transformers {transformers.__version__} has no image processor {name}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Other libraries' private names, read here and nowhere else
+# --------------------------------------------------------------------------------------------------------
+# Each function below is the one place vlm-pack touches a private name of transformers, TRL, datasets or
+# torch; tests/test_compat.py checks every one against the installed release, so an upstream rename fails
+# that test by name instead of a forecast or a training step deep inside a run. Each says why no public name
+# does the job (where one does, vlm-pack uses it and the private name is not here).
+
+
+def compiled_chat_template(template: str) -> Any:
+    """transformers' compiled, cached Jinja template for ``template``
+    (``chat_template_utils._compile_jinja_template``). The public ``render_jinja_template`` deep-copies the
+    messages on every call: a quarter of a forecast's rendering, for messages the sandbox cannot change."""
+    from transformers.utils import chat_template_utils
+
+    return chat_template_utils._compile_jinja_template(template)
+
+
+def num_image_tokens(processor: Any, image_sizes: list[tuple[int, int]]) -> list[int]:
+    """Image tokens per ``(height, width)`` as ``processor`` expands them
+    (``ProcessorMixin._get_num_multimodal_tokens``, the count vLLM reads; no public method gives it without
+    running the image processor on pixels)."""
+    counts = processor._get_num_multimodal_tokens(image_sizes=image_sizes)["num_image_tokens"]
+    return [int(n) for n in counts]
+
+
+def set_named_special_tokens(tokenizer: Any, tokens: dict[str, str]) -> None:
+    """Give ``tokenizer`` named model-specific special tokens (``tok.image_token`` / ``tok.image_token_id``,
+    saved to tokenizer_config.json) after its vocabulary is built
+    (``PreTrainedTokenizerBase._set_model_specific_special_tokens``). The public route,
+    ``extra_special_tokens=`` at construction, names them before the tokens exist, which changes their ids."""
+    tokenizer._set_model_specific_special_tokens(special_tokens=tokens)
+
+
+def swap_attn_implementation(config: Any, name: str) -> str:
+    """Set ``config``'s attention implementation to ``name``; returns the one it had (``config.
+    _attn_implementation``, a property whose setter recurses into sub-configs). ``model.
+    set_attn_implementation`` is the public setter but validates and re-dispatches the whole model; a
+    reference forward switches one text config for one call and back."""
+    before = config._attn_implementation
+    config._attn_implementation = name
+    return before
+
+
+def model_from_config(model_cls: Any, config: Any, **kwargs: Any) -> Any:
+    """A randomly initialised ``model_cls`` of ``config`` with ``attn_implementation=`` / ``dtype=``
+    (``PreTrainedModel._from_config``: the class-level ``from_config`` exists only on the Auto classes, which
+    pick their own class from the config)."""
+    return model_cls._from_config(config, **kwargs)
+
+
+def fast_encode_plus(cls: type) -> Any:
+    """``cls._encode_plus`` (transformers' fast tokenizers' per-call encoder) or None: a tokenizer class that
+    overrides it (or ``__call__``) does its own encoding, so its Rust tokenizer alone does not give its ids."""
+    return getattr(cls, "_encode_plus", None)
+
+
+def dataset_fingerprint(dataset: Any) -> str | None:
+    """``datasets.Dataset``'s own content fingerprint (``Dataset._fingerprint``, updated by every transform
+    and stable across processes); None for other objects. ``datasets`` has no public accessor: hashing the
+    data again (``fingerprint.generate_fingerprint``) reads every table."""
+    return getattr(dataset, "_fingerprint", None)
+
+
+def sft_train_tokens(trainer: Any) -> int:
+    """TRL ``SFTTrainer``'s running count of trained tokens (``_total_train_tokens``)."""
+    return trainer._total_train_tokens
+
+
+def set_sft_train_tokens(trainer: Any, tokens: int) -> None:
+    """Set TRL ``SFTTrainer``'s trained-token count to ``tokens`` (``_total_train_tokens``, the logged
+    ``num_tokens`` metric ``_metrics["train"]["num_tokens"]``), counting a packed row's real tokens, not its
+    padding. TRL offers no hook for what a batch counts; the tensor-parallel size to divide a gathered count
+    by is public (``Trainer.get_tp_size()``)."""
+    trainer._total_train_tokens = tokens
+    trainer._metrics["train"]["num_tokens"] = [tokens]
+
+
+def shared_empty(like: Any, shape: tuple[int, ...]) -> Any:
+    """An uninitialised CPU tensor of ``shape`` and ``like``'s dtype in shared memory, as ``default_collate``
+    makes one in a DataLoader worker (``_typed_storage()._new_shared``): the batch crosses to the main process
+    without a copy. ``share_memory_()``, the public route, allocates and then copies into shared memory."""
+    import math
+
+    storage = like._typed_storage()._new_shared(math.prod(shape), device=like.device)
+    return like.new(storage).resize_(*shape)
+
+
+def tensor_version(tensor: Any) -> int:
+    """``tensor``'s in-place version counter (``Tensor._version``): a per-forward cache keyed by a tensor's
+    identity sees an in-place edit by it. torch has no public accessor."""
+    return tensor._version

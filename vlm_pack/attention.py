@@ -66,6 +66,7 @@ import importlib.util
 import inspect
 import itertools
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -107,6 +108,25 @@ HF_ATTN_IMPLEMENTATION = "vlm_pack_varlen"
 _HALF = (torch.float16, torch.bfloat16)
 _FLEX_BLOCK = 128  # FlexAttention's default sparse block size
 _BLOCK_MASKS = IdentityCache()
+
+
+class _ModuleSettings:
+    """What ``use_varlen_attention`` chose per module: its varlen backend, and whether it belongs to an encoder
+    (vision tower, audio encoder). vlm-pack's state, held by weak reference instead of written onto the model's
+    modules: transformers calls the one registered attention function with the module, which looks it up."""
+
+    def __init__(self) -> None:
+        self.backends: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        self.encoders: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+    def backend(self, module: Any) -> str:  # a module no model switched (or a test's stand-in): "auto"
+        return self.backends.get(module, "auto") if isinstance(module, torch.nn.Module) else "auto"
+
+    def is_encoder(self, module: Any) -> bool:
+        return isinstance(module, torch.nn.Module) and module in self.encoders
+
+
+_SETTINGS = _ModuleSettings()
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -517,7 +537,7 @@ def _hf_packing(
     if cu_q is not None and (
         causal
         or position_ids is not None
-        or (not getattr(module, "_vlm_pack_encoder", False) and covers(cu_q, b * t))
+        or (not _SETTINGS.is_encoder(module) and covers(cu_q, b * t))
     ):
         return packing_from_cu(cu_q, cu_k, max_length, b * t, query.device)
     if attention_mask is not None:
@@ -622,7 +642,7 @@ def hf_varlen_attention_forward(
     )
     if packing is None:
         return _sdpa_fallback(query, key, value, None, causal and query.shape[2] > 1, scaling), None
-    backend = getattr(module, "_vlm_pack_backend", "auto")
+    backend = _SETTINGS.backend(module)
     return _run_packing(query, key, value, packing, causal, scaling, backend), None
 
 
@@ -656,7 +676,7 @@ def use_varlen_attention(model: torch.nn.Module, backend: str = "auto") -> torch
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} or 'auto'.")
     model.set_attn_implementation(register_hf_attention())
     for module in model.modules():
-        module._vlm_pack_backend = backend
+        _SETTINGS.backends[module] = backend
     # Sub-models with their own config that is neither the model's nor its text config are encoders
     # (vision tower, audio encoder): their calls never take the text's cu_seq_lens_q from **kwargs.
     from transformers import PreTrainedModel
@@ -665,8 +685,7 @@ def use_varlen_attention(model: torch.nn.Module, backend: str = "auto") -> torch
     text_config = config.get_text_config() if config is not None else None
     for sub in model.modules():
         if isinstance(sub, PreTrainedModel) and sub.config is not config and sub.config is not text_config:
-            for module in sub.modules():
-                module._vlm_pack_encoder = True
+            _SETTINGS.encoders.update(sub.modules())
     from .mixers import isolate_token_mixers
 
     return isolate_token_mixers(model)

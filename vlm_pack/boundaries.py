@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._compat import tensor_version
+
 __all__ = [
     "IdentityCache",
     "Packing",
@@ -52,7 +54,7 @@ class IdentityCache:
         tensors = tensors if isinstance(tensors, tuple) else (tensors,)
         if any(t is not None and t.is_inference() for t in tensors):
             return None
-        return tensors, tuple(None if t is None else t._version for t in tensors)
+        return tensors, tuple(None if t is None else tensor_version(t) for t in tensors)
 
     def get(self, tensors: Any, key: Any) -> Any:
         found = self._key(tensors)

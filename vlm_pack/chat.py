@@ -267,7 +267,9 @@ def _render(
         # What render_jinja_template renders for such messages (role/content only, JSON-plain, as
         # _as_strings makes them) on every transformers 5.x: the compiled template, called with no copy of
         # the messages (its sandbox is immutable). A forecast renders every row: the copy was a quarter.
-        compiled = hf._compile_jinja_template(template)
+        from ._compat import compiled_chat_template
+
+        compiled = compiled_chat_template(template)
         return compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=False, **env)
     texts, indices = hf.render_jinja_template(
         conversations=[messages], chat_template=template, return_assistant_tokens_mask=generation, **env

@@ -247,7 +247,7 @@ def _forecast(
         if engine == "ray":
             from vlm_pack.integrations.ray import forecast_ray
 
-            table = forecast_ray(list(sources), num_workers=args.workers, address=args.address, **options)
+            table = forecast_ray(list(sources), num_proc=args.workers, address=args.address, **options)
         else:
             table = forecast_sources(list(sources), num_workers=args.workers or 1, **options)
     except SampleError as e:

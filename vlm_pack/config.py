@@ -23,14 +23,6 @@ from typing import Any
 OVERSIZED = ("raise", "skip", "truncate")
 #: The values of ``on_error`` (a sample whose data cannot be read) at every entry point; default "skip".
 ON_ERROR = ("raise", "skip")
-# Names a setting had before it got one name everywhere: old name -> the name to use.
-RENAMED = {
-    "max_samples_per_row": "max_samples_per_bin",
-    "max_samples_per_pack": "max_samples_per_bin",
-    "seed": "shuffle_seed",
-}
-# Values a setting had before it got one vocabulary: (setting, old value) -> the value to use.
-_OLD_VALUES = {("on_error", "warn"): "skip", ("oversized", "report"): "skip"}
 #: Default ``max_image_pixels``: Pillow's own default ``Image.MAX_IMAGE_PIXELS`` (1024**3 // 4 // 3), fixed
 #: here so that a training script that switches Pillow's check off (``Image.MAX_IMAGE_PIXELS = None``)
 #: does not switch this one off too.
@@ -42,35 +34,29 @@ DEFAULT_MAX_CONSECUTIVE_FAILURES = 100
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    """Refuse a ``value`` of setting ``name`` outside ``choices``; an old value names its replacement."""
-    if value in choices:
-        return
-    new = _OLD_VALUES.get((name, value)) if isinstance(value, str) else None
-    hint = f" ({name}={value!r} is now {name}={new!r})" if new else ""
-    raise ValueError(f"{name} must be one of {choices}, got {value!r}{hint}")
+    """Refuse a ``value`` of setting ``name`` outside ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def check_renamed(who: str, names: Any) -> None:
-    """Raise ``TypeError`` for an argument of ``who`` that uses a setting's old name, naming the new one."""
+def check_layout(who: str, names: Any) -> None:
+    """Raise ``TypeError`` for ``layout=`` among the settings of ``who``: it names the token layout, a
+    ``Preprocessor``'s, never the record format."""
     if "layout" in names:
         raise TypeError(
             f"{who}: layout= names the token layout only (Preprocessor(layout='expanded' | 'collapsed')); the "
             "record format (webdataset, llava, sharegpt, messages, caption) is record_format="
         )
-    old = sorted(set(names) & set(RENAMED))
-    if old:
-        fixes = ", ".join(f"{name}= is now {RENAMED[name]}=" for name in old)
-        raise TypeError(f"{who}: {fixes} (one name per setting everywhere: PackingConfig's)")
 
 
 def collator_options(who: str, collator_kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """``collator_kwargs`` of a dataset, refusing a packing setting: the plan and the collator must agree on
     it, so it is a keyword of the dataset (``pad_to_multiple_of=``), which passes it to both."""
     options = dict(collator_kwargs or {})
-    packing = {f.name for f in dataclasses.fields(PackingConfig)} | set(RENAMED)
+    packing = {f.name for f in dataclasses.fields(PackingConfig)}
     settings = sorted(set(options) & packing)
     if settings:
-        names = ", ".join(f"{RENAMED.get(name, name)}=" for name in settings)
+        names = ", ".join(f"{name}=" for name in settings)
         raise TypeError(
             f"{who}: collator_kwargs {settings} hold packing settings; pass {names} to {who} itself (it plans "
             "with them and gives the collator the same values)"
@@ -170,15 +156,21 @@ class PackingConfig:
 
     @classmethod
     def resolve(
-        cls, who: str, config: PackingConfig | None = None, *, refuse: tuple[str, ...] = (), **knobs: Any
+        cls, who: str, config: PackingConfig | int | None = None, *, refuse: tuple[str, ...] = (), **knobs: Any
     ) -> PackingConfig:
         """The config an entry point ``who`` runs with: ``config`` with ``knobs`` (its keyword arguments)
         applied over it, or one built from ``knobs`` alone; the same names, values and defaults either way.
+        An int ``config`` is the capacity (``pack(lengths, 1024)``, ``StreamPacker(1024)``).
 
         ``refuse``: ``oversized`` values ``who`` cannot do (a dataset that cannot cut a sample refuses
         "truncate"); an old name (``max_samples_per_row``, ``seed`` ...) raises ``TypeError`` naming the new one.
         """
-        check_renamed(who, knobs)
+        check_layout(who, knobs)
+        if isinstance(config, numbers.Integral) and not isinstance(config, bool):
+            # pack(lengths, 1024) / StreamPacker(1024): the capacity in config's place
+            if knobs.get("capacity") is not None:
+                raise TypeError(f"{who}: capacity given twice ({config} and capacity={knobs['capacity']!r})")
+            config, knobs = None, {**knobs, "capacity": int(config)}
         valid = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(knobs) - valid)
         if unknown:
@@ -189,7 +181,10 @@ class PackingConfig:
             config = cls(**knobs)
         else:
             if not isinstance(config, cls):
-                raise TypeError(f"{who}: config must be a PackingConfig, got {type(config).__name__}")
+                raise TypeError(
+                    f"{who}: config must be a PackingConfig (or the capacity, an int), got {config!r} "
+                    f"({type(config).__name__})"
+                )
             if knobs.get("capacity") is None:
                 knobs.pop("capacity", None)
             config = config.replace(**knobs) if knobs else config
@@ -204,7 +199,7 @@ class PackingConfig:
 
     def replace(self, **changes: Any) -> PackingConfig:
         """A copy with ``changes`` applied and validated; an unknown name lists the valid ones."""
-        check_renamed("PackingConfig.replace", changes)
+        check_layout("PackingConfig.replace", changes)
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
         if unknown:
             raise TypeError(f"unknown packing option(s) {unknown}; valid: {sorted(self.to_dict())}")
@@ -215,7 +210,6 @@ class PackingConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PackingConfig:
-        check_renamed("PackingConfig.from_dict", data)
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"unknown packing option(s) {unknown} in the saved config")

@@ -82,7 +82,6 @@ _NOT_MIXER_NAME = re.compile(r"MLP|Expert|Router|Vision|Audio|Patch", re.IGNOREC
 _ENCODER_PATH = re.compile(r"vision|visual|audio|image|patch|speech", re.IGNORECASE)
 #: Kwargs naming boundaries: stripped before a per-segment call (the PyTorch fallbacks raise on them).
 _BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
-_STATE_ATTR = "_vlm_pack_mixer_boundaries"
 _FIX = "call vp.isolate_token_mixers(model) before training"
 
 
@@ -377,14 +376,6 @@ def _owner(model: nn.Module, name: str) -> nn.Module:
     )
 
 
-def _state(owner: nn.Module) -> _Boundaries:
-    state = owner.__dict__.get(_STATE_ATTR)
-    if state is None:
-        state = _Boundaries(owner)
-        owner.__dict__[_STATE_ATTR] = state  # a plain attribute: no state_dict key
-    return state
-
-
 def isolate_token_mixers(model: nn.Module) -> nn.Module:
     """Make every token mixer of ``model`` keep packed samples apart (see the module docstring).
 
@@ -396,11 +387,21 @@ def isolate_token_mixers(model: nn.Module) -> nn.Module:
     unknown = [m for m in mixers if m.kind == "unknown"]
     if unknown:
         raise ValueError("; ".join(mixer_problems(model, unknown)))
+    # one _Boundaries per text model, shared by its mixers: found through the mixers already isolated (a second
+    # call), never stored on the model's modules
+    states: dict[nn.Module, _Boundaries] = {}
+    pending = []
     for mixer in mixers:
-        module = model.get_submodule(mixer.name)
-        if isinstance(module.__dict__.get("forward"), _IsolatedForward):
-            continue
-        module.forward = _IsolatedForward(module, mixer.kind, _state(_owner(model, mixer.name)))
+        module, owner = model.get_submodule(mixer.name), _owner(model, mixer.name)
+        installed = module.__dict__.get("forward")
+        if isinstance(installed, _IsolatedForward):
+            states.setdefault(owner, installed.state)
+        else:
+            pending.append((module, mixer.kind, owner))
+    for module, kind, owner in pending:
+        if owner not in states:
+            states[owner] = _Boundaries(owner)
+        module.forward = _IsolatedForward(module, kind, states[owner])
     return model
 
 

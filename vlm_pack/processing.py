@@ -601,7 +601,9 @@ def _llava_counts(image_processor: Any, tokenizer: Any, images: list[Any]) -> li
         num_additional_image_tokens=1,
     )
     sizes = [(im.height, im.width) for im in images]
-    return [int(n) for n in processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"]]
+    from ._compat import num_image_tokens
+
+    return num_image_tokens(processor, sizes)
 
 
 def _checked_tokens(

@@ -37,6 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ._compat import shared_empty
+
 __all__ = ["VISION_KEYS", "check_patch_rows", "join_vision"]
 
 #: Vision tensors the HF models take, joined across samples by :func:`join_vision` in packed order.
@@ -107,9 +109,7 @@ def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
     if torch.utils.data.get_worker_info() is None:
         return torch.cat(parts, 0, out=_empty_cpu(shape, parts[0].dtype))
-    storage = parts[0]._typed_storage()._new_shared(math.prod(shape), device=parts[0].device)
-    out = parts[0].new(storage).resize_(*shape)
-    return torch.cat(parts, 0, out=out)
+    return torch.cat(parts, 0, out=shared_empty(parts[0], shape))
 
 
 def _pad_to(parts: list[torch.Tensor], dims: Sequence[int]) -> list[torch.Tensor]:

@@ -97,7 +97,7 @@ from typing import Any
 import torch
 
 from ..config import PackingConfig, collator_options
-from ..packing.stream import PACKER_KNOBS
+from ..packing.online import PACKER_KNOBS
 from ..packing.window import StreamBalance
 from ..preprocessor import Preprocessor
 from .stats import BAD_REASONS, BadSample, BadSampleWarning, PipelineStats

@@ -22,7 +22,7 @@ again. The arrays, for a plan of ``num_samples`` samples in ``num_bins = world_s
 By default the packs of one step cost about the same on every rank (:func:`~vlm_pack.packing.step_plan`,
 ``balance=StepBalance(...)``: grad accumulation, the model's cost, an image on every rank), and where the
 best-fit packs cost too unequal amounts for any dealing, the plan makes its packs for the steps
-(:func:`plan_packs`, ``StepBalance.packs``); ``balance="epoch"`` balances each rank's epoch total only
+(:func:`plan_packs`, ``StepBalance.packs``); ``balance=EpochBalance()`` balances each rank's epoch total only
 (Karmarkar-Karp), the dealing before step plans.
 
 ``key`` is what made the plan (JSON): the dataset's fingerprint and row count, the preprocessor's
@@ -59,13 +59,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._compat import dataset_fingerprint
 from ..config import PackingConfig
 from ..failures import example, no_good_sample, tally
 from .fingerprint import Unfingerprintable, changed_parts, fingerprint
 from .sources import open_sources
 
 if TYPE_CHECKING:
-    from ..packing.steps import StepBalance
+    from ..packing.steps import EpochBalance, StepBalance
     from ..preprocessor import Preprocessor
     from .forecast import LengthTable
 
@@ -117,7 +118,7 @@ class Plan:
     where, reason)`` of samples left out; ``key``: what made it (None when the chat template could not be
     fingerprinted); ``digest``: 16 hex digits naming it. ``rank``: the rank it was loaded for (None: all);
     ``path``: the folder it was loaded from (arrays memory-mapped), else None. ``grad_accum``: micro-steps per
-    optimizer step in ``rank_bins`` (1 for ``balance="epoch"``); a consumer shuffles whole steps.
+    optimizer step in ``rank_bins`` (1 for ``EpochBalance``); a consumer shuffles whole steps.
     """
 
     rows: np.ndarray
@@ -387,7 +388,7 @@ def plan_key(
     strategy: str = "bfd",
     record_format: str | None = None,
     image_root: str | os.PathLike[str] | None = None,
-    balance: StepBalance | str | None = None,
+    balance: StepBalance | EpochBalance | None = None,
 ) -> dict[str, Any]:
     """What a plan of ``dataset`` (a ``datasets.Dataset``) is a function of: its fingerprint and row count,
     the preprocessor's :func:`fingerprint` parts and the packing settings. Raises
@@ -395,7 +396,7 @@ def plan_key(
     _, parts = fingerprint(preprocessor)
     return {
         "format": PLAN_FORMAT,
-        "dataset": {"fingerprint": getattr(dataset, "_fingerprint", None), "rows": len(dataset)},
+        "dataset": {"fingerprint": dataset_fingerprint(dataset), "rows": len(dataset)},
         **parts,
         "packing": {
             **{f: getattr(config, f) for f in _PLAN_FIELDS},
@@ -403,7 +404,7 @@ def plan_key(
             "world_size": world_size,
             "record_format": record_format,
             "image_root": None if image_root is None else str(image_root),
-            "balance": _balance(balance) if balance == "epoch" else _balance(balance).key(),
+            "balance": _balance(balance).key(),
         },
     }
 
@@ -432,7 +433,7 @@ def build_plan(
     image_root: str | os.PathLike[str] | None = None,
     num_proc: int = 1,
     progress: bool | None = None,
-    balance: StepBalance | str | None = None,
+    balance: StepBalance | EpochBalance | None = None,
     **knobs: Any,
 ) -> Plan:
     """Forecast ``dataset`` (a ``datasets.Dataset`` or ``save_to_disk`` folder; header-only, ``num_proc``
@@ -442,7 +443,8 @@ def build_plan(
     be fingerprinted; the digest then names the arrays). Samples left out are warned about and listed in
     ``skipped``; an epoch with no good sample raises. ``balance``: a
     :class:`~vlm_pack.packing.StepBalance` (default ``StepBalance()``: each step's packs cost about the same on
-    every rank, see :func:`~vlm_pack.packing.step_plan`) or ``"epoch"`` (each rank's epoch total only)."""
+    every rank, see :func:`~vlm_pack.packing.step_plan`) or :class:`~vlm_pack.packing.EpochBalance` (each
+    rank's epoch total only). ``num_proc``: forecast processes (``DataLoader`` workers are ``num_workers``)."""
     from ..preprocessor import Preprocessor
 
     pre = Preprocessor.check(preprocessor)
@@ -481,7 +483,7 @@ def make_plan(
     num_proc: int,
     progress: bool | None,
     *,
-    balance: StepBalance | str | None = None,
+    balance: StepBalance | EpochBalance | None = None,
     table: LengthTable | None = None,
 ) -> Plan:
     """:func:`build_plan` of an opened dataset whose ``key`` is known (``PackedMapDataset`` computes it once
@@ -536,16 +538,16 @@ def make_plan(
     return Plan(**arrays, skipped=tuple(tuple(s) for s in skipped), key=key, digest=digest, grad_accum=grad_accum)
 
 
-def _balance(balance: StepBalance | str | None) -> Any:
-    from ..packing.steps import StepBalance
+def _balance(balance: StepBalance | EpochBalance | None) -> Any:
+    from ..packing.steps import EpochBalance, StepBalance
 
     if balance is None:
         return StepBalance()
-    if balance == "epoch" or isinstance(balance, StepBalance):
+    if isinstance(balance, StepBalance | EpochBalance):
         return balance
     raise ValueError(
-        f"balance must be a vlm_pack.packing.StepBalance (step plans; default StepBalance()) or 'epoch' (each "
-        f"rank's epoch total only), got {balance!r}"
+        f"balance must be a vlm_pack.packing.StepBalance (step plans; default StepBalance()) or EpochBalance() "
+        f"(each rank's epoch total only), got {balance!r}"
     )
 
 
@@ -555,16 +557,16 @@ def deal_packs(
     members: np.ndarray,
     bin_ptr: np.ndarray,
     world_size: int,
-    balance: StepBalance | str,
+    balance: StepBalance | EpochBalance,
 ) -> tuple[np.ndarray, int]:
     """``(rank_bins int64 [world_size, B // world_size], grad_accum)`` of the packs ``members`` (forecast
     rows of ``table``, pack by pack: pack b is ``members[bin_ptr[b]:bin_ptr[b + 1]]``; ``lengths`` ``[N]``
     padded spans of all of ``table``'s samples): a :func:`~vlm_pack.packing.step_plan` costed by
-    ``balance.cost``, or for ``"epoch"`` each rank's total balanced (Karmarkar-Karp, the same count each)."""
+    ``balance.cost``, or for ``EpochBalance`` each rank's total balanced (Karmarkar-Karp, the same count each)."""
     from ..packing import balance_bins
-    from ..packing.steps import step_plan
+    from ..packing.steps import EpochBalance, step_plan
 
-    if balance == "epoch":
+    if isinstance(balance, EpochBalance):
         bins = [lengths[members[a:b]].tolist() for a, b in itertools.pairwise(bin_ptr.tolist())]
         parts = balance_bins(bins, world_size, equal_count=True)
         return np.asarray(parts, dtype=np.int64).reshape(world_size, -1), 1
@@ -577,7 +579,7 @@ def deal_packs(
 
 
 def plan_packs(
-    table: Any, lengths: np.ndarray, result: Any, world_size: int, balance: StepBalance | str
+    table: Any, lengths: np.ndarray, result: Any, world_size: int, balance: StepBalance | EpochBalance
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """``(members [n], bin_ptr [B + 1], rank_bins [world_size, B // world_size], grad_accum)``: the packs a
     plan trains on and their dealing. ``result``: the best-fit :class:`~vlm_pack.packing.PackResult` of
@@ -588,13 +590,13 @@ def plan_packs(
     lower; else (or when there are fewer samples than one step has packs) the best-fit ones."""
     from ..packing import step_imbalance
     from ..packing.balanced import balanced_packs, deal_units
-    from ..packing.steps import AUTO_BALANCED_MAX_SAMPLES
+    from ..packing.steps import AUTO_BALANCED_MAX_SAMPLES, EpochBalance
 
     bins = _split_for_ranks([np.asarray(b, dtype=np.int64) for b in result.bins], world_size)
     members = np.concatenate(bins)
     bin_ptr = np.concatenate([[0], np.cumsum([len(b) for b in bins])]).astype(np.int64)
     rank_bins, grad_accum = deal_packs(table, lengths, members, bin_ptr, world_size, balance)
-    if balance == "epoch" or balance.packs == "bfd" or world_size == 1:  # one rank never waits
+    if isinstance(balance, EpochBalance) or balance.packs == "bfd" or world_size == 1:  # one rank never waits
         return members, bin_ptr, rank_bins, grad_accum
     kept = np.sort(members)
     if balance.packs == "auto" and kept.size > AUTO_BALANCED_MAX_SAMPLES:

@@ -120,7 +120,7 @@ def forecast_ray(
     exif_transpose: bool = True,
     verify: bool = False,
     on_error: str = "skip",
-    num_workers: int | None = None,
+    num_proc: int | None = None,
     chunk_rows: int = 1024,
     max_consecutive_failures: int | None = DEFAULT_MAX_CONSECUTIVE_FAILURES,
     address: str | None = None,
@@ -128,7 +128,7 @@ def forecast_ray(
 ) -> LengthTable:
     """:func:`vlm_pack.data.forecast_sources` of ``sources`` (parquet, JSON / JSONL, WebDataset shards, a
     ``datasets`` dataset from the hub or ``save_to_disk``...) run as a Ray Data ``map_batches`` over
-    ``num_workers`` actors of one CPU (default: every CPU of the cluster): the same :class:`LengthTable`.
+    ``num_proc`` actors of one CPU (default: every CPU of the cluster): the same :class:`LengthTable`.
 
     Uses the Ray session already started (``ray.init``), else starts one (``address``: a cluster to join,
     e.g. ``"auto"`` or ``"ray://head:10001"``; None: a local cluster on this machine) and shuts it down after.
@@ -139,10 +139,10 @@ def forecast_ray(
     one raised, whichever worker found it).
     """
     _require_ray()  # before loading anything: a missing install is the first thing to say
-    if num_workers is not None and (
-        isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1
+    if num_proc is not None and (
+        isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1
     ):
-        raise ValueError(f"num_workers must be a positive int or None (every CPU), got {num_workers!r}")
+        raise ValueError(f"num_proc must be a positive int or None (every CPU), got {num_proc!r}")
     forecaster = make_forecaster(
         sources,
         tokenizer=tokenizer,
@@ -163,7 +163,7 @@ def forecast_ray(
     # after its first bad chunks, as the local processes stop, not after the whole map
     shipped = replace(forecaster, sources=[_shippable(s) for s in forecaster.sources], on_error="skip")
     ray, started = _connect(address)
-    results = _map(ray, shipped, pieces, num_workers, progress)
+    results = _map(ray, shipped, pieces, num_proc, progress)
     try:
         return assemble_table(results, max_consecutive_failures, "forecast_ray (header-only forecast)", on_error=on_error)
     finally:
@@ -173,7 +173,7 @@ def forecast_ray(
 
 
 def _map(
-    ray: Any, forecaster: Any, pieces: list[Any], num_workers: int | None, progress: bool | None
+    ray: Any, forecaster: Any, pieces: list[Any], num_proc: int | None, progress: bool | None
 ) -> Generator[Any, None, None]:
     """The chunk results of ``pieces``, in their order, as a Ray Data ``map_batches`` makes them: each is
     yielded once it and all before it are done (the consumer may stop early; the map stops with it)."""
@@ -182,7 +182,7 @@ def _map(
     context = ray.data.DataContext.get_current()
     if progress is not None:
         context.enable_progress_bars = progress
-    workers = num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    workers = num_proc or max(1, int(ray.cluster_resources().get("CPU", 1)))
     rows = [{"seq": i, "chunk": pickle.dumps(piece)} for i, piece in enumerate(pieces)]
     ds = ray.data.from_items(rows, override_num_blocks=len(rows))  # a block per chunk: the unit a worker takes
     mapped = ds.map_batches(
@@ -224,7 +224,7 @@ def build_plan_ray(
     record_format: str | None = None,
     image_root: str | os.PathLike[str] | None = None,
     lengths: str | os.PathLike[str] | None = None,
-    num_workers: int | None = None,
+    num_proc: int | None = None,
     address: str | None = None,
     progress: bool | None = None,
     balance: StepBalance | str | None = None,
@@ -249,7 +249,7 @@ def build_plan_ray(
         image_root=image_root,
         exif_transpose=config.exif_transpose,
         on_error=config.on_error,
-        num_workers=num_workers,
+        num_proc=num_proc,
         max_consecutive_failures=config.max_consecutive_failures,
         address=address,
         progress=progress,

@@ -48,6 +48,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import numpy as np
 import torch
 
+from .._compat import dataset_fingerprint, set_sft_train_tokens, sft_train_tokens
 from ..config import PackingConfig
 from ..data import BadSampleWarning, PackedMapDataset, Plan, Sample, SampleError, normalise_record
 from ..data.sources import chunk_samples, chunks, open_sources
@@ -228,7 +229,7 @@ def _rows_dataset(
     """One row per pack of ``plan`` (:func:`pack_rows`), cached under a digest of what the rows hold."""
     bins, lengths = _bins_in_order(plan)
     digest = hashlib.sha256(
-        json.dumps([_ROWS_FORMAT, table._fingerprint, plan.plan_digest, record_format, str(root)]).encode()
+        json.dumps([_ROWS_FORMAT, dataset_fingerprint(table), plan.plan_digest, record_format, str(root)]).encode()
     )
     digest.update(json.dumps([bins, lengths]).encode())
     return datasets.Dataset.from_generator(
@@ -311,7 +312,7 @@ def _survey(opened: Sequence[Any], record_format: str | None) -> tuple[int, str]
         if src.kind == "iterable":
             stamp.update(uuid.uuid4().bytes)  # nothing to tell an unchanged stream by: copied every time
         elif src.kind == "dataset":
-            stamp.update(src.ref._fingerprint.encode())
+            stamp.update(dataset_fingerprint(src.ref).encode())
         else:
             stat = os.stat(src.name)
             stamp.update(f"{src.kind}:{src.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -500,13 +501,12 @@ class PackedSFTTrainer(SFTTrainer):
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
         real = inputs.pop(NUM_TOKENS_KEY, None)
-        before = self._total_train_tokens
+        before = sft_train_tokens(self)
         result = super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
         if real is not None and self.model.training:
             local = torch.as_tensor(real, device=self.accelerator.device).reshape(1)
             total = int(self.accelerator.gather_for_metrics(local).sum().item())
-            self._total_train_tokens = before + total // self._tp_size
-            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+            set_sft_train_tokens(self, before + total // self.get_tp_size())
         return result

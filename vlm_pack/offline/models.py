@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .._compat import model_from_config
 from .processors import _IMAGE_PROCESSOR_PARAMS
 from .tokenizers import build_tokenizer, family_tokens
 
@@ -291,5 +292,5 @@ def tiny_model(
     config = tiny_model_config(family, tokenizer, initializer_range=initializer_range, **config_kwargs)
     cls = _transformers_class(family, "model")
     torch.manual_seed(seed)
-    model = cls._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    model = model_from_config(cls, config, attn_implementation=attn_implementation, dtype=torch.float32)
     return model.eval()

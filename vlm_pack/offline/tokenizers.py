@@ -6,6 +6,7 @@ import functools
 from typing import Any
 
 from .._checks import family_entry
+from .._compat import set_named_special_tokens
 
 # One vocabulary for every family keeps token ids stable across tests; these are trained into it (ids 0..14).
 _SPECIAL_TOKENS = [
@@ -285,7 +286,7 @@ def build_tokenizer(
     # The named tokens as transformers' model-specific special tokens (``tok.boi_token`` / ``tok.boi_token_id``
     # ...), written to tokenizer_config.json, so a saved stand-in loads back with them as a released one does.
     # Set after the tokens are added: the ids stay those of the list above.
-    tok._set_model_specific_special_tokens(special_tokens=dict(layout["roles"]))
+    set_named_special_tokens(tok, dict(layout["roles"]))
     tok.vlm_pack_family = family
     if chat_template is not None:
         tok.chat_template = chat_template

@@ -31,10 +31,12 @@ Where things live (each file one concept):
 - ``offline.py``: :func:`pack`, which validates, sorts and hands the lengths to a core.
 - ``histogram.py``: the fast whole-length cores (exact BFD / FFD on a length histogram).
 - ``per_item.py``: one-item-at-a-time cores (budgets, samples-per-bin cap, first fit, next fit).
-- ``stream.py``: :class:`StreamPacker` and its ``StreamStats``.
-- ``balance.py``: :func:`balance_bins` and the per-bin cost model.
+- ``online.py``: :class:`StreamPacker` (packs a stream as it arrives) and its ``StreamStats``; ``offline.py``'s
+  :func:`pack` is its whole-dataset counterpart.
+- ``ranks.py``: :func:`balance_bins` (fixed bins dealt to ranks) and the per-bin cost model.
 - ``cost.py``: :class:`PackCost`, a pack's compute cost from the model's widths and depths (LM + vision tower).
-- ``steps.py``: :func:`step_plan`, packs dealt to (step, rank) so each step costs the same on every rank.
+- ``steps.py``: :func:`step_plan`, packs dealt to (step, rank) so each step costs the same on every rank
+  (``StepBalance``), or by epoch totals (``EpochBalance``).
 - ``balanced.py``: :func:`~vlm_pack.packing.balanced.balanced_packs`, packs made for a step plan (each rank's
   share of a step about the same cost) where dealing fixed packs cannot balance; ``step_lower_bound``.
 - ``window.py``: :class:`StreamBalance`, the same for streaming without moving packs between ranks: a look-ahead
@@ -66,16 +68,17 @@ opened (``seed`` optionally shuffles that order afterwards). Nothing is lost:
 every sample is in exactly one bin or in ``PackResult.unpacked`` with a reason.
 """
 
-from .balance import balance_bins, bin_costs, partition_imbalance
 from .bins import PackedBin, PackResult, Unpacked, padded_lengths
 from .cost import PackCost, pack_costs
 from .offline import STRATEGIES, pack
-from .steps import StepBalance, step_imbalance, step_plan
-from .stream import StreamPacker, StreamStats
+from .online import StreamPacker, StreamStats
+from .ranks import balance_bins, bin_costs, partition_imbalance
+from .steps import EpochBalance, StepBalance, step_imbalance, step_plan
 from .window import StreamBalance
 
 __all__ = [
     "STRATEGIES",
+    "EpochBalance",
     "PackCost",
     "PackResult",
     "PackedBin",

@@ -11,9 +11,6 @@ from typing import Any
 
 import numpy as np
 
-_OVERSIZED = ("raise", "truncate", "skip")
-
-
 # ----------------------------------------------------------------------------- validation
 
 
@@ -85,11 +82,6 @@ def _as_positive_int(value: Any, name: str) -> int:
     return value
 
 
-def _check_oversized(oversized: str) -> None:
-    if oversized not in _OVERSIZED:
-        raise ValueError(f"oversized must be one of {_OVERSIZED}, got {oversized!r}")
-
-
 def padded_lengths(lengths: Any, multiple: int) -> np.ndarray:
     """int64 ``[N]``: each length rounded up to a multiple of ``multiple``, the span the sample takes in a row.
 
@@ -107,17 +99,6 @@ def round_up(value: Any, multiple: int) -> Any:
     """``value`` (an int or an integer array) rounded up to a multiple of ``multiple``: the one rounding rule
     of the planners (:func:`padded_lengths`, ``StreamPacker``) and of ``PackingCollator``'s padding checks."""
     return -(-value // multiple) * multiple
-
-
-def _check_multiple(capacity: int, multiple: Any) -> int:
-    """``multiple`` as a positive int that divides ``capacity`` (else a full row could not be all samples)."""
-    multiple = _as_positive_int(multiple, "pad_to_multiple_of")
-    if capacity % multiple:
-        raise ValueError(
-            f"capacity {capacity} is not a multiple of pad_to_multiple_of {multiple}: use "
-            f"capacity={round_up(capacity, multiple)} or {capacity // multiple * multiple}"
-        )
-    return multiple
 
 
 def _length_text(length: int, multiple: int) -> str:

@@ -7,13 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from ..config import PackingConfig
 from .bins import (
     PackResult,
     Unpacked,
     _as_int_array,
-    _as_positive_int,
-    _check_multiple,
-    _check_oversized,
     _length_text,
     _oversize_message,
     _vision_oversize_message,
@@ -53,17 +51,18 @@ def _stable_argsort_ids(ids: np.ndarray, max_id: int) -> np.ndarray:
 
 def pack(
     lengths: Sequence[int] | np.ndarray,
-    capacity: int,
+    config: PackingConfig | int | None = None,
     *,
     strategy: str = "bfd",
     vision: Sequence[int] | np.ndarray | None = None,
-    vision_capacity: int | None = None,
-    max_samples_per_bin: int | None = None,
-    oversized: str = "raise",
-    shuffle_seed: int | None = None,
-    pad_to_multiple_of: int = 1,
+    **knobs: Any,
 ) -> PackResult:
     """Pack samples into bins of ``capacity`` tokens.
+
+    ``config``: a :class:`~vlm_pack.config.PackingConfig` (or the capacity, an int), with ``knobs`` (its field
+    names: ``capacity=``, ``oversized=`` ...) over it; PackingConfig validates them. ``pack`` reads
+    ``capacity``, ``vision_capacity``, ``max_samples_per_bin``, ``oversized``, ``shuffle_seed`` and
+    ``pad_to_multiple_of``; the streaming fields are :class:`StreamPacker`'s and the pipelines'.
 
     Args:
         lengths: ``[N]`` positive ints: each sample's *expanded* length (text tokens + the vision
@@ -99,15 +98,13 @@ def pack(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    _check_oversized(oversized)
-    capacity = _as_positive_int(capacity, "capacity")
-    multiple = _check_multiple(capacity, pad_to_multiple_of)
-    raw, vis, vision_cap = _validated(lengths, vision, vision_capacity)
+    cfg = PackingConfig.resolve("pack", config, **knobs)
+    capacity, multiple, oversized = cfg.capacity, cfg.pad_to_multiple_of, cfg.oversized
+    max_samples_per_bin, shuffle_seed = cfg.max_samples_per_bin, cfg.shuffle_seed
+    raw, vis, vision_cap = _validated(lengths, vision, cfg.vision_capacity)
     lens = padded_lengths(raw, multiple)
     n = lens.size
-    sample_cap = n + 1  # no cap: a number no bin reaches
-    if max_samples_per_bin is not None:
-        sample_cap = _as_positive_int(max_samples_per_bin, "max_samples_per_bin")
+    sample_cap = n + 1 if max_samples_per_bin is None else max_samples_per_bin  # n + 1: no bin reaches it
     lens, keep, unpacked, truncated = _apply_oversized(raw, lens, vis, capacity, vision_cap, oversized, multiple)
     sub = lens if keep is None else lens[keep]
     sub_vis = None if vis is None else (vis if keep is None else vis[keep])
@@ -165,7 +162,7 @@ def _validated(lengths: Any, vision: Any, vision_capacity: Any) -> tuple[np.ndar
         return lens, None, 0
     if vision_capacity is None:
         raise ValueError("vision is given but vision_capacity is None: pass the per-bin vision budget")
-    vision_cap = _as_positive_int(vision_capacity, "vision_capacity")
+    vision_cap = int(vision_capacity)  # validated by PackingConfig
     vis = _as_int_array(vision, "vision", allow_zero=True)
     if vis.size != lens.size:
         raise ValueError(f"vision has {vis.size} entries but lengths has {lens.size}: give one per sample")

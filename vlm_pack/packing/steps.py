@@ -49,6 +49,18 @@ AUTO_BALANCED_MAX_SAMPLES = 1_000_000
 
 
 @dataclass(frozen=True)
+class EpochBalance:
+    """Deal fixed packs so that each rank's **epoch** total costs about the same (Karmarkar-Karp,
+    :func:`~vlm_pack.packing.balance_bins`, the same count each), steps in one shuffled order: the dealing
+    before step plans, kept as the baseline a :class:`StepBalance` is measured against. A step's packs may
+    cost more on one rank than another (:func:`step_imbalance`); one micro-step per optimizer step."""
+
+    def key(self) -> str:
+        """What of it shapes a plan: ``"epoch"`` (the value plans keyed before it was a type)."""
+        return "epoch"
+
+
+@dataclass(frozen=True)
 class StepBalance:
     """How a plan deals its packs to (step, rank) (:func:`step_plan`).
 

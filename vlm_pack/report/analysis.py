@@ -174,7 +174,7 @@ def step_balance(
 
     Returns ``{"world_size", "grad_accum", "steps", "epoch_plan", "step_plan", "packs", "num_packs",
     "short_of_images"}``: ``epoch_plan`` / ``step_plan`` are the step imbalance (sum over steps of the slowest
-    rank's cost / sum of the mean, :func:`~vlm_pack.packing.step_imbalance`) of ``balance="epoch"`` (each
+    rank's cost / sum of the mean, :func:`~vlm_pack.packing.step_imbalance`) of ``EpochBalance()`` (each
     rank's epoch total balanced, steps in the order ``shuffle_seed`` gives epoch 0) and of the default step
     plan (``StepBalance()``: cost-balanced packs where they deal better, see
     :func:`~vlm_pack.data.plan.plan_packs`); ``packs``: which packs it keeps (``"balanced"`` or ``"bfd"``) and
@@ -182,7 +182,7 @@ def step_balance(
     (:func:`~vlm_pack.packing.steps.steps_short_of_images`). A dataset too small for ``world_size`` ranks
     gives ``{"error": reason}`` instead."""
     from vlm_pack.data.plan import _costs_and_images, _split_for_ranks, deal_packs, plan_packs
-    from vlm_pack.packing import StepBalance, step_imbalance
+    from vlm_pack.packing import EpochBalance, StepBalance, step_imbalance
     from vlm_pack.packing.steps import steps_short_of_images
 
     try:
@@ -193,7 +193,7 @@ def step_balance(
     ptr = np.concatenate([[0], np.cumsum([len(b) for b in bins])]).astype(np.int64)
     lengths = np.asarray(result.lengths, dtype=np.int64)
     costs = _costs_and_images(table, lengths, members, ptr, cost)[0]
-    epoch, _ = deal_packs(table, lengths, members, ptr, world_size, "epoch")
+    epoch, _ = deal_packs(table, lengths, members, ptr, world_size, EpochBalance())
     epoch = epoch[:, np.random.default_rng([shuffle_seed, 0]).permutation(epoch.shape[1])]
     kept, kept_ptr, steps, _ = plan_packs(table, lengths, result, world_size, StepBalance(grad_accum, cost=cost))
     kept_costs, images = _costs_and_images(table, lengths, kept, kept_ptr, cost)

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .._compat import model_from_config, swap_attn_implementation
+
 __all__ = [
     "CollapsedLlavaModel",
     "CollapsedLlavaOutput",
@@ -124,7 +126,7 @@ class CollapsedLlavaModel(torch.nn.Module):
         if model_name == "LlavaNextForConditionalGeneration":
             config.image_grid_pinpoints = _scaled_pinpoints(image_size)
         torch.manual_seed(seed)
-        model = model_cls._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+        model = model_from_config(model_cls, config, attn_implementation=attn_implementation, dtype=torch.float32)
         return cls(model.eval(), attention=attention)
 
     def image_processor_overrides(self) -> dict[str, Any]:
@@ -301,12 +303,11 @@ def _attn_implementation(config: Any, name: str):
     Only the text config changes: the vision tower reads its own ``vision_config``, and the padded reference
     forward keeps the model's implementation, so varlen packing is checked against an independent kernel.
     """
-    before = config._attn_implementation
-    config._attn_implementation = name
+    before = swap_attn_implementation(config, name)
     try:
         yield
     finally:
-        config._attn_implementation = before
+        swap_attn_implementation(config, before)
 
 
 def _segment_bounds_and_positions(cu_seqlens: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,8 +99,9 @@ class StreamPacker:
     or tuples of them, which come back as tuples).
 
     The knobs are those of :class:`vlm_pack.config.PackingConfig`, which validates them:
-    ``StreamPacker.from_config(cfg)`` builds one from a config shared with ``PackedWebDataset`` and
-    the CLI (its streaming-only knobs are ignored here); ``packer.config`` is the validated config.
+    ``StreamPacker(cfg)`` takes a config shared with ``PackedWebDataset`` and the CLI (its streaming-only
+    knobs are ignored here), ``StreamPacker(1024, min_fill_ratio=0.7)`` the capacity and knobs over the
+    defaults; ``packer.config`` is the validated config.
     ``oversized="truncate"`` clips a too-long sample to ``capacity`` and lists it in
     ``stats.truncated`` (the caller cuts the sample itself), as :func:`pack` does.
     ``pad_to_multiple_of`` (as :func:`pack`'s): each length is placed as its padded span
@@ -108,30 +109,9 @@ class StreamPacker:
     ``lengths`` are those spans.
     """
 
-    def __init__(
-        self,
-        capacity: int,
-        buffer_size: int = 256,
-        min_fill_ratio: float = 0.95,
-        drop_last: bool = False,
-        *,
-        vision_capacity: int | None = None,
-        max_samples_per_bin: int | None = None,
-        oversized: str = "raise",
-        pad_to_multiple_of: int = 1,
-    ) -> None:
-        # PackingConfig is the one place that validates these knobs (same names, same messages); its
-        # leading fields are this signature's positional ones
-        config = PackingConfig(
-            capacity,
-            buffer_size,
-            min_fill_ratio,
-            drop_last,
-            vision_capacity=vision_capacity,
-            max_samples_per_bin=max_samples_per_bin,
-            oversized=oversized,
-            pad_to_multiple_of=pad_to_multiple_of,
-        )
+    def __init__(self, config: PackingConfig | int | None = None, **knobs: Any) -> None:
+        # PackingConfig names, defaults and validates the knobs (an int config is the capacity)
+        config = PackingConfig.resolve("StreamPacker", config, **knobs)
         self.config = config
         self.capacity = config.capacity
         self.buffer_size = config.buffer_size
@@ -147,16 +127,6 @@ class StreamPacker:
         self._vision_cap = self.vision_capacity if self.vision_capacity is not None else 1 << 62
         self.dropped: list[PackedBin] = []
         self._reset_state()
-
-    @classmethod
-    def from_config(cls, config: PackingConfig) -> StreamPacker:
-        """A packer with ``config``'s packing knobs (the streaming-only knobs are the pipeline's)."""
-        if not isinstance(config, PackingConfig):
-            raise TypeError(f"config must be a vlm_pack.config.PackingConfig, got {type(config).__name__}")
-        return cls(
-            **{name: getattr(config, name) for name in PACKER_KNOBS},
-            pad_to_multiple_of=config.pad_to_multiple_of,
-        )
 
     def _reset_state(self) -> None:
         self._index: list[int] = []  # sorted: free << 40 | (~mtime & mask)
