@@ -114,9 +114,11 @@ def _stage(
     if sizes and spec is None:
         raise TypeError("a forecast with images needs a vision spec (processor=, image_processor= or spec=)")
     counts = [int(n) for n in spec.sample_tokens(sizes)] if sizes else []
-    stand_ins = _skeleton(spec, sizes, rendering.placeholder, tokenizer, processor) if sizes else []
-    pieces = rendering.text.split(rendering.placeholder)
-    text = pieces[0] + "".join(s + piece for (s, _), piece in zip(stand_ins, pieces[1:]))
+    stand_ins = _skeleton(spec, sizes, counts, rendering.placeholder, tokenizer, processor) if sizes else []
+    text = rendering.text
+    if any(stand_in != rendering.placeholder for stand_in, _ in stand_ins):
+        pieces = text.split(rendering.placeholder)
+        text = pieces[0] + "".join(s + piece for (s, _), piece in zip(stand_ins, pieces[1:]))
     row = _Row(index, key, rendering, counts, text, [left for _, left in stand_ins],
                [s.count(rendering.placeholder) for s, _ in stand_ins])  # fmt: skip
     if text == rendering.text and (not fast or (keep and processor is None and not _processor_wraps(spec))):
@@ -130,12 +132,15 @@ def _stage(
 def _finish(row: _Row, ids: list[int], tokenizer: Any, keep: bool) -> Forecast:
     """The row's length and image starts from its stand-in text's ids."""
     image_id = tokenizer.convert_tokens_to_ids(row.rendering.placeholder)
-    at = [i for i, token in enumerate(ids) if token == image_id]
-    _check_placeholders(len(at), sum(row.placeholders), len(row.counts), row.rendering.placeholder, row.key)
-    starts, first, shift = [], 0, 0
+    found = ids.count(image_id)
+    _check_placeholders(found, sum(row.placeholders), len(row.counts), row.rendering.placeholder, row.key)
+    starts, at, shift = [], -1, 0
     for left, placeholders in zip(row.left, row.placeholders):
-        starts.append(at[first] + shift)
-        first, shift = first + placeholders, shift + left
+        at = ids.index(image_id, at + 1)
+        starts.append(at + shift)
+        for _ in range(placeholders - 1):  # the image's other placeholders (Gemma 3's crops)
+            at = ids.index(image_id, at + 1)
+        shift += left
     prompt = Prompt(row.rendering, row.tokens) if keep else None
     return Forecast(len(ids) + sum(row.left), row.counts, starts, prompt)
 

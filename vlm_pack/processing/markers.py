@@ -72,15 +72,20 @@ def _image_extra_tokens(spec: Any, tokenizer: Any, processor: Any, width: int, h
 
 
 def _skeleton(
-    spec: Any, sizes: list[tuple[int, int]], placeholder: str, tokenizer: Any, processor: Any = None
+    spec: Any,
+    sizes: list[tuple[int, int]],
+    counts: list[int],
+    placeholder: str,
+    tokenizer: Any,
+    processor: Any = None,
 ) -> list[tuple[str, int]]:
-    """Per image: text standing in for its expansion in the prompt, and the tokens that text leaves out.
+    """Per image of ``sizes`` (its ``counts`` vision tokens): text standing in for its expansion in the
+    prompt, and the tokens that text leaves out.
 
     Every expansion starts and ends with special tokens, which tokenize alone, so one placeholder stands in
     for all of it (``len - 1`` tokens left out), except Gemma 3's, whose ``"\\n\\n"`` around the image merges
     with the text next to it: there the text is kept and only the image soft tokens are left out.
     """
-    counts = [int(n) for n in spec.sample_tokens(sizes)]
     if _wraps(spec) == "processor_text":  # Gemma 3
         seq = f"\n\n{placeholder}{tokenizer.eoi_token}\n\n"
         out = []
