@@ -217,7 +217,7 @@ class _ChunkResult:
         return self
 
 
-@dataclass
+@dataclass(slots=True)
 class _Read:
     """A record read and its images sized, waiting for its chunk's one forecast (``Preprocessor.forecast_rows``)."""
 

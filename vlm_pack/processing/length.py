@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..chat import ChatFormat, Conversation, Rendering, Template
-from .markers import _processor_wraps, _skeleton
+from .markers import _skeleton, _wraps
 from .render import Prompt, _check_placeholders, _placeholder, _render, _tokenize
 
 __all__ = ["Forecast", "expanded_length", "forecast_length", "forecast_rows"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a forecast ~2% (one per row)
 class Forecast:
     """One row's forecast.
 
@@ -44,7 +44,7 @@ class Forecast:
     prompt: Prompt | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Row:
     """A row rendered, its images' stand-ins in its text, waiting for its chunk's one tokenizer call."""
 
@@ -78,6 +78,7 @@ def forecast_rows(
     """
     placeholder = placeholder or _placeholder(tokenizer, processor, family)
     fast = bool(getattr(tokenizer, "is_fast", False))
+    how = _How(tokenizer, spec, processor, _wraps(spec), tokenizer.convert_tokens_to_ids(placeholder), keep, fast)
     out: list[Forecast | Exception | None] = [None] * len(rows)
     staged: list[_Row] = []
     for index, (conversation, sizes, key) in enumerate(rows):
@@ -86,62 +87,67 @@ def forecast_rows(
                 conversation, tokenizer, processor, family, template, len(sizes), key,
                 spans=keep or not fast, placeholder=placeholder,
             )  # fmt: skip
-            staged.append(_stage(index, key, rendering, sizes, spec, tokenizer, processor, keep, fast))
+            staged.append(_stage(index, key, rendering, sizes, how))
         except Exception as exc:
             out[index] = exc
     for row, ids in zip(staged, _token_ids(tokenizer, staged)):
         try:
-            out[row.index] = _finish(row, ids, tokenizer, keep)
+            out[row.index] = _finish(row, ids, how)
         except Exception as exc:
             out[row.index] = exc
     return out  # type: ignore[return-value]
 
 
-def _stage(
-    index: int,
-    key: Any,
-    rendering: Rendering,
-    sizes: Sequence[tuple[int, int]],
-    spec: Any,
-    tokenizer: Any,
-    processor: Any,
-    keep: bool,
-    fast: bool,
-) -> _Row:
+@dataclass(frozen=True)
+class _How:
+    """What every row of one :func:`forecast_rows` call is forecast with, asked once for all of them."""
+
+    tokenizer: Any
+    spec: Any
+    processor: Any
+    wraps: str  # who writes the tokens around an image (vlm_pack.families.WRAPS)
+    image_id: int  # the placeholder's id
+    keep: bool
+    fast: bool
+
+
+def _stage(index: int, key: Any, rendering: Rendering, sizes: Sequence[tuple[int, int]], how: _How) -> _Row:
     """The row with its stand-in text; tokenized here where process_sample's own tokenization is kept, or the
     tokenizer is slow (process_sample tokenizes its prompt span by span there: the same ids)."""
     sizes = [(int(w), int(h)) for w, h in sizes]
-    if sizes and spec is None:
+    if sizes and how.spec is None:
         raise TypeError("a forecast with images needs a vision spec (processor=, image_processor= or spec=)")
-    counts = [int(n) for n in spec.sample_tokens(sizes)] if sizes else []
-    stand_ins = _skeleton(spec, sizes, counts, rendering.placeholder, tokenizer, processor) if sizes else []
-    text = rendering.text
-    if any(stand_in != rendering.placeholder for stand_in, _ in stand_ins):
-        pieces = text.split(rendering.placeholder)
-        text = pieces[0] + "".join(s + piece for (s, _), piece in zip(stand_ins, pieces[1:]))
-    row = _Row(index, key, rendering, counts, text, [left for _, left in stand_ins],
-               [s.count(rendering.placeholder) for s, _ in stand_ins])  # fmt: skip
-    if text == rendering.text and (not fast or (keep and processor is None and not _processor_wraps(spec))):
-        row.tokens = _tokenize(tokenizer, rendering)
+    counts = [int(n) for n in how.spec.sample_tokens(sizes)] if sizes else []
+    placeholder, text = rendering.placeholder, rendering.text
+    row = _Row(index, key, rendering, counts, text, [n - 1 for n in counts], [1] * len(counts))
+    if how.wraps.startswith("processor") and sizes:
+        stand_ins = _skeleton(how.spec, how.wraps, sizes, counts, placeholder, how.tokenizer, how.processor)
+        if any(stand_in != placeholder for stand_in, _ in stand_ins):
+            pieces = text.split(placeholder)
+            row.text = pieces[0] + "".join(s + piece for (s, _), piece in zip(stand_ins, pieces[1:]))
+        row.left = [left for _, left in stand_ins]
+        row.placeholders = [s.count(placeholder) for s, _ in stand_ins]
+    own = how.keep and how.processor is None and not how.wraps.startswith("processor")
+    if row.text == text and (own or not how.fast):
+        row.tokens = _tokenize(how.tokenizer, rendering)
         row.ids = row.tokens[0]
-    elif not fast:
-        row.ids = list(tokenizer(text, add_special_tokens=rendering.add_special_tokens)["input_ids"])
+    elif not how.fast:
+        row.ids = list(how.tokenizer(row.text, add_special_tokens=rendering.add_special_tokens)["input_ids"])
     return row
 
 
-def _finish(row: _Row, ids: list[int], tokenizer: Any, keep: bool) -> Forecast:
+def _finish(row: _Row, ids: list[int], how: _How) -> Forecast:
     """The row's length and image starts from its stand-in text's ids."""
-    image_id = tokenizer.convert_tokens_to_ids(row.rendering.placeholder)
-    found = ids.count(image_id)
+    found = ids.count(how.image_id)
     _check_placeholders(found, sum(row.placeholders), len(row.counts), row.rendering.placeholder, row.key)
     starts, at, shift = [], -1, 0
     for left, placeholders in zip(row.left, row.placeholders):
-        at = ids.index(image_id, at + 1)
+        at = ids.index(how.image_id, at + 1)
         starts.append(at + shift)
         for _ in range(placeholders - 1):  # the image's other placeholders (Gemma 3's crops)
-            at = ids.index(image_id, at + 1)
+            at = ids.index(how.image_id, at + 1)
         shift += left
-    prompt = Prompt(row.rendering, row.tokens) if keep else None
+    prompt = Prompt(row.rendering, row.tokens) if how.keep else None
     return Forecast(len(ids) + sum(row.left), row.counts, starts, prompt)
 
 

@@ -57,12 +57,6 @@ def _wraps(spec: Any) -> str:
     return record.wraps if record is not None else "none"
 
 
-def _processor_wraps(spec: Any) -> bool:
-    """The processor writes tokens around each image of ``spec``'s family, so the collapsed ids do not say
-    a prompt's expanded length: it is forecast sample by sample."""
-    return _wraps(spec).startswith("processor")
-
-
 def _image_extra_tokens(spec: Any, tokenizer: Any, processor: Any, width: int, height: int) -> int:
     """Non-placeholder tokens one image adds: ``spec.extra_tokens``, except that tile markers (Idefics3 /
     SmolVLM, LFM2-VL) are counted through ``tokenizer`` (the spec assumes each is one token)."""
@@ -73,20 +67,21 @@ def _image_extra_tokens(spec: Any, tokenizer: Any, processor: Any, width: int, h
 
 def _skeleton(
     spec: Any,
+    wraps: str,
     sizes: list[tuple[int, int]],
     counts: list[int],
     placeholder: str,
     tokenizer: Any,
     processor: Any = None,
 ) -> list[tuple[str, int]]:
-    """Per image of ``sizes`` (its ``counts`` vision tokens): text standing in for its expansion in the
-    prompt, and the tokens that text leaves out.
+    """Per image of ``sizes`` (its ``counts`` vision tokens; ``wraps``: ``_wraps(spec)``): text standing in
+    for its expansion in the prompt, and the tokens that text leaves out.
 
     Every expansion starts and ends with special tokens, which tokenize alone, so one placeholder stands in
     for all of it (``len - 1`` tokens left out), except Gemma 3's, whose ``"\\n\\n"`` around the image merges
     with the text next to it: there the text is kept and only the image soft tokens are left out.
     """
-    if _wraps(spec) == "processor_text":  # Gemma 3
+    if wraps == "processor_text":  # Gemma 3
         seq = f"\n\n{placeholder}{tokenizer.eoi_token}\n\n"
         out = []
         for (w, h), n in zip(sizes, counts):
@@ -97,7 +92,7 @@ def _skeleton(
                 text += " ".join([seq] * crops)
             out.append((text, n))
         return out
-    if _processor_wraps(spec):
+    if wraps.startswith("processor"):
         counts = [
             n + _image_extra_tokens(spec, tokenizer, processor, w, h) for n, (w, h) in zip(counts, sizes)
         ]
