@@ -234,7 +234,6 @@ MODULES_OVER_THE_LIMIT = {
     "attention.py": "issue 32: masks / varlen / model setup into rooms of their own",
     "data/plan.py": "issue 32: the plan file, its building and its checks",
     "data/stream.py": "issue 32: StreamRunner (456 lines) split by stage",
-    "processing.py": "issue 32: split by concern (rendering, image placement, Idefics3 markers, collapsed)",
 }
 FUNCTIONS_OVER_THE_LIMIT = {
     "packing/offline.py::pack": "issue 32 item 4: pack() reads PackingConfig (its keyword checks go)",

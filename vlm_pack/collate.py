@@ -79,6 +79,7 @@ from .families import names
 from .labels import IGNORE_INDEX
 from .packing.bins import round_up
 from .positions import MRopeOptions, packed_position_ids
+from .processing import length as sample_length  # the one expanded length (and forecast)
 from .remap import remap_cu_seqlens_padded
 from .vision_inputs import check_patch_rows, join_vision
 
@@ -376,7 +377,7 @@ class PackingCollator:
                     raise ValueError(
                         f"{name}: input_ids hold {n_video} video tokens but video_grid_thw makes {want}"
                     )
-            return ids.numel()
+            return sample_length.expanded_length(ids.numel(), tpi, self.layout)
         if is_video.any() or "video_grid_thw" in vision:
             raise ValueError(
                 f"{name}: the collapsed layout supports images only; use layout='expanded' for videos"
@@ -393,7 +394,7 @@ class PackingCollator:
             )
         if tpi is not None and bool((tpi < 1).any()):
             raise ValueError(f"{name}: tokens_per_image must be >= 1, got {tpi.tolist()}")
-        return ids.numel() + (int(tpi.sum()) - n_images if n_images else 0)
+        return sample_length.expanded_length(ids.numel(), tpi if n_images else None, self.layout)
 
     # ------------------------------------------------------------------ the batch
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> PackedBatch | dict[str, Any]:

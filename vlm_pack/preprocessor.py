@@ -23,16 +23,10 @@ import torch
 from .chat import ChatFormat, Conversation, Template
 from .failures import SampleError
 from .families import canonical, lookup, names
-from .processing import (
-    Prompt,
-    _collapsed_ids,
-    _embedding_token_id,
-    _forecast,
-    _placeholder,
-    _render,
-    process_pack,
-    process_sample,
-)
+from .processing import length
+from .processing.length import Forecast
+from .processing.render import Prompt, _checked_ids, _embedding_token_id, _placeholder, _render
+from .processing.sample import process_pack, process_sample
 
 __all__ = ["Preprocessor"]
 
@@ -168,22 +162,35 @@ class Preprocessor:
     def tokenize(self, conversation: Conversation, num_images: int = 0, key: Any = None) -> tuple[list[int], list[bool]]:
         """Collapsed ids and trained mask: :func:`tokenize_conversation` with these parts."""
         rendering = self._rendering(conversation, num_images, key, spans=True)
-        return _collapsed_ids(rendering, self.tokenizer, num_images, key)
+        return _checked_ids(self.tokenizer, rendering, num_images, key)[:2]
 
     def forecast(
         self, conversation: Conversation, image_sizes: Sequence[tuple[int, int]], key: Any = None
     ) -> tuple[int, list[int]]:
-        """``(expanded length, tokens per image)`` from image ``(width, height)`` only: :func:`forecast_length`."""
+        """``(expanded length, tokens per image)`` from image ``(width, height)`` only: :meth:`forecast_rows`
+        with one row."""
         return self.forecast_prompt(conversation, image_sizes, key, keep=False)[:2]
 
     def forecast_prompt(
         self, conversation: Conversation, image_sizes: Sequence[tuple[int, int]], key: Any = None, keep: bool = True
     ) -> tuple[int, list[int], Prompt | None]:
         """:meth:`forecast` and the :class:`Prompt` it rendered, for ``process(..., prompt=)`` (``keep``)."""
-        return _forecast(
-            conversation, image_sizes, self.tokenizer, self.spec, self.processor, self.image_processor,
-            self.family, self.template, key, keep=keep,
-        )
+        (result,) = self.forecast_rows([(conversation, image_sizes, key)], keep=keep)
+        if isinstance(result, Exception):
+            raise result
+        return result.length, result.counts, result.prompt
+
+    def forecast_rows(
+        self, rows: Sequence[tuple[Conversation, Sequence[tuple[int, int]], Any]], keep: bool = False
+    ) -> list[Forecast | Exception]:
+        """The :class:`~vlm_pack.processing.length.Forecast` (length, tokens per image, image starts) of each
+        ``(conversation, image (width, height)s, key)`` row, or the error it raised, the prompts tokenized in
+        one batched call: vlm-pack's one forecast (:func:`vlm_pack.processing.length.forecast_rows`), which
+        every planner, the Energon encoder and ``forecast_length`` use."""
+        return length.forecast_rows(
+            rows, tokenizer=self.tokenizer, spec=self.spec, processor=self.processor, family=self.family,
+            template=self.template, placeholder=self._placeholder, keep=keep,
+        )  # fmt: skip
 
     def process(
         self, images: Sequence[Any], conversation: Conversation, key: Any = None, prompt: Prompt | None = None

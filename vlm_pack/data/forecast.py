@@ -2,8 +2,8 @@
 
 Each worker process reads whole chunks of the sources itself (``sources.read_chunk``), normalises every
 record, reads each image's ``(width, height)`` from its header bytes (``vision.image_size``; no pixel is
-decoded), tokenizes the conversation with the family's chat format and counts the vision tokens
-(``vision`` spec): the same numbers as ``processing.forecast_length``, so the forecast equals
+decoded) and forecasts the chunk's rows in one ``Preprocessor.forecast_rows`` call (vlm-pack's one forecast,
+its prompts tokenized in one batched call): the numbers of ``Preprocessor.forecast``, so the forecast equals
 ``len(process_sample(...)["input_ids"])``. Results come back in source order, whatever ``num_workers``::
 
     main       open_sources ─ chunks ─┬──────────────────────────────────┬─ in order ─> LengthTable
@@ -29,7 +29,6 @@ import numpy as np
 
 from ..config import DEFAULT_MAX_CONSECUTIVE_FAILURES, ON_ERROR, check_choice
 from ..failures import FailureBudget, SampleError, skip_reason
-from ..processing import _image_extra_tokens, _processor_wraps
 from .records import Sample
 from .sources import Chunk, Source, chunk_samples, chunks, open_sources
 from .strings import Strings
@@ -38,6 +37,7 @@ if TYPE_CHECKING:
     from ..config import PackingConfig
     from ..packing import PackResult
     from ..preprocessor import Preprocessor
+    from ..processing.length import Forecast
 
 __all__ = ["LengthTable", "forecast_sources", "image_sizes"]
 
@@ -181,7 +181,6 @@ class _Forecaster:
     exif_transpose: bool
     on_error: str
     verify: bool = False
-    image_id: int = -1
 
 
 _WORKER: _Forecaster | None = None
@@ -218,94 +217,40 @@ class _ChunkResult:
         return self
 
 
-@dataclass
-class _Pending:
-    """A sample read, sized and rendered, waiting for its chunk's one tokenizer call."""
+@dataclass(slots=True)
+class _Read:
+    """A record read and its images sized, waiting for its chunk's one forecast (``Preprocessor.forecast_rows``)."""
 
     ordinal: int
     sample: Sample
-    counts: list[int]
+    sizes: list[tuple[int, int]]
     patches: int
-    prompt: str
-    length: int | None = None  # exact, where the processor wraps images (the tokenized prompt does not say)
-    extras: list[int] = field(default_factory=list)  # wrapper tokens of each image's block
 
 
-def _prepare(f: _Forecaster, sample: Sample, ordinal: int, sizes: list[tuple[int, int]] | None = None) -> _Pending:
+def _read(f: _Forecaster, sample: Sample, ordinal: int, sizes: list[tuple[int, int]] | None = None) -> _Read:
     if sizes is None:
         sizes = image_sizes(sample, exif_transpose=f.exif_transpose, verify=f.verify)
-    try:
-        prompt = f.pre.render(sample.conversation, len(sizes), sample.key)
-        counts = [int(t) for t in f.pre.spec.sample_tokens(sizes)] if sizes else []
-        patches = sum(int(f.pre.spec.num_patches(w, h)) for w, h in sizes)
-        pending = _Pending(ordinal, sample, counts, patches, prompt)
-        # the processor writes tokens around each image: the exact per-sample forecast, not the collapsed ids
-        if sizes and _processor_wraps(f.pre.spec):
-            pending.length = f.pre.forecast(sample.conversation, sizes, sample.key)[0]
-            pre = f.pre
-            pending.extras = [_image_extra_tokens(pre.spec, pre.tokenizer, pre.processor, w, h) for w, h in sizes]
-    except Exception as e:  # bad data is skipped with its reason, an error of code raises (vlm_pack.failures)
-        reason = skip_reason(e, "bad_text", sample.label, sample.key)
-        message = str(e) if sample.key in str(e) else f"sample {sample.key!r}: {e}"
-        raise SampleError(reason, f"{sample.label}: {message}") from None
-    return pending
+    patches = sum(int(f.pre.spec.num_patches(w, h)) for w, h in sizes)
+    return _Read(ordinal, sample, sizes, patches)
 
 
-def _token_ids(f: _Forecaster, pending: list[_Pending]) -> list[list[int]]:
-    """The ids ``tokenize_conversation`` gives each prompt: one batched call for a fast tokenizer."""
-    if not pending:
-        return []
-    tok = f.pre.tokenizer
-    if getattr(tok, "is_fast", False):  # the whole prompt in one piece, as tokenize_conversation
-        prompts = [p.prompt for p in pending]
-        backend = _plain_backend(tok)
-        if backend is not None:
-            return [e.ids for e in backend.encode_batch_fast(prompts, add_special_tokens=False)]
-        return list(tok(prompts, add_special_tokens=False)["input_ids"])
-    # a slow tokenizer is run segment by segment there: do exactly that
-    return [f.pre.tokenize(p.sample.conversation, len(p.counts), p.sample.key)[0] for p in pending]
+def _row_error(exc: Exception, sample: Sample) -> SampleError:
+    """A row's forecast error as the :class:`SampleError` the record is skipped with, naming where it lives;
+    raises an error of code (``vlm_pack.failures``)."""
+    reason = skip_reason(exc, "bad_text", sample.label, sample.key)
+    message = str(exc) if sample.key in str(exc) else f"sample {sample.key!r}: {exc}"
+    return SampleError(reason, f"{sample.label}: {message}")
 
 
-def _plain_backend(tokenizer: Any) -> Any:
-    """The ``tokenizers.Tokenizer`` behind a fast HF tokenizer where calling it directly gives the ids
-    ``tokenizer(texts, add_special_tokens=False)`` gives (no truncation, padding or special-token splitting
-    set on it), else None. Skipping the wrapper's per-text offsets, masks and dicts takes about a quarter off
-    the forecast's tokenizing, its largest cost."""
-    from transformers import PreTrainedTokenizerFast as Fast
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not hasattr(backend, "encode_batch_fast"):
-        return None
-    cls = type(tokenizer)
-    if cls.__call__ is not Fast.__call__ or getattr(cls, "_encode_plus", None) is not Fast._encode_plus:
-        return None  # a tokenizer class with its own encoding steps: only its own call says what it gives
-    plain = backend.truncation is None and backend.padding is None
-    if not plain or bool(backend.encode_special_tokens) != bool(getattr(tokenizer, "split_special_tokens", False)):
-        return None
-    return backend
-
-
-def _add(f: _Forecaster, p: _Pending, ids: list[int], out: _ChunkResult) -> None:
-    found = ids.count(f.image_id)
-    if found != len(p.counts):
-        raise SampleError(
-            "bad_text",
-            f"{p.sample.label}: {len(p.counts)} image(s) became {found} image token(s); the tokenizer must "
-            "keep the image token as one special token.",
-        )
-    # Collapsed placeholder positions -> expanded block starts: shift by the earlier blocks' extra tokens.
-    at, shift = -1, 0
-    for i, count in enumerate(p.counts):
-        at = ids.index(f.image_id, at + 1)
-        out.starts.append(at + shift)
-        shift += count - 1 + (p.extras[i] if p.extras else 0)
-    out.ordinals.append(p.ordinal)
-    out.keys.append(p.sample.key)
-    out.wheres.append(p.sample.where)
-    out.text.append(len(ids) - len(p.counts) if p.length is None else p.length - sum(p.counts))
-    out.patches.append(p.patches)
-    out.num_images.append(len(p.counts))
-    out.counts.extend(p.counts)
+def _add(r: _Read, forecast: Forecast, out: _ChunkResult) -> None:
+    out.ordinals.append(r.ordinal)
+    out.keys.append(r.sample.key)
+    out.wheres.append(r.sample.where)
+    out.text.append(forecast.length - sum(forecast.counts))
+    out.patches.append(r.patches)
+    out.num_images.append(len(forecast.counts))
+    out.counts.extend(forecast.counts)
+    out.starts.extend(forecast.starts)
 
 
 def _forecast_chunk(chunk: Chunk) -> _ChunkResult:
@@ -347,23 +292,24 @@ def _forecast_chunk_items(
     f: _Forecaster, items: Iterable[tuple[str, str, Sample | SampleError, list[tuple[int, int]] | None]]
 ) -> _ChunkResult:
     out = _ChunkResult()
-    pending: list[_Pending] = []
+    read: list[_Read] = []
     failed: list[tuple[int, str, str, SampleError]] = []  # (ordinal, key, where, error)
     for where, key, sample, sizes in items:
         out.records += 1
         try:
             if isinstance(sample, SampleError):
                 raise sample
-            pending.append(_prepare(f, sample, out.records - 1, sizes))
+            read.append(_read(f, sample, out.records - 1, sizes))
         except Exception as e:
             label = sample.label if isinstance(sample, Sample) else where
             key = sample.key if isinstance(sample, Sample) else key  # the record's own key, as on success
             failed.append((out.records - 1, key, where, _data_error(e, label, key)))
-    for p, ids in zip(pending, _token_ids(f, pending)):
-        try:
-            _add(f, p, ids, out)
-        except SampleError as e:
-            failed.append((p.ordinal, p.sample.key, p.sample.where, e))
+    rows = [(r.sample.conversation, r.sizes, r.sample.key) for r in read]
+    for r, forecast in zip(read, f.pre.forecast_rows(rows)):
+        if isinstance(forecast, Exception):
+            failed.append((r.ordinal, r.sample.key, r.sample.where, _row_error(forecast, r.sample)))
+        else:
+            _add(r, forecast, out)
     failed.sort(key=lambda item: item[0])  # source order, whichever step found the fault
     if failed and f.on_error == "raise":
         raise failed[0][3]
@@ -388,13 +334,6 @@ def _spend(budget: FailureBudget, result: _ChunkResult) -> None:
             continue
         reason, (key, where, message) = failures[ordinal]
         budget.failure(reason, where if str(key) in where else f"{where} (key {key!r})", message)
-
-
-def _placeholder_id(pre: Preprocessor) -> int:
-    """The id of the token the rendering writes once per image."""
-    from ..processing import _placeholder
-
-    return int(pre.tokenizer.convert_tokens_to_ids(_placeholder(pre.tokenizer, pre.processor, pre.family)))
 
 
 def _ordered_map(executor: Executor | None, items: Iterator[Chunk], window: int) -> Iterator[_ChunkResult]:
@@ -476,9 +415,7 @@ def make_forecaster(
         raise TypeError(f"{who} needs spec= (or a preprocessor with an image processor)")
     check_choice("on_error", on_error, ON_ERROR)
     opened = open_sources(sources, image_root=image_root)
-    forecaster = _Forecaster(opened, pre, record_format, exif_transpose, on_error, verify)
-    forecaster.image_id = _placeholder_id(pre)
-    return forecaster
+    return _Forecaster(opened, pre, record_format, exif_transpose, on_error, verify)
 
 
 def assemble_table(

@@ -77,6 +77,7 @@ from ..data import read_header
 from ..failures import FailureBudget, FailureBudgetError, SampleCodeError, SampleError, skip_reason
 from ..packing import pack, padded_lengths
 from ..preprocessor import Preprocessor
+from ..processing import length as sample_length  # the one expanded length (and forecast)
 
 __all__ = ["FatalPackingError", "PackedVLMSample", "VLMPackingTaskEncoder", "VLMSample", "packed_train_dataset"]
 
@@ -265,10 +266,7 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
             p = self.preprocessor.process(sample.images, sample.conversation, sample.__key__)
         except Exception as exc:
             return self._bad(exc, "decode_error", sample.__key__, self.process_budget)
-        tpi = p.get("tokens_per_image")
-        n = len(p["input_ids"])
-        if self.preprocessor.layout == "collapsed" and tpi is not None:  # one placeholder per image
-            n += int(tpi.sum()) - len(tpi)
+        n = sample_length.expanded_length(len(p["input_ids"]), p.get("tokens_per_image"), self.preprocessor.layout)
         if n != sample.length:
             detail = (f"forecast {sample.length} tokens, processed {n}: the vision spec does not match the "
                       "image processor (build both from the same checkpoint)")

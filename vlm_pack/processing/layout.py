@@ -1,0 +1,123 @@
+"""The tokenizer + image-processor path (Qwen-style, LLaVA) and the collapsed layout: each image token repeated
+once per embedding, ``mm_token_type_ids`` for mRoPE models, and Megatron's one placeholder per image."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..chat import Rendering
+from ..failures import InternalCheckError
+from ..families import canonical, lookup
+from ..labels import IGNORE_INDEX
+from .render import _checked_ids
+
+
+def _collapse(out: dict[str, Any], image_id: int, key: Any) -> dict[str, Any]:
+    """Keep the first of each image's embedding tokens (Megatron's one placeholder per image)."""
+    counts = out["tokens_per_image"]
+    emb = out["input_ids"] == image_id
+    positions = torch.nonzero(emb).flatten()
+    cum = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    first, last = positions[cum[:-1]], positions[cum[1:] - 1]
+    if not bool((last - first + 1 == counts).all()):
+        raise InternalCheckError(
+            f"sample {key!r}: layout='collapsed' needs each image's tokens in one run, but this family's "
+            "processor interleaves them with row or tile markers; use layout='expanded'."
+        )
+    keep = ~emb
+    keep[first] = True
+    for name in ("input_ids", "labels", "mm_token_type_ids", "token_type_ids"):
+        if name in out:
+            out[name] = out[name][keep]
+    return out
+
+
+def _llava_counts(image_processor: Any, tokenizer: Any, images: list[Any]) -> list[int]:
+    import transformers
+
+    name = type(image_processor).__name__
+    if not name.startswith(("LlavaImageProcessor", "LlavaNextImageProcessor", "CLIPImageProcessor")):
+        raise InternalCheckError(
+            f"process_sample with {name}: pass processor= (the checkpoint's HF processor) for this family; "
+            "tokenizer= with image_processor= covers the Qwen-style and LLaVA / LLaVA-NeXT image processors."
+        )
+    cls = transformers.LlavaNextProcessor if name.startswith("LlavaNext") else transformers.LlavaProcessor
+    # The llava-hf checkpoints' processor settings.
+    processor = cls(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+    sizes = [(im.height, im.width) for im in images]
+    from .._compat import num_image_tokens
+
+    return num_image_tokens(processor, sizes)
+
+
+def _expand_text(ids_list: list[int], mask: list[bool], image_id: int, counts: list[int]) -> dict[str, Any]:
+    """``input_ids`` / ``labels`` (L,) with each image token repeated ``counts[i]`` times, ``tokens_per_image``."""
+    input_ids = torch.tensor(ids_list, dtype=torch.long)
+    trained = torch.tensor(mask, dtype=torch.bool) & (input_ids != image_id)
+    labels = torch.where(trained, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+    per_image = torch.tensor(counts, dtype=torch.long)
+    if counts:
+        repeats = torch.ones_like(input_ids)
+        repeats[input_ids == image_id] = per_image
+        input_ids, labels = input_ids.repeat_interleave(repeats), labels.repeat_interleave(repeats)
+    return {"input_ids": input_ids, "tokens_per_image": per_image, "labels": labels}
+
+
+def _with_image_processor(
+    image_processor: Any,
+    tokenizer: Any,
+    rendering: Rendering,
+    images: list[Any],
+    key: Any,
+    tokens: tuple[list[int], list[bool]] | None = None,
+) -> dict[str, Any]:
+    """Tokenizer + image processor: the placeholder repeated once per embedding (Qwen-style, LLaVA)."""
+    ids_list, mask, image_id = _checked_ids(tokenizer, rendering, len(images), key, tokens)
+    out: dict[str, Any] = {}
+    counts: list[int] = []
+    if images:
+        vision = image_processor(images=images, return_tensors="pt")
+        out["pixel_values"] = vision["pixel_values"]
+        if "image_grid_thw" in vision:
+            grid = out["image_grid_thw"] = vision["image_grid_thw"]
+            counts = _grid_counts(image_processor, grid).tolist()
+        else:
+            if "image_sizes" in vision:
+                out["image_sizes"] = vision["image_sizes"]
+            counts = _llava_counts(image_processor, tokenizer, images)
+    out.update(_expand_text(ids_list, mask, image_id, counts))
+    return out
+
+
+def _grid_counts(image_processor: Any, grid: torch.Tensor) -> torch.Tensor:
+    """Embeddings per image (n,) of a Qwen-style ``image_grid_thw`` (n, 3): its patches over merge**2."""
+    merge = int(getattr(image_processor, "merge_size", 2))
+    return grid.prod(-1) // (merge * merge)
+
+
+def _finish(
+    out: dict[str, Any],
+    tokenizer: Any,
+    family: str | None,
+    image_id: int,
+    layout: str,
+    n_images: int,
+    key: Any,
+) -> dict[str, Any]:
+    """The image-processor path's ``mm_token_type_ids`` (Qwen-style) and the collapsed layout."""
+    record = lookup(canonical(family or getattr(tokenizer, "vlm_pack_family", None)))
+    if "image_grid_thw" in out or (record is not None and record.mrope is not None):  # what mRoPE models read
+        out["mm_token_type_ids"] = (out["input_ids"] == image_id).long()
+    if layout == "collapsed" and n_images:
+        out = _collapse(out, image_id, key)
+    return out
+
+
