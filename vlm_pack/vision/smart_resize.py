@@ -51,6 +51,15 @@ def smart_resize(
         raise _aspect_error(family, height, width)
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
+    return fit_pixel_budget(height, width, h_bar, w_bar, factor, min_pixels, max_pixels)
+
+
+def fit_pixel_budget(
+    height: int, width: int, h_bar: int, w_bar: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """``smart_resize``'s budget step, shared by the families that resize this way (Qwen-VL, LFM2-VL): the
+    rounded ``(h_bar, w_bar)`` scaled down (floor) into ``max_pixels`` or up (ceil) to ``min_pixels``, keeping
+    the aspect ratio and multiples of ``factor``, in transformers' float64 order of operations."""
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt((height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from .smart_resize import fit_pixel_budget
 from .spec import MarkerPrompt, VisionSpec, _check_size
 
 
@@ -434,14 +435,7 @@ class Lfm2VlSpec(VisionSpec):
         min_pixels, max_pixels = self.min_image_tokens * unit, self.max_image_tokens * unit
         h_bar = max(f, _round_by_factor(height, f))
         w_bar = max(f, _round_by_factor(width, f))
-        if h_bar * w_bar > max_pixels:
-            beta = math.sqrt((height * width) / max_pixels)
-            h_bar = max(f, math.floor(height / beta / f) * f)
-            w_bar = max(f, math.floor(width / beta / f) * f)
-        elif h_bar * w_bar < min_pixels:
-            beta = math.sqrt(min_pixels / (height * width))
-            h_bar = math.ceil(height * beta / f) * f
-            w_bar = math.ceil(width * beta / f) * f
+        h_bar, w_bar = fit_pixel_budget(height, width, h_bar, w_bar, f, min_pixels, max_pixels)
         return w_bar, h_bar
 
     def is_large(self, width: int, height: int) -> bool:
