@@ -23,7 +23,7 @@ import transformers
 from PIL import Image
 
 from vlm_pack import offline
-from vlm_pack._compat import release
+from vlm_pack._compat import processor_needs_torchvision, release
 from vlm_pack.collate import PackingCollator
 from vlm_pack.masks import image_blocks
 from vlm_pack.processing import forecast_length, process_sample
@@ -90,6 +90,8 @@ def _conversation(k: int, num_images: int) -> list[dict]:
 
 @functools.cache
 def _processor(family: str):
+    if family == "gemma4" and (why := processor_needs_torchvision(family)):
+        pytest.skip(why)
     path = TEMPLATES / f"{family}.jinja"
     template = path.read_text() if path.exists() else None
     tok = offline.build_tokenizer(family)
@@ -229,6 +231,11 @@ _CONTROLS += [(f, "3-row-mrope", _three_row_mrope) for f in ("glm4v", "glm4v_moe
 @pytest.mark.slow
 def test_negative_controls_fail(family, mistake, forward):
     report = _check(family, "sdpa", packed_forward=forward)
+    if mistake == "transformers-packed-path" and release(transformers.__version__)[:2] < (5, 13):
+        # before 5.13 Gemma 4's image blocks are an OR over the causal-and-window mask, whose sample
+        # boundaries come from the restarted positions: transformers' own packed path is exact there
+        assert report.passed and report.metric <= TOL and report.max_abs_diff <= MAX_ABS, str(report)
+        return
     assert not report.passed and report.metric > WRONG, str(report)
 
 
