@@ -377,6 +377,56 @@ def test_gemma3_masks_are_transformers_masks_of_each_sample_alone():
     assert not torch.equal(got["full_attention"], got["sliding_attention"])
 
 
+def _gemma4_masks_alone(model, sample: dict) -> dict[str, torch.Tensor]:
+    """The masks Gemma 4's attention layers receive when ``sample`` alone goes through ``model`` (sdpa),
+    ``{layer_type: [L, L] bool}``, read with forward pre-hooks as ``_gemma3_masks_alone``."""
+    length = len(sample["input_ids"])
+    seen: dict[str, torch.Tensor] = {}
+
+    def record(module, args, kwargs):
+        mask = kwargs["attention_mask"]
+        mask = torch.ones(length, length).tril().bool() if mask is None else mask[0, 0]
+        layer = "sliding_attention" if module.is_sliding else "full_attention"
+        assert torch.equal(seen.setdefault(layer, mask), mask)
+
+    attention = [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"]
+    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in attention]
+    try:
+        inputs = {k: sample[k] for k in ("pixel_values", "image_position_ids") if sample.get(k) is not None}
+        with torch.no_grad():
+            model(
+                input_ids=sample["input_ids"][None],
+                mm_token_type_ids=sample["mm_token_type_ids"][None],
+                use_cache=False,
+                **inputs,
+            )
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def test_gemma4_masks_are_transformers_masks_of_each_sample_alone():
+    """Oracle: the masks transformers' Gemma 4 itself uses for each sample alone, on the diagonal. The tiny
+    model's window of 8 cuts through its images, so this tells the two sliding rules apart: before 5.13 an
+    image sees its whole image past the window, 5.13 on the window applies to it (docs/versions.md); the
+    packed masks follow the installed release."""
+    model = _model("gemma4", "sdpa")
+    assert model.config.get_text_config().sliding_window < min(min(s["tokens_per_image"]) for s in _samples("gemma4")[:2])
+    collator, samples = _one_row("gemma4")
+    batch = collator(list(samples))
+    got = batch.attention_masks()
+    cu = batch.cu_seqlens.tolist()
+    alone = [_gemma4_masks_alone(model, s) for s in samples]
+    assert not torch.equal(alone[0]["sliding_attention"], alone[0]["sliding_attention"].tril())  # two-way images
+    for layer in ("full_attention", "sliding_attention"):
+        want = torch.zeros_like(got[layer])  # nothing across samples
+        for k in range(len(samples)):
+            want[0, 0, cu[k] : cu[k + 1], cu[k] : cu[k + 1]] = alone[k][layer]
+        assert torch.equal(got[layer], want), layer
+    assert torch.equal(got["full_attention"], got["full_attention"].tril())  # full layers: causal per sample
+
+
 @pytest.mark.parametrize("family", ["glm4v", "glm4v_moe", "glm46v"])
 def test_glm4v_positions_are_the_models_get_rope_index_per_sample(family):
     model = _model(family, "sdpa")
