@@ -113,7 +113,11 @@ def test_gemma3n_packed_row_matches_each_sample_alone(attn):
     report = _gemma3n_check(attn)
     assert report.passed and report.metric <= TOL and report.max_abs_diff <= MAX_ABS, str(report)
     assert [len(s["tokens_per_image"]) for s in tf._samples("gemma3n")] == [2, 1, 0]
-    assert _gemma3n(attn).config.text_config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    text = _gemma3n(attn).config.text_config
+    if hasattr(type(text), "kv_sharing_modes"):
+        assert text.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    else:  # transformers < 5.24 has no kv_sharing_modes (configuration_gemma3n.py): the last two layers share
+        assert (text.num_hidden_layers, text.num_kv_shared_layers) == (4, 2)
     assert report.num_samples == 3
 
 

@@ -186,3 +186,41 @@ def tensor_version(tensor: Any) -> int:
     """``tensor``'s in-place version counter (``Tensor._version``): a per-forward cache keyed by a tensor's
     identity sees an in-place edit by it. torch has no public accessor."""
     return tensor._version
+
+
+def images_past_window(until: tuple[int, int] | None, version: str | None = None) -> bool:
+    """Whether the installed transformers (or ``version``) is older than ``until`` (a family's
+    ``images_past_window_until``): its sliding layers then let an image's tokens see their whole image past
+    the window, and vlm-pack's packed masks do the same, so each sample gets the mask it gets alone.
+
+    Gemma 4 before 5.13 (5.6.x ``modeling_gemma4.create_causal_mask_mapping``: ``create_sliding_window_causal_mask``
+    with the image blocks as ``or_mask_function``): (causal AND window) OR same image; 5.13 on (transformers
+    PR 46850, ``create_masks_for_vision_model``): (causal OR same image) AND window.
+    """
+    if until is None:
+        return False
+    version = installed_transformers_version() if version is None else version
+    return version is not None and release(version)[:2] < tuple(until)
+
+
+def processor_needs_torchvision(family: str) -> str | None:
+    """Why ``family``'s processor does not load on the installed transformers without torchvision, or None.
+
+    transformers 5.18 and 5.19's ``processing_gemma4.py`` imports its torchvision image processor module
+    (``image_processing_gemma4``) at the top, although the processor uses only a helper from it (5.6's
+    imports the PIL one, 5.24's neither): Gemma 4's processor needs torchvision there.
+    """
+    import importlib
+
+    try:
+        importlib.import_module(f"transformers.models.{family}.processing_{family}")
+    except ModuleNotFoundError as err:
+        if err.name != "torchvision":
+            raise
+        import transformers
+
+        return (
+            f"transformers {transformers.__version__}'s processing_{family}.py imports torchvision "
+            "(its torchvision image processor module); not installed here"
+        )
+    return None

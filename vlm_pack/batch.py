@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ._compat import images_past_window
 from .families import canonical, lookup
 from .labels import IGNORE_INDEX, roll_packed
 from .masks import TOKENS_KEY, MaskMapping, gemma3_attention_masks, real_tokens
@@ -277,7 +278,8 @@ class PackedBatch:
                 record = lookup(self.family)
                 layers = record.two_way_layers if record is not None else ()
             masks = gemma3_attention_masks(
-                types, self.cu_seqlens_padded, self.sliding_window, dtype=dtype, two_way_layers=layers
+                types, self.cu_seqlens_padded, self.sliding_window, dtype=dtype, two_way_layers=layers,
+                images_past_window=images_past_window(getattr(lookup(self.family), "images_past_window_until", None)),
             )
             if not self._two_way_images:  # mixture of experts: the padding mask is what it needs (real_tokens)
                 masks = {"full_attention": masks["full_attention"], "linear_attention": None}

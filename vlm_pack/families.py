@@ -112,6 +112,9 @@ class Family:
     two_way_switch: tuple[str, str] | None = None
     """``(text config attribute, value)`` that turns the two-way image blocks on; None: always on.
     Gemma 4: ``("use_bidirectional_attention", "vision")`` (its E2B / E4B leave it None: causal)."""
+    images_past_window_until: tuple[int, int] | None = None
+    """Before this transformers release the sliding layers let image tokens see their whole image past the
+    window, and the packed masks do the same there (Gemma 4: (5, 13), ``vlm_pack._compat.images_past_window``)."""
     collapsed: bool = True
     """``layout="collapsed"`` works: each image's embedding tokens form one run (no markers between them)."""
     chat_format: str | None = None
@@ -286,6 +289,7 @@ _RECORDS = (
         two_way_images=True,
         two_way_layers=("sliding_attention",),
         two_way_switch=("use_bidirectional_attention", "vision"),
+        images_past_window_until=(5, 13),
         collapsed=False,
     ),
     # google/gemma-3n-E4B-it (transformers >= 4.53): 256 tokens per image whatever its size, wrapped in

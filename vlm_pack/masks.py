@@ -51,6 +51,7 @@ def gemma3_attention_masks(
     *,
     dtype: torch.dtype | None = None,
     two_way_layers: tuple[str, ...] = ("full_attention", "sliding_attention"),
+    images_past_window: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Gemma 3's per-layer-type masks of a packed batch: ``{"full_attention": M, "sliding_attention": S}``.
 
@@ -64,6 +65,8 @@ def gemma3_attention_masks(
             (0 or the dtype's minimum; what eager attention adds to its scores).
         two_way_layers: the layer types whose image blocks attend both ways; the others are causal per
             sample (Gemma 4: ``("sliding_attention",)``, as its ``create_masks_for_vision_model``).
+        images_past_window: the sliding layers' image blocks ignore the window, (causal AND window) OR same
+            image (Gemma 4 on transformers < 5.13, ``vlm_pack._compat.images_past_window``).
 
     Returns:
         The masks ``[R, 1, T, T]``, to pass as ``attention_mask=`` (Gemma 3 then uses them as they are,
@@ -83,7 +86,9 @@ def gemma3_attention_masks(
     full = two_way if "full_attention" in two_way_layers else causal_only
     sliding = two_way if "sliding_attention" in two_way_layers else causal_only
     if sliding_window is not None:
-        sliding = sliding & (pos[None, :] > pos[:, None] - int(sliding_window))[None]
+        window = (pos[None, :] > pos[:, None] - int(sliding_window))[None]
+        past = same_block if images_past_window and "sliding_attention" in two_way_layers else False
+        sliding = sliding & (window | past)
     masks = {"full_attention": full[:, None], "sliding_attention": sliding[:, None]}
     if dtype is None:
         return masks

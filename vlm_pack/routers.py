@@ -39,8 +39,9 @@ import torch
 __all__ = ["expert_load", "load_balancing_loss", "record_router_logits"]
 
 
-#: Router modules whose forward returns ``(router_logits [N, E], weights, indices)``: GLM-4.5V's text model,
-#: which GLM-4.6V's checkpoints use too (``models/glm4v_moe/modeling_glm4v_moe.py``).
+#: Router modules whose forward returns ``(router_logits [N, E], weights, indices)`` (transformers 5.6.x: the
+#: ``router_logits`` alone): GLM-4.5V's text model, which GLM-4.6V's checkpoints use too
+#: (``models/glm4v_moe/modeling_glm4v_moe.py``).
 ROUTERS = ("Glm4vMoeTextTopkRouter",)
 
 
@@ -62,7 +63,7 @@ def record_router_logits(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]
             "call the model with output_router_logits=True and pass outputs.router_logits instead."
         )
     seen: list[torch.Tensor] = []
-    hooks = [r.register_forward_hook(lambda _m, _a, out: seen.append(out[0])) for r in routers]
+    hooks = [r.register_forward_hook(lambda _m, _a, out: seen.append(out if torch.is_tensor(out) else out[0])) for r in routers]
     try:
         yield seen
     finally:
