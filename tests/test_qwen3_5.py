@@ -261,3 +261,17 @@ def test_moe_aux_loss_of_a_padded_packed_row_counts_the_real_tokens_only():
             out.logits.reshape(-1, out.logits.shape[-1])[:-1], kwargs["labels"].reshape(-1)[1:], ignore_index=-100
         )
         assert torch.allclose(out.loss, ce + text.router_aux_loss_coef * want, atol=1e-5), style
+
+
+def test_moe_rows_on_a_release_without_the_mask_mapping_say_which_release_to_install(monkeypatch):
+    """Below 5.18 Qwen3.5-MoE takes a 2-D attention_mask only: model_inputs names the release to install
+    instead of an AttributeError inside the model."""
+    from vlm_pack import _compat
+
+    batch = _batch("qwen3_5_moe")
+    monkeypatch.setattr(_compat, "installed_transformers_version", lambda: "5.6.0")
+    for style in ("sdpa", "flash_attention_2"):
+        with pytest.raises(ValueError, match=r"qwen3_5_moe need transformers >= 5\.18: transformers 5\.6\.0"):
+            batch.model_inputs(style)
+    monkeypatch.setattr(_compat, "installed_transformers_version", lambda: "5.18.0")
+    assert "attention_mask" in batch.model_inputs("sdpa")  # supported: the mask mapping goes in

@@ -224,3 +224,21 @@ def processor_needs_torchvision(family: str) -> str | None:
             "(its torchvision image processor module); not installed here"
         )
     return None
+
+
+#: The first release whose Qwen3.5-MoE takes a per-layer-type attention-mask mapping (``modeling_qwen3_5_moe.py``:
+#: ``if not isinstance(attention_mask, dict)``): 5.6's takes a 2-D mask only.
+EXPERTS_MASK_MAPPING = (5, 18)
+
+
+def check_experts_mask_mapping(family: str, version: str | None = None) -> None:
+    """Raise naming the release when the installed transformers cannot take the mask mapping that keeps
+    ``family``'s padding out of its router's aux loss (an ``AttributeError`` deep in the model otherwise)."""
+    version = installed_transformers_version() if version is None else version
+    if version is not None and release(version)[:2] < EXPERTS_MASK_MAPPING:
+        need = ".".join(map(str, EXPERTS_MASK_MAPPING))
+        raise ValueError(
+            f"packed rows of {family} need transformers >= {need}: transformers {version}'s model takes a 2-D "
+            "attention_mask only, so the mask that keeps padding out of the router's aux loss cannot reach it. "
+            f"Upgrade transformers (pip install 'transformers>={need}')."
+        )

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ._compat import images_past_window
+from ._compat import check_experts_mask_mapping, images_past_window
 from .families import canonical, lookup
 from .labels import IGNORE_INDEX, roll_packed
 from .masks import TOKENS_KEY, MaskMapping, gemma3_attention_masks, real_tokens
@@ -199,7 +199,10 @@ class PackedBatch:
     def _experts(self) -> bool:
         """The family's router counts tokens in a load-balancing loss that reads a padding mask (Qwen3.5-MoE)."""
         record = lookup(self.family)
-        return record is not None and record.experts
+        if record is None or not record.experts:
+            return False
+        check_experts_mask_mapping(record.name)
+        return True
 
     @property
     def num_samples(self) -> int:
