@@ -9,8 +9,8 @@
   split by rank and worker, resumable; knobs from a ``PackingConfig``) and ``PackedDataLoader`` (a
   DataLoader that tracks it);
 - :mod:`vlm_pack.data.stream`: one stream's work inside a DataLoader worker (``StreamRunner``, reading only
-  the frozen ``WorkerSpec`` the dataset builds), the metadata each batch carries (``stream_info``) and the
-  ``StreamEnd`` marker;
+  the frozen ``WorkerSpec`` the dataset builds); :mod:`vlm_pack.data.stream_meta`: the metadata each batch
+  carries (``stream_info``) and the ``StreamEnd`` marker;
 - :mod:`vlm_pack.data.tracker`: ``StreamTracker``, the main process's record of what each stream delivered
   (``observe``, ``state_dict`` / ``load_state_dict``, epochs, stats);
 - :mod:`vlm_pack.data.state`: the typed resume state (``PipelineState`` ...) and its versioned JSON;
@@ -46,7 +46,7 @@ from .shards import (
 from .sources import iter_samples, open_sources
 from .state import PipelineState
 from .stats import BAD_REASONS, BadSample, BadSampleWarning, PipelineStats
-from .stream import StreamEnd, stream_info
+from .stream_meta import StreamEnd, stream_info
 
 __all__ = [
     "BAD_REASONS",

@@ -101,7 +101,8 @@ from ..packing.online import PACKER_KNOBS
 from ..packing.window import StreamBalance
 from ..preprocessor import Preprocessor
 from .stats import BAD_REASONS, BadSample, BadSampleWarning, PipelineStats
-from .stream import StreamEnd, StreamRunner, WorkerSpec, identity, stream_info
+from .stream import StreamRunner, WorkerSpec, identity
+from .stream_meta import StreamEnd, stream_info
 from .tracker import StreamTracker
 
 __all__ = [
@@ -290,7 +291,7 @@ class PackedWebDataset(torch.utils.data.IterableDataset):
 
     def observe(self, item: Any) -> Any:
         """Record that the consumer received ``item`` (its snapshot becomes the state); return the batch,
-        or None for a :class:`~vlm_pack.data.stream.StreamEnd` marker (skip it).
+        or None for a :class:`~vlm_pack.data.stream_meta.StreamEnd` marker (skip it).
 
         Idempotent. :class:`PackedDataLoader` and single-process iteration call it for you; with a plain
         ``DataLoader``, call it on every item to make ``state_dict`` / ``stats`` follow the stream.
