@@ -317,11 +317,11 @@ def test_flash_style_inputs_through_varlen_attention_match_each_sample_alone(fam
 # ------------------------------------------------------------------------ Gemma 3 masks, GLM-4.1V mRoPE
 
 
-def _gemma3_masks_alone(model, sample: dict) -> dict[str, torch.Tensor]:
-    """The masks Gemma 3's attention layers receive when ``sample`` alone goes through ``model`` (sdpa):
-    ``{layer_type: [L, L] bool}``. Read with torch forward pre-hooks, so no transformers helper (their names
-    and signatures change across releases) stands between the oracle and the model. sdpa's ``None`` is its
-    ``is_causal`` fast path: plain causal."""
+def _masks_alone(model, sample: dict, attention: str, types: str, vision: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The masks the ``attention`` layers (a class name) of ``model`` receive when ``sample`` alone goes through
+    it (sdpa), with its ``types`` token-type ids and ``vision`` tensors: ``{layer_type: [L, L] bool}``. Read with
+    torch forward pre-hooks, so no transformers helper (their names and signatures change across releases)
+    stands between the oracle and the model. sdpa's ``None`` is its ``is_causal`` fast path: plain causal."""
     length = len(sample["input_ids"])
     seen: dict[str, torch.Tensor] = {}
 
@@ -331,20 +331,21 @@ def _gemma3_masks_alone(model, sample: dict) -> dict[str, torch.Tensor]:
         layer = "sliding_attention" if module.is_sliding else "full_attention"
         assert torch.equal(seen.setdefault(layer, mask), mask)  # every layer of a type gets the same one
 
-    attention = [m for m in model.modules() if type(m).__name__ == "Gemma3Attention"]
-    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in attention]
+    layers = [m for m in model.modules() if type(m).__name__ == attention]
+    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in layers]
     try:
-        inputs = {k: sample[k] for k in ("pixel_values",) if sample.get(k) is not None}
+        inputs = {k: sample[k] for k in vision if sample.get(k) is not None}
         with torch.no_grad():
-            model(
-                input_ids=sample["input_ids"][None],
-                token_type_ids=sample["token_type_ids"][None],
-                use_cache=False,
-                **inputs,
-            )
+            model(input_ids=sample["input_ids"][None], **{types: sample[types][None]}, use_cache=False, **inputs)
     finally:
         for hook in hooks:
             hook.remove()
+    return seen
+
+
+def _gemma3_masks_alone(model, sample: dict) -> dict[str, torch.Tensor]:
+    """The masks Gemma 3's attention layers receive for ``sample`` alone (:func:`_masks_alone`)."""
+    seen = _masks_alone(model, sample, "Gemma3Attention", "token_type_ids", ("pixel_values",))
     assert set(seen) == {"full_attention", "sliding_attention"}
     return seen
 
@@ -384,32 +385,9 @@ def test_gemma3_masks_are_transformers_masks_of_each_sample_alone():
 
 
 def _gemma4_masks_alone(model, sample: dict) -> dict[str, torch.Tensor]:
-    """The masks Gemma 4's attention layers receive when ``sample`` alone goes through ``model`` (sdpa),
-    ``{layer_type: [L, L] bool}``, read with forward pre-hooks as ``_gemma3_masks_alone``."""
-    length = len(sample["input_ids"])
-    seen: dict[str, torch.Tensor] = {}
-
-    def record(module, args, kwargs):
-        mask = kwargs["attention_mask"]
-        mask = torch.ones(length, length).tril().bool() if mask is None else mask[0, 0]
-        layer = "sliding_attention" if module.is_sliding else "full_attention"
-        assert torch.equal(seen.setdefault(layer, mask), mask)
-
-    attention = [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"]
-    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in attention]
-    try:
-        inputs = {k: sample[k] for k in ("pixel_values", "image_position_ids") if sample.get(k) is not None}
-        with torch.no_grad():
-            model(
-                input_ids=sample["input_ids"][None],
-                mm_token_type_ids=sample["mm_token_type_ids"][None],
-                use_cache=False,
-                **inputs,
-            )
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return seen
+    """The masks Gemma 4's attention layers receive for ``sample`` alone (:func:`_masks_alone`)."""
+    vision = ("pixel_values", "image_position_ids")
+    return _masks_alone(model, sample, "Gemma4TextAttention", "mm_token_type_ids", vision)
 
 
 def test_gemma4_masks_are_transformers_masks_of_each_sample_alone():
