@@ -1,4 +1,5 @@
-"""Shared test configuration: GPU tests skip cleanly on machines without CUDA; a raw tar writer."""
+"""Shared test configuration: GPU tests skip cleanly on machines without CUDA; a raw tar writer; the
+per-sample mRoPE oracle."""
 
 import io
 import tarfile
@@ -23,6 +24,29 @@ def write_tar():
 
     return write
 
+
+
+@pytest.fixture
+def assert_rope_index_per_sample():
+    """``check(model, batch, samples, sizes)``: every sample's 4-row position ids in the packed ``batch`` are
+    a text arange beside the model's own ``get_rope_index`` of that sample alone (``sizes[k]``: the images of
+    sample ``k``, whose ``image_grid_thw`` rows the batch holds in packed order)."""
+
+    def check(model, batch, samples, sizes) -> None:
+        assert batch.position_ids.shape == (4, 1, batch.row_length)
+        cu = batch.cu_seqlens.tolist()
+        grids = iter(batch.image_grid_thw)
+        for slot, k in enumerate(batch.sample_index.tolist()):
+            s = samples[k]
+            grid = torch.stack([next(grids) for _ in sizes[k]]) if sizes[k] else None
+            rope, _ = model.model.get_rope_index(
+                s["input_ids"][None], mm_token_type_ids=s["mm_token_type_ids"][None], image_grid_thw=grid
+            )
+            got = batch.position_ids[:, 0, cu[slot] : cu[slot + 1]]
+            assert torch.equal(got[1:], rope[:, 0])
+            assert torch.equal(got[0], torch.arange(len(s["input_ids"])))
+
+    return check
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -412,22 +412,9 @@ def test_gemma4_masks_are_transformers_masks_of_each_sample_alone():
 
 
 @pytest.mark.parametrize("family", ["glm4v", "glm4v_moe", "glm46v"])
-def test_glm4v_positions_are_the_models_get_rope_index_per_sample(family):
-    model = _model(family, "sdpa")
+def test_glm4v_positions_are_the_models_get_rope_index_per_sample(family, assert_rope_index_per_sample):
     collator, samples = _one_row(family)
-    batch = collator(list(samples))
-    assert batch.position_ids.shape == (4, 1, batch.row_length)
-    cu = batch.cu_seqlens.tolist()
-    grids = iter(batch.image_grid_thw)
-    for slot, k in enumerate(batch.sample_index.tolist()):
-        s = samples[k]
-        grid = torch.stack([next(grids) for _ in SIZES[k]]) if SIZES[k] else None
-        rope, _ = model.model.get_rope_index(
-            s["input_ids"][None], mm_token_type_ids=s["mm_token_type_ids"][None], image_grid_thw=grid
-        )
-        got = batch.position_ids[:, 0, cu[slot] : cu[slot + 1]]
-        assert torch.equal(got[1:], rope[:, 0])
-        assert torch.equal(got[0], torch.arange(len(s["input_ids"])))
+    assert_rope_index_per_sample(_model(family, "sdpa"), collator(list(samples)), samples, SIZES)
 
 
 # ------------------------------------------------------------------------------------ collapsed layout

@@ -165,20 +165,8 @@ def test_aspect_ratios_the_processor_refuses_are_refused_by_the_forecast(size):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_positions_are_the_models_get_rope_index_per_sample(family):
-    model = _model(family, isolated=False)
-    batch = _batch(family)
-    samples = _samples(family)
-    cu = batch.cu_seqlens.tolist()
-    grids = iter(batch.image_grid_thw)
-    for slot, k in enumerate(batch.sample_index.tolist()):
-        s = samples[k]
-        grid = torch.stack([next(grids) for _ in SIZES[k]]) if SIZES[k] else None
-        rope, _ = model.model.get_rope_index(
-            s["input_ids"][None], mm_token_type_ids=s["mm_token_type_ids"][None], image_grid_thw=grid
-        )
-        got = batch.position_ids[:, 0, cu[slot] : cu[slot + 1]]
-        assert torch.equal(got[1:], rope[:, 0]) and torch.equal(got[0], torch.arange(len(s["input_ids"])))
+def test_positions_are_the_models_get_rope_index_per_sample(family, assert_rope_index_per_sample):
+    assert_rope_index_per_sample(_model(family, isolated=False), _batch(family), _samples(family), SIZES)
 
 
 # ------------------------------------------------------------------------------------ packed == alone
