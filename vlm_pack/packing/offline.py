@@ -100,38 +100,16 @@ def pack(
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     cfg = PackingConfig.resolve("pack", config, **knobs)
     capacity, multiple, oversized = cfg.capacity, cfg.pad_to_multiple_of, cfg.oversized
-    max_samples_per_bin, shuffle_seed = cfg.max_samples_per_bin, cfg.shuffle_seed
     raw, vis, vision_cap = _validated(lengths, vision, cfg.vision_capacity)
     lens = padded_lengths(raw, multiple)
-    n = lens.size
-    sample_cap = n + 1 if max_samples_per_bin is None else max_samples_per_bin  # n + 1: no bin reaches it
+    cap = cfg.max_samples_per_bin
+    sample_cap = lens.size + 1 if cap is None else cap  # n + 1: no bin reaches it
     lens, keep, unpacked, truncated = _apply_oversized(raw, lens, vis, capacity, vision_cap, oversized, multiple)
-    sub = lens if keep is None else lens[keep]
-    sub_vis = None if vis is None else (vis if keep is None else vis[keep])
+    sub, sub_vis = (lens, vis) if keep is None else (lens[keep], None if vis is None else vis[keep])
 
-    bin_lengths = bin_vision = None
-    if sub.size == 0:
-        order = np.zeros(0, dtype=np.int64)
-        offsets = np.zeros(1, dtype=np.int64)
-    else:
-        perm, item_bin, num_bins, ordered = _run_core(
-            strategy, sub, sub_vis, capacity, vision_cap, sample_cap
-        )
-        # per-bin sums by bincount (exact: float64 holds integers up to 2**53)
-        bin_lengths = np.bincount(item_bin, weights=ordered, minlength=num_bins).astype(np.int64)
-        if sub_vis is not None:
-            ordered_vis = sub_vis if perm is None else sub_vis[perm]
-            bin_vision = np.bincount(item_bin, weights=ordered_vis, minlength=num_bins).astype(np.int64)
-        # bin-major order; inside a bin, processing order (the sort is stable)
-        within = _stable_argsort_ids(item_bin, num_bins)
-        order = within if perm is None else perm[within]
-        if keep is not None:
-            order = keep[order]
-        offsets = np.zeros(num_bins + 1, dtype=np.int64)
-        np.cumsum(np.bincount(item_bin, minlength=num_bins), out=offsets[1:])
-
-    if shuffle_seed is not None and offsets.size > 2:
-        new_to_old = np.random.default_rng(shuffle_seed).permutation(offsets.size - 1)
+    order, offsets, bin_lengths, bin_vision = _bins(strategy, sub, sub_vis, keep, capacity, vision_cap, sample_cap)
+    if cfg.shuffle_seed is not None and offsets.size > 2:
+        new_to_old = np.random.default_rng(cfg.shuffle_seed).permutation(offsets.size - 1)
         order, offsets = _permute_bins(order, offsets, new_to_old)
         bin_lengths = bin_lengths[new_to_old]
         bin_vision = None if bin_vision is None else bin_vision[new_to_old]
@@ -144,13 +122,44 @@ def pack(
         strategy=strategy,
         vision=vis,
         vision_capacity=vision_cap if vis is not None else None,
-        max_samples_per_bin=max_samples_per_bin,
+        max_samples_per_bin=cap,
         unpacked=unpacked,
         truncated=truncated,
         bin_lengths=bin_lengths,
         bin_vision=bin_vision,
         pad_to_multiple_of=multiple,
     )
+
+
+def _bins(
+    strategy: str,
+    sub: np.ndarray,
+    sub_vis: np.ndarray | None,
+    keep: np.ndarray | None,
+    capacity: int,
+    vision_cap: int,
+    sample_cap: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The packed samples ``sub`` ([M] lengths, ``sub_vis`` their vision costs; ``keep``: their indices among
+    all samples, None for all) into bins: ``(order [M], offsets [B+1], bin_lengths [B], bin_vision [B])``,
+    ``order`` bin-major over the original indices."""
+    if sub.size == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64), None, None
+    perm, item_bin, num_bins, ordered = _run_core(strategy, sub, sub_vis, capacity, vision_cap, sample_cap)
+    # per-bin sums by bincount (exact: float64 holds integers up to 2**53)
+    bin_lengths = np.bincount(item_bin, weights=ordered, minlength=num_bins).astype(np.int64)
+    bin_vision = None
+    if sub_vis is not None:
+        ordered_vis = sub_vis if perm is None else sub_vis[perm]
+        bin_vision = np.bincount(item_bin, weights=ordered_vis, minlength=num_bins).astype(np.int64)
+    # bin-major order; inside a bin, processing order (the sort is stable)
+    within = _stable_argsort_ids(item_bin, num_bins)
+    order = within if perm is None else perm[within]
+    if keep is not None:
+        order = keep[order]
+    offsets = np.zeros(num_bins + 1, dtype=np.int64)
+    np.cumsum(np.bincount(item_bin, minlength=num_bins), out=offsets[1:])
+    return order, offsets, bin_lengths, bin_vision
 
 
 def _validated(lengths: Any, vision: Any, vision_capacity: Any) -> tuple[np.ndarray, np.ndarray | None, int]:
