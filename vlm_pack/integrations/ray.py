@@ -33,6 +33,7 @@ import numpy as np
 from ..config import DEFAULT_MAX_CONSECUTIVE_FAILURES, PackingConfig
 from ..data.forecast import LengthTable, assemble_table, forecast_chunk, make_forecaster
 from ..data.sources import Chunk, Source, chunks
+from ..families import lookup
 
 if TYPE_CHECKING:
     from ..data.plan import Plan
@@ -65,6 +66,31 @@ def _shippable(source: Source) -> Source:
     # JSON arrays and streamed datasets travel inside their chunks: the actors need only the name
     ref = None if source.kind in ("json", "iterable") else source.ref
     return replace(source, ref=ref, handle=None)
+
+
+def forecast_parts(pre: Preprocessor) -> Preprocessor:
+    """The parts of ``pre`` a forecast reads, for a worker: its tokenizer, chat template (the processor's,
+    resolved here), placeholder, family, layout and vision spec, without the image processor or processor.
+
+    A forecast reads image headers and the spec, never the image processor; unpickling one imports its
+    transformers module, which imports torch (``transformers/image_utils.py``: ``if is_torch_available():
+    import torch``), seconds of a worker's start for nothing. A family whose processor writes tile markers
+    named on the processor (``families`` ``wraps="processor_markers"``: Idefics3, SmolVLM, LFM2-VL) keeps it.
+    """
+    from ..chat import _checkpoint_template
+    from ..preprocessor import Preprocessor
+
+    if pre.image_processor is None and pre.processor is None:
+        return pre
+    family = lookup(getattr(pre.spec, "family", None))
+    if pre.processor is not None and family is not None and family.wraps == "processor_markers":
+        return Preprocessor(pre.tokenizer, None, pre.processor, pre.family, pre.template, pre.layout, pre.spec)
+    template = pre.template
+    if template is None:  # the processor's template first, as a rendering with the processor reads it
+        template = _checkpoint_template(pre.tokenizer, pre.processor)
+    lean = Preprocessor(pre.tokenizer, family=pre.family, template=template, layout=pre.layout, spec=pre.spec)
+    vars(lean)["_placeholder"] = pre._placeholder  # the processor's image token, asked here once
+    return lean
 
 
 class _ChunkForecast:
@@ -161,7 +187,12 @@ def forecast_ray(
     # workers skip and report; the driver raises the first failure in source order, whichever worker found it,
     # and spends the failure budget as the results arrive in source order: a broken source stops the cluster
     # after its first bad chunks, as the local processes stop, not after the whole map
-    shipped = replace(forecaster, sources=[_shippable(s) for s in forecaster.sources], on_error="skip")
+    shipped = replace(
+        forecaster,
+        sources=[_shippable(s) for s in forecaster.sources],
+        pre=forecast_parts(forecaster.pre),
+        on_error="skip",
+    )
     ray, started = _connect(address)
     results = _map(ray, shipped, pieces, num_proc, progress)
     try:
