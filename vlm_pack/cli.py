@@ -19,8 +19,8 @@ length from the text and the image *headers* (no pixel decoded; ``--verify`` dec
 capacity, prints one column per capacity (padding waste of plain padded batches vs packed, samples per pack,
 the grad-accumulation whose samples per optimizer update are closest to the padded run's) and writes ``report.json``, ``report.txt`` and PNG plots to
 ``--out`` (default ``./vlm-pack-report``). ``pack`` writes the bins as JSONL, one pack per line, for
-offline pre-packing. ``plan`` builds a ``datasets`` folder's plan once (bins dealt to ``--world-size`` ranks)
-and saves it as a plan folder every rank reads with ``PackedMapDataset(dataset, pre, plan=DIR, rank=r)``.
+offline pre-packing. ``plan`` builds a ``datasets`` folder's plan once (bins dealt to ``--world-size`` ranks, each
+step balanced by ``--model-config``'s cost; forecast locally or with ``--engine ray``) and saves it as a plan folder every rank reads with ``PackedMapDataset(dataset, pre, plan=DIR, rank=r)``.
 ``python -m vlm_pack`` is the same command.
 """
 
