@@ -127,15 +127,31 @@ def _plan(data_dir, out, *extra: str) -> Plan:
     return Plan.load(out)
 
 
+@pytest.fixture(scope="module")
+def patches(data_dir) -> list[list[int]]:
+    return _patches_per_row(data_dir)
+
+
 @pytest.mark.slow
-def test_each_model_config_plans_its_own_balance(data_dir, configs, tmp_path, capsys):
-    patches = _patches_per_row(data_dir)
-    plans = {name: _plan(data_dir, tmp_path / f"{name}.plan", "--model-config", path) for name, path in configs.items()}
+@pytest.mark.parametrize("accum", [1, 4])
+def test_each_model_config_plans_its_own_balance(data_dir, configs, patches, accum, tmp_path, capsys):
+    plans = {name: _plan(data_dir, tmp_path / f"{name}.plan", "--model-config", path, "--grad-accum", str(accum))
+             for name, path in configs.items()}  # fmt: skip
     printed = capsys.readouterr().out
     assert "costed by qwen2_vl config" in printed and "28 layers x 1536" in printed and "80 layers x 8192" in printed
     own = {name: _imbalance(plan, patches, CONFIGS[name]) for name, plan in plans.items()}
-    print("step imbalance, each plan by its own model's FLOPs:", own)
+    cross = {name: _imbalance(plan, patches, CONFIGS["72b" if name == "2b" else "2b"]) for name, plan in plans.items()}
+    default = _plan(data_dir, tmp_path / "default.plan", "--grad-accum", str(accum))  # PackCost(): a 7B
+    untold = {name: _imbalance(default, patches, cfg) for name, cfg in CONFIGS.items()}
+    with capsys.disabled():  # the table of docs/data.md, "The model's own cost"
+        print(f"\ngrad-accum {accum}, step imbalance by the FLOPs of the model it was costed for: {own}; "
+              f"by the other model's: {cross}; the plan without --model-config, by each model's: {untold}")
     assert own["2b"] <= 1.02 and own["72b"] <= 1.02, own
+    assert all(p.grad_accum == accum and p.steps == -(-p.micro_steps // accum) for p in plans.values())
+    # costed for the other model, the same data waits longer: the 72B's plan trained on the 2B
+    assert cross["72b"] > 1.05 > own["2b"]
+    if accum > 1:
+        return
     # the plan records the cost it was dealt by, and its key holds it: a consumer with another cost is refused
     for name, plan in plans.items():
         assert plan.cost["hidden_size"] == CONFIGS[name]["hidden_size"]
@@ -145,7 +161,6 @@ def test_each_model_config_plans_its_own_balance(data_dir, configs, tmp_path, ca
     # the checkpoint folder reads as its config.json; without --model-config: PackCost() (7B), not in the key
     folder = _plan(data_dir, tmp_path / "folder.plan", "--model-config", str(Path(configs["2b"]).parent))
     assert folder.digest == plans["2b"].digest
-    default = _plan(data_dir, tmp_path / "default.plan")
     assert default.key["packing"]["balance"]["cost"] is None and default.cost["hidden_size"] == 3584
 
 
