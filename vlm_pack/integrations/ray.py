@@ -33,7 +33,6 @@ import numpy as np
 from ..config import DEFAULT_MAX_CONSECUTIVE_FAILURES, PackingConfig
 from ..data.forecast import LengthTable, assemble_table, forecast_chunk, make_forecaster
 from ..data.sources import Chunk, Source, chunks
-from ..families import lookup
 
 if TYPE_CHECKING:
     from ..data.plan import Plan
@@ -79,11 +78,11 @@ def forecast_parts(pre: Preprocessor) -> Preprocessor:
     """
     from ..chat import _checkpoint_template
     from ..preprocessor import Preprocessor
+    from ..processing.markers import _wraps
 
     if pre.image_processor is None and pre.processor is None:
         return pre
-    family = lookup(getattr(pre.spec, "family", None))
-    if pre.processor is not None and family is not None and family.wraps == "processor_markers":
+    if pre.processor is not None and _wraps(pre.spec) == "processor_markers":  # marker names read on it
         return Preprocessor(pre.tokenizer, None, pre.processor, pre.family, pre.template, pre.layout, pre.spec)
     template = pre.template
     if template is None:  # the processor's template first, as a rendering with the processor reads it
