@@ -12,6 +12,7 @@ real JPEG/PNG bytes, content-part messages; ``--rows`` rows, written once into `
   workers), so scaling shows even on a loaded machine;
 - ``vlm_pack.integrations.ray.forecast_ray`` with 1 and 2 workers on a local ``ray.init(num_cpus=2)``
   cluster (started once, untimed; each run includes its actors' start), checked equal to the local table;
+  rows per CPU-second of the driver's whole process tree (``TreeCPU``: GCS, raylet and workers included);
 - ``vlm_pack.packing.pack`` (BFD) of 10 M (and 100 M where ``--pack-max`` allows) synthetic lengths, each in
   a fresh subprocess: wall time, and the peak of memory it allocates (``tracemalloc``, numpy buffers
   included; a second, traced run) beyond the lengths array it is given;
