@@ -36,7 +36,7 @@ from ..data.sources import Chunk, Source, chunks
 
 if TYPE_CHECKING:
     from ..data.plan import Plan
-    from ..packing.steps import StepBalance
+    from ..packing.steps import EpochBalance, StepBalance
     from ..preprocessor import Preprocessor
 
 __all__ = ["build_plan_ray", "forecast_ray", "ray_chunks"]
@@ -257,20 +257,21 @@ def build_plan_ray(
     num_proc: int | None = None,
     address: str | None = None,
     progress: bool | None = None,
-    balance: StepBalance | str | None = None,
+    balance: StepBalance | EpochBalance | None = None,
     **knobs: Any,
 ) -> Plan:
     """:func:`forecast_ray` of ``sources``, the table written to ``lengths`` (a parquet file; None: not
     written), then planned as :func:`vlm_pack.data.build_plan` plans: the same :class:`~vlm_pack.data.Plan`
     as the single-process forecast planned with ``config`` (and ``capacity=``... over it) for ``world_size``
-    ranks (``balance``: how packs are dealt to (step, rank), as there). Keyed by :func:`~vlm_pack.data.plan_key` when ``sources`` is one ``datasets.Dataset`` (so
+    ranks (``balance``: how packs are dealt to (step, rank), as there, or ``StepBalance``'s fields as
+    keywords: ``grad_accum=``, ``cost=``...). Keyed by :func:`~vlm_pack.data.plan_key` when ``sources`` is one ``datasets.Dataset`` (so
     ``PackedMapDataset(plan=)`` takes it), else by its own content."""
     from ..data.lengths import write_lengths
-    from ..data.plan import _check_world_size, make_plan, plan_key_or_none
+    from ..data.plan import _check_world_size, make_plan, plan_key_or_none, resolve_settings
     from ..preprocessor import Preprocessor
 
     pre = Preprocessor.check(preprocessor)
-    config = PackingConfig.resolve("build_plan_ray", config, refuse=("truncate",), **knobs)
+    config, balance = resolve_settings("build_plan_ray", config, balance, knobs)
     _check_world_size(world_size)
     table = forecast_ray(
         sources,
