@@ -193,3 +193,29 @@ def test_lengths_table_round_trips_through_parquet(pre, shards, tmp_path):
 
         pq.write_table(pa.table({"x": [1]}), tmp_path / "other.parquet")
         read_lengths(Path(tmp_path / "other.parquet"))
+
+
+@pytest.mark.slow
+def test_cli_plan_engine_ray_gives_the_local_plan(cluster, parquet, tmp_path, capsys):
+    """``vlm-pack plan --engine ray``: the forecast through ``forecast_ray``, the same plan folder (key, digest,
+    arrays) and lengths file as ``--engine local``; optimizer steps and micro-steps printed apart."""
+    from vlm_pack.cli import main
+    from vlm_pack.data.plan_folder import Plan
+
+    folder = tmp_path / "train"
+    datasets.Dataset.from_parquet(parquet).save_to_disk(str(folder))
+    base = ["plan", str(folder), "--family", "qwen2_vl", "--capacity", "1024", "--world-size", "2",
+            "--grad-accum", "2", "--no-progress"]  # fmt: skip
+    assert main([*base, "--out", str(tmp_path / "local.plan"), "--lengths", str(tmp_path / "local.parquet")]) == 0
+    argv = [*base, "--out", str(tmp_path / "ray.plan"), "--engine", "ray", "--workers", "2"]
+    assert main([*argv, "--lengths", str(tmp_path / "ray.parquet")]) == 0, capsys.readouterr().err
+    local, distributed = Plan.load(tmp_path / "local.plan"), Plan.load(tmp_path / "ray.plan")
+    assert distributed.key == local.key and distributed.digest == local.digest
+    for name in ("rows", "lengths", "bin_ptr", "rank_bins"):
+        assert np.array_equal(getattr(distributed, name), getattr(local, name)), name
+    assert (tmp_path / "local.parquet").read_bytes() == (tmp_path / "ray.parquet").read_bytes()
+    printed = capsys.readouterr().out
+    assert f"{local.steps:,} optimizer steps x 2 rank(s) ({local.micro_steps:,} micro-steps per rank, grad-accum 2)" in printed
+    assert local.steps == -(-local.micro_steps // 2)
+    assert main([*base[:-1], "--out", str(tmp_path / "x.plan"), "--address", "auto"]) == 1
+    assert "--address names a Ray cluster: pass --engine ray" in capsys.readouterr().err

@@ -92,16 +92,16 @@ def test_two_ranks_read_disjoint_parts_covering_every_sample(saved):
     seen = []
     for rank in (0, 1):
         part = Plan.load(path, rank=rank)
-        assert part.digest == plan.digest and part.steps == plan.steps and part.world_size == 2
+        assert part.digest == plan.digest and part.micro_steps == plan.micro_steps and part.world_size == 2
         bins = part.rank_bins_of(rank).tolist()
-        assert len(bins) == part.steps
+        assert len(bins) == part.micro_steps
         seen.append([int(r) for b in bins for r in part.rows_of(b)])
         for b in bins:  # the forecast lengths travel with the rows, bin by bin
             assert part.lengths_of(b).tolist() == plan.lengths_of(b).tolist()
             assert 0 < int(part.lengths_of(b).sum()) <= CAPACITY
     assert not set(seen[0]) & set(seen[1])
     assert sorted(seen[0] + seen[1]) == list(range(N)) and plan.num_samples == N and plan.skipped == ()
-    assert plan.num_bins == 2 * plan.steps
+    assert plan.num_bins == 2 * plan.micro_steps and plan.steps == plan.micro_steps  # grad_accum 1
 
 
 def test_a_rank_maps_its_plan_instead_of_reading_it(saved):
@@ -127,7 +127,7 @@ def test_a_dataset_given_the_saved_plan_gives_the_same_items_without_forecasting
     _no_forecast(monkeypatch)
     given = _packed(dataset, parts, rank=1, plan=path)  # world_size: the plan's
     assert given.world_size == 2 and given.from_cache and isinstance(given.plan.rows, np.memmap)
-    assert given.plan_digest == built.plan_digest and len(given) == len(built) == plan.steps
+    assert given.plan_digest == built.plan_digest and len(given) == len(built) == plan.micro_steps
     for i in range(len(given)):
         a, b = built[i], given[i]
         assert plan_info(a) == plan_info(b)

@@ -74,9 +74,11 @@ def test_every_sample_once_across_ranks_and_after_a_mid_epoch_resume(dataset, pa
     full = [_epoch(ds, PackedSampler(ds)) for ds in ranks]
     assert sorted(row for infos in full for info in infos for row in info["rows"]) == list(range(N))
     # the epoch's shuffle moves whole steps: the micro-steps of step g are one column block of the plan
-    blocks = {tuple(plan.rank_bins[:, g : g + ACCUM].ravel()) for g in range(0, plan.steps, ACCUM)}
-    for g in range(0, plan.steps, ACCUM):
-        cells = tuple(full[r][s]["bin"] for r in range(WORLD) for s in range(g, min(g + ACCUM, plan.steps)))
+    micro = plan.micro_steps
+    assert plan.steps == -(-micro // ACCUM)  # optimizer steps, a partial last one counted
+    blocks = {tuple(plan.rank_bins[:, g : g + ACCUM].ravel()) for g in range(0, micro, ACCUM)}
+    for g in range(0, micro, ACCUM):
+        cells = tuple(full[r][s]["bin"] for r in range(WORLD) for s in range(g, min(g + ACCUM, micro)))
         assert cells in blocks
     for rank, ds in enumerate(ranks):
         sampler = PackedSampler(ds)

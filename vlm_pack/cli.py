@@ -10,6 +10,8 @@
     vlm-pack analyze train-*.parquet --processor ./ckpt          # HF hub parquet with Image columns
     vlm-pack pack shards/ --processor ./ckpt --capacity 16384 --out plan.jsonl
     vlm-pack plan data/train/ --processor ./ckpt --capacity 16384 --world-size 64 --out train.plan
+    vlm-pack plan data/train/ --processor ./ckpt --model-config ./ckpt/config.json --capacity 16384 \
+        --world-size 64 --grad-accum 4 --engine ray --address auto --out train.plan
 
 ``analyze`` reads WebDataset shards, parquet, JSON / JSONL (LLaVA-Instruct, ShareGPT, vlm-pack's manifest)
 or a ``datasets`` ``save_to_disk`` folder in ``--workers N`` processes, forecasts every sample's expanded
@@ -17,8 +19,8 @@ length from the text and the image *headers* (no pixel decoded; ``--verify`` dec
 capacity, prints one column per capacity (padding waste of plain padded batches vs packed, samples per pack,
 the grad-accumulation whose samples per optimizer update are closest to the padded run's) and writes ``report.json``, ``report.txt`` and PNG plots to
 ``--out`` (default ``./vlm-pack-report``). ``pack`` writes the bins as JSONL, one pack per line, for
-offline pre-packing. ``plan`` builds a ``datasets`` folder's plan once (bins dealt to ``--world-size`` ranks)
-and saves it as a plan folder every rank reads with ``PackedMapDataset(dataset, pre, plan=DIR, rank=r)``.
+offline pre-packing. ``plan`` builds a ``datasets`` folder's plan once (bins dealt to ``--world-size`` ranks, each
+step balanced by ``--model-config``'s cost; forecast locally or with ``--engine ray``) and saves it as a plan folder every rank reads with ``PackedMapDataset(dataset, pre, plan=DIR, rank=r)``.
 ``python -m vlm_pack`` is the same command.
 """
 
@@ -32,140 +34,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vlm_pack.cli_model import cost_line, load_forecaster, model_cost
 from vlm_pack.cli_parser import _family_name as _family_name  # the --family type, read here by old callers
 from vlm_pack.cli_parser import build_parser
 from vlm_pack.config import PackingConfig
-from vlm_pack.families import DEFAULT_FAMILY, names
 
 __all__ = ["build_parser", "load_forecaster", "main"]
 
-
-def load_forecaster(args: argparse.Namespace) -> tuple[Any, bool]:
-    """The :class:`~vlm_pack.Preprocessor` ``--family/--processor/--tokenizer`` describe, and whether
-    its tokenizer is the checkpoint's own (exact text counts) rather than the offline stand-in."""
-    from vlm_pack.preprocessor import Preprocessor
-    from vlm_pack.vision import vision_spec
-
-    overrides = dict(args.spec)
-    if args.max_pixels is not None:
-        overrides["max_pixels"] = args.max_pixels
-    if args.min_pixels is not None:
-        overrides["min_pixels"] = args.min_pixels
-    for flag in ("processor", "tokenizer", "image_root"):
-        value = getattr(args, flag, None)
-        if value is not None and not Path(value).is_dir():
-            raise ValueError(f"--{flag.replace('_', '-')} {value!r} is not a directory.")
-    if args.processor is not None:
-        return _checkpoint_preprocessor(args, overrides), True
-    family = args.family or DEFAULT_FAMILY
-    if family not in names("chat_format"):
-        raise ValueError(
-            f"--family {family!r}: vlm-pack renders conversations for {', '.join(names('chat_format'))}; for "
-            "another model, pass its --processor folder (its chat template renders the conversations)."
-        )
-    _check_spec_keys(vision_spec(family), overrides)
-    spec = vision_spec(family, **overrides)
-    if args.tokenizer is not None:
-        return Preprocessor(_load_tokenizer(args.tokenizer), family=family, spec=spec), True
-    from vlm_pack.offline import build_tokenizer
-
-    return Preprocessor(build_tokenizer(family), family=family, spec=spec), False
-
-
-def _load_tokenizer(folder: str) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"tokenizer folder {folder!r}: no tokenizer could be loaded ({e}).") from None
-
-
-def _checkpoint_preprocessor(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
-    """``--processor DIR``: the checkpoint's processor (or its tokenizer + image processor where the processor
-    class cannot be built, e.g. a video processor without torchvision), its chat template and its vision spec."""
-    from dataclasses import replace
-
-    from transformers import AutoProcessor
-
-    from vlm_pack.preprocessor import Preprocessor
-    from vlm_pack.vision import vision_spec_from_processor
-
-    folder = Path(args.processor)
-    processor = None
-    if args.tokenizer is None:
-        try:
-            processor = AutoProcessor.from_pretrained(folder)
-        except Exception:  # any failure (a video processor without torchvision ...): the route below still works
-            processor = None
-        if not hasattr(processor, "image_processor"):  # a folder without a processor class gives a tokenizer
-            processor = None
-    if processor is not None:
-        tokenizer, image_processor = processor.tokenizer, processor.image_processor
-    else:
-        image_processor = _load_image_processor(folder, args.processor)
-        tokenizer = _load_tokenizer(args.tokenizer or args.processor)
-        saved = folder / "chat_template.jinja"  # a processor's template is saved beside it, not in the tokenizer
-        if not getattr(tokenizer, "chat_template", None) and saved.is_file():
-            tokenizer.chat_template = saved.read_text()
-    spec = vision_spec_from_processor(processor if processor is not None else image_processor)
-    if overrides:
-        _check_spec_keys(spec, overrides)
-        spec = replace(spec, **overrides)
-    family = args.family
-    if not getattr(processor if processor is not None else tokenizer, "chat_template", None):
-        family = family or getattr(spec, "variant", None) or spec.family
-        if family not in names("chat_format"):
-            raise ValueError(
-                f"--processor {args.processor!r} has no chat template (chat_template.jinja) and vlm-pack has no "
-                f"chat format for {family!r}: add the checkpoint's chat_template.jinja to the folder, or pass "
-                f"--family (one of {', '.join(names('chat_format'))}) with the same format."
-            )
-    return Preprocessor(tokenizer, image_processor, processor, family=family, spec=spec)
-
-
-def _load_image_processor(folder: Path, given: str) -> Any:
-    """The image processor saved in ``folder``; its PIL class where transformers' choice needs torchvision
-    (transformers 5.6's ``AutoImageProcessor`` needs it for every class)."""
-    from transformers import AutoImageProcessor
-
-    from vlm_pack._compat import pil_image_processor_class
-
-    try:
-        return AutoImageProcessor.from_pretrained(folder)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--processor {given!r}: no image processor could be loaded ({e}).") from None
-    except ImportError:  # torchvision missing: the PIL class of the saved type loads without it
-        config = _saved_image_processor_config(folder)
-        if not config.get("image_processor_type"):
-            raise
-        return pil_image_processor_class(config["image_processor_type"]).from_dict(config)
-
-
-def _saved_image_processor_config(folder: Path) -> dict[str, Any]:
-    """The image processor's settings as saved in ``folder``: ``preprocessor_config.json``, else the
-    ``image_processor`` entry of ``processor_config.json`` (where a processor saves them); {} if neither."""
-    import json
-
-    alone, nested = folder / "preprocessor_config.json", folder / "processor_config.json"
-    if alone.is_file():
-        return json.loads(alone.read_text())
-    if nested.is_file():
-        return json.loads(nested.read_text()).get("image_processor", {})
-    return {}
-
-
-def _check_spec_keys(spec: Any, overrides: dict[str, Any]) -> None:
-    """Refuse ``--spec KEY=...`` for a KEY ``spec`` does not have, listing the ones it has."""
-    import dataclasses
-
-    valid = sorted(f.name for f in dataclasses.fields(spec) if f.init and f.name not in ("family", "variant"))
-    unknown = sorted(set(overrides) - set(valid))
-    if unknown:
-        flags = ", ".join(f"--spec {k}=..." for k in unknown)
-        raise ValueError(
-            f"{flags}: the {spec.family} vision spec has no such parameter; valid keys: {', '.join(valid)}."
-        )
 
 
 def _packing_config(args: argparse.Namespace, capacity: int) -> Any:
@@ -332,16 +207,20 @@ def _run_analysis(
 
     config = _packing_config(args, args.capacity[0])
     baseline = _baseline(args)
+    cost, cost_source = model_cost(getattr(args, "model_config", None))  # before the forecast: fail fast
     _check_writable("--out", Path(args.out), folder=True)
     table, meta = _forecast(args, sources, config)
     packing = {k: v for k, v in config.to_dict().items() if k in ("max_samples_per_bin", "vision_capacity",
                "vision_cost", "oversized", "pad_to_multiple_of")}  # fmt: skip
     meta = {"source": label, "sources": [str(s) for s in sources], **meta, "packing_config": packing}
+    meta["cost_model"] = {"source": cost_source, **(cost or _default_cost()).to_dict()}
     for capacity in args.capacity:
         _refuse_oversized(table, config.replace(capacity=capacity))
     report, results = analyze(
         table, args.capacity, baseline=baseline, strategy=args.strategy, meta=meta, config=config
     )
+    if cost is not None:
+        _cost_step_balance(report, table, results, baseline, cost)
     empty = [c["capacity"] for c in report["capacities"] if c["packed_samples"] == 0]
     if len(empty) == len(report["capacities"]):
         raise ValueError(
@@ -374,6 +253,22 @@ def _run_analysis(
         print(format_report(report))
         print(f"\nreport: {args.out}/ ({', '.join(p.name for p in paths)})")
     return 0
+
+
+def _default_cost() -> Any:
+    from vlm_pack.packing.cost import PackCost
+
+    return PackCost()
+
+
+def _cost_step_balance(report: dict[str, Any], table: Any, results: Sequence[Any], baseline: Any, cost: Any) -> None:
+    """Each capacity's ``step_balance`` (``--world-size`` > 1) measured with ``--model-config``'s cost instead of
+    ``PackCost()``: ranks wait by the model's own cost (a 2B and a 72B weigh images and long texts apart)."""
+    from vlm_pack.report.analysis import step_balance
+
+    for entry, result in zip(report["capacities"], results):
+        if "step_balance" in entry:
+            entry["step_balance"] = step_balance(table, result, baseline.world_size, baseline.grad_accum, cost=cost)
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
@@ -496,36 +391,64 @@ def _plan_preprocessor(args: argparse.Namespace) -> Any:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from vlm_pack.data.plan import _check_replaceable, build_plan
-    from vlm_pack.packing.steps import StepBalance
+    from vlm_pack.data.plan import _check_replaceable, open_dataset, plan_from_lengths
 
     if args.verify:
         raise ValueError("--verify: a plan reads image headers only; run `vlm-pack analyze --verify` first.")
+    if args.engine == "local" and args.address:
+        raise ValueError("--address names a Ray cluster: pass --engine ray with it.")
     out = Path(args.out)
     _check_replaceable(out)
     _check_writable("--out", out.parent, folder=True)
+    if args.lengths:
+        _check_writable("--lengths", Path(args.lengths).parent, folder=True)
+    cost, cost_source = model_cost(args.model_config)  # before the forecast: a bad config fails fast
     pre = _plan_preprocessor(args)
-    plan = build_plan(
-        args.dataset,
-        pre,
-        _packing_config(args, args.capacity),
-        world_size=args.world_size,
-        strategy=args.strategy,
-        record_format=args.record_format,
-        image_root=args.image_root,
-        num_proc=args.workers or 1,
-        progress=False if args.no_progress else None,
-        balance=StepBalance(grad_accum=args.grad_accum, packs=args.packs),
-    )
+    config = _packing_config(args, args.capacity)
+    ds, root = open_dataset(args.dataset, args.image_root, "vlm-pack plan")
+    table = _plan_forecast(args, ds, root, pre, config)
+    plan = plan_from_lengths(
+        table, config, dataset=ds, preprocessor=pre, world_size=args.world_size, strategy=args.strategy,
+        record_format=args.record_format, image_root=root, grad_accum=args.grad_accum, packs=args.packs, cost=cost,
+    )  # fmt: skip
     plan.save(out)
     print(
         f"vlm-pack plan: {plan.num_samples:,} samples in {plan.num_bins:,} packs of {args.capacity:,} tokens, "
-        f"{plan.steps:,} per rank x {plan.world_size} rank(s); {len(plan.skipped):,} left out"
+        f"{plan.steps:,} optimizer steps x {plan.world_size} rank(s) ({plan.micro_steps:,} micro-steps per rank, "
+        f"grad-accum {plan.grad_accum}); {len(plan.skipped):,} left out"
     )
+    print(f"  {cost_line(cost or _default_cost(), cost_source)}")
     for key, where, reason in plan.skipped[:5]:
         print(f"    {key} ({where}): {reason}")
     print(f"plan: {out} (digest {plan.digest})")
     return 0
+
+
+def _plan_forecast(args: argparse.Namespace, ds: Any, root: Path | None, pre: Any, config: Any) -> Any:
+    """The lengths table of the dataset ``ds``: ``--engine local`` (``--workers`` processes) or ``ray``
+    (``vlm_pack.integrations.ray.forecast_ray``, as ``build_plan_ray`` forecasts); written to ``--lengths``."""
+    options = dict(
+        preprocessor=pre,
+        record_format=args.record_format,
+        image_root=root,
+        exif_transpose=config.exif_transpose,
+        on_error=config.on_error,
+        progress=False if args.no_progress else None,
+        max_consecutive_failures=config.max_consecutive_failures,
+    )
+    if args.engine == "ray":
+        from vlm_pack.integrations.ray import forecast_ray
+
+        table = forecast_ray(ds, num_proc=args.workers, address=args.address, **options)
+    else:
+        from vlm_pack.data.forecast import forecast_sources
+
+        table = forecast_sources(ds, num_workers=args.workers or 1, **options)
+    if args.lengths:
+        from vlm_pack.data.lengths import write_lengths
+
+        write_lengths(table, args.lengths)
+    return table
 
 
 def main(argv: Sequence[str] | None = None) -> int:

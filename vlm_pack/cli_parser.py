@@ -168,7 +168,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--lengths",
         metavar="FILE",
         help="also write the lengths table as parquet (row, key, source, text_tokens, vision_tokens, length, "
-        "image_tokens per image; vlm_pack.data.lengths.read_lengths reads it back)",
+        "image_tokens per image; vlm_pack.data.read_lengths reads it back, vlm_pack.data.plan_from_lengths plans "
+        "from it)",
     )
 
 
@@ -222,6 +223,18 @@ def _add_pack_args(p: argparse.ArgumentParser, *, multi: bool) -> None:
         metavar="M",
         help="plan each sample on its length rounded up to M, the span a collator with pad_to_multiple_of=M "
         "gives it (context parallelism; default 1)",
+    )
+
+
+def _add_cost_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cost (what a pack costs the model to train, for ranks in step)")
+    g.add_argument(
+        "--model-config",
+        metavar="PATH",
+        help="the config.json saved beside your checkpoint (or its folder; read with transformers' AutoConfig): "
+        "packs are costed with its widths and depths (vlm_pack.packing.PackCost.from_config) when balancing "
+        "--world-size ranks. Default: PackCost() (Qwen2-VL-7B); a plan costed for another model is exact but "
+        "its ranks wait longer",
     )
 
 
@@ -286,6 +299,7 @@ def _add_analyze(sub: Any) -> None:
     _add_engine_args(a)
     _add_pack_args(a, multi=True)
     _add_baseline_args(a)
+    _add_cost_args(a)
     _add_output_args(a)
 
 
@@ -316,13 +330,17 @@ def _add_plan(sub: Any) -> None:
     p = sub.add_parser(
         "plan",
         help="build a datasets folder's plan once (bins dealt to ranks) for PackedMapDataset(dataset, pre, plan=DIR)",
-        description="Forecast a datasets save_to_disk folder, pack it, deal the packs to --world-size ranks "
-        "and save the plan folder every rank reads (PackedMapDataset(dataset, pre, plan=DIR, rank=r)) without "
-        "forecasting again. Give the same checkpoint (--processor) the training job loads.",
+        description="Forecast a datasets save_to_disk folder (--engine local or ray), pack it, deal the packs to "
+        "--world-size ranks, balanced by --model-config's cost, and save the plan folder every rank reads "
+        "(PackedMapDataset(dataset, pre, plan=DIR, rank=r, balance=StepBalance(grad_accum=K, "
+        "cost=PackCost.from_config(model.config)))) without forecasting again. Give the same checkpoint "
+        "(--processor) the training job loads.",
     )
     p.add_argument("dataset", metavar="DATASET_DIR", help="a datasets save_to_disk folder")
     _add_forecast_args(p)
+    _add_engine_args(p)
     _add_pack_args(p, multi=False)
+    _add_cost_args(p)
     p.add_argument("--world-size", type=_positive_int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument(
         "--grad-accum",
@@ -355,5 +373,6 @@ def _add_demo(sub: Any) -> None:
     _add_forecast_args(m)
     _add_pack_args(m, multi=True)
     _add_baseline_args(m)
+    _add_cost_args(m)
     _add_output_args(m)
 

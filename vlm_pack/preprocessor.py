@@ -16,9 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .chat import ChatFormat, Conversation, Template
 from .failures import SampleError
@@ -26,7 +24,9 @@ from .families import canonical, lookup, names
 from .processing import length
 from .processing.length import Forecast
 from .processing.render import Prompt, _checked_ids, _embedding_token_id, _placeholder, _render
-from .processing.sample import process_pack, process_sample
+
+if TYPE_CHECKING:  # processing a sample needs torch, a forecast does not: a Ray forecast worker never loads it
+    import torch
 
 __all__ = ["Preprocessor"]
 
@@ -196,6 +196,8 @@ class Preprocessor:
         self, images: Sequence[Any], conversation: Conversation, key: Any = None, prompt: Prompt | None = None
     ) -> dict[str, torch.Tensor]:
         """One processed sample: :func:`process_sample` with these parts."""
+        from .processing.sample import process_sample
+
         return process_sample(images, conversation, key=key, prompt=prompt, **self._options())
 
     def process_pack(
@@ -207,6 +209,8 @@ class Preprocessor:
         """A pack's ``(images, conversation)`` samples: :func:`process_pack` with these parts (each sample's
         output, or its data error; an error of code raises ``SampleCodeError``; the images through one
         image-processor call where exact)."""
+        from .processing.sample import process_pack
+
         return process_pack(samples, keys=keys, prompts=prompts, **self._options())
 
     def _options(self) -> dict[str, Any]:

@@ -199,7 +199,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
             self.plan, self.from_cache = self._cached_or_built(key, cache, num_proc, progress)
         self.plan_digest = self.plan.digest
         self.skipped: list[tuple[str, str, str]] = [tuple(s) for s in self.plan.skipped]
-        self.steps = self.plan.steps
+        self.steps = self.plan.micro_steps
         self.num_samples = self.plan.num_samples
         self._collator = self._make_collator()
 

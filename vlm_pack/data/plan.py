@@ -1,59 +1,25 @@
-"""A plan: the bins over a ``datasets.Dataset``'s rows, dealt to ranks, with what made it (issues 23, 25).
+"""Building a :class:`~vlm_pack.data.plan_folder.Plan`: forecast, pack, deal the packs to ranks (issues 23, 25, 34).
 
-Built once (:func:`build_plan`, or ``vlm-pack plan``), saved as a folder, read by every consumer
-(:class:`~vlm_pack.data.PackedMapDataset` ``plan=``, each rank of a multi-node job) without forecasting
-again. The arrays, for a plan of ``num_samples`` samples in ``num_bins = world_size * steps`` bins::
-
-    rows       int64 [num_samples]            dataset row ids, bin by bin
-    lengths    int64 [num_samples]            each sample's forecast (processed) length, as rows
-    bin_ptr    int64 [num_bins + 1]           bin b holds rows[bin_ptr[b] : bin_ptr[b + 1]]
-    rank_bins  int64 [world_size, steps]      the bin rank r trains on at micro-step s (before the epoch's
-                                              shuffle); columns g*grad_accum .. (g+1)*grad_accum - 1 are
-                                              optimizer step g (a step plan, ``packing.steps``)
-
-    rows      │ 7  2  9 │ 4  0 │ 1  8  3  6 │ 5 │ ...     bins over row ids (a row appears at most once)
-    bin_ptr     0         3      5            9   10
-                └ bin 0 ┘ └ 1 ┘  └─ bin 2 ──┘ └3┘
-
-    rank_bins       step 0   step 1   ...                 every rank has `steps` bins (lock-step)
-        rank 0   │    2    │    0    │ ...
-        rank 1   │    3    │    1    │ ...
+Built once (:func:`build_plan` from a dataset, :func:`plan_from_lengths` from a lengths table, or ``vlm-pack
+plan``), saved as a folder, read by every consumer (:class:`~vlm_pack.data.PackedMapDataset` ``plan=``, each
+rank of a multi-node job) without forecasting again.
 
 By default the packs of one step cost about the same on every rank (:func:`~vlm_pack.packing.step_plan`,
 ``balance=StepBalance(...)``: grad accumulation, the model's cost, an image on every rank), and where the
 best-fit packs cost too unequal amounts for any dealing, the plan makes its packs for the steps
 (:func:`plan_packs`, ``StepBalance.packs``); ``balance=EpochBalance()`` balances each rank's epoch total only
-(Karmarkar-Karp), the dealing before step plans.
-
-``key`` is what made the plan (JSON): the dataset's fingerprint and row count, the preprocessor's
-:func:`~vlm_pack.data.fingerprint.fingerprint` parts (tokenizer, processor, image processor, chat template,
-vision spec, versions) and the packing settings (capacity, world_size, ...); ``digest`` names it. A consumer
-with other parts gets a :class:`StalePlanError` naming the parts that changed (``packing.capacity``,
-``chat.template``...), never a plan made for something else.
-
-On disk (:meth:`Plan.save`, written to a temporary folder and renamed into place, so a reader never sees half
-a plan)::
-
-    plan_dir/
-        plan.json        {"format", "digest", "key", "skipped", "arrays": {name: {"shape", "dtype"}}}
-        rows.npy  lengths.npy  bin_ptr.npy  rank_bins.npy
-
-:meth:`Plan.load` memory-maps the ``.npy`` files: a rank reads the pages of its own bins (its row of
-``rank_bins``, then ``bin_ptr`` and ``rows`` of those bins) and nothing else, so its memory does not grow
-with the dataset.
+(Karmarkar-Karp), the dealing before step plans. The cost is the model's: ``StepBalance(cost=
+PackCost.from_config(model.config))`` (``vlm-pack plan --model-config``); the plan records it (``Plan.cost``)
+and its key holds it, so a consumer planning for another model's cost gets a ``StalePlanError`` naming
+``packing.balance.cost``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import itertools
 import json
 import os
-import shutil
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +28,9 @@ import numpy as np
 from .._compat import dataset_fingerprint
 from ..config import PackingConfig
 from ..failures import example, no_good_sample, tally
-from .fingerprint import Unfingerprintable, changed_parts, fingerprint
+from .fingerprint import Unfingerprintable, fingerprint
+from .plan_folder import PLAN_FORMAT, Plan, StalePlanError, digest_of, shown_parts
+from .plan_folder import _check_replaceable as _check_replaceable  # read by the CLI before its forecast
 from .sources import open_sources
 
 if TYPE_CHECKING:
@@ -70,11 +38,8 @@ if TYPE_CHECKING:
     from ..preprocessor import Preprocessor
     from .forecast import LengthTable
 
-__all__ = ["Plan", "StalePlanError", "build_plan", "plan_key"]
+__all__ = ["Plan", "StalePlanError", "build_plan", "plan_from_lengths", "plan_key", "shown_parts"]
 
-PLAN_FORMAT = 3  # 3: a folder of .npy files + plan.json (2: one .npz file)
-_ARRAYS = ("rows", "lengths", "bin_ptr", "rank_bins")
-_META_FILE = "plan.json"
 # PackingConfig fields that shape the plan (the rest are streaming knobs or per-epoch order).
 _PLAN_FIELDS = (
     "capacity",
@@ -86,283 +51,8 @@ _PLAN_FIELDS = (
     "on_error",
     "exif_transpose",
 )
-_FIX = (
-    "rebuild it (vlm_pack.data.build_plan(...).save(path), or `vlm-pack plan DATASET_DIR --out PLAN_DIR`), "
-    "or pass the template, processor and packing settings (capacity, world_size...) it was made with"
-)
 
 
-class StalePlanError(ValueError):
-    """A plan made with other parts than the consumer's; ``changed`` names them (``["packing.capacity"]``)."""
-
-    def __init__(self, message: str, changed: Sequence[str]) -> None:
-        super().__init__(message)
-        self.changed = list(changed)
-
-
-def _digest(text: str | bytes) -> str:
-    return hashlib.sha256(text if isinstance(text, bytes) else text.encode("utf-8")).hexdigest()
-
-
-def shown_parts(changed: Sequence[str], limit: int = 8) -> str:
-    """``changed`` for a message: the first ``limit`` names, then how many more."""
-    return ", ".join(changed[:limit]) + (f" and {len(changed) - limit} more" if len(changed) > limit else "")
-
-
-@dataclass(frozen=True, eq=False)
-class Plan:
-    """The bins over a dataset's rows and the ranks they are dealt to, with the key that made them.
-
-    Arrays (int64; see the module docstring for the drawing): ``rows [num_samples]``, ``lengths
-    [num_samples]``, ``bin_ptr [num_bins + 1]``, ``rank_bins [world_size, steps]``. ``skipped``: ``(key,
-    where, reason)`` of samples left out; ``key``: what made it (None when the chat template could not be
-    fingerprinted); ``digest``: 16 hex digits naming it. ``rank``: the rank it was loaded for (None: all);
-    ``path``: the folder it was loaded from (arrays memory-mapped), else None. ``grad_accum``: micro-steps per
-    optimizer step in ``rank_bins`` (1 for ``EpochBalance``); a consumer shuffles whole steps.
-    """
-
-    rows: np.ndarray
-    lengths: np.ndarray
-    bin_ptr: np.ndarray
-    rank_bins: np.ndarray
-    skipped: tuple[tuple[str, str, str], ...] = ()
-    key: dict[str, Any] | None = None
-    digest: str = ""
-    rank: int | None = None
-    path: Path | None = field(default=None, repr=False)
-    grad_accum: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return int(self.rank_bins.shape[0])
-
-    @property
-    def steps(self) -> int:
-        """Bins per rank per epoch."""
-        return int(self.rank_bins.shape[1])
-
-    @property
-    def num_bins(self) -> int:
-        return int(self.bin_ptr.shape[0]) - 1
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.rows.shape[0])
-
-    def rank_bins_of(self, rank: int) -> np.ndarray:
-        """int64 ``[steps]``: the bins of ``rank``, by step."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(
-                f"rank {rank!r} is not in [0, {self.world_size}): the plan is for {self.world_size} ranks"
-            )
-        return self.rank_bins[rank]
-
-    def rows_of(self, bin_index: int) -> np.ndarray:
-        """int64: the dataset rows of bin ``bin_index``."""
-        return self.rows[self.bin_ptr[bin_index] : self.bin_ptr[bin_index + 1]]
-
-    def lengths_of(self, bin_index: int) -> np.ndarray:
-        """int64: the forecast lengths of the samples of bin ``bin_index``, as :meth:`rows_of`."""
-        return self.lengths[self.bin_ptr[bin_index] : self.bin_ptr[bin_index + 1]]
-
-    def check(self, expect: dict[str, Any], where: str = "the plan") -> None:
-        """Raise :class:`StalePlanError` naming the parts that differ when ``expect`` is not this plan's key."""
-        if self.key == expect:
-            return
-        if self.key is None:
-            raise StalePlanError(
-                f"{where} records no key (it was made with a chat template that cannot be fingerprinted), so "
-                f"it cannot be checked against these parts: {_FIX}, with a template holding plain values.",
-                ["key"],
-            )
-        changed = changed_parts(self.key, expect)
-        details = [d for d in (_change(self.key, expect, part) for part in changed[:4]) if d]
-        raise StalePlanError(
-            f"{where} is stale: {shown_parts(changed)} changed since it was made"
-            + (f" ({'; '.join(details)})" if details else "")
-            + f". {_FIX[0].upper()}{_FIX[1:]}.",
-            changed,
-        )
-
-    # ------------------------------------------------------------------ disk
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the plan as the folder ``path`` (``plan.json`` + one ``.npy`` per array), atomically: a
-        temporary folder beside it renamed into place; a plan folder already there is replaced."""
-        path = Path(path)
-        _check_replaceable(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            shapes = {}
-            for name in _ARRAYS:
-                array = np.ascontiguousarray(getattr(self, name), dtype=np.int64)
-                np.save(tmp / f"{name}.npy", array, allow_pickle=False)
-                shapes[name] = {"shape": list(array.shape), "dtype": str(array.dtype)}
-            meta = {
-                "format": PLAN_FORMAT,
-                "digest": self.digest,
-                "key": self.key,
-                "skipped": [list(s) for s in self.skipped],
-                "arrays": shapes,
-                "grad_accum": self.grad_accum,
-            }
-            (tmp / _META_FILE).write_text(json.dumps(meta, sort_keys=True))
-            _move_into_place(tmp, path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return path
-
-    @classmethod
-    def load(
-        cls, path: str | os.PathLike[str], *, rank: int | None = None, expect: dict[str, Any] | None = None
-    ) -> Plan:
-        """The plan saved in the folder ``path``, its arrays memory-mapped (read-only; ``rank`` reads only
-        the pages of its bins). ``expect`` (a key, see :func:`plan_key`): a plan made with other parts raises
-        :class:`StalePlanError` naming them. A folder that is not a whole plan raises ``ValueError`` naming
-        the file."""
-        path = Path(path)
-        meta = _read_meta(path)
-        arrays = {name: _read_array(path, name, meta["arrays"].get(name)) for name in _ARRAYS}
-        _check_layout(path, arrays)
-        plan = cls(
-            **arrays,
-            skipped=tuple(tuple(s) for s in meta.get("skipped", [])),
-            key=meta.get("key"),
-            digest=str(meta.get("digest", "")),
-            rank=rank,
-            path=path,
-            grad_accum=int(meta.get("grad_accum", 1)),
-        )
-        if rank is not None:
-            plan.rank_bins_of(rank)  # in range, or a ValueError naming the plan's world size
-        if expect is not None:
-            plan.check(expect, f"the plan {path}")
-        return plan
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # a saved plan travels to DataLoader workers as its folder, mapped again there, not as copied arrays
-        if self.path is not None:
-            return (_reopen, (str(self.path), self.rank, self.digest))
-        fields = {name: getattr(self, name) for name in (*_ARRAYS, "skipped", "key", "digest", "rank", "grad_accum")}
-        return (_from_fields, (fields,))
-
-
-def _from_fields(fields: dict[str, Any]) -> Plan:
-    return Plan(**fields)
-
-
-def _reopen(path: str, rank: int | None, digest: str) -> Plan:
-    plan = Plan.load(path, rank=rank)
-    if plan.digest != digest:
-        raise ValueError(
-            f"the plan folder {path} was replaced by plan {plan.digest} while plan {digest} was in use; "
-            "restart the run, or keep a plan in use in its own folder"
-        )
-    return plan
-
-
-def _change(old: Any, new: Any, part: str) -> str:
-    """``"packing.capacity: 192 -> 384"`` for a part whose values are short, else ``""``."""
-    for name in part.split(".") if part else []:
-        old = old.get(name) if isinstance(old, dict) else None
-        new = new.get(name) if isinstance(new, dict) else None
-    short = all(
-        v is None or (isinstance(v, str | int | float | bool) and len(str(v)) <= 40) for v in (old, new)
-    )
-    return f"{part}: {old!r} -> {new!r}" if short else ""
-
-
-def _not_a_plan(path: Path, what: str) -> ValueError:
-    return ValueError(f"{path} is not a whole plan: {what}. Write it again with Plan.save / `vlm-pack plan`.")
-
-
-def _read_meta(path: Path) -> dict[str, Any]:
-    file = path / _META_FILE
-    if path.suffix == ".npz" and path.is_file():
-        raise ValueError(
-            f"{path} is a plan of the old one-file format: plans are folders now (plan.json + .npy files); "
-            "build it again (vlm_pack.data.build_plan(...).save(folder), or `vlm-pack plan`)."
-        )
-    if not path.is_dir():
-        raise FileNotFoundError(f"no plan folder at {path}: write one with Plan.save or `vlm-pack plan`.")
-    try:
-        meta = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise _not_a_plan(path, f"{_META_FILE} is missing (an interrupted copy?)") from None
-    except (OSError, ValueError) as e:
-        raise _not_a_plan(path, f"{_META_FILE} is unreadable ({e})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("arrays"), dict):
-        raise _not_a_plan(path, f"{_META_FILE} holds no array table")
-    if meta.get("format") != PLAN_FORMAT:
-        raise ValueError(
-            f"{path} is a plan of format {meta.get('format')!r}, this vlm-pack reads format {PLAN_FORMAT}: "
-            "build it again with this version."
-        )
-    return meta
-
-
-def _read_array(path: Path, name: str, expected: Any) -> np.ndarray:
-    file = path / f"{name}.npy"
-    try:
-        array = np.load(file, mmap_mode="r", allow_pickle=False)
-    except FileNotFoundError:
-        raise _not_a_plan(path, f"{name}.npy is missing") from None
-    except (OSError, ValueError) as e:
-        raise _not_a_plan(path, f"{name}.npy is unreadable ({e})") from None
-    if (
-        not isinstance(expected, dict)
-        or list(array.shape) != expected.get("shape")
-        or str(array.dtype) != expected.get("dtype")
-    ):
-        raise _not_a_plan(
-            path,
-            f"{name}.npy holds {array.dtype} {list(array.shape)}, {_META_FILE} says {expected!r} (a mix of two plans?)",
-        )
-    return array
-
-
-def _check_layout(path: Path, a: dict[str, np.ndarray]) -> None:
-    """The few reads that tell a consistent plan (the ends of ``bin_ptr``), not a scan of the arrays."""
-    rows, bin_ptr, rank_bins = a["rows"], a["bin_ptr"], a["rank_bins"]
-    if a["lengths"].shape != rows.shape or rank_bins.ndim != 2 or bin_ptr.ndim != 1 or bin_ptr.shape[0] < 2:
-        raise _not_a_plan(path, "its arrays' shapes do not fit together")
-    if int(bin_ptr[0]) != 0 or int(bin_ptr[-1]) != rows.shape[0] or rank_bins.size != bin_ptr.shape[0] - 1:
-        raise _not_a_plan(
-            path,
-            f"bin_ptr runs {int(bin_ptr[0])}..{int(bin_ptr[-1])} over {rows.shape[0]} rows and "
-            f"{bin_ptr.shape[0] - 1} bins for {rank_bins.size} rank slots",
-        )
-
-
-def _check_replaceable(path: Path) -> None:
-    if path.exists() and not (path / _META_FILE).is_file() and (not path.is_dir() or any(path.iterdir())):
-        raise ValueError(f"{path} exists and is not a plan folder: give Plan.save a new or plan folder.")
-
-
-def _move_into_place(tmp: Path, path: Path) -> None:
-    """Rename ``tmp`` to ``path``; a plan already there is moved aside first (a reader holding its maps keeps
-    them: the files are unlinked, not rewritten)."""
-    try:
-        os.rename(tmp, path)
-        return
-    except OSError:
-        if not path.exists():
-            raise
-    old = path.with_name(f".{path.name}.{os.getpid()}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):  # another process moved it meanwhile
-        os.rename(path, old)
-    try:
-        os.rename(tmp, path)
-    except OSError:
-        if not (path / _META_FILE).is_file():  # another process's plan landed first: keep that one
-            raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------- building
 def open_dataset(dataset: Any, image_root: Any, who: str) -> tuple[Any, Path | None]:
     """``(datasets.Dataset, image_root)`` of one dataset or ``save_to_disk`` folder; anything else (files,
     a glob) is refused naming what was found and what to use."""
@@ -419,7 +109,7 @@ def plan_key_or_none(*args: Any, **kwargs: Any) -> dict[str, Any] | None:
 
 
 def key_digest(key: dict[str, Any]) -> str:
-    return _digest(json.dumps(key, sort_keys=True))[:16]
+    return digest_of(json.dumps(key, sort_keys=True))[:16]
 
 
 def build_plan(
@@ -444,11 +134,12 @@ def build_plan(
     ``skipped``; an epoch with no good sample raises. ``balance``: a
     :class:`~vlm_pack.packing.StepBalance` (default ``StepBalance()``: each step's packs cost about the same on
     every rank, see :func:`~vlm_pack.packing.step_plan`) or :class:`~vlm_pack.packing.EpochBalance` (each
-    rank's epoch total only). ``num_proc``: forecast processes (``DataLoader`` workers are ``num_workers``)."""
+    rank's epoch total only); or its fields as keywords (``grad_accum=4, cost=PackCost.from_config(...)``).
+    ``num_proc``: forecast processes (``DataLoader`` workers are ``num_workers``)."""
     from ..preprocessor import Preprocessor
 
     pre = Preprocessor.check(preprocessor)
-    config = PackingConfig.resolve("build_plan", config, refuse=("truncate",), **knobs)
+    config, balance = resolve_settings("build_plan", config, balance, knobs)
     _check_world_size(world_size)
     ds, root = open_dataset(dataset, image_root, "build_plan")
     key = plan_key_or_none(
@@ -464,6 +155,86 @@ def build_plan(
     return make_plan(
         ds, pre, config, key, world_size, strategy, record_format, root, num_proc, progress, balance=balance
     )
+
+
+def plan_from_lengths(
+    lengths: LengthTable | str | os.PathLike[str],
+    config: PackingConfig | None = None,
+    *,
+    world_size: int = 1,
+    strategy: str = "bfd",
+    balance: StepBalance | EpochBalance | None = None,
+    dataset: Any = None,
+    preprocessor: Preprocessor | None = None,
+    record_format: str | None = None,
+    image_root: str | os.PathLike[str] | None = None,
+    **knobs: Any,
+) -> Plan:
+    """The :class:`Plan` of a lengths table, nothing forecast: ``lengths`` is a
+    :class:`~vlm_pack.data.LengthTable` (``forecast_sources``, ``forecast_ray``, your own pipeline's) or the
+    parquet file ``read_lengths`` reads (``vlm-pack analyze --lengths FILE``).
+
+    Packs and deals as :func:`build_plan` does; the keywords are :class:`~vlm_pack.PackingConfig`'s
+    (``capacity=``, ``max_samples_per_bin=``, ``oversized=``...) over ``config`` and
+    :class:`~vlm_pack.packing.StepBalance`'s (``grad_accum=``, ``cost=``, ``image_every_rank=``, ``seed=``,
+    ``packs=``) instead of ``balance=``::
+
+        plan = plan_from_lengths("train.lengths.parquet", capacity=16384, world_size=64, grad_accum=4,
+                                 cost=PackCost.from_config(model.config))
+
+    The plan's ``rows`` are the table's row ids (``LengthTable.index``; positions where it has none). Keyed by
+    :func:`plan_key` when ``dataset`` (the ``datasets.Dataset`` the table was forecast from) and
+    ``preprocessor`` (what forecast it) are given, so ``PackedMapDataset(dataset, preprocessor, plan=)`` takes
+    it; else it has no key (named by its arrays) and serves a loop that reads ``rank_bins_of`` / ``rows_of``.
+    """
+    from .lengths import read_lengths
+
+    config, balance = resolve_settings("plan_from_lengths", config, balance, knobs)
+    _check_world_size(world_size)
+    table = lengths if not isinstance(lengths, str | os.PathLike) else read_lengths(lengths)
+    key = None
+    if (dataset is None) != (preprocessor is None):
+        raise TypeError("plan_from_lengths: give dataset= and preprocessor= together (the key needs both), or neither")
+    if dataset is not None:
+        from ..preprocessor import Preprocessor
+
+        ds, root = open_dataset(dataset, image_root, "plan_from_lengths")
+        _check_table_of(table, ds)
+        key = plan_key_or_none(
+            ds, Preprocessor.check(preprocessor), config, world_size=world_size, strategy=strategy,
+            record_format=record_format, image_root=root, balance=balance,
+        )  # fmt: skip
+    return plan_of_table(table, config, key, world_size=world_size, strategy=strategy, balance=balance)
+
+
+def resolve_settings(
+    who: str, config: PackingConfig | None, balance: Any, knobs: dict[str, Any]
+) -> tuple[PackingConfig, Any]:
+    """``(PackingConfig, balance)`` of an entry point's arguments: ``knobs`` named as ``StepBalance``'s fields
+    make its balance (not with ``balance=`` too), the rest go over ``config``."""
+    import dataclasses
+
+    from ..packing.steps import StepBalance
+
+    fields = {f.name for f in dataclasses.fields(StepBalance)}
+    step = {k: knobs.pop(k) for k in list(knobs) if k in fields}
+    if step and balance is not None:
+        raise TypeError(f"{who}: {', '.join(sorted(step))} given with balance=: put them in the StepBalance")
+    config = PackingConfig.resolve(who, config, refuse=("truncate",), **knobs)
+    return config, (StepBalance(**step) if step else balance)
+
+
+def _check_table_of(table: Any, ds: Any) -> None:
+    """Refuse a lengths table that cannot be ``ds``'s forecast (row ids outside it, or more rows than it)."""
+    index = table.index
+    rows = len(table) + len(table.invalid)
+    if index is None or rows != len(ds) or (len(index) and int(np.max(index)) >= len(ds)):
+        raise ValueError(
+            f"plan_from_lengths: the lengths table holds {rows:,} records"
+            + (" without row ids" if index is None else "")
+            + f", the dataset {len(ds):,} rows: forecast this dataset (forecast_sources(dataset, preprocessor=...)) "
+            "or leave dataset= out."
+        )
 
 
 def _check_world_size(world_size: Any) -> None:
@@ -488,7 +259,6 @@ def make_plan(
 ) -> Plan:
     """:func:`build_plan` of an opened dataset whose ``key`` is known (``PackedMapDataset`` computes it once
     to look up its cache); ``table``: its forecast, made already (``vlm_pack.integrations.ray``)."""
-    from ..packing import padded_lengths
     from .forecast import forecast_sources
 
     table = table if table is not None else forecast_sources(
@@ -502,6 +272,22 @@ def make_plan(
         progress=progress,
         max_consecutive_failures=cfg.max_consecutive_failures,
     )
+    return plan_of_table(table, cfg, key, world_size=world_size, strategy=strategy, balance=balance)
+
+
+def plan_of_table(
+    table: LengthTable,
+    cfg: PackingConfig,
+    key: dict[str, Any] | None,
+    *,
+    world_size: int,
+    strategy: str,
+    balance: StepBalance | EpochBalance | None,
+) -> Plan:
+    """The plan of a forecast ``table`` under ``cfg`` (settings checked), keyed by ``key`` (None: named by
+    its arrays): pack, leave out and list what fits nowhere, deal (:func:`plan_packs`)."""
+    from ..packing import padded_lengths
+
     skipped = [list(s) for s in table.invalid]
     lengths = padded_lengths(table.lengths, cfg.pad_to_multiple_of)  # the spans the collator lays out
     over = np.flatnonzero(lengths > cfg.capacity)
@@ -524,9 +310,11 @@ def make_plan(
         ]
         failures = [(reason, example(f"{w} (key {k!r})", r)) for reason, (k, w, r) in zip(reasons, skipped)]
         raise no_good_sample("PackedMapDataset plan", *tally(failures))
-    members, bin_ptr, rank_bins, grad_accum = plan_packs(table, lengths, result, world_size, _balance(balance))
+    balance = _balance(balance)
+    members, bin_ptr, rank_bins, grad_accum = plan_packs(table, lengths, result, world_size, balance)
+    index = table.index if table.index is not None else np.arange(len(table), dtype=np.int64)
     arrays = {
-        "rows": np.asarray(table.index[members], dtype=np.int64),
+        "rows": np.asarray(index[members], dtype=np.int64),
         "lengths": np.asarray(table.lengths[members], dtype=np.int64),
         "bin_ptr": bin_ptr,
         "rank_bins": rank_bins,
@@ -534,8 +322,21 @@ def make_plan(
     if key is not None:
         digest = key_digest(key)
     else:  # nothing names what made it: the plan is named by its own content
-        digest = _digest(b"".join(arrays[n].tobytes() for n in ("rows", "bin_ptr", "rank_bins")))[:16]
-    return Plan(**arrays, skipped=tuple(tuple(s) for s in skipped), key=key, digest=digest, grad_accum=grad_accum)
+        digest = digest_of(b"".join(arrays[n].tobytes() for n in ("rows", "bin_ptr", "rank_bins")))[:16]
+    skips = tuple(tuple(s) for s in skipped)
+    return Plan(**arrays, skipped=skips, key=key, digest=digest, grad_accum=grad_accum, cost=cost_record(balance))
+
+
+def cost_record(balance: StepBalance | EpochBalance) -> dict[str, Any] | str:
+    """What a plan records of the cost it was dealt by: a ``PackCost``'s fields (``PackCost()``'s, Qwen2-VL-7B,
+    for ``cost=None``), a callable's qualified name, or ``"tokens"`` (``EpochBalance``: each rank's token total)."""
+    from ..packing.cost import PackCost
+    from ..packing.steps import EpochBalance
+
+    if isinstance(balance, EpochBalance):
+        return "tokens"
+    cost = balance.cost if balance.cost is not None else PackCost()
+    return cost.to_dict() if isinstance(cost, PackCost) else balance.key()["cost"]
 
 
 def _balance(balance: StepBalance | EpochBalance | None) -> Any:

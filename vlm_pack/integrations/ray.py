@@ -36,7 +36,7 @@ from ..data.sources import Chunk, Source, chunks
 
 if TYPE_CHECKING:
     from ..data.plan import Plan
-    from ..packing.steps import StepBalance
+    from ..packing.steps import EpochBalance, StepBalance
     from ..preprocessor import Preprocessor
 
 __all__ = ["build_plan_ray", "forecast_ray", "ray_chunks"]
@@ -65,6 +65,31 @@ def _shippable(source: Source) -> Source:
     # JSON arrays and streamed datasets travel inside their chunks: the actors need only the name
     ref = None if source.kind in ("json", "iterable") else source.ref
     return replace(source, ref=ref, handle=None)
+
+
+def forecast_parts(pre: Preprocessor) -> Preprocessor:
+    """The parts of ``pre`` a forecast reads, for a worker: its tokenizer, chat template (the processor's,
+    resolved here), placeholder, family, layout and vision spec, without the image processor or processor.
+
+    A forecast reads image headers and the spec, never the image processor; unpickling one imports its
+    transformers module, which imports torch (``transformers/image_utils.py``: ``if is_torch_available():
+    import torch``), seconds of a worker's start for nothing. A family whose processor writes tile markers
+    named on the processor (``families`` ``wraps="processor_markers"``: Idefics3, SmolVLM, LFM2-VL) keeps it.
+    """
+    from ..chat import _checkpoint_template
+    from ..preprocessor import Preprocessor
+    from ..processing.markers import _wraps
+
+    if pre.image_processor is None and pre.processor is None:
+        return pre
+    if pre.processor is not None and _wraps(pre.spec) == "processor_markers":  # marker names read on it
+        return Preprocessor(pre.tokenizer, None, pre.processor, pre.family, pre.template, pre.layout, pre.spec)
+    template = pre.template
+    if template is None:  # the processor's template first, as a rendering with the processor reads it
+        template = _checkpoint_template(pre.tokenizer, pre.processor)
+    lean = Preprocessor(pre.tokenizer, family=pre.family, template=template, layout=pre.layout, spec=pre.spec)
+    vars(lean)["_placeholder"] = pre._placeholder  # the processor's image token, asked here once
+    return lean
 
 
 class _ChunkForecast:
@@ -161,7 +186,12 @@ def forecast_ray(
     # workers skip and report; the driver raises the first failure in source order, whichever worker found it,
     # and spends the failure budget as the results arrive in source order: a broken source stops the cluster
     # after its first bad chunks, as the local processes stop, not after the whole map
-    shipped = replace(forecaster, sources=[_shippable(s) for s in forecaster.sources], on_error="skip")
+    shipped = replace(
+        forecaster,
+        sources=[_shippable(s) for s in forecaster.sources],
+        pre=forecast_parts(forecaster.pre),
+        on_error="skip",
+    )
     ray, started = _connect(address)
     results = _map(ray, shipped, pieces, num_proc, progress)
     try:
@@ -227,20 +257,21 @@ def build_plan_ray(
     num_proc: int | None = None,
     address: str | None = None,
     progress: bool | None = None,
-    balance: StepBalance | str | None = None,
+    balance: StepBalance | EpochBalance | None = None,
     **knobs: Any,
 ) -> Plan:
     """:func:`forecast_ray` of ``sources``, the table written to ``lengths`` (a parquet file; None: not
     written), then planned as :func:`vlm_pack.data.build_plan` plans: the same :class:`~vlm_pack.data.Plan`
     as the single-process forecast planned with ``config`` (and ``capacity=``... over it) for ``world_size``
-    ranks (``balance``: how packs are dealt to (step, rank), as there). Keyed by :func:`~vlm_pack.data.plan_key` when ``sources`` is one ``datasets.Dataset`` (so
+    ranks (``balance``: how packs are dealt to (step, rank), as there, or ``StepBalance``'s fields as
+    keywords: ``grad_accum=``, ``cost=``...). Keyed by :func:`~vlm_pack.data.plan_key` when ``sources`` is one ``datasets.Dataset`` (so
     ``PackedMapDataset(plan=)`` takes it), else by its own content."""
     from ..data.lengths import write_lengths
-    from ..data.plan import _check_world_size, make_plan, plan_key_or_none
+    from ..data.plan import _check_world_size, make_plan, plan_key_or_none, resolve_settings
     from ..preprocessor import Preprocessor
 
     pre = Preprocessor.check(preprocessor)
-    config = PackingConfig.resolve("build_plan_ray", config, refuse=("truncate",), **knobs)
+    config, balance = resolve_settings("build_plan_ray", config, balance, knobs)
     _check_world_size(world_size)
     table = forecast_ray(
         sources,

@@ -38,6 +38,8 @@ process_pack).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ..chat import IMAGE_MARKER, ChatFormat, chat_format
 from .images import load_image
 from .length import Forecast, expanded_length, forecast_length, forecast_rows
@@ -45,7 +47,9 @@ from .markers import _marker_extra_tokens as _marker_extra_tokens  # read by tes
 from .render import Prompt, tokenize_conversation
 from .render import _embedding_token_id as _embedding_token_id  # read by tests
 from .render import _placeholder as _placeholder  # read by data.fingerprint
-from .sample import process_pack, process_sample
+
+if TYPE_CHECKING:
+    from .sample import process_pack, process_sample
 
 __all__ = [
     "IMAGE_MARKER",
@@ -61,3 +65,13 @@ __all__ = [
     "process_sample",
     "tokenize_conversation",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # processing a sample needs torch, forecasting one does not: ``sample`` is imported on first use, so a
+    # forecast-only process (a Ray forecast worker) never loads torch (PEP 562)
+    if name in ("process_pack", "process_sample"):
+        from . import sample
+
+        return getattr(sample, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

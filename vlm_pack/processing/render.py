@@ -7,13 +7,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..chat import ChatFormat, Conversation, Rendering, Template, render_conversation
 from ..failures import InternalCheckError
 from ..families import FAMILIES, canonical, lookup
+
+if TYPE_CHECKING:  # torch is imported where a mask is built: a forecast-only process (a Ray worker) never loads it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ def _render(
 
 def _trained_tokens(spans: Sequence[tuple[int, int]], offsets: torch.Tensor, length: int) -> torch.Tensor:
     """bool (L,): tokens whose characters ``offsets`` (L, 2) overlap a trained character span."""
+    import torch
+
     char = torch.zeros(length + 1, dtype=torch.long)
     for start, end in spans:
         char[start + 1 : end + 1] = 1
@@ -138,6 +141,8 @@ def _tokenize(tokenizer: Any, rendering: Rendering) -> tuple[list[int], list[boo
             ids += piece
             mask += [start in trained] * len(piece)
         return ids, mask
+    import torch
+
     offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
     return list(enc["input_ids"]), _trained_tokens(rendering.spans, offsets, len(text)).tolist()
 
