@@ -167,3 +167,4 @@ def test_keep_balanced_refuses_more_steps_and_a_broken_image_rule():
     assert keep_balanced((costs, lacking, even), best_fit, 1, False)  # no image rule asked for
     longer = (np.ones(10), np.ones(10, bool), np.arange(10).reshape(2, 5))  # 5 steps against 4
     assert not keep_balanced(longer, best_fit, 1, True)
+

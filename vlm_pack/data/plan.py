@@ -622,7 +622,8 @@ def plan_packs(
         new_costs, world_size, grad_accum, has_image=new_images > 0 if every_rank else None, seed=balance.seed
     )
     old_costs, old_images = _costs_and_images(table, lengths, members, bin_ptr, balance.cost)
-    if keep_balanced((new_costs, new_images > 0, new_bins), (old_costs, old_images > 0, rank_bins), grad_accum, every_rank):
+    new, old = (new_costs, new_images > 0, new_bins), (old_costs, old_images > 0, rank_bins)
+    if keep_balanced(new, old, grad_accum, every_rank):  # no more steps, the image rule kept, better balanced
         return new_members, new_ptr, new_bins, grad_accum
     return members, bin_ptr, rank_bins, grad_accum
 

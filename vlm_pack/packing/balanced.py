@@ -324,18 +324,7 @@ def balanced_packs(
             f"balanced_packs: sample {bad} has length {int(lens[bad])}, outside 1..capacity {capacity}: leave "
             "oversized samples out first (pack(..., oversized='skip') lists them)"
         )
-    if (vision is None) != (vision_capacity is None):
-        raise ValueError("balanced_packs: give vision and vision_capacity together, or neither")
-    vis = None
-    vcap = 0
-    if vision is not None:
-        vis = np.asarray(vision, dtype=np.int64)
-        vcap = _as_positive_int(vision_capacity, "vision_capacity")
-        if vis.shape != (n,) or (n and int(vis.max()) > vcap):
-            raise ValueError(
-                f"balanced_packs: vision must be [N] = [{n}] values each <= vision_capacity {vcap}; leave "
-                "samples over the vision budget out first"
-            )
+    vis, vcap = _checked_vision(vision, vision_capacity, n)
     cap = n + 1 if max_samples_per_bin is None else _as_positive_int(max_samples_per_bin, "max_samples_per_bin")
     step = world_size * grad_accum
     if n < step:
@@ -355,6 +344,22 @@ def balanced_packs(
         return None
     _fill_empty(pack_of, c, k, grad_accum, image)
     return _by_unit_cost(pack_of, c, k, grad_accum)
+
+
+def _checked_vision(vision: Any, vision_capacity: Any, n: int) -> tuple[np.ndarray | None, int]:
+    """``(vision int64 [N] or None, vision_capacity or 0)``, or a ValueError saying what to give."""
+    if (vision is None) != (vision_capacity is None):
+        raise ValueError("balanced_packs: give vision and vision_capacity together, or neither")
+    if vision is None:
+        return None, 0
+    vis = np.asarray(vision, dtype=np.int64)
+    vcap = _as_positive_int(vision_capacity, "vision_capacity")
+    if vis.shape != (n,) or (n and int(vis.max()) > vcap):
+        raise ValueError(
+            f"balanced_packs: vision must be [N] = [{n}] values each <= vision_capacity {vcap}; leave "
+            "samples over the vision budget out first"
+        )
+    return vis, vcap
 
 
 def _seeds(

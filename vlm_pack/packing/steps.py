@@ -22,10 +22,12 @@ cut into the groups in cost order. Within a group the image packs come first, so
     image packs by cost   i0 i1 ... i7 | i8 ... i15 | ...      text packs by cost   t0 ... t3 | t4 ... t7 | ...
     groups (steps)        [ i0..i7  t0..t3 ]  [ i8..i15  t4..t7 ]  ...              each >= world_size images
 
-Where it cannot hold (fewer than ``world_size`` image packs per step in the plan) :func:`steps_short_of_images`
-counts every step where a rank lacks one, and how many of them the plan's image packs could not have spared; there a rank must keep the tower in its graph by itself (a
-dummy image through the tower with zero loss weight, or DDP ``find_unused_parameters=True``). A step with no
-image pack at all is the same on every rank (no FSDP hang).
+Where it cannot hold (fewer than ``world_size`` image packs per step in the plan), :func:`steps_short_of_images`
+counts every step where a rank lacks one (``short``), and of those the ones the plan's image packs could have
+filled (``avoidable``: 0 in every plan vlm-pack makes, ``plan_packs`` keeps no packs that break it); in a short
+step a rank must keep the tower in its graph by itself (a dummy image through the tower with zero loss weight,
+or DDP ``find_unused_parameters=True``). A step with no image pack at all is the same on every rank (no FSDP
+hang).
 """
 
 from __future__ import annotations
