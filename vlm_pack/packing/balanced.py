@@ -10,9 +10,14 @@ one step, its ``grad_accum`` packs (one pack at ``grad_accum == 1``)::
     aims    the cost each unit is filled towards: T / U, unless some samples cost more than that
             ("giants": a unit holding one costs at least that much); then the units of a step holding
             giants aim at its dearest giant (its ranks wait for that one anyway), the rest share what is left
-    place   samples dearest first, each into the unit furthest below its aim that has a pack with room
-            (tokens, and any vision budget or samples-per-pack cap), there into the pack it fits best
-    grow    a sample that fits nowhere opens one more step of units, filled from then on like the others
+    seed    (``has_image``) the U dearest image samples open a unit each, so every rank's share of every
+            step holds an image (the image rule: a rank without one skips the vision tower, DDP's
+            unused-parameter error or an FSDP hang); fewer where text-only samples need packs alone
+    place   the rest dearest first, each into the unit furthest below its aim that has a pack with room
+            (tokens, and any vision budget or samples-per-pack cap), there into the pack it fits best;
+            one that no unit on offer takes joins the least-filled pack that holds it
+    grow    only a sample no pack has room for opens one more step of units (the plan then keeps the
+            best-fit packs: :func:`keep_balanced` never takes more optimizer steps)
     deal    units sorted by cost, cut into steps of world_size, dealt whole (:func:`deal_units`)
 
     costs  [7, 6, 5, 2, 2, 1, 1]   U = 3 units of one pack, room for every sample: aims 8, 8, 8
@@ -22,8 +27,9 @@ one step, its ``grad_accum`` packs (one pack at ``grad_accum == 1``)::
 
 Packs keep every limit the best-fit ones keep (``capacity`` tokens, ``vision_capacity``,
 ``max_samples_per_bin``); every sample is in exactly one pack, none empty; the same inputs give the same
-packs. The padding this costs (packs beyond best fit's) is the rounding to whole steps, plus one step per
-sample that fits nowhere.
+packs. The packs this costs beyond best fit's are the rounding to whole steps (optimizer steps: the same),
+plus a step where a sample fits in no pack (balanced packs fill by cost, not length, so they cannot always
+match best fit's last 0.1%); :func:`keep_balanced` then keeps the best-fit packs.
 
 :func:`step_lower_bound` is what no plan over the same samples can beat (a sample dearer than the ranks
 beside it in its step can carry in their tokens makes them wait).
