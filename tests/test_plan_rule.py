@@ -168,3 +168,30 @@ def test_keep_balanced_refuses_more_steps_and_a_broken_image_rule():
     longer = (np.ones(10), np.ones(10, bool), np.arange(10).reshape(2, 5))  # 5 steps against 4
     assert not keep_balanced(longer, best_fit, 1, True)
 
+
+
+def test_cheap_image_samples_are_spread_one_a_share_not_left_to_clump():
+    # 200 texts, one text dearer than a step (its step's other shares aim as high: they wait for it anyway)
+    # and 30 small image samples, the cheapest of all: placed by cost they come last and fill the shares
+    # furthest below their aims, the giant's step first; 2 ranks x grad-accum 2, 24 shares (48 packs)
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(200, 1500, 200), [4000], np.full(30, 64)])
+    image = np.arange(lengths.size) > 200
+    costs = lengths + lengths**2 / 4000.0 + 5.0 * image
+    costs[200] = 40_000.0
+    world, accum = 2, 2
+
+    def shares_with_an_image(has_image):
+        members, ptr = balanced_packs(
+            costs, lengths, 4096, 48, world_size=world, grad_accum=accum, has_image=has_image
+        )
+        assert np.array_equal(np.sort(members), np.arange(lengths.size)) and ptr.size - 1 == 48
+        assert np.add.reduceat(lengths[members], ptr[:-1]).max() <= 4096
+        packs = np.add.reduceat(image[members].astype(np.int64), ptr[:-1]) > 0
+        plan = deal_units(np.add.reduceat(costs[members], ptr[:-1]), world, accum, has_image=packs)
+        return int(packs.reshape(-1, accum).any(axis=1).sum()), steps_short_of_images(packs, plan, accum)
+
+    clumped, short = shares_with_an_image(None)
+    assert clumped == 14 and short["avoidable"] == 2  # no care: 2 steps short that 18 image packs could fill
+    spread, short = shares_with_an_image(image)
+    assert spread == 24 and short["short"] == 0  # each share opened by an image sample

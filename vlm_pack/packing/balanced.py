@@ -10,7 +10,8 @@ one step, its ``grad_accum`` packs (one pack at ``grad_accum == 1``)::
     aims    the cost each unit is filled towards: T / U, unless some samples cost more than that
             ("giants": a unit holding one costs at least that much); then the units of a step holding
             giants aim at its dearest giant (its ranks wait for that one anyway), the rest share what is left
-    seed    (``has_image``) the U dearest image samples open a unit each, so every rank's share of every
+    seed    (``has_image``, where the packs placed by cost leave shares without an image that the image
+            packs could fill) the U dearest image samples open a unit each, so every rank's share of every
             step holds an image (the image rule: a rank without one skips the vision tower, DDP's
             unused-parameter error or an FSDP hang); fewer where text-only samples need packs alone
     place   the rest dearest first, each into the unit furthest below its aim that has a pack with room
@@ -305,8 +306,8 @@ def balanced_packs(
             neither), as :func:`~vlm_pack.packing.pack` takes them; each ``vision[i] <= vision_capacity``.
         max_samples_per_bin: samples per pack at most (None: no cap).
         has_image: bool ``[N]``: which samples hold an image (None: no care). Given, every unit (a rank's
-            share of a step) holds one wherever there are image samples for every unit, the packs a
-            text-only sample needs alone aside: each unit opens with one of the dearest image samples.
+            share of a step) holds one wherever the image packs could fill every step: where the packs
+            placed by cost leave shares without one, each unit opens with one of the dearest image samples.
 
     Returns:
         ``(members int64 [N], bin_ptr int64 [K + 1])``, ``K`` a multiple of ``world_size * grad_accum``:
@@ -341,15 +342,31 @@ def balanced_packs(
     image = np.zeros(n, bool) if has_image is None else np.asarray(has_image, dtype=bool)
     if image.shape != (n,):
         raise ValueError(f"balanced_packs: has_image must be [N] = [{n}] bools, one per sample")
-    seeds = _seeds(c, lens, image, capacity, targets.size, grad_accum)
-    rest = order[~np.isin(order, seeds)]
-    units = _Units(targets, (capacity, vcap, cap), grad_accum, world_size)
-    pack_of = _place(rest, c, lens, vis, units, seeds)
-    k = len(units.version) * grad_accum
-    if k > n:  # more packs than samples: they would not all hold one
-        return None
-    _fill_empty(pack_of, c, k, grad_accum, image)
-    return _by_unit_cost(pack_of, c, k, grad_accum)
+    placed = None
+    # first as the costs place them (images are dear: most shares get one anyway); seeded where that leaves
+    # shares without an image that the image packs could fill, as seeds cost best fit's tightness
+    for seeds in (np.zeros(0, np.int64), None):
+        if seeds is None:
+            seeds = _seeds(c, lens, image, capacity, targets.size, grad_accum)
+        units = _Units(targets, (capacity, vcap, cap), grad_accum, world_size)
+        pack_of = _place(order[~np.isin(order, seeds)], c, lens, vis, units, seeds)
+        k = len(units.version) * grad_accum
+        if k > n:  # more packs than samples: they would not all hold one
+            return placed
+        _fill_empty(pack_of, c, k, grad_accum, image)
+        placed = _by_unit_cost(pack_of, c, k, grad_accum)
+        if has_image is None or not _shares_lack_images(pack_of, image, k, grad_accum, world_size):
+            break
+    return placed
+
+
+def _shares_lack_images(pack_of: np.ndarray, image: np.ndarray, k: int, per_unit: int, world_size: int) -> bool:
+    """Whether, dealt (:func:`deal_units` spreads the shares holding an image ``world_size`` a step), fewer
+    steps would give every rank an image than the image packs could: ``pack_of`` ``[N]``, ``K`` packs."""
+    packs = np.bincount(pack_of, weights=image, minlength=k) > 0  # [K] packs holding an image
+    shares = packs.reshape(-1, per_unit).any(axis=1)  # [U]
+    steps = shares.size // world_size
+    return int(shares.sum()) // world_size < min(steps, int(packs.sum()) // world_size)
 
 
 def _checked_vision(vision: Any, vision_capacity: Any, n: int) -> tuple[np.ndarray | None, int]:
