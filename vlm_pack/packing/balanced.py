@@ -307,7 +307,8 @@ def balanced_packs(
         max_samples_per_bin: samples per pack at most (None: no cap).
         has_image: bool ``[N]``: which samples hold an image (None: no care). Given, every unit (a rank's
             share of a step) holds one wherever the image packs could fill every step: where the packs
-            placed by cost leave shares without one, each unit opens with one of the dearest image samples.
+            placed by cost leave shares without one, each unit opens with one of the dearest image samples
+            (not in a step added for a sample no pack has room for: a plan then keeps the best-fit packs).
 
     Returns:
         ``(members int64 [N], bin_ptr int64 [K + 1])``, ``K`` a multiple of ``world_size * grad_accum``:
@@ -355,7 +356,8 @@ def balanced_packs(
             return placed
         _fill_empty(pack_of, c, k, grad_accum, image)
         placed = _by_unit_cost(pack_of, c, k, grad_accum)
-        if has_image is None or not _shares_lack_images(pack_of, image, k, grad_accum, world_size):
+        grew = len(units.version) > targets.size  # a step more than asked: the plan keeps best fit's packs
+        if grew or has_image is None or not _shares_lack_images(pack_of, image, k, grad_accum, world_size):
             break
     return placed
 
