@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         def make_encoder() -> Any:
             multiple = pad_multiple_for(cp=args.cp)
             # oversized="skip": a sample longer than capacity is reported on a pack (left_out), not fatal
-            return VLMPackingTaskEncoder(args.capacity, preprocessor, pad_to_multiple_of=multiple, oversized="skip")
+            return VLMPackingTaskEncoder(preprocessor, args.capacity, pad_to_multiple_of=multiple, oversized="skip")
 
         def loader(rank: int, repeat: bool, encoder: Any = None) -> Any:
             encoder = encoder or make_encoder()

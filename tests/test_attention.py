@@ -627,21 +627,21 @@ def varlen_attn_no_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
 @pytest.fixture
 def torch_varlen_as(monkeypatch):
     """Install ``fn`` as torch's varlen_attn (and let the backend run on CPU tensors)."""
-    from vlm_pack import attention
+    from vlm_pack import varlen
 
-    real_reason = attention.backend_unavailable_reason
+    real_reason = varlen.backend_unavailable_reason
 
     def install(fn):
-        monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: fn)
-        attention._torch_varlen_keywords.cache_clear()
+        monkeypatch.setattr(varlen, "_torch_varlen_attn", lambda: fn)
+        varlen._torch_varlen_keywords.cache_clear()
         monkeypatch.setattr(
-            attention,
+            varlen,
             "backend_unavailable_reason",
             lambda name, *a, **kw: None if name == "torch_varlen" else real_reason(name, *a, **kw),
         )
 
     yield install
-    attention._torch_varlen_keywords.cache_clear()
+    varlen._torch_varlen_keywords.cache_clear()
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -678,12 +678,12 @@ def test_installed_torch_varlen_signature_gets_its_keywords():
     """The keywords chosen for the installed torch are ones its varlen_attn declares."""
     import inspect
 
-    from vlm_pack import attention
+    from vlm_pack import varlen
 
-    attention._torch_varlen_keywords.cache_clear()
-    declared = inspect.signature(attention._torch_varlen_attn()).parameters
+    varlen._torch_varlen_keywords.cache_clear()
+    declared = inspect.signature(varlen._torch_varlen_attn()).parameters
     for causal, gqa in itertools.product([True, False], [True, False]):
-        kwargs = attention._torch_varlen_kwargs(causal, 0.25, 16, gqa)
+        kwargs = varlen._torch_varlen_kwargs(causal, 0.25, 16, gqa)
         assert set(kwargs) <= set(declared)
         if "window_size" in declared:
             assert kwargs["window_size"] == ((-1, 0) if causal else (-1, -1))

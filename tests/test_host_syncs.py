@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vlm_pack import attention
+from vlm_pack import varlen
 from vlm_pack.attention import use_varlen_attention
 from vlm_pack.loss import PerTokenLoss, token_cross_entropy
 
@@ -84,7 +84,7 @@ def gpu_path(monkeypatch):
         enable_gqa=False,
     ):
         kernel_calls.append(max_q)
-        doc = attention._doc_ids(cu_seq_q, query.shape[0])
+        doc = varlen._doc_ids(cu_seq_q, query.shape[0])
         mask = doc[:, None] == doc[None, :]
         if window_size == (-1, 0):
             mask &= torch.ones_like(mask).tril()
@@ -98,16 +98,16 @@ def gpu_path(monkeypatch):
         )
         return out.transpose(0, 1)
 
-    real_reason = attention.backend_unavailable_reason
-    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: varlen_attn)
+    real_reason = varlen.backend_unavailable_reason
+    monkeypatch.setattr(varlen, "_torch_varlen_attn", lambda: varlen_attn)
     monkeypatch.setattr(
-        attention,
+        varlen,
         "backend_unavailable_reason",
         lambda name, *a, **kw: None if name == "torch_varlen" else real_reason(name, *a, **kw),
     )
-    attention._torch_varlen_keywords.cache_clear()
+    varlen._torch_varlen_keywords.cache_clear()
     yield kernel_calls
-    attention._torch_varlen_keywords.cache_clear()
+    varlen._torch_varlen_keywords.cache_clear()
 
 
 def tiny_llama(layers: int):

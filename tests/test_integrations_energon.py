@@ -16,8 +16,8 @@ pytest.importorskip("megatron.energon", reason="needs the [energon] extra")
 from megatron.energon import WorkerConfig, get_savable_loader
 from megatron.energon.errors import FatalSampleError, reraise_exception
 
-from vlm_pack import Preprocessor, pad_multiple_for
-from vlm_pack.data import write_shards
+from vlm_pack import PackingConfig, Preprocessor, pad_multiple_for
+from vlm_pack.data import stream_tar_samples, write_shards
 from vlm_pack.demo import demo_records
 from vlm_pack.integrations.energon import FatalPackingError, VLMPackingTaskEncoder, packed_train_dataset
 from vlm_pack.offline import build_tokenizer, image_processor
@@ -51,7 +51,7 @@ def setup(tmp_path_factory):
 
 def _encoder(setup, capacity=CAPACITY, layout="expanded", **kw):
     _, tok, ip, _ = setup
-    return VLMPackingTaskEncoder(capacity, Preprocessor(tok, ip, family="qwen2_vl", layout=layout), **kw)
+    return VLMPackingTaskEncoder(Preprocessor(tok, ip, family="qwen2_vl", layout=layout), capacity, **kw)
 
 
 def _loader(setup, rank, world, workers, encoder=None, repeat=False):
@@ -159,7 +159,7 @@ def test_a_processor_of_any_family_packs_every_sample_at_its_processed_length(se
 
     template = (Path(__file__).parent / "templates" / "internvl.jinja").read_text()
     proc = make_processor("internvl", build_tokenizer("internvl"), chat_template=template, max_patches=2)
-    encoder = VLMPackingTaskEncoder(8192, Preprocessor(processor=proc))
+    encoder = VLMPackingTaskEncoder(Preprocessor(processor=proc), 8192)
     packs = list(_loader(setup, 0, 1, 0, encoder))
     assert sorted(k for p in packs for k in p.keys) == sorted(setup[3]) and encoder.left_out == []
     records = setup[3]
@@ -309,7 +309,7 @@ def test_an_error_of_code_stops_the_run_through_energons_default_handler(setup):
     sample would fail it, so the packer stops the run naming the sample, whatever Energon's handler."""
     tok = build_tokenizer("qwen2_vl")
     tok.split_special_tokens = True
-    encoder = VLMPackingTaskEncoder(CAPACITY, Preprocessor(tok, setup[2], family="qwen2_vl"))
+    encoder = VLMPackingTaskEncoder(Preprocessor(tok, setup[2], family="qwen2_vl"), CAPACITY)
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)  # Energon's default handler: logs and drops
     loader = get_savable_loader(packed_train_dataset(str(setup[0]), encoder, worker_config=wc, repeat=False),
                                 watchdog_timeout_seconds=None)
@@ -340,3 +340,57 @@ def test_skip_restored_mid_epoch_gives_the_same_packs_and_reports(setup, mixed):
         assert head + _take(restored, 3, both) == full, f"rank {rank}: the restart changed the packs or reports"
         reports.update(key for _, left_out in full for key, _ in left_out)
     assert reports == {"long-01", "long-09", "undecodable", "unreadable"}  # every bad sample is compared
+
+
+def test_the_old_argument_order_still_builds_the_same_encoder_with_a_deprecation_warning(setup):
+    """(capacity, preprocessor), the order before 0.9, warns naming the new one; capacity= as a keyword is a
+    PackingConfig knob like every dataset's, so it does not warn."""
+    import warnings
+
+    pre = Preprocessor(setup[1], setup[2], family="qwen2_vl")
+    with pytest.warns(DeprecationWarning, match=r"VLMPackingTaskEncoder\(preprocessor, PackingConfig\(capacity=\.\.\.\)\)"):
+        old = VLMPackingTaskEncoder(EDGE_CAPACITY, pre, oversized="skip", pad_to_multiple_of=4)
+    new = VLMPackingTaskEncoder(pre, PackingConfig(capacity=EDGE_CAPACITY, oversized="skip", pad_to_multiple_of=4))
+    assert old.config == new.config and (old.capacity, old.pad_to_multiple_of, old.oversized) == (100, 4, "skip")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert VLMPackingTaskEncoder(capacity=EDGE_CAPACITY, preprocessor=pre).config.capacity == EDGE_CAPACITY
+    with pytest.raises(ValueError, match=r"no vision budget \(vision_capacity=4\)"):
+        VLMPackingTaskEncoder(pre, EDGE_CAPACITY, vision_capacity=4)
+
+
+def _crude(record: dict, tmp_path: Path) -> dict:
+    """``record`` as Energon's CrudeWebdataset hands it to the cooker: the raw fields of its shard."""
+    write_shards([record], str(tmp_path / "one-%05d.tar"), maxcount=1)
+    return next(iter(stream_tar_samples(str(tmp_path / "one-00000.tar"))))
+
+
+def test_the_cooker_runs_bad_data_through_the_one_failure_policy(setup, tmp_path):
+    """A sample whose image header does not read: counted under its reason by the forecast stage's budget and
+    carried to a pack's report (on_error="skip"); on_error="raise" and a spent budget stop the run naming it, as a
+    FatalSampleError (Energon's handler re-raises it)."""
+    bad = _truncated_image_record("unreadable")
+    bad["images"] = [(b"\x89PNG\r\n\x1a\n-not-a-png", "png")]
+    crude = _crude(bad, tmp_path)
+    pre = Preprocessor(setup[1], setup[2], family="qwen2_vl")
+    encoder = VLMPackingTaskEncoder(pre, CAPACITY)
+    cooked = encoder.cook_sample(crude)
+    assert cooked.failure.startswith("corrupt_image: ") and "unreadable" in cooked.failure
+    assert encoder.forecasting.budget.counts == {"corrupt_image": 1}
+    with pytest.raises(FatalPackingError, match=r"bad sample: corrupt_image: sample 'unreadable'"):
+        VLMPackingTaskEncoder(pre, CAPACITY, on_error="raise").cook_sample(crude)
+    budget = VLMPackingTaskEncoder(pre, CAPACITY, max_consecutive_failures=1)
+    budget.cook_sample(crude)
+    with pytest.raises(FatalPackingError, match=r"2 bad samples in a row, more than .*max_consecutive_failures=1"):
+        budget.cook_sample(crude)
+
+
+@pytest.mark.slow
+def test_on_error_raise_stops_the_run_through_energons_default_handler(setup, mixed):
+    """on_error="raise" (2 ranks x 2 workers, Energon's default handler, which logs and drops what a hook raises):
+    the first bad sample stops the run, named with its reason."""
+    with pytest.raises(FatalSampleError, match=r"bad sample: (too_long|decode_error|corrupt_image): "
+                       r"sample '(long-\d\d|undecodable|unreadable)'"):
+        for rank in range(2):
+            encoder = _encoder(setup, capacity=EDGE_CAPACITY, pad_to_multiple_of=4, oversized="skip", on_error="raise")
+            list(_mixed_loader(mixed[0], encoder, rank))

@@ -107,7 +107,7 @@ def test_the_energon_encoder_forecasts_and_checks_through_the_one_forecast(parts
 
     _, record, crude = shard
     pre = Preprocessor(*parts, family="qwen2_vl", layout=layout)
-    encoder = VLMPackingTaskEncoder(8192, pre)
+    encoder = VLMPackingTaskEncoder(pre, 8192)
     cooked = encoder.cook_sample(crude)
     assert cooked.failure is None and cooked.length == pre.forecast(record["conversation"], _sizes(record))[0]
     assert isinstance(encoder._process(cooked), dict)  # its processed length is its forecast
@@ -118,4 +118,4 @@ def test_the_energon_encoder_forecasts_and_checks_through_the_one_forecast(parts
     monkeypatch.setattr(one_forecast, "expanded_length", lambda *a: original(*a) + SHIFT)
     checked = encoder._process(cooked)  # the processed length, read through the one expanded_length
     assert isinstance(checked, str) and checked.startswith("forecast_mismatch"), checked
-    assert f"processed {cooked.length + SHIFT}" in checked
+    assert f"processed length {cooked.length + SHIFT}" in checked  # failures.forecast_mismatch

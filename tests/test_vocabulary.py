@@ -95,17 +95,18 @@ def test_the_defaults_are_packing_configs_everywhere(parts, table):
 
 def test_energon_takes_the_same_values_and_default(parts):
     energon = pytest.importorskip("vlm_pack.integrations.energon", reason="needs the [energon] extra")
-    signature = inspect.signature(energon.VLMPackingTaskEncoder)
-    assert signature.parameters["oversized"].default == DEFAULTS.oversized
     tok, ip = parts
+    assert energon.VLMPackingTaskEncoder(Preprocessor(tok, ip), 64).oversized == DEFAULTS.oversized
     for value in ("raise", "skip"):
-        assert energon.VLMPackingTaskEncoder(64, Preprocessor(tok, ip), oversized=value).oversized == value
+        assert energon.VLMPackingTaskEncoder(Preprocessor(tok, ip), 64, oversized=value).oversized == value
+        config = PackingConfig(capacity=64, oversized=value)
+        assert energon.VLMPackingTaskEncoder(Preprocessor(tok, ip), config).oversized == value
     with pytest.raises(ValueError, match=r"VLMPackingTaskEncoder cannot do oversized='truncate'.*'raise' or 'skip'"):
-        energon.VLMPackingTaskEncoder(64, Preprocessor(tok, ip), oversized="truncate")
+        energon.VLMPackingTaskEncoder(Preprocessor(tok, ip), 64, oversized="truncate")
     with pytest.raises(ValueError, match=r"oversized must be one of .*got 'report'"):  # old value: gone
-        energon.VLMPackingTaskEncoder(64, Preprocessor(tok, ip), oversized="report")
+        energon.VLMPackingTaskEncoder(Preprocessor(tok, ip), 64, oversized="report")
     with pytest.raises(ValueError, match="capacity 66 is not a multiple of pad_to_multiple_of 4"):
-        energon.VLMPackingTaskEncoder(66, Preprocessor(tok, ip), pad_to_multiple_of=4)
+        energon.VLMPackingTaskEncoder(Preprocessor(tok, ip), 66, pad_to_multiple_of=4)
 
 
 def test_a_value_an_entry_point_cannot_do_is_refused_by_name(parts, table, tmp_path):

@@ -306,10 +306,12 @@ class Failure:
 
 @dataclass(frozen=True)
 class Skip:
-    """What :meth:`Guard.call` returns for a sample left out: its reason and how a budget quotes it."""
+    """What :meth:`Guard.call` returns for a sample left out: its reason, how a budget quotes it, and what was
+    wrong (``detail``, whole: for a report that travels with the data, as Energon's packs carry it)."""
 
     reason: str
     example: str
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -365,7 +367,7 @@ class Guard:
         if self.policy.report is not None:
             self.policy.report(Failure(error.reason, sample, detail, key, where))
         self.budget.failure(error.reason, sample, detail)
-        return Skip(error.reason, example(sample, detail))
+        return Skip(error.reason, example(sample, detail), detail)
 
     def good(self) -> None:
         """The sample passed the stage: the run of bad ones ends."""

@@ -21,12 +21,16 @@ encoder decides inside the hooks, and never lets a bad sample take good ones wit
 
     oversized="raise" (default)   the cooker raises FatalPackingError naming the sample: a FatalSampleError,
                                   which Energon re-raises whatever the handler, so the run stops
-    oversized="skip"              the sample is left out before packing and reported (below)
+    oversized="skip"              the sample is left out before packing, counted as too_long, reported (below)
     bad data (vlm_pack.failures)  a forecast, decode or processed length that fails: that sample alone is
-                                  left out and reported, its pack's good samples are packed
+                                  left out and reported, its pack's good samples are packed (on_error="skip",
+                                  the default); on_error="raise": FatalPackingError naming it
     an error of code, or more     FatalPackingError (from the SampleCodeError / FailureBudgetError): stops
     than max_consecutive_failures the run; Energon's handler would otherwise skip it sample after sample
     bad samples in a row
+
+Both hooks run through one ``vlm_pack.failures.FailurePolicy`` declared from the ``PackingConfig``, a guarded
+stage each (the cooker's forecast, the packer's decode and process), as ``PackedWebDataset``'s stream does.
 
 A sample left out is reported as ``(key, "reason: detail")`` (``reason`` one of ``vlm_pack.failures.REASONS``:
 ``too_long``, ``decode_error``, ...) in the :attr:`PackedVLMSample.left_out` of a pack of the same buffer, so
@@ -52,7 +56,11 @@ and load it with :func:`packed_train_dataset` (``batch_size=None``: every item i
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import numbers
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 try:
@@ -72,9 +80,16 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ..batch import PackedBatch
-from ..config import DEFAULT_MAX_CONSECUTIVE_FAILURES, PackingConfig
+from ..config import PackingConfig
 from ..data import read_header
-from ..failures import FailureBudget, FailureBudgetError, SampleCodeError, SampleError, skip_reason
+from ..failures import (
+    FailureBudgetError,
+    FailurePolicy,
+    SampleCodeError,
+    SampleError,
+    Skip,
+    forecast_mismatch,
+)
 from ..packing import pack, padded_lengths
 from ..preprocessor import Preprocessor
 from ..processing import length as sample_length  # the one expanded length (and forecast)
@@ -119,26 +134,59 @@ class PackedVLMSample(Sample):
     left_out: list
 
 
+def _why(skip: Skip) -> str:
+    """How a pack reports a sample left out: ``"reason: detail"``."""
+    return f"{skip.reason}: {skip.detail}"
+
+
+@contextlib.contextmanager
+def _stops_the_run() -> Iterator[None]:
+    """What the failure policy raises inside a hook (an error of code, a spent budget, a bad sample under
+    ``on_error="raise"``) leaves as :class:`FatalPackingError`: Energon's handler would log and drop anything
+    else, and training would go on."""
+    try:
+        yield
+    except (SampleError, SampleCodeError, FailureBudgetError) as stop:
+        raise FatalPackingError(str(stop)) from stop
+
+
+def _old_order(preprocessor: Any, config: Any) -> tuple[Any, Any]:
+    """``(capacity, preprocessor)``, the earlier order, as ``(preprocessor, capacity)`` with a warning."""
+    if isinstance(preprocessor, numbers.Integral) and isinstance(config, Preprocessor):
+        warnings.warn(
+            "VLMPackingTaskEncoder(capacity, preprocessor) is deprecated: pass the Preprocessor first, as to every "
+            "dataset: VLMPackingTaskEncoder(preprocessor, PackingConfig(capacity=...)) (or the capacity, an int)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return config, preprocessor
+    return preprocessor, config
+
+
 class VLMPackingTaskEncoder(DefaultTaskEncoder):
     """Energon task encoder: exact length forecasts, best-fit packs of ``capacity`` tokens, ``PackedBatch`` out.
 
     Args:
-        capacity: tokens per pack (expanded length, what the language model runs on).
         preprocessor: the checkpoint's parts (:class:`~vlm_pack.Preprocessor`: ``processor=`` for any family,
             or ``tokenizer=`` + ``image_processor=``); its ``layout``: ``"expanded"`` (HF models) or
             ``"collapsed"`` (Megatron: one placeholder per image).
+        config: the packing knobs (:class:`~vlm_pack.PackingConfig`, or the capacity, an int), each also a
+            keyword alone or over ``config`` (``capacity=8192``), as for every dataset. The encoder reads:
+            ``capacity`` (tokens per pack, the expanded length the language model runs on);
+            ``pad_to_multiple_of`` (per-sample padding for context/sequence parallelism, ``pad_multiple_for``:
+            packs are planned on the padded spans, so each is one row); ``max_samples_per_bin``;
+            ``oversized``: ``"raise"`` (default: the cooker raises :class:`FatalPackingError` naming the sample,
+            which stops the run whatever Energon's ``global_error_handler``) or ``"skip"`` (the sample is left
+            out, reported in a pack's ``left_out``, warned about, recorded in :attr:`left_out` and counted as
+            ``too_long``; ``"truncate"`` is refused: the encoder never cuts a sample); ``on_error`` (bad data:
+            "skip", alone, never with its pack; "raise" stops the run) and ``max_consecutive_failures`` (bad
+            samples in a row, per stage, before the run stops; None: no limit). ``vision_capacity`` is refused
+            (no vision budget here); the streaming knobs are Energon's own (``packing_buffer_size``, shuffling).
         model_config: the model's config (family, token ids, merge size; see :class:`~vlm_pack.PackingCollator`).
-        pad_to_multiple_of: per-sample padding for context/sequence parallelism (``pad_multiple_for``); packs
-            are planned on the padded spans, so each is one row.
-        oversized: a sample longer than ``capacity``: ``"raise"`` (default, as ``PackingConfig``'s: the cooker
-            raises :class:`FatalPackingError` naming it, which stops the run whatever Energon's
-            ``global_error_handler``) or ``"skip"`` (leave the sample out, report it in a pack's ``left_out``,
-            warn, record it in :attr:`left_out`). ``"truncate"`` is refused: the encoder never cuts a sample.
-        max_consecutive_failures: bad samples in a row (a forecast or a decode that fails) before the run stops
-            (``PackingConfig``'s; None: no limit). Bad data is always skipped alone, never with its pack.
 
-    Use with ``get_train_dataset(..., batch_size=None, packing_buffer_size=N, task_encoder=encoder)`` or
-    :func:`packed_train_dataset`.
+    ``VLMPackingTaskEncoder(capacity, preprocessor, ...)``, the earlier order, still works with a
+    ``DeprecationWarning``. Use with ``get_train_dataset(..., batch_size=None, packing_buffer_size=N,
+    task_encoder=encoder)`` or :func:`packed_train_dataset`.
     """
 
     # Raw bytes reach the cooker: image sizes come from the headers, pixels are decoded only when packed.
@@ -146,93 +194,86 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
 
     def __init__(
         self,
-        capacity: int,
         preprocessor: Preprocessor,
+        config: PackingConfig | int | None = None,
         *,
         model_config: Any = None,
-        pad_to_multiple_of: int = 1,
-        oversized: str = "raise",
-        max_consecutive_failures: int | None = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+        **knobs: Any,
     ) -> None:
         super().__init__()
+        preprocessor, config = _old_order(preprocessor, config)
+        Preprocessor.refuse_parts("VLMPackingTaskEncoder", knobs)
         # PackingConfig validates the settings (names, values, capacity a multiple of pad_to_multiple_of)
-        config = PackingConfig.resolve(
-            "VLMPackingTaskEncoder", capacity=capacity, pad_to_multiple_of=pad_to_multiple_of,
-            oversized=oversized, max_consecutive_failures=max_consecutive_failures, refuse=("truncate",),
-        )
+        self.config = config = PackingConfig.resolve("VLMPackingTaskEncoder", config, refuse=("truncate",), **knobs)
+        if config.vision_capacity is not None:
+            raise ValueError(
+                f"VLMPackingTaskEncoder has no vision budget (vision_capacity={config.vision_capacity}): leave it "
+                "None, or plan with vlm_pack.pack / PackedWebDataset, which budget the vision cost"
+            )
         self.preprocessor = Preprocessor.check(preprocessor)
         # max_rows=1: a pack is one row, or the collator raises naming its samples
         self.collator = preprocessor.collator(
-            capacity,
+            config.capacity,
             model_config=model_config,
             layout=preprocessor.layout,
-            pad_to_multiple_of=pad_to_multiple_of,
+            pad_to_multiple_of=config.pad_to_multiple_of,
             max_rows=1,
         )
-        self.capacity = capacity
-        self.pad_to_multiple_of = pad_to_multiple_of
-        self.oversized = oversized
+        self.capacity = config.capacity
+        self.pad_to_multiple_of = config.pad_to_multiple_of
+        self.oversized = config.oversized
+        # the selection's plan: every sample that reaches it fits (the cooker sorted out the rest); Energon shuffles
+        self._plan = config.replace(oversized="raise", shuffle_seed=None)
         self.left_out: list[tuple[str, str]] = []
-        # One budget per stage, as each sees samples in its own order (per process: a worker has its copy).
-        limit = config.max_consecutive_failures
-        self.forecast_budget = FailureBudget(limit, "VLMPackingTaskEncoder (forecast in the cooker)")
-        self.process_budget = FailureBudget(limit, "VLMPackingTaskEncoder (decode and process in the packer)")
+        # One policy, a guarded stage (and budget) per hook, as each sees samples in its own order (per process:
+        # a worker has its copy). Reports are made where a pack carries them (selection, packing): no callback.
+        policy = FailurePolicy.of("VLMPackingTaskEncoder", config)
+        self.forecasting = policy.stage("forecast in the cooker", "bad_text")
+        self.processing = policy.stage("decode and process in the packer", "decode_error")
         self.cookers = [Cooker(self.cook_sample)]
 
     @stateless
     def cook_sample(self, crude: dict) -> VLMSample:
         """Crude WebDataset sample (raw bytes) -> :class:`VLMSample` with its exact expanded length; a sample
-        whose forecast fails as bad data carries its ``failure`` on to a pack's report.
+        that is bad data (its forecast fails, or it is too long under ``oversized="skip"``) carries its
+        ``failure`` on to a pack's report.
 
         Raises:
             FatalPackingError: a sample longer than ``capacity`` with ``oversized="raise"``, an error of code,
-                or too many bad samples in a row.
+                a bad sample under ``on_error="raise"``, or too many bad samples in a row.
         """
         key = crude["__key__"]
         meta = dict(__key__=key, __restore_key__=crude.get("__restore_key__", ()),
                     __subflavors__=crude.get("__subflavors__"), __sources__=crude.get("__sources__"))
-        try:
-            header = read_header(crude, image_name=lambda name: f"{key}.{name}")
-            length, _ = self.preprocessor.forecast(header.conversation, header.image_sizes, key)
-        except Exception as exc:
-            failure = self._bad(exc, "bad_text", key, self.forecast_budget)
-            return VLMSample(**meta, images=[], conversation=None, length=0, failure=failure)
-        self.forecast_budget.success()
-        sample = VLMSample(**meta, images=[crude[name] for name in header.image_names],
-                           conversation=header.conversation, length=int(length))
-        reason = self._too_long(sample)
-        if reason is not None and self.oversized == "raise":
-            message = f"sample {key!r}: {reason}; raise capacity or use oversized='skip'"
-            raise FatalPackingError(message) from SampleError("too_long", message)
-        return sample
+        with _stops_the_run():
+            out = self.forecasting.call(self._forecast, crude, key, sample=f"sample {key!r}", key=key)
+            if isinstance(out, Skip):
+                return VLMSample(**meta, images=[], conversation=None, length=0, failure=_why(out))
+            header, length = out
+            reason = self._too_long(length)
+            if reason is not None and self.oversized == "raise":  # the run's policy, not bad data: it stops
+                message = f"sample {key!r}: {reason}; raise capacity or use oversized='skip'"
+                raise FatalPackingError(message) from SampleError("too_long", message)
+            if reason is not None:
+                skip = self.forecasting.bad(SampleError("too_long", reason), f"sample {key!r}", key)
+                return VLMSample(**meta, images=[], conversation=None, length=length, failure=_why(skip))
+            self.forecasting.good()
+        return VLMSample(**meta, images=[crude[name] for name in header.image_names],
+                         conversation=header.conversation, length=length)
 
-    def _bad(self, exc: Exception, default: str, key: str, budget: FailureBudget) -> str:
-        """``"reason: detail"`` of a sample that failed as bad data (counted in ``budget``).
+    def _forecast(self, crude: dict, key: str) -> tuple[Any, int]:
+        """The sample's header (text, image names and sizes; no pixel decoded) and its exact expanded length."""
+        header = read_header(crude, exif_transpose=self.config.exif_transpose, image_name=lambda name: f"{key}.{name}")
+        length, _ = self.preprocessor.forecast(header.conversation, header.image_sizes, key)
+        return header, int(length)
 
-        Raises:
-            FatalPackingError: from ``exc`` when it is an error of code, or when the budget runs out.
-        """
-        try:
-            reason = skip_reason(exc, default, f"sample {key!r}", key)
-            budget.failure(reason, f"sample {key!r}", str(exc))
-        except (SampleCodeError, FailureBudgetError) as stop:  # Energon's handler would log and drop these
-            raise FatalPackingError(str(stop)) from stop
-        return f"{reason}: {exc}"
-
-    def _too_long(self, sample: VLMSample) -> str | None:
-        """Why ``sample`` fits no pack (its padded span exceeds ``capacity``), or None when it fits one."""
-        span = int(padded_lengths([sample.length], self.pad_to_multiple_of)[0])
+    def _too_long(self, length: int) -> str | None:
+        """Why a sample of ``length`` tokens fits no pack (its padded span exceeds ``capacity``), or None."""
+        span = int(padded_lengths([length], self.pad_to_multiple_of)[0])
         if span <= self.capacity:
             return None
-        padding = f" (padded to {span})" if span != sample.length else ""
-        return f"{sample.length} tokens{padding} > capacity {self.capacity}"
-
-    def _left_out(self, sample: VLMSample) -> str | None:
-        """``"reason: detail"`` of a sample no pack holds (its forecast failed, or it exceeds ``capacity``)."""
-        if sample.failure is not None:
-            return sample.failure
-        reason = self._too_long(sample)
-        return None if reason is None else f"too_long: {reason}"
+        padding = f" (padded to {span})" if span != length else ""
+        return f"{length} tokens{padding} > capacity {self.capacity}"
 
     def _report(self, key: str, why: str) -> None:
         logger.warning("vlm-pack/energon: left out sample %r: %s", key, why)
@@ -242,13 +283,11 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         """Best-fit decreasing over the whole buffer on the padded spans; samples keep their buffer order inside
         a pack. The samples left out (bad, or longer than ``capacity``) go at the end of the first pack's
         group: ``pack_selected_samples`` reports them on that pack, so none is dropped without a word."""
-        reasons = [self._left_out(s) for s in samples]
-        fits = [i for i, why in enumerate(reasons) if why is None]
-        left = [samples[i] for i, why in enumerate(reasons) if why is not None]
-        for sample, why in zip(left, (why for why in reasons if why is not None)):
-            self._report(sample.__key__, why)
-        plan = pack([samples[i].length for i in fits], self.capacity, oversized="raise",
-                    pad_to_multiple_of=self.pad_to_multiple_of)
+        fits = [i for i, s in enumerate(samples) if s.failure is None]
+        left = [s for s in samples if s.failure is not None]
+        for sample in left:
+            self._report(sample.__key__, sample.failure)
+        plan = pack([samples[i].length for i in fits], self._plan)
         groups = [[samples[fits[i]] for i in sorted(b)] for b in plan.bins]
         if groups:
             groups[0] += left
@@ -261,19 +300,17 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
 
     def _process(self, sample: VLMSample) -> dict | str:
         """The processed sample, or ``"reason: detail"`` when its pixels do not decode (bad data, counted)
-        or its processed length is not its forecast (``forecast_mismatch``)."""
-        try:
-            p = self.preprocessor.process(sample.images, sample.conversation, sample.__key__)
-        except Exception as exc:
-            return self._bad(exc, "decode_error", sample.__key__, self.process_budget)
+        or its processed length is not its forecast (``forecast_mismatch``: never packed at another length)."""
+        key, label = sample.__key__, f"sample {sample.__key__!r}"
+        p = self.processing.call(self.preprocessor.process, sample.images, sample.conversation, key,
+                                 sample=label, key=key)
+        if isinstance(p, Skip):
+            return _why(p)
         n = sample_length.expanded_length(len(p["input_ids"]), p.get("tokens_per_image"), self.preprocessor.layout)
         if n != sample.length:
-            detail = (f"forecast {sample.length} tokens, processed {n}: the vision spec does not match the "
-                      "image processor (build both from the same checkpoint)")
-            return self._bad(SampleError("forecast_mismatch", detail), "forecast_mismatch", sample.__key__,
-                             self.process_budget)
-        self.process_budget.success()
-        p["__key__"] = sample.__key__  # batch.metadata["__key__"] in packed order
+            return _why(self.processing.bad(forecast_mismatch(sample.length, n, label), label, key))
+        self.processing.good()
+        p["__key__"] = key  # batch.metadata["__key__"] in packed order
         return p
 
     @stateless
@@ -283,13 +320,15 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         ``left_out``: a bad sample never takes its pack's good ones with it.
 
         Raises:
-            FatalPackingError: an error of code, or too many bad samples in a row.
+            FatalPackingError: an error of code, a bad sample under ``on_error="raise"``, or too many bad
+                samples in a row.
             SkipSample: no sample of the pack was good (each is logged and in :attr:`left_out`).
         """
-        left_out = [(s.__key__, why) for s in samples if (why := self._left_out(s)) is not None]
+        left_out = [(s.__key__, s.failure) for s in samples if s.failure is not None]
         kept, processed = [], []
-        for sample in (s for s in samples if self._left_out(s) is None):
-            result = self._process(sample)
+        for sample in (s for s in samples if s.failure is None):
+            with _stops_the_run():
+                result = self._process(sample)
             if isinstance(result, str):
                 self._report(sample.__key__, result)
                 left_out.append((sample.__key__, result))

@@ -17,6 +17,8 @@ from vlm_pack.packing import PackResult
 from .analysis import Baseline
 from .plots import _pyplot, plot_efficiency, plot_lengths, plot_packs
 
+_Row = tuple[str, Callable[[dict[str, Any]], str]]  # (label, one capacity's report -> its cell)
+
 
 def _n(x: float) -> str:
     # Exact below 100k (capacities, per-pack counts stay comparable digit for digit), k / M / G above.
@@ -49,7 +51,7 @@ def _dataset_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _table_lines(caps: list[dict[str, Any]], rows: list[tuple[str, Callable[[dict[str, Any]], str]]]) -> list[str]:
+def _table_lines(caps: list[dict[str, Any]], rows: list[_Row]) -> list[str]:
     """One column per capacity: a header, a rule, then one line per ``(label, format)`` row."""
     head = ["capacity"] + [f"{c['capacity']:,}" for c in caps]
     body = [[label] + [fmt(c) for c in caps] for label, fmt in rows]
@@ -71,27 +73,36 @@ def _step_balance_cell(c: dict[str, Any]) -> str:
     return f"{sb['epoch_plan']:.3f} -> {sb['step_plan']:.3f}{lacking}{star}"
 
 
-def format_report(report: dict[str, Any]) -> str:
-    """The report as a plain-text table: one column per capacity."""
-    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+def _sample_rows() -> list[_Row]:
+    """What each capacity packed, left out and computed."""
+    return [
         ("samples packed", lambda c: f"{c['packed_samples']:,}"),
         ("  oversized, skipped", lambda c: f"{len(c['oversized_skipped']):,}"),
         ("  truncated to capacity", lambda c: f"{len(c['truncated']):,}"),
         ("tokens text + vision", lambda c: f"{_n(c['text_tokens'])} + {_n(c['vision_tokens'])}"),
+    ]
+
+
+def _padded_rows() -> list[_Row]:
+    """The padded baseline (no capacity: the same in every column)."""
+    return [
         ("PADDED (same at every capacity)", lambda c: ""),
         ("  micro-batches", lambda c: f"{c['padded']['random']['batches']:,}"),
         ("  padding waste, random order", lambda c: f"{c['padded']['random']['waste']:.1%}"),
         ("  padding waste, length-grouped", lambda c: f"{c['padded']['grouped']['waste']:.1%}"),
         ("  tokens computed (random)", lambda c: _n(c["padded"]["random"]["padded_tokens"])),
         ("  largest micro-batch, tokens", lambda c: _n(c["padded"]["random"]["max_batch_tokens"])),
+    ]
+
+
+def _packed_rows(packs_per_device: int) -> list[_Row]:
+    """The packs of each capacity; a packed micro-batch holds ``packs_per_device`` full packs at most."""
+    return [
         ("PACKED: packs", lambda c: f"{c['packed']['bins']:,} (>= {c['packed']['lower_bound']:,})"),
         ("  efficiency", lambda c: f"{c['packed']['efficiency']:.1%}"),
         ("  padding waste", lambda c: f"{c['packed']['waste']:.1%}"),
         ("  tokens computed", lambda c: _n(c["packed"]["padded_tokens"])),
-        (
-            "  largest micro-batch, tokens",
-            lambda c: _n(c["capacity"] * report["baseline"]["packs_per_device"]),
-        ),
+        ("  largest micro-batch, tokens", lambda c: _n(c["capacity"] * packs_per_device)),
         (
             "  samples/pack mean p50 p95",
             lambda c: "{mean:.2f} {p50:.0f} {p95:.0f}".format(**c["packed"]["samples_per_pack"]),
@@ -104,6 +115,12 @@ def format_report(report: dict[str, Any]) -> str:
                 _n(c["packed"]["vision_tokens_per_pack"]["max"]),
             ),
         ),
+    ]
+
+
+def _grad_accum_rows() -> list[_Row]:
+    """Gradient accumulation packed vs padded: steps per update and per epoch."""
+    return [
         (
             "GRAD ACCUM packed, recommended (1)",
             lambda c: (
@@ -131,17 +148,24 @@ def format_report(report: dict[str, Any]) -> str:
             ),
         ),
     ]
+
+
+def _report_rows(report: dict[str, Any]) -> list[_Row]:
+    """Every row of the table, the step-imbalance rows only when some capacity has them."""
+    rows = [*_sample_rows(), *_padded_rows(), *_packed_rows(report["baseline"]["packs_per_device"])]
+    rows += _grad_accum_rows()
     if any("step_balance" in c for c in report["capacities"]):
         rows += [
             ("STEP IMBALANCE (slowest / mean)", lambda c: ""),
             ("  epoch-balanced -> step plan", _step_balance_cell),
         ]
+    return rows
+
+
+def _footnotes(report: dict[str, Any]) -> list[str]:
+    """The lines below the table: what the grad-accum rows and (when present) the step imbalance mean."""
     target = report["baseline"]["samples_per_update"]
     lines = [
-        *_dataset_lines(report),
-        "",
-        *_table_lines(report["capacities"], rows),
-        "",
         f"grad-accum rows: micro steps per optimizer update (samples per update); target {target} samples.",
         f"  (1) recommended: samples per update closest to {target}.",
         f"  (2) the fewest steps that never give fewer than {target} samples per update.",
@@ -154,7 +178,13 @@ def format_report(report: dict[str, Any]) -> str:
             f"grad-accum {sb['grad_accum']}; PackedMapDataset trains on the step plan (balance=StepBalance());"
             " * its packs made for the steps (cost-balanced), where they deal better than the best-fit ones."
         )
-    return "\n".join(lines)
+    return lines
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a plain-text table: one column per capacity."""
+    table = _table_lines(report["capacities"], _report_rows(report))
+    return "\n".join([*_dataset_lines(report), "", *table, "", *_footnotes(report)])
 
 
 def _json_default(x: Any) -> Any:

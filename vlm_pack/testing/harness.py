@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 from ..labels import IGNORE_INDEX
-from ..mixers import TokenMixer, find_token_mixers, mixer_problems, summarize
+from ..mixers import TokenMixer, summarize
 from ..padded_batch import TOKEN_KEYS, pad_samples
 from .metric import next_token_logprobs, token_mult_prob_error
+from .packed_run import _packed_batch, _run_packed
 
 __all__ = [
     "EquivalenceReport",
@@ -238,43 +239,6 @@ def _one_example(index: int, sample: Any) -> dict[str, Any]:
     return out
 
 
-def _tensor(batch: Any, name: str) -> torch.Tensor:
-    value = getattr(batch, name, None)
-    if value is None and isinstance(batch, dict):
-        value = batch.get(name)
-    if value is None:
-        raise TypeError(f"the packed batch has no {name!r}: pass a vlm_pack PackedBatch (collator output)")
-    return torch.as_tensor(value)
-
-
-def _packed_spans(batch: Any, num_samples: int) -> tuple[list[tuple[int, int, int, int]], list[str]]:
-    """Where each original sample sits in the packed batch: (sample, row, offset, length) and problems."""
-    input_ids = _tensor(batch, "input_ids")
-    row_len = input_ids.shape[-1]
-    starts = _tensor(batch, "cu_seqlens_padded")[:-1].tolist()
-    lengths = _tensor(batch, "seq_lens").tolist()
-    order = _tensor(batch, "sample_index").tolist()
-    spans = [(int(i), s // row_len, s % row_len, int(n)) for i, s, n in zip(order, starts, lengths)]
-    problems = []
-    seen = [span[0] for span in spans]
-    missing = sorted(set(range(num_samples)) - set(seen))
-    if missing:
-        problems.append(
-            f"sample(s) {missing[:10]} are not in the packed batch (the collator dropped them: raise its "
-            "capacity or give fewer samples)"
-        )
-    dupes = sorted({i for i in seen if seen.count(i) > 1})
-    if dupes:
-        problems.append(f"sample(s) {dupes[:10]} appear more than once in the packed batch")
-    extra = sorted({i for i in seen if not 0 <= i < num_samples})
-    if extra:
-        problems.append(
-            f"the packed batch holds sample index(es) {extra[:10]} but only {num_samples} samples were given: "
-            "pass the same samples to the collator and to the harness"
-        )
-    return spans, problems
-
-
 def _gather_tokens(
     logp: torch.Tensor,
     ids: torch.Tensor,
@@ -357,61 +321,6 @@ def _reference_logprobs(
         for row, sample in enumerate(chunk):
             reference.append(_gather_tokens(logp, ids, labels, row, 0, len(sample["input_ids"]), targets))
     return reference
-
-
-def _collate(collator: Callable[[Sequence[Any]], Any], given: list[Any]) -> Any:
-    # A PackingCollator built with return_style= returns model kwargs; the check needs the PackedBatch.
-    batch = getattr(collator, "collate", collator)(given)
-    if isinstance(batch, dict):
-        raise TypeError(
-            "the collator returned a dict of model inputs; check_packed_equivalence needs the PackedBatch "
-            "(a vlm_pack PackingCollator, or pass packed_batch=)"
-        )
-    return batch
-
-
-def _placement_problems(
-    spans: list[tuple[int, int, int, int]],
-    samples: list[dict[str, Any]],
-    packed_ids: torch.Tensor,
-    packed_labels: torch.Tensor | None,
-) -> list[str]:
-    """Samples whose tokens (or labels) are not where the batch's boundaries put them."""
-    problems = []
-    for i, row, off, length in spans:
-        if not 0 <= i < len(samples):
-            continue
-        want = samples[i]["input_ids"]
-        got = packed_ids[row, off : off + length]
-        if length != len(want) or not torch.equal(got.cpu(), want.cpu()):
-            problems.append(
-                f"sample {i}: the tokens at row {row} offset {off} (length {length}) are not the "
-                f"sample's {len(want)} input_ids"
-            )
-        elif packed_labels is not None and "labels" in samples[i]:
-            # HF convention: the sample's own labels, its first position -100 (the previous sample's
-            # last token must not learn to predict it).
-            want_labels = samples[i]["labels"].clone()
-            want_labels[0] = IGNORE_INDEX
-            if not torch.equal(packed_labels[row, off : off + length].cpu(), want_labels.cpu()):
-                problems.append(
-                    f"sample {i}: packed labels differ from the sample's labels (with -100 at its first token)"
-                )
-    return problems
-
-
-def _packed_logprobs(
-    model: Any, batch: Any, packed_forward: Callable[[Any, Any], torch.Tensor], packed_ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token log-probs (R, T) of the packed forward, and the packed ids on the logits' device."""
-    logits = packed_forward(model, batch)
-    if logits.shape[:-1] != packed_ids.shape:
-        raise ValueError(
-            f"packed_forward returned logits {tuple(logits.shape)} for input_ids {tuple(packed_ids.shape)}; "
-            "it must return (R, T, V) aligned with batch.input_ids"
-        )
-    packed_ids = packed_ids.to(logits.device)
-    return next_token_logprobs(logits, packed_ids), packed_ids
 
 
 @dataclass
@@ -527,9 +436,8 @@ def check_packed_equivalence(
         batched_forward: ``(model, pad_samples(...)) -> logits (B, L, V)``; default
             ``default_batched_forward``.
         packed_forward: ``(model, packed_batch) -> logits (R, T, V)`` aligned with ``batch.input_ids``;
-            default ``default_packed_forward(style, use_cache)``. Models that expand collapsed
-            placeholders map their logits back to the collapsed positions (see
-            ``collapsed_packed_forward``).
+            default ``default_packed_forward(style, use_cache)``. Models that expand collapsed placeholders
+            map their logits back to the collapsed positions (see ``collapsed_packed_forward``).
         packed_batch: an already collated batch of ``samples`` (skips ``collator``).
         tokenizer: when given, the report shows tokens as text.
         top_k: how many worst tokens the report lists.
@@ -545,39 +453,28 @@ def check_packed_equivalence(
     device = _eval_device(model, device)
 
     # 1. Reference: padded batches, one sample per row.
-    reference = _reference_logprobs(
-        model, checked, batched_forward, batch_size, pad_token_id, targets, device
-    )
+    reference = _reference_logprobs(model, checked, batched_forward, batch_size, pad_token_id, targets, device)
 
     # 2. Packed: the collator's rows, each sample found intact where the batch says it is.
-    batch = _collate(collator, given) if packed_batch is None else packed_batch
-    batch = batch.to(device) if hasattr(batch, "to") and not isinstance(batch, dict) else batch
-    packed_ids = _tensor(batch, "input_ids")
-    packed_labels = _tensor(batch, "labels") if targets == "labels" or hasattr(batch, "labels") else None
-    spans, problems = _packed_spans(batch, len(checked))
-    mixers = find_token_mixers(model) if isinstance(model, torch.nn.Module) else []
-    problems += mixer_problems(model, mixers)
-    problems += _placement_problems(spans, checked, packed_ids, packed_labels)
-    logp, packed_ids = _packed_logprobs(model, batch, packed_forward, packed_ids)
-    labels = packed_labels.to(logp.device) if targets == "labels" else None
+    batch = _packed_batch(collator, given, packed_batch, device)
+    packed = _run_packed(model, batch, packed_forward, checked, targets)
 
     # 3. Compare sample by sample, then over every scored token.
-    scored = _score(reference, logp, packed_ids, labels, spans, checked, targets, tokenizer)
-    metric, max_abs, worst_tokens = _summarise(scored, top_k, tokenizer, problems)
-    rows, cols = packed_ids.shape
+    scored = _score(reference, packed.logp, packed.ids, packed.labels, packed.spans, checked, targets, tokenizer)
+    metric, max_abs, worst_tokens = _summarise(scored, top_k, tokenizer, packed.problems)
     return EquivalenceReport(
         metric=metric,
         max_abs_diff=max_abs,
         tolerance=tolerance,
         num_samples=len(checked),
         num_tokens=int(scored.mask.sum()),
-        num_rows=rows,
-        row_length=cols,
+        num_rows=packed.ids.shape[0],
+        row_length=packed.ids.shape[1],
         style=style,
         samples=scored.samples,
         worst_tokens=worst_tokens,
-        problems=problems,
-        token_mixers=mixers,
+        problems=packed.problems,
+        token_mixers=packed.mixers,
     )
 
 
