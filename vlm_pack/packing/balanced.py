@@ -343,21 +343,40 @@ def balanced_packs(
     image = np.zeros(n, bool) if has_image is None else np.asarray(has_image, dtype=bool)
     if image.shape != (n,):
         raise ValueError(f"balanced_packs: has_image must be [N] = [{n}] bools, one per sample")
+    limits, shape = (capacity, vcap, cap), (grad_accum, world_size)
+    return _packed(order, c, lens, vis, limits, targets, shape, image, has_image is not None)
+
+
+def _packed(
+    order: np.ndarray,
+    c: np.ndarray,
+    lens: np.ndarray,
+    vis: np.ndarray | None,
+    limits: tuple[int, int, int],
+    targets: np.ndarray,
+    shape: tuple[int, int],
+    image: np.ndarray,
+    image_rule: bool,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`balanced_packs`' packs of the samples in processing ``order``: placed by cost, then (under the
+    ``image_rule``) seeded with image samples where that leaves steps short the image packs could fill.
+    ``shape``: (grad_accum, world_size)."""
+    grad_accum, world_size = shape
     placed = None
     # first as the costs place them (images are dear: most shares get one anyway); seeded where that leaves
     # shares without an image that the image packs could fill, as seeds cost best fit's tightness
     for seeds in (np.zeros(0, np.int64), None):
         if seeds is None:
-            seeds = _seeds(c, lens, image, capacity, targets.size, grad_accum)
-        units = _Units(targets, (capacity, vcap, cap), grad_accum, world_size)
+            seeds = _seeds(c, lens, image, limits[0], targets.size, grad_accum)
+        units = _Units(targets, limits, grad_accum, world_size)
         pack_of = _place(order[~np.isin(order, seeds)], c, lens, vis, units, seeds)
         k = len(units.version) * grad_accum
-        if k > n:  # more packs than samples: they would not all hold one
+        if k > c.size:  # more packs than samples: they would not all hold one
             return placed
         _fill_empty(pack_of, c, k, grad_accum, image)
         placed = _by_unit_cost(pack_of, c, k, grad_accum)
         grew = len(units.version) > targets.size  # a step more than asked: the plan keeps best fit's packs
-        if grew or has_image is None or not _shares_lack_images(pack_of, image, k, grad_accum, world_size):
+        if grew or not image_rule or not _shares_lack_images(pack_of, image, k, grad_accum, world_size):
             break
     return placed
 
