@@ -586,8 +586,9 @@ def plan_packs(
     ``table``'s samples (``lengths`` ``[N]`` their padded spans); its packs, the largest split until the
     ranks divide them, dealt by :func:`deal_packs`. With ``balance.packs == "balanced"`` the same samples
     are also packed for the steps (:func:`~vlm_pack.packing.balanced.balanced_packs`, under ``result``'s
-    limits) and those packs are kept when their step plan's :func:`~vlm_pack.packing.step_imbalance` is
-    lower; else (or when there are fewer samples than one step has packs) the best-fit ones."""
+    limits) and those packs are kept where :func:`~vlm_pack.packing.balanced.keep_balanced` says (no more
+    optimizer steps, the image rule kept, a lower step imbalance); else (or when there are fewer samples than
+    one step has packs) the best-fit ones."""
     from ..packing.balanced import balanced_packs, deal_units, keep_balanced
     from ..packing.steps import AUTO_BALANCED_MAX_SAMPLES, EpochBalance
 

@@ -75,8 +75,9 @@ class StepBalance:
         seed: shuffles the order of the steps in the plan (no length curriculum).
         packs: ``"balanced"``: the plan makes its packs for the steps
             (:func:`~vlm_pack.packing.balanced.balanced_packs`: each rank's share of a step about the same
-            cost, as many steps as the best-fit packs take) and keeps them where they deal better than the
-            best-fit packs, else the best-fit ones; ``"bfd"``: the best-fit packs, dealt as they are;
+            cost, as many steps as the best-fit packs take) and keeps them where they take no more optimizer
+            steps, keep the image rule and deal better than the best-fit packs
+            (:func:`~vlm_pack.packing.balanced.keep_balanced`), else the best-fit ones; ``"bfd"``: the best-fit packs, dealt as they are;
             ``"auto"`` (default): ``"balanced"`` up to ``AUTO_BALANCED_MAX_SAMPLES`` (1 M) samples, where it
             matters most (few packs per step) and costs seconds, ``"bfd"`` above.
     """
