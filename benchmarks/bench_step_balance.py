@@ -15,8 +15,9 @@ linear + per-sample attention, vision tower per image from its patches). Plans c
 (b') balanced  the default step plan's own packs (``StepBalance(grad_accum)``, ``packs="balanced"``): the
             same samples packed for the steps (``packing.balanced.balanced_packs``: as many packs as BFD's
             rounded up to whole steps of world_size * grad_accum, samples dearest first into the rank's share
-            of a step furthest below its aim), dealt by ``deal_units``. A plan keeps these where they deal
-            better than (b), else (b)'s packs: it trains on min((b), (b')).
+            of a step furthest below its aim, each opened by an image sample), dealt by ``deal_units``. A plan
+            keeps these where they take no more optimizer steps, break the image rule in no more steps and
+            deal better than (b) (``keep_balanced``), else (b)'s packs.
 (c) nemo    in the style of NeMo Automodel's vision-token-balanced greedy knapsack (our re-implementation,
             not their code): samples sorted by vision tokens (descending), each put into the open pack with
             the fewest vision tokens that still has room (a new pack when none has), packs dealt to (step,
@@ -41,7 +42,7 @@ import numpy as np
 
 from vlm_pack.data.plan import _split_for_ranks, deal_packs
 from vlm_pack.packing import EpochBalance, StepBalance, pack, pack_costs, step_imbalance
-from vlm_pack.packing.balanced import balanced_packs, deal_units, step_lower_bound
+from vlm_pack.packing.balanced import balanced_packs, deal_units, keep_balanced, step_lower_bound
 from vlm_pack.packing.cost import PackCost, gather_ragged, image_patches
 from vlm_pack.packing.steps import steps_short_of_images
 
@@ -128,8 +129,9 @@ def run(name: str, table: Table, capacity: int, worlds: list[int], accums: list[
             epoch = epoch[:, shuffle.permutation(epoch.shape[1])]
             step = deal_packs(table, table.lengths, members, ptr, w, StepBalance(grad_accum=k, packs="bfd"))[0]
             t0 = time.perf_counter()
+            image = np.diff(table.image_ptr) > 0
             bal_members, bal_ptr = balanced_packs(
-                sample_costs, table.lengths, capacity, len(bfd), world_size=w, grad_accum=k
+                sample_costs, table.lengths, capacity, len(bfd), world_size=w, grad_accum=k, has_image=image
             )
             bal_costs = np.add.reduceat(sample_costs[bal_members], bal_ptr[:-1])
             bal_image = np.add.reduceat(np.diff(table.image_ptr)[bal_members], bal_ptr[:-1]) > 0
@@ -140,11 +142,13 @@ def run(name: str, table: Table, capacity: int, worlds: list[int], accums: list[
             bound = step_lower_bound(sample_costs, table.lengths, capacity, w, k, steps=-(-bal.shape[1] // k))
             short = steps_short_of_images(bal_image, bal, k)
             b, b2 = step_imbalance(costs, step, k), step_imbalance(bal_costs, bal, k)
+            bfd_image = np.add.reduceat(np.diff(table.image_ptr)[members], ptr[:-1]) > 0
+            plan = b2 if keep_balanced((bal_costs, bal_image, bal), (costs, bfd_image, step), k, True) else b
             rows.append(
                 f"| {name} | {w} | {k} | {len(bfd)} / {len(bins)} / {bal_ptr.size - 1} | {-(-bal.shape[1] // k)} | "
-                f"{step_imbalance(costs, epoch, k):.3f} | {b:.3f} | {b2:.3f} | **{min(b, b2):.3f}** | "
+                f"{step_imbalance(costs, epoch, k):.3f} | {b:.3f} | {b2:.3f} | **{plan:.3f}** | "
                 f"{bound['bound']:.3f} | "
-                f"{step_imbalance(ncosts, steps, k):.3f} | {short['mixed']} / {short['text_only']} | {ms:.0f} |"
+                f"{step_imbalance(ncosts, steps, k):.3f} | {short['short']} / {short['forced']} | {ms:.0f} |"
             )
     return rows
 
@@ -159,15 +163,20 @@ def time_balanced(n: int, capacity: int = 16384) -> None:
     t0 = time.perf_counter()
     bfd = pack(table.lengths, capacity)
     bfd_s = time.perf_counter() - t0
+    image = np.diff(table.image_ptr) > 0
     for w, k in [(64, 1), (8, 4)]:
         t0 = time.perf_counter()
-        members, ptr = balanced_packs(costs, table.lengths, capacity, bfd.num_bins, world_size=w, grad_accum=k)
+        members, ptr = balanced_packs(
+            costs, table.lengths, capacity, bfd.num_bins, world_size=w, grad_accum=k, has_image=image
+        )
         seconds = time.perf_counter() - t0
         pc = np.add.reduceat(costs[members], ptr[:-1])
+        per_rank = -(-bfd.num_bins // w)  # split until the ranks divide them
+        bfd_steps = -(-per_rank // k)
         print(
-            f"{n:,} samples, {w} ranks x grad-accum {k}: BFD {bfd_s:.2f} s, {bfd.num_bins:,} packs; balanced_packs "
-            f"{seconds:.1f} s, {ptr.size - 1:,} packs, step imbalance {step_imbalance(pc, deal_units(pc, w, k), k):.4f}; "
-            f"load average {os.getloadavg()[0]:.1f}"
+            f"{n:,} samples, {w} ranks x grad-accum {k}: BFD {bfd_s:.2f} s, {bfd.num_bins:,} packs, {bfd_steps:,} "
+            f"steps; balanced_packs {seconds:.1f} s, {ptr.size - 1:,} packs, {(ptr.size - 1) // (w * k):,} steps, "
+            f"step imbalance {step_imbalance(pc, deal_units(pc, w, k), k):.4f}; load average {os.getloadavg()[0]:.1f}"
         )
 
 
@@ -184,8 +193,8 @@ def main() -> None:
         return
     print(
         "| data | ranks | grad-accum | packs: BFD / (b) split for ranks / (b') | steps (b') | (a) epoch | "
-        "(b) step plan, BFD packs | (b') balanced packs | plan (default): the lower | bound | (c) nemo-style | "
-        "(b') steps a rank lacks an image: mixed / all-text | (b') packs + deal ms |"
+        "(b) step plan, BFD packs | (b') balanced packs | plan (default): keep_balanced's choice | bound | (c) nemo-style | "
+        "(b') steps a rank lacks an image: short / forced | (b') packs + deal ms |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in run("demo (320, cap 16,384)", demo(16384), 16384, args.worlds, args.grad_accum):

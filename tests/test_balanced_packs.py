@@ -190,3 +190,7 @@ def test_analyze_reports_the_plan_it_would_train_on(skewed):
     assert report["packs"] == "balanced" and report["num_packs"] % 4 == 0
     assert report["step_plan"] < 1.05 < report["epoch_plan"], report
     assert _step_balance_cell({"step_balance": report}).endswith("*")  # marked: packs made for the steps
+    # 3 image samples for 4 ranks: every step leaves a rank without one, and the report says so
+    short = report["short_of_images"]
+    assert short["short"] == short["steps"] == short["forced"] and short["avoidable"] == 0
+    assert f", {short['short']} step(s) a rank lacks an image*" in _step_balance_cell({"step_balance": report})

@@ -126,7 +126,7 @@ def test_every_rank_gets_an_image_pack_where_the_step_has_enough(world, accum):
         enough = per_step.sum(axis=0) >= world
         assert (per_step[:, enough] >= 1).all()
         short = steps_short_of_images(has_image, plan, accum)
-        assert short["mixed_with_enough"] == 0 and short["mixed"] <= 1  # image packs fill whole steps
+        assert short["avoidable"] == 0 and short["mixed"] <= 1  # image packs fill whole steps
         assert short["steps"] == n // (world * accum)
         # image packs spread over the steps: with world_size of them per step, no step goes without
         # (every step without one would fail DDP's unused-parameter check on every rank)

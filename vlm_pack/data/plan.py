@@ -387,10 +387,10 @@ def plan_packs(
     ``table``'s samples (``lengths`` ``[N]`` their padded spans); its packs, the largest split until the
     ranks divide them, dealt by :func:`deal_packs`. With ``balance.packs == "balanced"`` the same samples
     are also packed for the steps (:func:`~vlm_pack.packing.balanced.balanced_packs`, under ``result``'s
-    limits) and those packs are kept when their step plan's :func:`~vlm_pack.packing.step_imbalance` is
-    lower; else (or when there are fewer samples than one step has packs) the best-fit ones."""
-    from ..packing import step_imbalance
-    from ..packing.balanced import balanced_packs, deal_units
+    limits) and those packs are kept where :func:`~vlm_pack.packing.balanced.keep_balanced` says (no more
+    optimizer steps, the image rule kept, a lower step imbalance); else (or when there are fewer samples than
+    one step has packs) the best-fit ones."""
+    from ..packing.balanced import balanced_packs, deal_units, keep_balanced
     from ..packing.steps import AUTO_BALANCED_MAX_SAMPLES, EpochBalance
 
     bins = _split_for_ranks([np.asarray(b, dtype=np.int64) for b in result.bins], world_size)
@@ -413,6 +413,7 @@ def plan_packs(
         vision=None if result.vision is None else result.vision[kept],
         vision_capacity=result.vision_capacity,
         max_samples_per_bin=result.max_samples_per_bin,
+        has_image=None if balance.image_every_rank is False else np.diff(table.image_ptr)[kept] > 0,
     )
     if made is None:
         return members, bin_ptr, rank_bins, grad_accum
@@ -422,8 +423,9 @@ def plan_packs(
     new_bins = deal_units(
         new_costs, world_size, grad_accum, has_image=new_images > 0 if every_rank else None, seed=balance.seed
     )
-    old_costs = _costs_and_images(table, lengths, members, bin_ptr, balance.cost)[0]
-    if step_imbalance(new_costs, new_bins, grad_accum) < step_imbalance(old_costs, rank_bins, grad_accum):
+    old_costs, old_images = _costs_and_images(table, lengths, members, bin_ptr, balance.cost)
+    new, old = (new_costs, new_images > 0, new_bins), (old_costs, old_images > 0, rank_bins)
+    if keep_balanced(new, old, grad_accum, every_rank):  # no more steps, the image rule kept, better balanced
         return new_members, new_ptr, new_bins, grad_accum
     return members, bin_ptr, rank_bins, grad_accum
 

@@ -10,9 +10,15 @@ one step, its ``grad_accum`` packs (one pack at ``grad_accum == 1``)::
     aims    the cost each unit is filled towards: T / U, unless some samples cost more than that
             ("giants": a unit holding one costs at least that much); then the units of a step holding
             giants aim at its dearest giant (its ranks wait for that one anyway), the rest share what is left
-    place   samples dearest first, each into the unit furthest below its aim that has a pack with room
-            (tokens, and any vision budget or samples-per-pack cap), there into the pack it fits best
-    grow    a sample that fits nowhere opens one more step of units, filled from then on like the others
+    seed    (``has_image``, where the packs placed by cost leave shares without an image that the image
+            packs could fill) the U dearest image samples open a unit each, so every rank's share of every
+            step holds an image (the image rule: a rank without one skips the vision tower, DDP's
+            unused-parameter error or an FSDP hang); fewer where text-only samples need packs alone
+    place   the rest dearest first, each into the unit furthest below its aim that has a pack with room
+            (tokens, and any vision budget or samples-per-pack cap), there into the pack it fits best;
+            one that no unit on offer takes joins the least-filled pack that holds it
+    grow    only a sample no pack has room for opens one more step of units (the plan then keeps the
+            best-fit packs: :func:`keep_balanced` never takes more optimizer steps)
     deal    units sorted by cost, cut into steps of world_size, dealt whole (:func:`deal_units`)
 
     costs  [7, 6, 5, 2, 2, 1, 1]   U = 3 units of one pack, room for every sample: aims 8, 8, 8
@@ -22,8 +28,9 @@ one step, its ``grad_accum`` packs (one pack at ``grad_accum == 1``)::
 
 Packs keep every limit the best-fit ones keep (``capacity`` tokens, ``vision_capacity``,
 ``max_samples_per_bin``); every sample is in exactly one pack, none empty; the same inputs give the same
-packs. The padding this costs (packs beyond best fit's) is the rounding to whole steps, plus one step per
-sample that fits nowhere.
+packs. The packs this costs beyond best fit's are the rounding to whole steps (optimizer steps: the same),
+plus a step where a sample fits in no pack (balanced packs fill by cost, not length, so they cannot always
+match best fit's last 0.1%); :func:`keep_balanced` then keeps the best-fit packs.
 
 :func:`step_lower_bound` is what no plan over the same samples can beat (a sample dearer than the ranks
 beside it in its step can carry in their tokens makes them wait).
@@ -38,7 +45,7 @@ import numpy as np
 
 from .bins import _as_positive_int
 
-__all__ = ["balanced_packs", "deal_units", "step_lower_bound"]
+__all__ = ["balanced_packs", "deal_units", "keep_balanced", "step_lower_bound"]
 
 
 def _targets(sorted_costs: np.ndarray, units: int, world_size: int) -> np.ndarray:
@@ -64,7 +71,7 @@ def _targets(sorted_costs: np.ndarray, units: int, world_size: int) -> np.ndarra
 
 
 _CHUNK = 1 << 20  # samples turned into Python lists at a time
-_SCAN = 64  # units looked at and passed over per sample at most: then it opens a step (bounds the time)
+_SCAN = 64  # units looked at and passed over per sample at most: then it goes to the least-filled share
 _SUB_BITS = 3  # room classes per octave: 2^_SUB_BITS (the width of a class is 1/8 of its rooms)
 
 
@@ -77,144 +84,199 @@ def _room_class(room: int) -> int:
     return ((bits - _SUB_BITS) << _SUB_BITS) + (room >> (bits - _SUB_BITS - 1))
 
 
+class _Units:
+    """The packs being filled, as Python lists (per-sample reads stay fast): ``free`` / ``vis_free`` /
+    ``count`` per pack, and per unit its ``gap`` (cost placed - target) and a ``version`` that marks its
+    older heap entries stale. ``heaps[c]``: units whose roomiest open pack is in room class ``c``, keyed
+    ``(gap, unit, version)``. ``roomy``: every pack with room, most room first (``(-free, pack)``), made
+    the first time a sample fits no unit the heaps offer."""
+
+    def __init__(self, targets: np.ndarray, limits: tuple[int, int, int], per_unit: int, world_size: int):
+        self.capacity, self.vision_capacity, self.sample_cap = limits
+        self.per_unit, self.world_size = per_unit, world_size
+        units = targets.size
+        self.free = [self.capacity] * (units * per_unit)
+        self.vis_free = [self.vision_capacity] * (units * per_unit)
+        self.count = [0] * (units * per_unit)
+        self.gap = (-targets).tolist()
+        self.version = [0] * units
+        self.heaps: list[list[tuple[float, int, int]]] = [[] for _ in range(_room_class(self.capacity) + 1)]
+        self.fresh = float(targets.min()) if units else 0.0  # the aim of a unit opened later
+        self.roomy: list[tuple[int, int]] | None = None
+
+    def fits(self, p: int, length: int, vis: int) -> bool:
+        return self.free[p] >= length and self.vis_free[p] >= vis and self.count[p] < self.sample_cap
+
+    def put(self, p: int, length: int, vis: int, cost: float) -> None:
+        """Sample into pack ``p``; its unit's gap grows by ``cost`` (its heap entry is pushed by :meth:`push`)."""
+        u = p // self.per_unit
+        self.free[p] -= length
+        self.vis_free[p] -= vis
+        self.count[p] += 1
+        self.gap[u] += cost
+        self.version[u] += 1
+        if self.roomy is not None and self.free[p] > 0:
+            heapq.heappush(self.roomy, (-self.free[p], p))
+
+    def push(self, u: int, shortest: int) -> None:
+        """Offer unit ``u`` to samples of ``shortest`` tokens or more, in the class of its roomiest open pack."""
+        packs = range(u * self.per_unit, (u + 1) * self.per_unit)
+        room = max([self.free[p] for p in packs if self.count[p] < self.sample_cap], default=0)
+        if shortest and room >= shortest:
+            heapq.heappush(self.heaps[_room_class(room)], (self.gap[u], u, self.version[u]))
+
+    def open_step(self) -> int:
+        """``world_size`` more units (one more step), aimed at the lowest target: the first one's id."""
+        first, more = len(self.version), self.world_size * self.per_unit
+        self.free += [self.capacity] * more
+        self.vis_free += [self.vision_capacity] * more
+        self.count += [0] * more
+        self.gap += [-self.fresh] * self.world_size
+        self.version += [0] * self.world_size
+        if self.roomy is not None:
+            for p in range(first * self.per_unit, len(self.free)):
+                heapq.heappush(self.roomy, (-self.capacity, p))
+        return first
+
+
 def _place(
     order: np.ndarray,
     costs: np.ndarray,
     lengths: np.ndarray,
     vision: np.ndarray | None,
-    limits: tuple[int, int, int],
-    targets: np.ndarray,
-    per_unit: int,
-    world_size: int,
-) -> tuple[np.ndarray, int]:
-    """``(pack of each sample int64 [N], units)`` (unit ``u`` holds packs ``u * per_unit ..``), placing
-    ``order`` (``[N]``, processing order) one at a time into the unit furthest below its target (``targets``
-    ``[U]``) that has a pack with room, and there into the pack with least room that holds it (best fit). A
-    sample that fits nowhere opens ``world_size`` more units (one more step), aiming at the lowest target.
-    ``limits``: capacity, vision capacity, samples per pack.
+    units: _Units,
+    seeds: np.ndarray,
+) -> np.ndarray:
+    """int64 ``[N]``: the pack of each sample (unit ``u`` holds packs ``u * per_unit ..``).
 
-    Units are kept in one heap per room class (:func:`_room_class`), keyed ``(cost - target, unit)``, stale
-    entries skipped by a version: a sample reads the top of each class above its length's (all of whose
-    units have room), and its own class only when those are empty, passing over ``_SCAN`` units at most, so
-    a sample costs O(classes + log U), never a scan of full units. A unit whose room falls below every
-    sample still to come leaves for good."""
-    capacity, vision_capacity = limits[0], limits[1]
-    n, units = order.size, targets.size
+    ``seeds`` (``[S]``, ``S <= U``) go first, one into the first pack of each of units ``0 .. S-1`` (the
+    image rule: each unit then holds an image). Then ``order`` (``[N - S]``, processing order) one at a
+    time into the unit furthest below its target that has a pack with room, and there into the pack with
+    least room that holds it (best fit); a sample no unit the heaps offer can take joins the least-filled
+    pack that holds it (:func:`_least_filled`), and opens one more step only where no pack has room.
+
+    Units are kept in one heap per room class (:func:`_room_class`), keyed ``(gap, unit)``, stale entries
+    skipped by a version: a sample reads the top of each class above its length's (all of whose units have
+    room), and its own class only when those are empty, passing over ``_SCAN`` units at most, so a sample
+    costs O(classes + log U), never a scan of full units. A unit whose room falls below every sample still
+    to come leaves for good."""
+    n = costs.size
+    vis = vision if vision is not None else np.zeros(n, dtype=np.int64)
+    pack_of = np.empty(n, dtype=np.int64)
+    for u, i in enumerate(seeds.tolist()):
+        units.put(u * units.per_unit, int(lengths[i]), int(vis[i]), float(costs[i]))
+        pack_of[i] = u * units.per_unit
     ordered_len = lengths[order]
-    # shortest still to come, at each position (and 0 past the end)
-    tail_min = np.append(np.minimum.accumulate(ordered_len[::-1])[::-1], 0)
-    ordered_cost = costs[order]
-    ordered_vis = vision[order] if vision is not None else np.zeros(n, dtype=np.int64)
-    free = [capacity] * (units * per_unit)
-    vis_free = [vision_capacity] * (units * per_unit)
-    count = [0] * (units * per_unit)
-    version = [0] * units
-    top_class = _room_class(capacity)
-    heaps: list[list[tuple[float, int, int]]] = [[] for _ in range(top_class + 1)]
-    heaps[top_class] = [(k, u, 0) for k, u in sorted(zip((-targets).tolist(), range(units)))]
-    fresh = float(targets.min()) if units else 0.0
-    placed = np.empty(n, dtype=np.int64)  # pack of each sample, in processing order
-    for start in range(0, n, _CHUNK):
+    tail_min = np.append(np.minimum.accumulate(ordered_len[::-1])[::-1], 0)  # shortest still to come, and 0
+    first = int(tail_min[0])
+    for u in sorted(range(len(units.version)), key=lambda u: (units.gap[u], u)):
+        units.push(u, first)
+    ordered_cost, ordered_vis = costs[order], vis[order]
+    for start in range(0, order.size, _CHUNK):
         # Python lists a chunk at a time: per-sample reads stay fast, memory stays O(chunk + U)
-        stop = min(n, start + _CHUNK)
-        seq_len, seq_cost = ordered_len[start:stop].tolist(), ordered_cost[start:stop].tolist()
-        seq_vis, after = ordered_vis[start:stop].tolist(), tail_min[start + 1 : stop + 1].tolist()
-        placed[start:stop] = _place_chunk(
-            seq_len, seq_cost, seq_vis, after, heaps, free, vis_free, count, version, limits, per_unit,
-            world_size, fresh,
+        stop = min(order.size, start + _CHUNK)
+        seq = zip(
+            ordered_len[start:stop].tolist(), ordered_cost[start:stop].tolist(),
+            ordered_vis[start:stop].tolist(), tail_min[start + 1 : stop + 1].tolist(),
         )  # fmt: skip
-    out = np.empty(n, dtype=np.int64)
-    out[order] = placed
-    return out, len(version)
-
-
-def _place_chunk(
-    seq_len: list[int],
-    seq_cost: list[float],
-    seq_vis: list[int],
-    after: list[int],
-    heaps: list[list[tuple[float, int, int]]],
-    free: list[int],
-    vis_free: list[int],
-    count: list[int],
-    version: list[int],
-    limits: tuple[int, int, int],
-    per_unit: int,
-    world_size: int,
-    fresh: float,
-) -> list[int]:
-    """The packs of one chunk of samples (:func:`_place`), updating its heaps and per-pack lists in place.
-    ``after[i]``: the shortest length still to come after sample ``i`` (0: none)."""
-    capacity, vision_capacity, sample_cap = limits
-    top_class = len(heaps) - 1
-    pack_of = [0] * len(seq_len)
-    for pos in range(len(seq_len)):
-        length, need_vis = seq_len[pos], seq_vis[pos]
-        best: tuple[float, int, int] | None = None
-        best_pack = -1
-        aside: list[tuple[int, tuple[float, int, int]]] = []
-        # the classes above the sample's own, where every unit has room (unless a vision budget or sample
-        # cap says no); its own class (some units there have room, some not) only when they have none
-        own = _room_class(length)
-        for j in [*range(top_class, own, -1), own]:
-            if j == own and best is not None:
-                break
-            heap = heaps[j]
-            while heap and len(aside) < _SCAN:
-                entry = heap[0]
-                u = entry[1]
-                if entry[2] != version[u]:
-                    heapq.heappop(heap)  # stale: the unit has moved on
-                    continue
-                if best is not None and entry >= best:
-                    break  # no better than the best so far
-                fit = -1
-                for p in range(u * per_unit, (u + 1) * per_unit):
-                    fits = free[p] >= length and vis_free[p] >= need_vis and count[p] < sample_cap
-                    if fits and (fit < 0 or free[p] < free[fit]):
-                        fit = p
-                if fit >= 0:
-                    best, best_pack = entry, fit
-                    break
-                aside.append((j, heapq.heappop(heap)))  # too little room for this one, not for later ones
-        for j, entry in aside:
-            heapq.heappush(heaps[j], entry)
-        if best is None:  # fits nowhere: one more step of empty units (length <= capacity fits there)
-            first = len(version)
-            free += [capacity] * (world_size * per_unit)
-            vis_free += [vision_capacity] * (world_size * per_unit)
-            count += [0] * (world_size * per_unit)
-            version += [0] * world_size
-            for u in range(first, first + world_size):
-                heapq.heappush(heaps[top_class], (-fresh, u, 0))
-            best, best_pack = (-fresh, first, 0), first * per_unit
-        u = best[1]
-        free[best_pack] -= length
-        vis_free[best_pack] -= need_vis
-        count[best_pack] += 1
-        pack_of[pos] = best_pack
-        version[u] += 1
-        open_room = [free[p] for p in range(u * per_unit, (u + 1) * per_unit) if count[p] < sample_cap]
-        room = max(open_room) if open_room else 0
-        if after[pos] and room >= after[pos]:
-            heapq.heappush(heaps[_room_class(room)], (best[0] + seq_cost[pos], u, version[u]))
+        pack_of[order[start:stop]] = [_place_one(units, *sample) for sample in seq]
     return pack_of
 
 
-def _fill_empty(pack_of: np.ndarray, costs: np.ndarray, num_packs: int) -> None:
-    """Give every empty pack one sample, in place: the cheapest samples of packs holding two or more move
-    (a unit's cost moves by those cheapest samples only). Needs ``N >= num_packs``."""
+def _place_one(units: _Units, length: int, cost: float, need_vis: int, after: int) -> int:
+    """The pack of one sample (:func:`_place`); ``after``: the shortest length still to come (0: none)."""
+    best: tuple[float, int, int] | None = None
+    best_pack = -1
+    aside: list[tuple[int, tuple[float, int, int]]] = []
+    heaps, version = units.heaps, units.version
+    # the classes above the sample's own, where every unit has room (unless a vision budget or sample cap
+    # says no); its own class (some units there have room, some not) only when they have none
+    own = _room_class(length)
+    for j in [*range(len(heaps) - 1, own, -1), own]:
+        if j == own and best is not None:
+            break
+        heap = heaps[j]
+        while heap and len(aside) < _SCAN:
+            entry = heap[0]
+            u = entry[1]
+            if entry[2] != version[u]:
+                heapq.heappop(heap)  # stale: the unit has moved on
+                continue
+            if best is not None and entry >= best:
+                break  # no better than the best so far
+            fit = -1
+            for p in range(u * units.per_unit, (u + 1) * units.per_unit):
+                if units.fits(p, length, need_vis) and (fit < 0 or units.free[p] < units.free[fit]):
+                    fit = p
+            if fit >= 0:
+                best, best_pack = entry, fit
+                break
+            aside.append((j, heapq.heappop(heap)))  # too little room for this one, not for later ones
+    for j, entry in aside:
+        heapq.heappush(heaps[j], entry)
+    if best_pack < 0:
+        best_pack = _least_filled(units, length, need_vis)
+    if best_pack < 0:  # no pack has room: one more step of empty units (length <= capacity fits there)
+        best_pack = units.open_step() * units.per_unit
+    u = best_pack // units.per_unit
+    units.put(best_pack, length, need_vis, cost)
+    units.push(u, after)
+    return best_pack
+
+
+def _least_filled(units: _Units, length: int, need_vis: int) -> int:
+    """The pack of a sample no unit the heaps offer can take: of the ``_SCAN`` roomiest packs that hold it,
+    the one whose unit is furthest below its target; -1 when none does (then a step opens)."""
+    if units.roomy is None:
+        units.roomy = [(-f, p) for p, f in enumerate(units.free) if f > 0]
+        heapq.heapify(units.roomy)
+    roomy, free = units.roomy, units.free
+    seen: list[tuple[int, int]] = []
+    best = -1
+    while roomy and -roomy[0][0] >= length and len(seen) < _SCAN:
+        key, p = heapq.heappop(roomy)
+        if -key != free[p]:
+            continue  # stale: the pack has filled since
+        seen.append((key, p))
+        lower = best < 0 or units.gap[p // units.per_unit] < units.gap[best // units.per_unit]
+        if lower and units.fits(p, length, need_vis):
+            best = p
+    for entry in seen:
+        heapq.heappush(roomy, entry)
+    return best
+
+
+def _fill_empty(
+    pack_of: np.ndarray, costs: np.ndarray, num_packs: int, per_unit: int, image: np.ndarray
+) -> None:
+    """Give every empty pack one sample, in place: first a sample of another pack of its own unit (the
+    unit's cost does not move), else the cheapest text-only sample of a pack holding two or more (images
+    last, so a unit keeps its image). Needs ``N >= num_packs``."""
     sizes = np.bincount(pack_of, minlength=num_packs)
-    empty = np.flatnonzero(sizes == 0).tolist()
-    if not empty:
+    empty = np.flatnonzero(sizes == 0)
+    if not empty.size:
         return
     counts = sizes.tolist()
-    for i in np.lexsort((np.arange(costs.size), costs)).tolist():  # cheapest first
-        if not empty:
+    by_pack = np.argsort(pack_of, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    left: list[int] = []
+    for e in empty.tolist():
+        u = e // per_unit
+        donor = max(range(u * per_unit, (u + 1) * per_unit), key=lambda p: (counts[p], -p))
+        if counts[donor] < 2:
+            left.append(e)
+            continue
+        held = [i for i in by_pack[starts[donor] : starts[donor + 1]].tolist() if pack_of[i] == donor]
+        i = min(held, key=lambda i: (costs[i], i))
+        counts[donor] -= 1
+        counts[e] += 1
+        pack_of[i] = e
+    for i in np.lexsort((np.arange(costs.size), costs, image)).tolist():  # text-only first, cheapest first
+        if not left:
             return
         if counts[pack_of[i]] >= 2:
             counts[pack_of[i]] -= 1
-            pack_of[i] = empty.pop()
+            pack_of[i] = left.pop()
 
 
 def balanced_packs(
@@ -228,6 +290,7 @@ def balanced_packs(
     vision: np.ndarray | None = None,
     vision_capacity: int | None = None,
     max_samples_per_bin: int | None = None,
+    has_image: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Pack samples into whole steps whose every rank's share costs about the same (module docstring).
 
@@ -242,6 +305,10 @@ def balanced_packs(
         vision, vision_capacity: int64 ``[N]`` a second per-sample budget and its per-pack limit (both or
             neither), as :func:`~vlm_pack.packing.pack` takes them; each ``vision[i] <= vision_capacity``.
         max_samples_per_bin: samples per pack at most (None: no cap).
+        has_image: bool ``[N]``: which samples hold an image (None: no care). Given, every unit (a rank's
+            share of a step) holds one wherever the image packs could fill every step: where the packs
+            placed by cost leave shares without one, each unit opens with one of the dearest image samples
+            (not in a step added for a sample no pack has room for: a plan then keeps the best-fit packs).
 
     Returns:
         ``(members int64 [N], bin_ptr int64 [K + 1])``, ``K`` a multiple of ``world_size * grad_accum``:
@@ -265,18 +332,7 @@ def balanced_packs(
             f"balanced_packs: sample {bad} has length {int(lens[bad])}, outside 1..capacity {capacity}: leave "
             "oversized samples out first (pack(..., oversized='skip') lists them)"
         )
-    if (vision is None) != (vision_capacity is None):
-        raise ValueError("balanced_packs: give vision and vision_capacity together, or neither")
-    vis = None
-    vcap = 0
-    if vision is not None:
-        vis = np.asarray(vision, dtype=np.int64)
-        vcap = _as_positive_int(vision_capacity, "vision_capacity")
-        if vis.shape != (n,) or (n and int(vis.max()) > vcap):
-            raise ValueError(
-                f"balanced_packs: vision must be [N] = [{n}] values each <= vision_capacity {vcap}; leave "
-                "samples over the vision budget out first"
-            )
+    vis, vcap = _checked_vision(vision, vision_capacity, n)
     cap = n + 1 if max_samples_per_bin is None else _as_positive_int(max_samples_per_bin, "max_samples_per_bin")
     step = world_size * grad_accum
     if n < step:
@@ -284,12 +340,86 @@ def balanced_packs(
     order = np.lexsort((np.arange(n), -lens, -c))  # dearest first, then longest, then by index
     k = max(step, -(-_as_positive_int(num_packs, "num_packs") // step) * step)
     targets = _targets(c[order], k // grad_accum, world_size)
-    pack_of, units = _place(order, c, lens, vis, (capacity, vcap, cap), targets, grad_accum, world_size)
-    k = units * grad_accum
-    if k > n:  # more packs than samples: they would not all hold one
-        return None
-    _fill_empty(pack_of, c, k)
-    return _by_unit_cost(pack_of, c, k, grad_accum)
+    image = np.zeros(n, bool) if has_image is None else np.asarray(has_image, dtype=bool)
+    if image.shape != (n,):
+        raise ValueError(f"balanced_packs: has_image must be [N] = [{n}] bools, one per sample")
+    limits, shape = (capacity, vcap, cap), (grad_accum, world_size)
+    return _packed(order, c, lens, vis, limits, targets, shape, image, has_image is not None)
+
+
+def _packed(
+    order: np.ndarray,
+    c: np.ndarray,
+    lens: np.ndarray,
+    vis: np.ndarray | None,
+    limits: tuple[int, int, int],
+    targets: np.ndarray,
+    shape: tuple[int, int],
+    image: np.ndarray,
+    image_rule: bool,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`balanced_packs`' packs of the samples in processing ``order``: placed by cost, then (under the
+    ``image_rule``) seeded with image samples where that leaves steps short the image packs could fill.
+    ``shape``: (grad_accum, world_size)."""
+    grad_accum, world_size = shape
+    placed = None
+    # first as the costs place them (images are dear: most shares get one anyway); seeded where that leaves
+    # shares without an image that the image packs could fill, as seeds cost best fit's tightness
+    for seeds in (np.zeros(0, np.int64), None):
+        if seeds is None:
+            seeds = _seeds(c, lens, image, limits[0], targets.size, grad_accum)
+        units = _Units(targets, limits, grad_accum, world_size)
+        pack_of = _place(order[~np.isin(order, seeds)], c, lens, vis, units, seeds)
+        k = len(units.version) * grad_accum
+        if k > c.size:  # more packs than samples: they would not all hold one
+            return placed
+        _fill_empty(pack_of, c, k, grad_accum, image)
+        placed = _by_unit_cost(pack_of, c, k, grad_accum)
+        grew = len(units.version) > targets.size  # a step more than asked: the plan keeps best fit's packs
+        if grew or not image_rule or not _shares_lack_images(pack_of, image, k, grad_accum, world_size):
+            break
+    return placed
+
+
+def _shares_lack_images(pack_of: np.ndarray, image: np.ndarray, k: int, per_unit: int, world_size: int) -> bool:
+    """Whether, dealt (:func:`deal_units` spreads the shares holding an image ``world_size`` a step), fewer
+    steps would give every rank an image than the image packs could: ``pack_of`` ``[N]``, ``K`` packs."""
+    packs = np.bincount(pack_of, weights=image, minlength=k) > 0  # [K] packs holding an image
+    shares = packs.reshape(-1, per_unit).any(axis=1)  # [U]
+    steps = shares.size // world_size
+    return int(shares.sum()) // world_size < min(steps, int(packs.sum()) // world_size)
+
+
+def _checked_vision(vision: Any, vision_capacity: Any, n: int) -> tuple[np.ndarray | None, int]:
+    """``(vision int64 [N] or None, vision_capacity or 0)``, or a ValueError saying what to give."""
+    if (vision is None) != (vision_capacity is None):
+        raise ValueError("balanced_packs: give vision and vision_capacity together, or neither")
+    if vision is None:
+        return None, 0
+    vis = np.asarray(vision, dtype=np.int64)
+    vcap = _as_positive_int(vision_capacity, "vision_capacity")
+    if vis.shape != (n,) or (n and int(vis.max()) > vcap):
+        raise ValueError(
+            f"balanced_packs: vision must be [N] = [{n}] values each <= vision_capacity {vcap}; leave "
+            "samples over the vision budget out first"
+        )
+    return vis, vcap
+
+
+def _seeds(
+    costs: np.ndarray, lengths: np.ndarray, image: np.ndarray, capacity: int, units: int, per_unit: int
+) -> np.ndarray:
+    """int64 ``[S]``: the image samples that open units ``0 .. S-1``, one each, dearest first: the dearest
+    image samples (placed early by the dearest-first order anyway, they leave the small samples to fill the
+    gaps last), as many as there are units, less one for each pack a text-only sample needs alone (longer
+    than the room beside the shortest of them; ``per_unit`` packs a unit, one of them seeded)."""
+    ids = np.flatnonzero(image)
+    if not ids.size or not units:
+        return np.zeros(0, dtype=np.int64)
+    cheap = ids[np.lexsort((ids, -lengths[ids], -costs[ids]))][:units]  # dearest first
+    alone = int((lengths[~image] > capacity - int(lengths[cheap].min())).sum())
+    cheap = cheap[: max(0, min(cheap.size, units * per_unit - alone))]
+    return cheap[np.lexsort((cheap, -costs[cheap]))].astype(np.int64)
 
 
 def _by_unit_cost(pack_of: np.ndarray, costs: np.ndarray, k: int, per_unit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -327,6 +457,30 @@ def deal_units(
     units = step_plan(c.sum(axis=1), world_size, 1, has_image=image, seed=seed)  # [W, steps]
     packs = units[:, :, None] * grad_accum + np.arange(grad_accum)  # [W, steps, grad_accum]
     return packs.reshape(world_size, -1).astype(np.int64)
+
+
+def keep_balanced(
+    balanced: tuple[np.ndarray, np.ndarray, np.ndarray],
+    best_fit: tuple[np.ndarray, np.ndarray, np.ndarray],
+    grad_accum: int,
+    image_rule: bool,
+) -> bool:
+    """Whether a plan trains on its balanced packs rather than the best-fit ones: each a ``(pack costs float
+    [B], has_image bool [B], rank_bins [world_size, micro_steps])``. Never when they take more optimizer
+    steps; under the image rule (``image_rule``), never when more of their steps leave a rank without an
+    image than the image packs force (:func:`~vlm_pack.packing.steps.steps_short_of_images`, "avoidable"),
+    and always when fewer; else when they deal better (:func:`~vlm_pack.packing.step_imbalance`)."""
+    from .steps import step_imbalance, steps_short_of_images
+
+    (new_costs, new_image, new_bins), (old_costs, old_image, old_bins) = balanced, best_fit
+    if -(-new_bins.shape[1] // grad_accum) > -(-old_bins.shape[1] // grad_accum):
+        return False
+    if image_rule:
+        new_short = steps_short_of_images(new_image, new_bins, grad_accum)["avoidable"]
+        old_short = steps_short_of_images(old_image, old_bins, grad_accum)["avoidable"]
+        if new_short != old_short:
+            return new_short < old_short
+    return step_imbalance(new_costs, new_bins, grad_accum) < step_imbalance(old_costs, old_bins, grad_accum)
 
 
 def _densest(costs: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

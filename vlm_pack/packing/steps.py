@@ -22,10 +22,12 @@ cut into the groups in cost order. Within a group the image packs come first, so
     image packs by cost   i0 i1 ... i7 | i8 ... i15 | ...      text packs by cost   t0 ... t3 | t4 ... t7 | ...
     groups (steps)        [ i0..i7  t0..t3 ]  [ i8..i15  t4..t7 ]  ...              each >= world_size images
 
-Where it cannot hold (fewer than ``world_size`` image packs in all, or a step the packs' sizes force short)
-:func:`steps_short_of_images` counts the steps; there a rank must keep the tower in its graph by itself (a
-dummy image through the tower with zero loss weight, or DDP ``find_unused_parameters=True``). A step with no
-image pack at all is the same on every rank (no FSDP hang).
+Where it cannot hold (fewer than ``world_size`` image packs per step in the plan), :func:`steps_short_of_images`
+counts every step where a rank lacks one (``short``), and of those the ones the plan's image packs could have
+filled (``avoidable``: 0 in every plan vlm-pack makes, ``plan_packs`` keeps no packs that break it); in a short
+step a rank must keep the tower in its graph by itself (a dummy image through the tower with zero loss weight,
+or DDP ``find_unused_parameters=True``). A step with no image pack at all is the same on every rank (no FSDP
+hang).
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ class StepBalance:
         seed: shuffles the order of the steps in the plan (no length curriculum).
         packs: ``"balanced"``: the plan makes its packs for the steps
             (:func:`~vlm_pack.packing.balanced.balanced_packs`: each rank's share of a step about the same
-            cost, as many steps as the best-fit packs take) and keeps them where they deal better than the
-            best-fit packs, else the best-fit ones; ``"bfd"``: the best-fit packs, dealt as they are;
+            cost, as many steps as the best-fit packs take) and keeps them where they take no more optimizer
+            steps, keep the image rule and deal better than the best-fit packs
+            (:func:`~vlm_pack.packing.balanced.keep_balanced`), else the best-fit ones; ``"bfd"``: the best-fit packs, dealt as they are;
             ``"auto"`` (default): ``"balanced"`` up to ``AUTO_BALANCED_MAX_SAMPLES`` (1 M) samples, where it
             matters most (few packs per step) and costs seconds, ``"bfd"`` above.
     """
@@ -242,14 +245,27 @@ def step_imbalance(costs: np.ndarray, rank_bins: np.ndarray, grad_accum: int = 1
 
 
 def steps_short_of_images(has_image: np.ndarray, rank_bins: np.ndarray, grad_accum: int = 1) -> dict[str, int]:
-    """Steps where some rank has no image pack: ``{"steps", "mixed" (others do), "text_only" (no rank
-    does), "mixed_with_enough" (the step holds >= world_size image packs: the guarantee broken)}``."""
-    hits = _step_loads(np.asarray(has_image, dtype=np.float64), rank_bins, grad_accum)  # [S, W] images
+    """Every step where some rank has no image pack, and how many of them the plan could have spared.
+
+    ``has_image`` bool ``[B]`` per pack, ``rank_bins`` ``[world_size, micro_steps]``. Returns ``{"steps",
+    "short" (steps where some rank has no image pack), "mixed" (of those, steps where another rank has one),
+    "text_only" (no rank has one), "image_packs", "forced" (short steps no dealing of these packs avoids:
+    a step with an image on every rank uses ``world_size`` image packs, so ``steps - image_packs //
+    world_size`` of them at least), "avoidable" (``short - forced``: the image rule broken; 0 wherever
+    the plan holds ``world_size`` image packs per step and every rank has one in every step)}``."""
+    image = np.asarray(has_image, dtype=np.float64)
+    hits = _step_loads(image, rank_bins, grad_accum)  # [S, W] image packs of each rank's share of each step
     some, every = (hits > 0).any(axis=1), (hits > 0).all(axis=1)
-    enough = hits.sum(axis=1) >= hits.shape[1]
+    steps, world = hits.shape[0], max(1, hits.shape[1])
+    packs = int(image[np.asarray(rank_bins, dtype=np.int64)].sum())
+    short = int((~every).sum())
+    forced = min(steps, max(0, steps - packs // world))
     return {
-        "steps": int(hits.shape[0]),
+        "steps": int(steps),
+        "short": short,
         "mixed": int((some & ~every).sum()),
         "text_only": int((~some).sum()),
-        "mixed_with_enough": int((some & ~every & enough).sum()),
+        "image_packs": packs,
+        "forced": forced,
+        "avoidable": max(0, short - forced),
     }

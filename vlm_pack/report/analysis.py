@@ -178,8 +178,9 @@ def step_balance(
     rank's epoch total balanced, steps in the order ``shuffle_seed`` gives epoch 0) and of the default step
     plan (``StepBalance()``: cost-balanced packs where they deal better, see
     :func:`~vlm_pack.data.plan.plan_packs`); ``packs``: which packs it keeps (``"balanced"`` or ``"bfd"``) and
-    ``num_packs`` how many; ``short_of_images``: the step plan's steps where a rank has no image
-    (:func:`~vlm_pack.packing.steps.steps_short_of_images`). A dataset too small for ``world_size`` ranks
+    ``num_packs`` how many; ``short_of_images``: :func:`~vlm_pack.packing.steps.steps_short_of_images` of
+    the step plan: ``"short"`` counts every step where a rank has no image pack, ``"avoidable"`` those the
+    plan's image packs could have filled (0: the image rule holds). A dataset too small for ``world_size`` ranks
     gives ``{"error": reason}`` instead."""
     from vlm_pack.data.plan import _costs_and_images, _split_for_ranks, deal_packs, plan_packs
     from vlm_pack.packing import EpochBalance, StepBalance, step_imbalance

@@ -67,7 +67,10 @@ def _step_balance_cell(c: dict[str, Any]) -> str:
         return "-"
     if "error" in sb:
         return "too few packs"
-    return f"{sb['epoch_plan']:.3f} -> {sb['step_plan']:.3f}" + ("*" if sb.get("packs") == "balanced" else "")
+    short = sb.get("short_of_images", {}).get("short", 0)
+    lacking = f", {short} step(s) a rank lacks an image" if short else ""
+    star = "*" if sb.get("packs") == "balanced" else ""
+    return f"{sb['epoch_plan']:.3f} -> {sb['step_plan']:.3f}{lacking}{star}"
 
 
 def _sample_rows() -> list[_Row]:
