@@ -217,10 +217,8 @@ def _run_analysis(
     for capacity in args.capacity:
         _refuse_oversized(table, config.replace(capacity=capacity))
     report, results = analyze(
-        table, args.capacity, baseline=baseline, strategy=args.strategy, meta=meta, config=config
+        table, args.capacity, baseline=baseline, strategy=args.strategy, meta=meta, config=config, cost=cost
     )
-    if cost is not None:
-        _cost_step_balance(report, table, results, baseline, cost)
     empty = [c["capacity"] for c in report["capacities"] if c["packed_samples"] == 0]
     if len(empty) == len(report["capacities"]):
         raise ValueError(
@@ -259,16 +257,6 @@ def _default_cost() -> Any:
     from vlm_pack.packing.cost import PackCost
 
     return PackCost()
-
-
-def _cost_step_balance(report: dict[str, Any], table: Any, results: Sequence[Any], baseline: Any, cost: Any) -> None:
-    """Each capacity's ``step_balance`` (``--world-size`` > 1) measured with ``--model-config``'s cost instead of
-    ``PackCost()``: ranks wait by the model's own cost (a 2B and a 72B weigh images and long texts apart)."""
-    from vlm_pack.report.analysis import step_balance
-
-    for entry, result in zip(report["capacities"], results):
-        if "step_balance" in entry:
-            entry["step_balance"] = step_balance(table, result, baseline.world_size, baseline.grad_accum, cost=cost)
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:

@@ -218,6 +218,7 @@ def analyze_capacity(
     baseline: Baseline = Baseline(),
     strategy: str = "bfd",
     seed: int = 0,
+    cost: Any = None,
 ) -> tuple[dict[str, Any], PackResult]:
     """Pack ``table`` at ``capacity`` with ``strategy`` and compare with the padded ``baseline``.
 
@@ -229,7 +230,8 @@ def analyze_capacity(
     (``"truncate"``, as a padded run with ``max_length=capacity`` would cut them); both are reported;
     ``"raise"`` raises ``ValueError`` at the first.
     The padded baseline is the same at every capacity: a padded run has no capacity, so it batches every
-    sample of ``table`` at its full length, in one fixed random order (``seed``).
+    sample of ``table`` at its full length, in one fixed random order (``seed``). ``cost`` prices a pack for
+    the step balance (``baseline.world_size`` > 1): a :class:`~vlm_pack.packing.PackCost`, default Qwen2-VL-7B's.
     Returns ``(metrics, PackResult)``.
     """
     config = _analysis_config(capacity, config)
@@ -279,7 +281,7 @@ def analyze_capacity(
         "grad_accum": _grad_accum_metrics(b, per_micro, micro_padded, micro_packed),
     }
     if b.world_size > 1 and nb:
-        metrics["step_balance"] = step_balance(table, result, b.world_size, b.grad_accum)
+        metrics["step_balance"] = step_balance(table, result, b.world_size, b.grad_accum, cost=cost)
     return metrics, result
 
 
@@ -292,11 +294,14 @@ def analyze(
     strategy: str = "bfd",
     seed: int = 0,
     meta: dict[str, Any] | None = None,
+    cost: Any = None,
 ) -> tuple[dict[str, Any], list[PackResult]]:
     """:func:`analyze_capacity` for each capacity, plus dataset statistics: ``(report, pack results)``.
 
     ``config``: the packing knobs, as for :func:`analyze_capacity` (its capacity is replaced by each of
-    ``capacities``). ``meta`` is copied into the report's top level (where the data came from).
+    ``capacities``). ``meta`` is copied into the report's top level (where the data came from). ``cost``:
+    what a pack costs a rank for the step balance (``baseline.world_size`` > 1; a
+    :class:`~vlm_pack.packing.PackCost`, default Qwen2-VL-7B's, e.g. ``PackCost.from_config(model_config)``).
     """
     if not capacities:
         raise ValueError("give at least one capacity")
@@ -305,7 +310,9 @@ def analyze(
     config = _analysis_config(capacities[0], config)
     per_cap, results = [], []
     for cap in capacities:
-        m, r = analyze_capacity(table, int(cap), baseline=baseline, strategy=strategy, seed=seed, config=config)
+        m, r = analyze_capacity(
+            table, int(cap), baseline=baseline, strategy=strategy, seed=seed, config=config, cost=cost
+        )
         per_cap.append(m)
         results.append(r)
     n_img = table.num_images
