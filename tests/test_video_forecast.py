@@ -1,7 +1,8 @@
 """Video forecasts from the container header equal the family's own video processor on the decoded frames.
 
-Every clip is encoded here with PyAV (MP4 h264 / mpeg4, WebM VP8 / VP9, MKV h264 / mpeg4; 1-300 frames;
-1-60 fps with 29.97; 64 px to 1920 px; odd and even counts and sizes; variable-frame-rate MP4 and MKV).
+Every clip is encoded by the test with PyAV (tests/video_clips.py: MP4 h264 / mpeg4, WebM VP8 / VP9, MKV
+h264 / mpeg4; 1-300 frames; 1-60 fps with 29.97; 64 px to 1920 px; odd and even counts and sizes;
+variable-frame-rate MP4 and MKV).
 The oracle is outside the code under test: each clip is decoded in full with PyAV, its metadata taken the
 way transformers' ``read_video_pyav`` takes it (decoded count, ``stream.average_rate``), and the released
 video processor class (or the full processor, for the token counts in ``input_ids``, Qwen2.5-VL's
@@ -14,7 +15,6 @@ import io
 import re
 import sys
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -25,31 +25,10 @@ pytestmark = pytest.mark.torchvision
 av = pytest.importorskip("av")
 pytest.importorskip("torchvision")
 
+from video_clips import clip_set  # noqa: E402
+
 from vlm_pack import offline  # noqa: E402
 from vlm_pack.vision import VideoHeader, forecast_video, read_video_header, sampled_frames  # noqa: E402
-
-_CODECS = [
-    ("mp4", "h264"),
-    ("mp4", "mpeg4"),
-    ("webm", "libvpx"),
-    ("webm", "libvpx-vp9"),
-    ("matroska", "h264"),
-    ("matroska", "mpeg4"),
-]
-_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 31, 32, 61, 97, 150, 300]
-_RATES = [Fraction(1), Fraction(2), Fraction(5), Fraction(10), Fraction(12), Fraction(15), Fraction(24),
-          Fraction(25), Fraction(30000, 1001), Fraction(30), Fraction(50), Fraction(60)]  # fmt: skip
-_SMALL = [(64, 64), (96, 64), (64, 112), (160, 120), (128, 72), (200, 100), (320, 240)]
-# Big frames stay short so that the processors' resizes stay fast.
-_BIG = [
-    ("mp4", "h264", 3, Fraction(30), 1920, 1080),
-    ("webm", "libvpx-vp9", 2, Fraction(25), 1080, 1920),
-    ("matroska", "h264", 5, Fraction(30000, 1001), 1280, 720),
-    ("mp4", "mpeg4", 4, Fraction(60), 640, 360),
-    ("webm", "libvpx", 1, Fraction(24), 854, 480),
-    ("webm", "libvpx-vp9", 7, Fraction(15), 65, 49),  # odd sides
-    ("webm", "libvpx", 9, Fraction(10), 99, 67),
-]
 
 
 @dataclass
@@ -63,46 +42,6 @@ class Clip:
     """``stream.average_rate``: what transformers' ``read_video_pyav`` tells the processor."""
 
 
-def _encode(fmt: str, codec: str, count: int, rate: Fraction, width: int, height: int) -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as out:
-        stream = out.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        ramp = np.linspace(0, 255, width).astype(np.int64)[None, :, None]
-        for i in range(count):
-            image = np.broadcast_to((ramp + 13 * i) % 256, (height, width, 3)).astype(np.uint8)
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
-        out.mux(stream.encode())
-    return buf.getvalue()
-
-
-def _variable_rate(fmt: str, count: int = 40, steps_ms: tuple[int, ...] = (33, 80, 17, 120)) -> bytes:
-    """A clip whose packets carry irregular timestamps (mpeg4 has no B-frames: pts = dts)."""
-    source = av.open(io.BytesIO(_encode("matroska", "mpeg4", count, Fraction(30), 96, 64)))
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as out:
-        stream = out.add_stream_from_template(source.streams.video[0])
-        stream.time_base = Fraction(1, 1000)
-        pts = 0
-        packets = (p for p in source.demux(source.streams.video[0]) if p.size > 0)
-        for i, packet in enumerate(packets):
-            step = steps_ms[i % len(steps_ms)]
-            packet.stream, packet.time_base = stream, Fraction(1, 1000)
-            packet.pts = packet.dts = pts
-            packet.duration = step
-            pts += step
-            out.mux(packet)
-    source.close()
-    return buf.getvalue()
-
-
-def _specs() -> list[tuple[str, str, int, Fraction, int, int]]:
-    specs = [
-        (*_CODECS[i % 6], _COUNTS[i % 16], _RATES[(5 * i) % 12], *_SMALL[(3 * i) % 7]) for i in range(58)
-    ]
-    return specs + _BIG
-
-
 def _decode(data: bytes) -> tuple[np.ndarray, float]:
     with av.open(io.BytesIO(data)) as container:
         stream = container.streams.video[0]
@@ -114,10 +53,7 @@ def _decode(data: bytes) -> tuple[np.ndarray, float]:
 def clips(tmp_path_factory) -> list[Clip]:
     root = tmp_path_factory.mktemp("clips")
     out = []
-    made = [(f"{fmt}-{codec}-{n}f-{float(r):g}fps-{w}x{h}", _encode(fmt, codec, n, r, w, h))
-            for fmt, codec, n, r, w, h in _specs()]  # fmt: skip
-    made += [("vfr-mp4", _variable_rate("mp4")), ("vfr-mkv", _variable_rate("matroska"))]
-    for name, data in made:
+    for name, data in clip_set():
         path = root / f"{name}.{'mkv' if 'matroska' in name or 'mkv' in name else name.split('-')[0]}"
         path.write_bytes(data)
         frames, fps = _decode(data)
