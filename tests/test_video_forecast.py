@@ -54,7 +54,8 @@ def clips(tmp_path_factory) -> list[Clip]:
     root = tmp_path_factory.mktemp("clips")
     out = []
     for name, data in clip_set():
-        path = root / f"{name}.{'mkv' if 'matroska' in name or 'mkv' in name else name.split('-')[0]}"
+        ext = "mkv" if "matroska" in name or name.endswith("mkv") else "webm" if "webm" in name else "mp4"
+        path = root / f"{name}.{ext}"
         path.write_bytes(data)
         frames, fps = _decode(data)
         out.append(Clip(name, data, path, frames, fps))
@@ -88,12 +89,13 @@ def test_a_header_read_equals_a_full_decode_on_every_clip(clips, headers):
         header = headers[clip.name]
         t, h, w, _ = clip.frames.shape
         assert (header.frames, header.width, header.height, header.fps) == (t, w, h, clip.fps), clip.name
-        expected = "header" if clip.name.startswith(("mp4", "vfr-mp4")) else "demux"
+        expected = "header" if clip.name.startswith(("mp4", "vfr-mp4")) else "demux"  # edit list: demux
         assert header.how == expected, clip.name
         assert header.duration is not None and header.duration > 0, clip.name
     vfr = headers["vfr-mp4"]
     # 40 frames over 2.5 s of irregular steps: the mean rate, not the 30 fps the frames were encoded at.
     assert vfr.fps == pytest.approx(16.0) and vfr.duration == pytest.approx(2.5)
+    assert headers["editlist-mp4"].frames == 37  # 40 samples, 3 trimmed by the edit list
 
 
 def test_a_file_object_is_read_from_its_position_and_left_there(clips):
@@ -287,7 +289,7 @@ def test_qwen3_5_with_the_per_frame_pixel_cap_passed_at_call_time(clips, headers
 
 
 # LLaVA-OneVision and InternVL resize every frame to one size: the released settings (every frame) on the
-# clips of up to 32 frames, then the processors' own uniform sampling of 8 frames on all.
+# clips of up to 16 frames, then the processors' own uniform sampling of 8 frames on all.
 _OV = dict(size={"height": 384, "width": 384}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
 _INTERNVL = dict(size={"height": 448, "width": 448}, image_mean=[0.485, 0.456, 0.406],
                  image_std=[0.229, 0.224, 0.225])  # fmt: skip
@@ -298,7 +300,7 @@ def test_llava_onevision_tokens_per_frame_after_pooling(clips, headers, sample):
     extra = dict(do_sample_frames=True, num_frames=8) if sample else {}
     proc = _full("llava_onevision", _video_processor("LlavaOnevisionVideoProcessor", **_OV, **extra))
     oracle = _processor_oracle(proc, proc.video_token, proc.video_token)
-    report = _compare(clips, headers, lambda h: forecast_video(h, proc), oracle, None if sample else 32)
+    report = _compare(clips, headers, lambda h: forecast_video(h, proc), oracle, None if sample else 16)
     _assert_all_match(report, at_least=35)
     assert report["refused"] == [c.name for c in clips if sample and len(c.frames) < 8]
     assert forecast_video(headers["vfr-mp4"], proc).frame_tokens[0] == 14 * 14  # 27 x 27 patches, pooled
@@ -309,6 +311,6 @@ def test_internvl_frames_as_images(clips, headers, sample):
     extra = dict(do_sample_frames=True, num_frames=8) if sample else {}
     proc = _full("internvl", _video_processor("InternVLVideoProcessor", **_INTERNVL, **extra))
     oracle = _processor_oracle(proc, proc.video_token, proc.image_token)
-    report = _compare(clips, headers, lambda h: forecast_video(h, proc), oracle, None if sample else 32)
+    report = _compare(clips, headers, lambda h: forecast_video(h, proc), oracle, None if sample else 16)
     _assert_all_match(report, at_least=35)
     assert report["refused"] == [c.name for c in clips if sample and len(c.frames) < 8]

@@ -1,8 +1,9 @@
 """The generated video clips of tests/test_video_forecast.py and benchmarks/bench_video_forecast.py.
 
-67 clips encoded with PyAV: MP4 (h264, mpeg4), WebM (VP8, VP9) and Matroska (h264, mpeg4); 1-300 frames;
+68 clips encoded with PyAV: MP4 (h264, mpeg4), WebM (VP8, VP9) and Matroska (h264, mpeg4); 1-300 frames;
 1-60 fps with 29.97; 64 px to 1920 px (big frames stay short); odd and even counts and sizes; a
-variable-frame-rate MP4 and MKV (packets re-stamped at irregular steps).
+variable-frame-rate MP4 and MKV (packets re-stamped at irregular steps); an MP4 whose edit list trims its
+first 3 of 40 frames (the decoder yields 37).
 """
 
 from __future__ import annotations
@@ -77,8 +78,25 @@ def _specs() -> list[tuple[str, str, int, Fraction, int, int]]:
     return specs + _BIG
 
 
+def _edit_list_mp4(count: int = 40, trim: int = 3) -> bytes:
+    """An MP4 whose edit list starts ``trim`` frames in: ``count`` samples, ``count - trim`` decoded frames."""
+    source = av.open(io.BytesIO(_encode("matroska", "mpeg4", count, Fraction(25), 96, 64)))
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream_from_template(source.streams.video[0])
+        stream.time_base = Fraction(1, 25)
+        for i, packet in enumerate(p for p in source.demux(source.streams.video[0]) if p.size > 0):
+            packet.stream, packet.time_base = stream, Fraction(1, 25)
+            packet.pts = packet.dts = i - trim  # negative start times: the muxer writes a trimming edit list
+            packet.duration = 1
+            out.mux(packet)
+    source.close()
+    return buf.getvalue()
+
+
 def clip_set() -> list[tuple[str, bytes]]:
     """``(name, encoded bytes)`` of every clip; the name says container, codec, frames, rate and size."""
     made = [(f"{fmt}-{codec}-{n}f-{float(r):g}fps-{w}x{h}", _encode(fmt, codec, n, r, w, h))
             for fmt, codec, n, r, w, h in _specs()]  # fmt: skip
-    return [*made, ("vfr-mp4", _variable_rate("mp4")), ("vfr-mkv", _variable_rate("matroska"))]
+    extra = [("vfr-mp4", _variable_rate("mp4")), ("vfr-mkv", _variable_rate("matroska"))]
+    return [*made, *extra, ("editlist-mp4", _edit_list_mp4())]
