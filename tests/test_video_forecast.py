@@ -98,6 +98,35 @@ def test_a_header_read_equals_a_full_decode_on_every_clip(clips, headers):
     assert headers["editlist-mp4"].frames == 37  # 40 samples, 3 trimmed by the edit list
 
 
+class _NoDecode:
+    """A PyAV input container whose ``decode`` fails the test: the header path must never call it."""
+
+    def __init__(self, container: Any) -> None:
+        self._container = container
+
+    def decode(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the forecast decoded frames")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._container, name)
+
+
+def test_a_clip_over_budget_is_refused_without_decoding_a_frame(clips, monkeypatch):
+    proc = _full("qwen3_vl", _video_processor("Qwen3VLVideoProcessor", **_QWEN3))
+    real_open = av.open
+    monkeypatch.setattr(av, "open", lambda *a, **k: _NoDecode(real_open(*a, **k)))
+    capacity = 1024
+    refused = []
+    for clip in clips:
+        header = read_video_header(clip.data)
+        if len(clip.frames) >= 2 and forecast_video(header, proc).tokens > capacity:
+            refused.append(clip.name)
+    # At the released 25165824-pixel budget the 1080p and 720p clips are over 1024 tokens (4080, 2040,
+    # 1760; test_qwen3_vl_tokens_grid_and_timestamps proves these counts); the rest fit.
+    assert sorted(refused) == ["matroska-h264-5f-29.97fps-1280x720", "mp4-h264-3f-30fps-1920x1080",
+                               "webm-libvpx-vp9-2f-25fps-1080x1920"]  # fmt: skip
+
+
 def test_a_file_object_is_read_from_its_position_and_left_there(clips):
     clip = clips[3]
     fp = io.BytesIO(b"xyz" + clip.data)
