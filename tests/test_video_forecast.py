@@ -127,11 +127,11 @@ def test_a_clip_over_budget_is_refused_without_decoding_a_frame(clips, monkeypat
                                "webm-libvpx-vp9-2f-25fps-1080x1920"]  # fmt: skip
 
 
-def test_a_file_object_is_read_from_its_position_and_left_there(clips):
+def test_a_file_object_is_read_and_left_where_it_was(clips):
     clip = clips[3]
-    fp = io.BytesIO(b"xyz" + clip.data)
-    fp.seek(3)
-    assert read_video_header(fp).frames == len(clip.frames) and fp.tell() == 3
+    fp = io.BytesIO(clip.data)
+    fp.seek(7)
+    assert read_video_header(fp).frames == len(clip.frames) and fp.tell() == 7
 
 
 def _audio_only() -> bytes:
@@ -343,3 +343,17 @@ def test_internvl_frames_as_images(clips, headers, sample):
     report = _compare(clips, headers, lambda h: forecast_video(h, proc), oracle, None if sample else 16)
     _assert_all_match(report, at_least=35)
     assert report["refused"] == [c.name for c in clips if sample and len(c.frames) < 8]
+
+
+def test_forecast_refusals_name_the_processor_and_the_fix(headers):
+    header = headers["vfr-mp4"]
+    with pytest.raises(ValueError, match=r"Qwen2VLProcessor has no video processor: build the processor"):
+        forecast_video(header, offline.processor("qwen2_vl"))  # the offline processor is built without one
+    ov = _video_processor("LlavaOnevisionVideoProcessor", **_OV)
+    with pytest.raises(ValueError, match=r"`num_image_tokens`; pass the full processor"):
+        forecast_video(header, ov)
+    assert forecast_video(header, ov, num_image_tokens=729).tokens == 40 * 196 + 1
+    with pytest.raises(ValueError, match=r"takes no video kwargs \['fsp'\]"):
+        forecast_video(header, _video_processor("Qwen3VLVideoProcessor", **_QWEN3), fsp=1)
+    with pytest.raises(ValueError, match="no video forecast rule for SmolVLMVideoProcessor"):
+        forecast_video(header, _video_processor("SmolVLMVideoProcessor"))

@@ -152,8 +152,8 @@ def _open(av: Any, video: VideoSource) -> Any:
 def read_video_header(video: VideoSource, *, name: str | None = None) -> VideoHeader:
     """Frame count, mean rate, duration and size of the first video stream of ``video``, without decoding.
 
-    ``video``: encoded bytes, a path, or a seekable binary file (read from its current position, which is
-    restored afterwards). ``name`` labels the video in errors (default: the path or the byte count).
+    ``video``: encoded bytes, a path, or a seekable binary file that holds the video alone (PyAV seeks
+    absolute offsets): it is read from its start, and its position is restored afterwards. ``name`` labels the video in errors (default: the path or the byte count).
 
     Raises ``ImportError`` naming ``pip install "vlm-pack[video]"`` without PyAV, and ``ValueError`` naming
     the video for a container PyAV cannot open, one without a video stream, or one with no frame.
@@ -161,6 +161,8 @@ def read_video_header(video: VideoSource, *, name: str | None = None) -> VideoHe
     av = _import_av()
     label = name or _describe(video)
     start = video.tell() if hasattr(video, "tell") and hasattr(video, "seek") else None
+    if start:
+        video.seek(0)  # type: ignore[union-attr]  # PyAV reads on from the position, then seeks absolute
     try:
         container = _open(av, video)
     except (av.FFmpegError, OSError, UnicodeDecodeError) as exc:
