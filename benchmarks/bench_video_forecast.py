@@ -1,7 +1,7 @@
 """Video token forecast from the container header against learning each video's length by decoding it.
 
-Same clips (tests/video_clips.py: 68 PyAV-encoded MP4 / WebM / MKV clips, 1-300 frames, 1-60 fps, 64-1920 px,
-variable frame rate and an edit list included), same run, in-memory bytes, best of ``--repeats`` passes over all clips:
+Same clips (tests/video_clips.py: 69 PyAV-encoded MP4 / WebM / MKV clips, 1-300 frames, 1-60 fps, 64-1920 px,
+variable frame rate, an edit list and a rotation included), same run, in-memory bytes, best of ``--repeats`` passes over all clips:
 
 - ``forecast``: ``read_video_header`` (MP4 header, or a demux-only packet count for WebM / MKV) then
   ``forecast_video`` with Qwen3-VL's video processor (released settings: 2 fps sampling);
@@ -91,7 +91,14 @@ LONG = [
 ]
 
 
-GROUPS = {"mp4": "MP4", "webm": "WebM", "matroska": "MKV", "vfr": "VFR", "editlist": "MP4 EL"}
+GROUPS = {
+    "mp4": "MP4",
+    "webm": "WebM",
+    "matroska": "MKV",
+    "vfr": "VFR",
+    "editlist": "MP4 EL",
+    "rotated": "MP4 rot",
+}
 
 
 def group(name: str) -> str:

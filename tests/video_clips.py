@@ -1,9 +1,9 @@
 """The generated video clips of tests/test_video_forecast.py and benchmarks/bench_video_forecast.py.
 
-68 clips encoded with PyAV: MP4 (h264, mpeg4), WebM (VP8, VP9) and Matroska (h264, mpeg4); 1-300 frames;
+69 clips encoded with PyAV: MP4 (h264, mpeg4), WebM (VP8, VP9) and Matroska (h264, mpeg4); 1-300 frames;
 1-60 fps with 29.97; 64 px to 1920 px (big frames stay short); odd and even counts and sizes; a
 variable-frame-rate MP4 and MKV (packets re-stamped at irregular steps); an MP4 whose edit list trims its
-first 3 of 40 frames (the decoder yields 37).
+first 3 of 40 frames (the decoder yields 37); an MP4 rotated 90 degrees by its display matrix.
 """
 
 from __future__ import annotations
@@ -94,9 +94,24 @@ def _edit_list_mp4(count: int = 40, trim: int = 3) -> bytes:
     return buf.getvalue()
 
 
+def _rotated_mp4(count: int = 10, degrees: int = 90) -> bytes:
+    """A 96x64 MP4 carrying a display matrix that rotates it by ``degrees`` (PyAV decodes it unrotated)."""
+    source = av.open(io.BytesIO(_encode("matroska", "mpeg4", count, Fraction(25), 96, 64)))
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream_from_template(source.streams.video[0])
+        stream.set_display_rotation(degrees)
+        for packet in source.demux(source.streams.video[0]):
+            if packet.size > 0:
+                packet.stream = stream
+                out.mux(packet)
+    source.close()
+    return buf.getvalue()
+
+
 def clip_set() -> list[tuple[str, bytes]]:
     """``(name, encoded bytes)`` of every clip; the name says container, codec, frames, rate and size."""
     made = [(f"{fmt}-{codec}-{n}f-{float(r):g}fps-{w}x{h}", _encode(fmt, codec, n, r, w, h))
             for fmt, codec, n, r, w, h in _specs()]  # fmt: skip
     extra = [("vfr-mp4", _variable_rate("mp4")), ("vfr-mkv", _variable_rate("matroska"))]
-    return [*made, *extra, ("editlist-mp4", _edit_list_mp4())]
+    return [*made, *extra, ("editlist-mp4", _edit_list_mp4()), ("rotated-mp4", _rotated_mp4())]
