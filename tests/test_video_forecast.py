@@ -285,14 +285,18 @@ def test_qwen2_vl_released_settings_every_frame(clips, headers):
     assert report["refused"] == []
 
 
-def test_qwen2_vl_sampling_at_2_fps(clips, headers):
-    vp = _video_processor("Qwen2VLVideoProcessor", **_QWEN2, do_sample_frames=True, fps=2)
+def test_qwen2_vl_sampling_at_2_fps_with_the_per_frame_pixel_cap(clips, headers):
+    # A small max_video_tokens makes Qwen2-VL's cap (its own rule, not Qwen3-VL's) bind on most clips.
+    vp = _video_processor("Qwen2VLVideoProcessor", **_QWEN2, do_sample_frames=True, fps=2,
+                          cap_pixels_per_frame=True, max_video_tokens=300)  # fmt: skip
     report = _compare(clips, headers, lambda h: forecast_video(h, vp), _video_oracle(vp))
     _assert_all_match(report, at_least=50)
     one = next(c for c in clips if len(c.frames) == 1)
     assert one.name in report["refused"]  # sampling keeps 0 frames of 1: the processor fails, we refuse
     some = next(c for c in clips if len(c.frames) == 300)
     assert sampled_frames(headers[some.name], vp) == _video_oracle(vp)(some)["indices"]
+    uncapped = forecast_video(headers[some.name], vp, cap_pixels_per_frame=False).tokens
+    assert forecast_video(headers[some.name], vp).tokens < uncapped
 
 
 def test_qwen2_5_vl_tokens_and_second_per_grid_ts(clips, headers):
