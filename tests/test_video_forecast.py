@@ -341,6 +341,7 @@ def test_llava_onevision_tokens_per_frame_after_pooling(clips, headers, sample):
     _assert_all_match(report, at_least=35)
     assert report["refused"] == [c.name for c in clips if sample and len(c.frames) < 8]
     assert forecast_video(headers["vfr-mp4"], proc).frame_tokens[0] == 14 * 14  # 27 x 27 patches, pooled
+    _assert_same_frames(clips, headers, proc.video_processor, sample)
 
 
 @pytest.mark.parametrize("sample", [False, True], ids=["every-frame", "8-frames"])
@@ -351,6 +352,17 @@ def test_internvl_frames_as_images(clips, headers, sample):
     report = _compare(clips, headers, lambda h: forecast_video(h, proc), oracle, None if sample else 16)
     _assert_all_match(report, at_least=35)
     assert report["refused"] == [c.name for c in clips if sample and len(c.frames) < 8]
+    _assert_same_frames(clips, headers, proc.video_processor, sample)
+
+
+def _assert_same_frames(clips, headers, vp: Any, sample: bool) -> None:
+    """The frames the decoder must hand over: ``sampled_frames`` = the indices the video processor kept."""
+    if not sample:
+        return
+    for clip in (c for c in clips if len(c.frames) >= 8):
+        out = vp(videos=[clip.frames], video_metadata=[_oracle_metadata(clip)], return_metadata=True)
+        kept = [int(i) for i in out["video_metadata"][0].frames_indices]
+        assert sampled_frames(headers[clip.name], vp) == kept, clip.name
 
 
 def test_forecast_refusals_name_the_processor_and_the_fix(headers):
