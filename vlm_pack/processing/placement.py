@@ -131,7 +131,7 @@ def _with_processor(
     offsets = enc["offset_mapping"][0].long()
     media = torch.tensor([r[1:] for r in replaced], dtype=torch.long).reshape(-1, 3)  # [n, (end, start', end')]
     length = int(offsets.max()) if len(offsets) else 0
-    trained = _trained_tokens(_shift(rendering.spans, media[:, 0], media[:, 2]), offsets, max(length, 1))
+    trained = _trained_tokens(_shift(rendering.spans, media[:, 0].contiguous(), media[:, 2]), offsets, max(length, 1))
     out = {k: v for k, v in enc.items() if k not in _TEXT_KEYS}
     counts = {"image": torch.zeros(len(images), dtype=torch.long)}
     if videos:
