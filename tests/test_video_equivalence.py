@@ -25,8 +25,11 @@ pytestmark = pytest.mark.torchvision
 from PIL import Image  # noqa: E402
 
 from vlm_pack import Preprocessor, offline  # noqa: E402
-from vlm_pack.testing import check_packed_equivalence  # noqa: E402
-from vlm_pack.testing.clips import encode_clip, processor_with_video  # noqa: E402
+from vlm_pack.testing import (  # noqa: E402
+    check_packed_equivalence,
+    encode_clip,
+    processor_with_video,
+)
 
 TOL = 1.0001
 WRONG = 1.01  # every control must be clearly off, not merely above the tolerance
