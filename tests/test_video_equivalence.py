@@ -179,3 +179,17 @@ def test_qwen2_5_vl_without_second_per_grid_ts_fails():
     print(f"qwen2_5_vl without second_per_grid_ts: token_mult_prob_error {report.metric:.4f}")
     assert batch.second_per_grid_ts is None
     assert not report.passed and report.metric > WRONG, str(report)
+
+
+def test_the_gpu_check_runs_video_samples(capsys):
+    """``examples/check_equivalence.py --video`` (what runs on a GPU in bf16): PASS, and FAIL on its control."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "examples" / "check_equivalence.py"
+    spec = importlib.util.spec_from_file_location("example_check_equivalence_video", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--video", "--family", "qwen2_5_vl"]) == 0
+    assert "PASS: token_mult_prob_error 1.00000" in capsys.readouterr().out
+    assert example.main(["--video", "--family", "qwen2_5_vl", "--mistake", "positions"]) == 1
+    assert "FAIL" in capsys.readouterr().out
