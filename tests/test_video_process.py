@@ -31,12 +31,15 @@ _VIDEO = {
     ),
     "qwen3_vl": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 48 * 32 * 32}, cap_pixels_per_frame=False),
     "llava_onevision": dict(do_sample_frames=True, num_frames=4),
+    # Qwen3.5: Qwen3-VL's processor and timestamps (its tiny model needs flash-linear-attention to pack)
+    "qwen3_5": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 48 * 32 * 32}, cap_pixels_per_frame=False),
 }
 _IMAGE = {
     "qwen2_vl": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28}),
     "qwen2_5_vl": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28}),
     "qwen3_vl": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 64 * 32 * 32}),
     "llava_onevision": {},
+    "qwen3_5": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 64 * 32 * 32}),
 }
 FAMILIES = tuple(_VIDEO)
 _VIDEO_TURNS = [
@@ -131,6 +134,27 @@ def test_decode_frames_keeps_only_the_asked_frames(container):
 
 
 @pytest.mark.torchvision
+def test_decoding_holds_the_kept_frames_not_the_clip():
+    """Peak traced memory (numpy reports its buffers to tracemalloc) while keeping 2 of 60 frames stays near
+    2 frames; keeping all 60 costs 60 (so the measure sees frames at all)."""
+    pytest.importorskip("av")
+    import tracemalloc
+
+    from vlm_pack.processing.videos import decode_frames
+
+    clip = _clip(60, 128, 96, 10.0, "mp4", 8)
+    frame = 128 * 96 * 3
+    decode_frames(clip, [0], "warm-up")  # imports and codec set-up are not the frames
+    peaks = {}
+    for kept in ([0, 59], list(range(60))):
+        tracemalloc.start()
+        decode_frames(clip, kept, "clip")
+        peaks[len(kept)] = tracemalloc.get_traced_memory()[1] / frame
+        tracemalloc.stop()
+    assert peaks[2] < 4 and peaks[60] > 55, peaks
+
+
+@pytest.mark.torchvision
 def test_a_truncated_clip_decodes_up_to_its_last_good_frame_only():
     pytest.importorskip("av")
     from vlm_pack.processing.videos import decode_frames
@@ -208,9 +232,12 @@ def test_forecast_equals_processed_length_for_video_and_mixed_samples(family):
     rows = [(conv, [im.size for im in ims], k, [read_video_header(c) for c in vids]) for k, (ims, vids, conv) in enumerate(cases)]
     forecasts = pre.forecast_rows(rows)
     image_id = pre.processor.image_token_id
-    for (images, videos, conversation), forecast in zip(cases, forecasts):
+    for (images, videos, conversation), forecast, row in zip(cases, forecasts, rows):
         assert not isinstance(forecast, Exception), forecast
         sample = pre.process(images, conversation, videos=videos)
+        length, _, prompt = pre.forecast_prompt(*row[:3], videos=row[3])  # rendered once, processed with it
+        again = pre.process(images, conversation, prompt=prompt, videos=videos)
+        assert length == forecast.length and torch.equal(again["input_ids"], sample["input_ids"])
         assert forecast.length == len(sample["input_ids"])
         assert forecast.video_counts == sample["tokens_per_video"].tolist()
         assert forecast.counts == sample["tokens_per_image"].tolist()
