@@ -90,9 +90,12 @@ def test_rendering_writes_the_video_placeholder_and_checks_counts():
             num_videos=1, video_placeholder="<|video_pad|>", key="k2",
         )  # fmt: skip
     assert err.value.reason == "placeholder_mismatch"
+    template = (_TEMPLATES / "qwen2_vl.jinja").read_text()
+    with pytest.raises(SampleError, match=r"sample 'k3'.*1 video placeholder\(s\) but 0 video"):
+        render_conversation(_VIDEO_TURNS, tokenizer=tok, placeholder="<|image_pad|>", num_images=0,
+                            template=template, key="k3")  # a video part, but no video given
     # no video part anywhere: the videos open the first user turn, after the images
     plain = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
-    template = (_TEMPLATES / "qwen2_vl.jinja").read_text()
     text = render_conversation(
         plain, tokenizer=tok, placeholder="<|image_pad|>", num_images=1, template=template,
         num_videos=1, video_placeholder="<|video_pad|>",
