@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..chat import ChatFormat, Conversation, Rendering, Template, render_conversation
 from ..failures import InternalCheckError
-from ..families import FAMILIES, canonical, lookup
+from ..families import FAMILIES, canonical, lookup, names
 
 if TYPE_CHECKING:  # torch is imported where a mask is built: a forecast-only process (a Ray worker) never loads it
     import torch
@@ -87,6 +87,22 @@ def _embedding_token_id(processor: Any) -> int:
     return int(processor.image_token_id)
 
 
+def _video_placeholder(tokenizer: Any, processor: Any, family: str | None) -> str:
+    """The token a chat template writes once per video (what the processor then expands): the processor's
+    ``video_token``, else the tokenizer's, else the family's (``vlm_pack.families``)."""
+    for owner in (processor, tokenizer):
+        named = getattr(owner, "video_token", None) if owner is not None else None
+        if isinstance(named, str) and named:
+            return named
+    record = lookup(canonical(family or getattr(tokenizer, "vlm_pack_family", None), strict=False))
+    if record is not None and record.video_token:
+        return record.video_token
+    raise InternalCheckError(
+        f"no video token known for family {family!r}: pass a processor with a video_token (videos are "
+        f"processed for {', '.join(names('video_wraps'))})"
+    )
+
+
 def _render(
     conversation: Conversation,
     tokenizer: Any,
@@ -97,10 +113,12 @@ def _render(
     key: Any,
     spans: bool = True,
     placeholder: str | None = None,
+    num_videos: int = 0,
 ) -> Rendering:
     family = canonical(family or getattr(tokenizer, "vlm_pack_family", None))  # any spelling
     if placeholder is None:  # a Preprocessor passes the one it asked once
         placeholder = _placeholder(tokenizer, processor, family)
+    video = _video_placeholder(tokenizer, processor, family) if num_videos else None
     return render_conversation(
         conversation,
         tokenizer=tokenizer,
@@ -111,6 +129,8 @@ def _render(
         template=template,
         key=key,
         spans=spans,
+        num_videos=num_videos,
+        video_placeholder=video,
     )
 
 
