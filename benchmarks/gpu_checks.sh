@@ -44,3 +44,10 @@ step bf16_gemma4 90 python3 examples/check_equivalence.py --family gemma4 --devi
 for fam in qwen3_5 lfm2_vl; do
     step "leak_$fam" 90 python3 examples/check_equivalence.py --family "$fam" --device cuda --dtype bfloat16 --attn sdpa --capacity 2048 --mistake mixers
 done
+# video samples (issue 33) in bf16: videos alone, with images and text in one packed row, through varlen
+# attention, against the padded batch; needs torchvision + av beside the machine's torch (carry their wheels in
+# .whl/: torchvision built for that torch, e.g. 0.26.0 for torch 2.11, and av's cp312 wheel)
+for fam in qwen2_vl qwen2_5_vl qwen3_vl qwen3_5 llava_onevision; do
+    step "video_$fam" 120 python3 examples/check_equivalence.py --video --family "$fam" --device cuda --dtype bfloat16 --attn varlen
+done
+step video_broken_qwen2_5_vl 120 python3 examples/check_equivalence.py --video --family qwen2_5_vl --device cuda --dtype bfloat16 --attn varlen --mistake positions
