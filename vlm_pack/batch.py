@@ -141,7 +141,8 @@ class PackedBatch:
       ``pixel_values``, Idefics3's and LFM2-VL's ``pixel_attention_mask``, ``image_sizes``, LFM2-VL's
       ``spatial_shapes``, OneVision's per-sample
       ``batch_num_images`` ...); ``mm_token_type_ids`` shaped like ``input_ids``; ``tokens_per_image``
-      ``[num_images]`` embeddings per image; ``sliding_window``: the text config's (Gemma 3's masks);
+      ``[num_images]`` embeddings per image (collapsed: ``tokens_per_video_placeholder`` ``[m]`` per video
+      placeholder); ``sliding_window``: the text config's (Gemma 3's masks);
       ``two_way_layers``: the layer types whose image tokens attend both ways (Gemma 4: sliding only).
     - ``extra``: other per-sample tensors (concatenated along dim 0, or packed like ``input_ids`` when
       they have one entry per token, e.g. Gemma 3's ``token_type_ids``); ``metadata``: non-tensor values
@@ -179,6 +180,7 @@ class PackedBatch:
     image_position_ids: torch.Tensor | None = None
     mm_token_type_ids: torch.Tensor | None = None
     tokens_per_image: torch.Tensor | None = None
+    tokens_per_video_placeholder: torch.Tensor | None = None
     sliding_window: int | None = None
     two_way_layers: tuple[str, ...] | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -384,8 +386,9 @@ class PackedBatch:
         for name in ("mm_token_type_ids", "token_type_ids"):
             if name in out:
                 out[name] = out[name].reshape(1, -1)  # like tokens
-        if self.layout == "collapsed" and self.tokens_per_image is not None:
-            out["tokens_per_image"] = self.tokens_per_image
+        for name in ("tokens_per_image", "tokens_per_video_placeholder"):
+            if self.layout == "collapsed" and getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
     # ------------------------------------------------------------------ access by name

@@ -37,7 +37,8 @@ processor's output for one example) and returns a :class:`PackedBatch`. Expanded
   ``batch.model_inputs`` (``masks.py``): each image attends to itself both ways, inside its sample only.
 
 Collapsed layout (Megatron style: one placeholder ``P`` per image, the model expands it to
-``tokens_per_image[i]`` embeddings): the packs become consecutive segments of ONE row (Megatron's packed
+``tokens_per_image[i]`` embeddings; per video, or per temporal group for Qwen3-VL, to
+``tokens_per_video_placeholder[j]``): the packs become consecutive segments of ONE row (Megatron's packed
 format is "thd" with micro batch 1), each exactly ``T`` tokens long once expanded. Padding is placed in
 collapsed space so that every sample's *expanded* span is a multiple of ``pad_to_multiple_of``::
 
@@ -48,12 +49,8 @@ collapsed space so that every sample's *expanded* span is a multiple of ``pad_to
     cu_seqlens_padded_expanded  [0, 8, 16, 32]
     position_ids                expanded space [1, R*T] (or [4, 1, R*T]): what the language model sees
 
-``PackedBatch`` (``batch.py``) is what comes out: the rows, the boundaries in both spaces, the vision
-tensors, which samples it holds (``sample_index``, ``sample_keys``) and ``model_inputs(style)``.
-
-Its rooms: ``collate_settings`` (the model's facts, read once), ``collate_samples`` (one sample read and
-checked), ``collate_rows`` (which row each sample lands in: one planned bin as one row, or a list re-packed),
-and this module (the rows' tensors: labels, position ids, expanded boundaries, vision tensors).
+Out comes a ``PackedBatch`` (``batch.py``). Rooms: ``collate_settings`` (the model's facts), ``collate_samples``
+(one sample read and checked), ``collate_rows`` (which row each sample lands in), this module (the tensors).
 """
 
 from __future__ import annotations
@@ -76,10 +73,13 @@ from .collate_rows import RowPlan, one_row, repack, row_plan
 from .collate_samples import (
     SampleParts,
     TokenFields,
+    cat_counts,
     check_video_tokens,
+    collapsed_video_counts,
     keys_of,
     num_images,
     packed_extras,
+    placeholder_counts,
     split_fields,
 )
 from .collate_settings import CollatorSettings
@@ -103,7 +103,6 @@ __all__ = [
     "pad_multiple_for",
 ]
 
-# Per-sample keys the collator consumes itself.
 def __getattr__(name: str) -> Any:
     # ``from vlm_pack.collate import PackedSeqParams`` imports megatron-core here, on first use only.
     if name == "PackedSeqParams":
@@ -151,16 +150,14 @@ class PackingCollator:
             tokens_per_second, image_seq_length, sliding_window: explicit values (``sliding_window``:
             Gemma 3's text config value, which its packed masks need).
         layout: ``"expanded"`` (samples hold one token per vision embedding, as HF processors make them) or
-            ``"collapsed"`` (one placeholder per image; each sample gives ``tokens_per_image``, or
-            ``image_grid_thw`` (Qwen) / ``image_seq_length`` (LLaVA-1.5) let the collator count).
+            ``"collapsed"`` (one placeholder per image, per video or per Qwen3-VL temporal group; samples give
+            ``tokens_per_image`` / ``tokens_per_video_placeholder``, or the grids / ``image_seq_length`` count).
         pad_to_multiple_of: every sample's expanded span becomes a multiple of this (see
             :func:`pad_multiple_for`); ``capacity`` must be a multiple of it.
-        pad_to_capacity: rows are exactly ``capacity`` long (static shapes); else as long as the fullest
-            row.
+        pad_to_capacity: rows are exactly ``capacity`` long (static shapes); else as long as the fullest row.
         strategy: how a list of samples is re-packed into rows (``collate_rows.repack``, ``max_rows`` other
-            than 1): ``"bfd"`` (default,
-            fewest rows), ``"ffd"``, ``"ff"`` (first fit in data order), ``"nf"`` (consecutive samples,
-            data order kept across rows). Inside a row samples keep their input order and rows are sorted
+            than 1): ``"bfd"`` (default, fewest rows), ``"ffd"``, ``"ff"`` (first fit in data order), ``"nf"``
+            (consecutive samples, data order kept across rows). Inside a row samples keep their input order and rows are sorted
             by their first sample, so the layout is reproducible and easy to read.
         max_samples_per_bin: optional cap on samples per row (a bin of the plan; ``PackingConfig``'s name).
         max_rows: at most this many rows per call (None: as many as the samples need). ``1`` when each call
@@ -309,8 +306,13 @@ class PackingCollator:
                 "(pixel_values / image_grid_thw): give the images or remove the placeholders"
             )
         tpv = sample.get("tokens_per_video")
-        tpv = torch.as_tensor(tpv, dtype=torch.long).reshape(-1) if tpv is not None else None
+        tpv = torch.as_tensor(tpv).long().reshape(-1) if tpv is not None else None
         expanded_len = self._expanded_length(name, ids, is_video, vision, tpi, n_images, n_placeholders, tpv)
+        tpvp = None
+        if self.layout == "collapsed":
+            tpvp = collapsed_video_counts(name, is_video, vision, tpv, sample.get("tokens_per_video_placeholder"),
+                                          self.spatial_merge_size, self.video_token_id)  # fmt: skip
+            expanded_len += int(tpvp.sum()) - tpvp.numel() if tpvp is not None else 0
         return SampleParts(
             index=index,
             name=name,
@@ -323,6 +325,7 @@ class PackingCollator:
             token_extra=token_extra,
             other_extra=other_extra,
             metadata=metadata,
+            tokens_per_video_placeholder=tpvp,
         )
 
     @staticmethod
@@ -366,7 +369,7 @@ class PackingCollator:
         """The sample's length once expanded, after checking its placeholders against its images.
 
         Expanded layout: its own length, every image and video token accounted for by the grids;
-        collapsed: one placeholder per image, each becoming its ``tokens_per_image``.
+        collapsed: one placeholder per image, each becoming its ``tokens_per_image`` (videos: ``_normalise``).
         """
         if self.layout == "expanded":
             if n_images and not n_placeholders:
@@ -383,10 +386,6 @@ class PackingCollator:
             if self.video_token_id is not None:
                 check_video_tokens(name, is_video, vision, tokens_per_video, self.spatial_merge_size)
             return sample_length.expanded_length(ids.numel(), tpi, self.layout)
-        if is_video.any() or "video_grid_thw" in vision:
-            raise ValueError(
-                f"{name}: the collapsed layout supports images only; use layout='expanded' for videos"
-            )
         if n_placeholders != n_images:
             raise ValueError(
                 f"{name}: input_ids hold {n_placeholders} image placeholder(s) but the sample has "
@@ -424,11 +423,11 @@ class PackingCollator:
                 [s.types if s.types is not None else torch.zeros_like(s.ids) for s in ordered], 0
             )
         vision = _concat_vision(ordered)
-        tpi_parts = [s.tokens_per_image for s in ordered if s.tokens_per_image is not None]
-        tokens_per_image = torch.cat(tpi_parts) if tpi_parts else None
+        tokens_per_image = cat_counts([s.tokens_per_image for s in ordered])
+        tokens_per_video = cat_counts([s.tokens_per_video_placeholder for s in ordered])
         shape = (plan.num_rows, plan.row_length) if self.layout == "expanded" else (1, plan.total)
         exp_ids, exp_types, cu_exp, cu_padded_exp = self._expanded_view(
-            flat_ids, flat_types, plan, tokens_per_image
+            flat_ids, flat_types, plan, tokens_per_image, tokens_per_video
         )
         position_ids = self._positions(exp_ids, exp_types, cu_padded_exp, vision, shape, plan.order)
         seq_exp = (cu_exp[1:] - cu_exp[:-1]).to(torch.int32)
@@ -456,6 +455,7 @@ class PackingCollator:
             two_way_layers=self.two_way_layers,
             mm_token_type_ids=flat_types.reshape(shape) if flat_types is not None else None,
             tokens_per_image=tokens_per_image,
+            tokens_per_video_placeholder=tokens_per_video,
             extra=packed_extras(ordered, plan, shape),
             metadata={k: [s.metadata.get(k) for s in ordered] for k in keys_of(s.metadata for s in ordered)},
             **vision,
@@ -511,19 +511,20 @@ class PackingCollator:
         flat_types: torch.Tensor | None,
         plan: RowPlan,
         tokens_per_image: torch.Tensor | None,
+        tokens_per_video: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """The buffer as the language model sees it: ids, types, ``cu_seqlens``, ``cu_seqlens_padded``.
 
-        The expanded layout already is; a collapsed buffer has each placeholder repeated
-        ``tokens_per_image`` times and its boundaries remapped.
+        The expanded layout already is; a collapsed buffer has each image placeholder repeated
+        ``tokens_per_image`` times, each video one ``tokens_per_video`` (per placeholder), boundaries remapped.
         """
-        if self.layout == "expanded" or tokens_per_image is None:
+        if self.layout == "expanded" or (tokens_per_image is None and tokens_per_video is None):
             return flat_ids, flat_types, plan.cu_real, plan.cu_padded
+        kinds = ((self.image_token_id, tokens_per_image), (self.video_token_id, tokens_per_video))
+        token_ids, counts, repeats = placeholder_counts(flat_ids, kinds)
         cu_exp, cu_padded_exp = remap_cu_seqlens_padded(
-            plan.cu_real, plan.cu_padded, flat_ids, self.image_token_id, tokens_per_image, validate=False
+            plan.cu_real, plan.cu_padded, flat_ids, token_ids, counts, validate=False
         )
-        repeats = torch.ones_like(flat_ids)
-        repeats[flat_ids == self.image_token_id] = tokens_per_image
         exp_ids = torch.repeat_interleave(flat_ids, repeats)
         exp_types = torch.repeat_interleave(flat_types, repeats) if flat_types is not None else None
         return exp_ids, exp_types, cu_exp, cu_padded_exp

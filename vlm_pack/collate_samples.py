@@ -23,16 +23,19 @@ if TYPE_CHECKING:
 __all__ = [
     "SampleParts",
     "TokenFields",
+    "cat_counts",
     "check_video_tokens",
+    "collapsed_video_counts",
     "keys_of",
     "num_images",
     "packed_extras",
+    "placeholder_counts",
     "split_fields",
 ]
 
 # Per-sample keys the collator consumes itself.
 _TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "mm_token_type_ids")
-_OWN_KEYS = (*_TOKEN_KEYS, *VISION_KEYS, "tokens_per_image", "tokens_per_video")
+_OWN_KEYS = (*_TOKEN_KEYS, *VISION_KEYS, "tokens_per_image", "tokens_per_video", "tokens_per_video_placeholder")
 
 
 @dataclass
@@ -48,6 +51,7 @@ class SampleParts:
     token_extra: dict[str, torch.Tensor]
     other_extra: dict[str, torch.Tensor]
     metadata: dict[str, Any]
+    tokens_per_video_placeholder: torch.Tensor | None = None  # [m'] long, collapsed layout only
 
 
 def _token_tensor(value: Any, name: str, what: str, integer: bool = True) -> torch.Tensor:
@@ -183,3 +187,83 @@ def num_images(vision: dict[str, torch.Tensor], tpi: torch.Tensor | None) -> int
         # LLaVA-1.5: [n, C, H, W]; a single [C, H, W] image is one.
         return int(pv.shape[0]) if pv.dim() == 4 else 1
     return 0
+
+
+def _per_video_placeholder(
+    name: str, n_placeholders: int, per_video: torch.Tensor, grid: torch.Tensor | None, merge: int
+) -> torch.Tensor:
+    """One count per video placeholder: per video, or per temporal group where there are that many."""
+    if n_placeholders == per_video.numel():
+        return per_video
+    if grid is not None and n_placeholders == int(grid[:, 0].sum()):
+        return torch.repeat_interleave(grid[:, 1:].prod(-1) // merge**2, grid[:, 0])
+    groups = f" or {int(grid[:, 0].sum())} (one per temporal group)" if grid is not None else ""
+    raise ValueError(
+        f"{name}: input_ids hold {n_placeholders} video placeholder(s) but its {per_video.numel()} video(s) need "
+        f"{per_video.numel()} (one per video){groups} in the collapsed layout: process it with "
+        "process_sample(..., layout='collapsed'), which also gives tokens_per_video_placeholder"
+    )
+
+
+def collapsed_video_counts(
+    name: str,
+    is_video: torch.Tensor,
+    vision: dict[str, torch.Tensor],
+    tokens_per_video: torch.Tensor | None,
+    given: Any,
+    merge: int,
+    video_token_id: int | None,
+) -> torch.Tensor | None:
+    """Embeddings each video placeholder (``is_video`` [L] bool) of a collapsed sample becomes, ``[m']`` long
+    (None without videos): ``given`` (its ``tokens_per_video_placeholder``) checked, else one per video from
+    ``video_grid_thw`` / ``tokens_per_video``, or one per temporal group (Qwen3-VL) where there are that many."""
+    grid = vision.get("video_grid_thw")
+    grid = grid.reshape(-1, 3).long() if grid is not None else None
+    if video_token_id is None:
+        if grid is not None or "pixel_values_videos" in vision:
+            raise ValueError(
+                f"{name} has videos but the collator knows no video_token_id: pass video_token_id=, "
+                "tokenizer= or model_config="
+            )
+        return None
+    n_placeholders = int(is_video.sum())
+    per_video = grid.prod(-1) // merge**2 if grid is not None else tokens_per_video
+    if per_video is None:
+        if n_placeholders:
+            raise ValueError(
+                f"{name}: the collapsed layout needs tokens_per_video_placeholder (or video_grid_thw / "
+                "tokens_per_video) for its video placeholders; process_sample(..., layout='collapsed') returns it"
+            )
+        return None
+    if tokens_per_video is not None and not torch.equal(tokens_per_video, per_video):
+        raise ValueError(f"{name}: tokens_per_video {tokens_per_video.tolist()} disagrees with video_grid_thw")
+    if given is None:
+        return _per_video_placeholder(name, n_placeholders, per_video, grid, merge)
+    counts = torch.as_tensor(given, dtype=torch.long).reshape(-1)
+    if counts.numel() != n_placeholders or int(counts.sum()) != int(per_video.sum()) or bool((counts < 1).any()):
+        raise ValueError(
+            f"{name}: tokens_per_video_placeholder {counts.tolist()} does not fit its {n_placeholders} video "
+            f"placeholder(s) and {int(per_video.sum())} video embeddings: the sample was changed after processing"
+        )
+    return counts
+
+
+def placeholder_counts(
+    flat_ids: torch.Tensor, kinds: Iterable[tuple[int | None, torch.Tensor | None]]
+) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor]:
+    """For each ``(token_id, counts)`` kind with counts (images, videos): the ids, the counts of all their
+    placeholders in buffer order ``[P]``, and how often each token of ``flat_ids`` ``[L]`` repeats ``[L]``."""
+    repeats = torch.ones_like(flat_ids)
+    ids = []
+    for token_id, counts in kinds:
+        if token_id is not None and counts is not None:
+            repeats[flat_ids == token_id] = counts
+            ids.append(int(token_id))
+    mask = torch.isin(flat_ids, torch.tensor(ids, dtype=flat_ids.dtype))
+    return tuple(ids), repeats[mask], repeats
+
+
+def cat_counts(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The samples' per-placeholder counts joined in packed order; None when no sample has any."""
+    given = [p for p in parts if p is not None]
+    return torch.cat(given) if given else None

@@ -6,7 +6,8 @@ at 0) marks where each one starts. Vision-language models see that row in one of
 - **expanded** (what Hugging Face processors produce): every image placeholder is repeated once per
   vision embedding, so ``input_ids`` already has the length the language model runs on;
 - **collapsed** (Megatron LLaVA, Energon-free pipelines): one placeholder ``P`` per image, which the
-  model replaces by ``n_i`` embeddings *inside* its forward.
+  model replaces by ``n_i`` embeddings *inside* its forward (videos alike: one placeholder per video, or
+  per temporal group where the processor writes text between groups; pass both ids, see below).
 
 ::
 
@@ -38,6 +39,8 @@ With per-sample padding (context parallelism needs every sample's expanded lengt
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = [
@@ -47,6 +50,19 @@ __all__ = [
     "remap_cu_seqlens_padded",
     "segment_ids",
 ]
+
+
+PlaceholderIds = int | Sequence[int]
+"""One placeholder id, or several (an image's and a video's): their placeholders are counted together, in the
+order they stand in ``input_ids``."""
+
+
+def _placeholders(ids: torch.Tensor, token_ids: PlaceholderIds) -> torch.Tensor:
+    """Bool ``[L]``: where ``ids`` holds one of the placeholder ids."""
+    if isinstance(token_ids, int):
+        return ids == token_ids
+    wanted = torch.tensor([int(t) for t in token_ids], dtype=ids.dtype, device=ids.device)
+    return torch.isin(ids, wanted)
 
 
 def _should_validate(validate: bool | None, *tensors: torch.Tensor) -> bool:
@@ -122,9 +138,9 @@ class _Expansion:
     """
 
     def __init__(
-        self, ids: torch.Tensor, image_token_id: int, tokens_per_image: int | torch.Tensor, validate: bool
+        self, ids: torch.Tensor, image_token_id: PlaceholderIds, tokens_per_image: int | torch.Tensor, validate: bool
     ):
-        is_image = ids == image_token_id
+        is_image = _placeholders(ids, image_token_id)
         # int32 holds any count below 2**31 placeholders; larger buffers fall back to int64.
         dtype = torch.int32 if ids.numel() < 2**31 else torch.int64
         self.seen = torch.cumsum(is_image, 0, dtype=dtype)
@@ -184,7 +200,7 @@ class _Expansion:
 
 def expansion_map(
     input_ids: torch.Tensor,
-    image_token_id: int,
+    image_token_id: PlaceholderIds,
     tokens_per_image: int | torch.Tensor,
     *,
     validate: bool | None = None,
@@ -204,7 +220,7 @@ def expansion_map(
 def remap_cu_seqlens(
     cu_seqlens: torch.Tensor,
     input_ids: torch.Tensor,
-    image_token_id: int,
+    image_token_id: PlaceholderIds,
     tokens_per_image: int | torch.Tensor,
     *,
     inverse: bool = False,
@@ -219,7 +235,9 @@ def remap_cu_seqlens(
             use :func:`remap_cu_seqlens_padded`.
         input_ids: ``[L]`` or ``[R, T]`` collapsed ids, one ``image_token_id`` per image (also with
             ``inverse``: adjacent images cannot be told apart once expanded).
-        image_token_id: the placeholder id (Megatron LLaVA uses -200).
+        image_token_id: the placeholder id (Megatron LLaVA uses -200), or several, e.g. ``(image_id,
+            video_id)``: then ``tokens_per_image`` counts every placeholder of either, in buffer order (a
+            video's placeholder, or one per temporal group where Qwen3-VL writes timestamps between them).
         tokens_per_image: embeddings per placeholder: one int, or ``[num_placeholders]`` in order.
         inverse: map expanded offsets back to collapsed ones.
         validate: check the inputs (``None``: on CPU only, because on CUDA a check is a host sync).
@@ -257,7 +275,7 @@ def remap_cu_seqlens_padded(
     cu_seqlens: torch.Tensor,
     cu_seqlens_padded: torch.Tensor,
     input_ids: torch.Tensor,
-    image_token_id: int,
+    image_token_id: PlaceholderIds,
     tokens_per_image: int | torch.Tensor,
     *,
     validate: bool | None = None,

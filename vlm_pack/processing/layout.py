@@ -1,5 +1,6 @@
 """The tokenizer + image-processor path (Qwen-style, LLaVA) and the collapsed layout: each image token repeated
-once per embedding, ``mm_token_type_ids`` for mRoPE models, and Megatron's one placeholder per image."""
+once per embedding, ``mm_token_type_ids`` for mRoPE models, and Megatron's one placeholder per image (per video,
+or per temporal group of a video where the processor writes text between groups)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,48 @@ def _collapse(out: dict[str, Any], image_id: int, key: Any) -> dict[str, Any]:
     for name in ("input_ids", "labels", "mm_token_type_ids", "token_type_ids"):
         if name in out:
             out[name] = out[name][keep]
+    return out
+
+
+def _runs(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start positions and lengths ``(m,)`` of the runs of True in ``mask`` ``(L,)``."""
+    edges = torch.diff(torch.cat([mask.new_zeros(1), mask, mask.new_zeros(1)]).long())
+    starts, ends = torch.nonzero(edges == 1).flatten(), torch.nonzero(edges == -1).flatten()
+    return starts, ends - starts
+
+
+def _video_runs_expected(out: dict[str, Any], merge: int, n_runs: int) -> torch.Tensor | None:
+    """The runs a video's tokens may form: one per video (``tokens_per_video``), or, with
+    ``video_grid_thw`` ``(m, 3)``, one per temporal group (``h * w / merge**2`` each; Qwen3-VL writes its
+    ``<t seconds>`` and vision start / end between groups, models/qwen3_vl/processing_qwen3_vl.py)."""
+    per_video = out["tokens_per_video"].long()
+    if n_runs == per_video.numel():
+        return per_video
+    grid = out.get("video_grid_thw")
+    if grid is not None and n_runs == int(grid[:, 0].sum()):
+        return torch.repeat_interleave(grid[:, 1:].prod(-1) // (merge * merge), grid[:, 0])
+    return None
+
+
+def _collapse_videos(out: dict[str, Any], video_id: int, merge: int, key: Any) -> dict[str, Any]:
+    """Keep the first token of each run of video tokens: one placeholder per video (per temporal group where
+    text stands between groups); ``tokens_per_video_placeholder`` ``(m',)`` says what each becomes."""
+    is_video = out["input_ids"] == video_id
+    starts, lengths = _runs(is_video)
+    expected = _video_runs_expected(out, merge, starts.numel())
+    if expected is None or not torch.equal(lengths, expected):
+        raise InternalCheckError(
+            f"sample {key!r}: layout='collapsed' needs each video's tokens in one run (or one per temporal "
+            f"group), but its {out['tokens_per_video'].numel()} video(s) of {out['tokens_per_video'].tolist()} "
+            f"tokens stand in runs of {lengths.tolist()}: this family's processor interleaves them with other "
+            "tokens; use layout='expanded'."
+        )
+    keep = ~is_video
+    keep[starts] = True
+    for name in ("input_ids", "labels", "mm_token_type_ids", "token_type_ids"):
+        if name in out:
+            out[name] = out[name][keep]
+    out["tokens_per_video_placeholder"] = lengths
     return out
 
 

@@ -14,7 +14,7 @@ from ..chat import ChatFormat, Conversation, Template
 from ..failures import InternalCheckError, SampleError, skip_reason
 from ..families import FAMILIES
 from .images import _load_images
-from .layout import _collapse, _expand_text, _finish, _grid_counts, _with_image_processor
+from .layout import _collapse, _collapse_videos, _expand_text, _finish, _grid_counts, _with_image_processor
 from .placement import _with_processor
 from .render import Prompt, _checked_ids, _embedding_token_id, _render
 from .videos import check_processed, load_videos
@@ -52,7 +52,9 @@ def process_sample(
     processor; each is decoded (PyAV) only at the frames its forecast keeps (``vlm_pack.processing.videos``)
     and processed with ``do_sample_frames=False`` and its metadata, giving ``pixel_values_videos``,
     ``video_grid_thw`` (Qwen-VL), ``second_per_grid_ts`` (Qwen2.5-VL) and ``tokens_per_video`` (n,), equal
-    to the processor's own output for the whole decoded clip. Expanded layout only.
+    to the processor's own output for the whole decoded clip. ``layout="collapsed"`` keeps one video token per
+    video (per temporal group for Qwen3-VL, whose ``<t seconds>`` text stays text) and adds
+    ``tokens_per_video_placeholder`` (m',): the embeddings each of them becomes.
     """
     if processor is not None:
         tokenizer = tokenizer or processor.tokenizer
@@ -65,7 +67,7 @@ def process_sample(
             f"sample {key!r} has images: process_sample needs image_processor= (or processor=)"
         )
     if videos:
-        _check_video_options(processor, layout, key)
+        _check_video_options(processor, key)
     if prompt is None:
         prompt = Prompt(
             _render(conversation, tokenizer, processor, family, template, len(images), key, num_videos=len(videos))
@@ -80,23 +82,27 @@ def process_sample(
         image_id = _embedding_token_id(processor)
         if layout == "collapsed" and len(pil):
             out = _collapse(out, image_id, key)
+        if layout == "collapsed" and decoded:
+            merge = int(getattr(processor.video_processor, "merge_size", 1))
+            out = _collapse_videos(out, _video_token_id(processor), merge, key)
         return out
     out = _with_image_processor(image_processor, tokenizer, rendering, pil, key, prompt.tokens)
     image_id = tokenizer.convert_tokens_to_ids(rendering.placeholder)
     return _finish(out, tokenizer, family, image_id, layout, len(pil), key)
 
 
-def _check_video_options(processor: Any, layout: str, key: Any) -> None:
+def _video_token_id(processor: Any) -> int:
+    """The id the processor expands into a video's embeddings (``<|video_pad|>``)."""
+    token_id = getattr(processor, "video_token_id", None)
+    return int(token_id if token_id is not None else processor.tokenizer.convert_tokens_to_ids(processor.video_token))
+
+
+def _check_video_options(processor: Any, key: Any) -> None:
     """InternalCheckError naming the sample where its videos cannot be processed with these parts."""
     if processor is None or getattr(processor, "video_processor", None) is None:
         raise InternalCheckError(
             f"sample {key!r} has videos: process_sample needs processor= carrying its video processor "
             '(transformers video processors need torchvision: pip install "vlm-pack[video]")'
-        )
-    if layout != "expanded":
-        raise InternalCheckError(
-            f"sample {key!r} has videos: the collapsed layout keeps one placeholder per image only; "
-            "use layout='expanded' for videos"
         )
     classes = {cls.__name__ for cls in type(processor.video_processor).__mro__}
     supported = {f.video_processor: f.name for f in FAMILIES.values() if f.video_wraps}
