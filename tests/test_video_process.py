@@ -302,13 +302,14 @@ def test_a_forecast_the_processor_disagrees_with_raises_as_a_bug():
 
 
 @pytest.mark.torchvision
-def test_videos_need_the_expanded_layout_and_a_video_processor():
+def test_videos_need_a_video_processor_the_collapsed_layout_is_theirs_too():
     _needs_video()
     from vlm_pack import offline
     from vlm_pack.processing import process_sample
 
-    with pytest.raises(InternalCheckError, match=r"sample 'c'.*layout='expanded'"):
-        process_sample([], _VIDEO_TURNS, processor=_processor("qwen2_vl"), layout="collapsed", key="c", videos=[_clip()])
+    # the collapsed layout (one placeholder per video) is tests/test_video_collapsed.py's
+    collapsed = process_sample([], _VIDEO_TURNS, processor=_processor("qwen2_vl"), layout="collapsed", videos=[_clip()])
+    assert int((collapsed["input_ids"] == _processor("qwen2_vl").video_token_id).sum()) == 1
     with pytest.raises(InternalCheckError, match=r"sample 'p'.*video processor"):
         process_sample([], _VIDEO_TURNS, processor=offline.processor("qwen2_vl"), key="p", videos=[_clip()])
     import transformers

@@ -215,8 +215,9 @@ def collapsed_video_counts(
     video_token_id: int | None,
 ) -> torch.Tensor | None:
     """Embeddings each video placeholder (``is_video`` [L] bool) of a collapsed sample becomes, ``[m']`` long
-    (None without videos): ``given`` (its ``tokens_per_video_placeholder``) checked, else one per video from
-    ``video_grid_thw`` / ``tokens_per_video``, or one per temporal group (Qwen3-VL) where there are that many."""
+    (None without videos): one per video from ``video_grid_thw`` / ``tokens_per_video``, or one per temporal
+    group (Qwen3-VL) where there are that many; ``given`` (its ``tokens_per_video_placeholder``) must equal
+    them, or without a grid (LLaVA-OneVision) fit the placeholders and the videos' total."""
     grid = vision.get("video_grid_thw")
     grid = grid.reshape(-1, 3).long() if grid is not None else None
     if video_token_id is None:
@@ -237,8 +238,14 @@ def collapsed_video_counts(
         return None
     if tokens_per_video is not None and not torch.equal(tokens_per_video, per_video):
         raise ValueError(f"{name}: tokens_per_video {tokens_per_video.tolist()} disagrees with video_grid_thw")
-    if given is None:
-        return _per_video_placeholder(name, n_placeholders, per_video, grid, merge)
+    if given is None or grid is not None:
+        derived = _per_video_placeholder(name, n_placeholders, per_video, grid, merge)
+        if given is not None and not torch.equal(torch.as_tensor(given).long().reshape(-1), derived):
+            raise ValueError(
+                f"{name}: tokens_per_video_placeholder {torch.as_tensor(given).tolist()} disagrees with "
+                f"video_grid_thw {grid.tolist()}, which makes {derived.tolist()}: the sample was changed after processing"
+            )
+        return derived
     counts = torch.as_tensor(given, dtype=torch.long).reshape(-1)
     if counts.numel() != n_placeholders or int(counts.sum()) != int(per_video.sum()) or bool((counts < 1).any()):
         raise ValueError(

@@ -55,7 +55,7 @@ def _video_runs_expected(out: dict[str, Any], merge: int, n_runs: int) -> torch.
     return None
 
 
-def _collapse_videos(out: dict[str, Any], video_id: int, merge: int, key: Any) -> dict[str, Any]:
+def _collapse_videos(out: dict[str, Any], video_id: int, merge: int, key: Any, who: str = "processor") -> dict[str, Any]:
     """Keep the first token of each run of video tokens: one placeholder per video (per temporal group where
     text stands between groups); ``tokens_per_video_placeholder`` ``(m',)`` says what each becomes."""
     is_video = out["input_ids"] == video_id
@@ -65,8 +65,8 @@ def _collapse_videos(out: dict[str, Any], video_id: int, merge: int, key: Any) -
         raise InternalCheckError(
             f"sample {key!r}: layout='collapsed' needs each video's tokens in one run (or one per temporal "
             f"group), but its {out['tokens_per_video'].numel()} video(s) of {out['tokens_per_video'].tolist()} "
-            f"tokens stand in runs of {lengths.tolist()}: this family's processor interleaves them with other "
-            "tokens; use layout='expanded'."
+            f"tokens stand in runs of {lengths.tolist()}: {who} interleaves them with other tokens, so no "
+            "placeholder count can stand for them; use layout='expanded' for this family's videos."
         )
     keep = ~is_video
     keep[starts] = True

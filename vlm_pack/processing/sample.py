@@ -84,7 +84,7 @@ def process_sample(
             out = _collapse(out, image_id, key)
         if layout == "collapsed" and decoded:
             merge = int(getattr(processor.video_processor, "merge_size", 1))
-            out = _collapse_videos(out, _video_token_id(processor), merge, key)
+            out = _collapse_videos(out, _video_token_id(processor), merge, key, type(processor).__name__)
         return out
     out = _with_image_processor(image_processor, tokenizer, rendering, pil, key, prompt.tokens)
     image_id = tokenizer.convert_tokens_to_ids(rendering.placeholder)

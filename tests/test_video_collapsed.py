@@ -1,0 +1,233 @@
+"""Videos in the collapsed layout (Megatron style): one placeholder per video, or per temporal group where the
+processor writes text between groups (Qwen3-VL's ``<t seconds>``, kept as text), expanded by the model.
+
+Oracle: the same sample processed in the expanded layout, i.e. the family's HF processor's own expansion
+(tests/test_video_process.py holds that layout to ``processor(text=..., videos=[whole clip])``). Each
+collapsed sample must expand, placeholder by placeholder, to exactly those ``input_ids`` / ``labels`` /
+``mm_token_type_ids``; the collator's collapsed batch, remapped to the expanded space, must give the
+expanded-layout batch's boundaries and mRoPE positions, with padding (``pad_to_multiple_of``, context
+parallel) counted on expanded spans. Needs torchvision (transformers' video processors) and PyAV.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchvision")
+pytest.importorskip("av")
+pytestmark = pytest.mark.torchvision
+
+from PIL import Image  # noqa: E402
+
+from vlm_pack import PackingCollator, offline, pad_multiple_for  # noqa: E402
+from vlm_pack.failures import InternalCheckError  # noqa: E402
+from vlm_pack.processing import process_sample  # noqa: E402
+from vlm_pack.remap import remap_cu_seqlens, remap_cu_seqlens_padded  # noqa: E402
+from vlm_pack.testing import encode_clip, processor_with_video  # noqa: E402
+
+_TEMPLATES = Path(__file__).parent / "templates"
+# Qwen2/2.5-VL keep every frame; Qwen3-VL samples at its default 2 fps, so a 12-frame 6 fps clip gives 4 frames,
+# 2 temporal groups, each opened by its own "<t seconds>" text.
+_VIDEO = {
+    "qwen2_vl": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28}, cap_pixels_per_frame=False),
+    "qwen2_5_vl": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28}, cap_pixels_per_frame=False),
+    "qwen3_vl": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 48 * 32 * 32}, cap_pixels_per_frame=False),
+}
+_IMAGE = {
+    "qwen2_vl": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28}),
+    "qwen2_5_vl": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28}),
+    "qwen3_vl": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 64 * 32 * 32}),
+}
+FAMILIES = tuple(_VIDEO)
+
+
+def _turns(parts: list[dict], question: str, answer: str) -> list[dict]:
+    return [
+        {"role": "user", "content": [*parts, {"type": "text", "text": question}]},
+        {"role": "assistant", "content": answer},
+    ]
+
+
+@functools.cache
+def _processor(family: str):
+    template = _TEMPLATES / f"{family}.jinja"
+    chat_template = template.read_text() if template.exists() else None
+    return processor_with_video(family, chat_template=chat_template, image_overrides=_IMAGE[family], **_VIDEO[family])
+
+
+@functools.cache
+def _clip(frames: int, width: int, height: int, fps: float, container: str, seed: int) -> bytes:
+    return encode_clip(frames, width, height, fps, container, seed)
+
+
+def _cases() -> list[tuple[list, list, list]]:
+    """A video alone, text alone, and two videos around an image (the mixed case)."""
+    picture = Image.new("RGB", (90, 60), (20, 140, 60))
+    video_a, video_b = _clip(10, 96, 64, 5.0, "mp4", 1), _clip(12, 64, 128, 6.0, "mkv", 2)
+    return [
+        ([], [video_a], _turns([{"type": "video"}], "What moves?", "A square slides to the right.")),
+        ([], [], _turns([], "Say something short.", "Short.")),
+        ([picture], [video_b, video_a], _turns(
+            [{"type": "video"}, {"type": "image"}, {"type": "video"}], "Order them.", "First the tall clip.")),
+    ]  # fmt: skip
+
+
+@functools.cache
+def _samples(family: str, layout: str) -> tuple[dict, ...]:
+    proc = _processor(family)
+    return tuple(
+        process_sample(images, conversation, processor=proc, layout=layout, key=f"{family}/{k}", videos=videos)
+        for k, (images, videos, conversation) in enumerate(_cases())
+    )
+
+
+def _ids(family: str) -> tuple[int, int]:
+    proc = _processor(family)
+    return proc.image_token_id, proc.video_token_id
+
+
+def _repeats(ids: torch.Tensor, family: str, per_image: torch.Tensor | None, per_video: torch.Tensor | None):
+    """How often each collapsed token stands in the expanded sequence ``[L]``."""
+    image_id, video_id = _ids(family)
+    repeats = torch.ones_like(ids)
+    if per_image is not None:
+        repeats[ids == image_id] = per_image
+    if per_video is not None:
+        repeats[ids == video_id] = per_video
+    return repeats
+
+
+def _counts_in_order(ids: torch.Tensor, family: str, per_image, per_video) -> torch.Tensor:
+    """Every placeholder's count, images and videos together in the order they stand in ``ids``."""
+    image_id, video_id = _ids(family)
+    repeats = _repeats(ids, family, per_image, per_video)
+    return repeats[(ids == image_id) | (ids == video_id)]
+
+
+def _collators(family: str, capacity: int, pad: int) -> tuple[PackingCollator, PackingCollator]:
+    kw = dict(tokenizer=_processor(family), family=family, pad_to_multiple_of=pad)
+    if family == "qwen2_5_vl":
+        kw["tokens_per_second"] = 2  # Qwen2.5-VL's vision_config default (configuration_qwen2_5_vl.py)
+    return PackingCollator(capacity, **kw), PackingCollator(capacity, layout="collapsed", **kw)
+
+
+# --------------------------------------------------------------------------------------- (a) one sample
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case", [0, 2], ids=["video", "video+image"])
+def test_collapsed_sample_expands_to_the_expanded_one(family, case):
+    expanded, collapsed = _samples(family, "expanded")[case], _samples(family, "collapsed")[case]
+    image_id, video_id = _ids(family)
+    ids = collapsed["input_ids"]
+    per_video = collapsed["tokens_per_video_placeholder"]
+    grid = collapsed["video_grid_thw"]
+    assert int((ids == video_id).sum()) == per_video.numel()
+    assert int((ids == image_id).sum()) == collapsed.get("tokens_per_image", torch.zeros(0)).numel()
+    if family == "qwen3_vl":  # one placeholder per temporal group, each opened by its "<t seconds>" text
+        assert per_video.numel() == int(grid[:, 0].sum()) > grid.shape[0]
+        text = _processor(family).tokenizer.decode(ids)
+        assert text.count(" seconds>") == per_video.numel()
+    else:
+        assert per_video.numel() == grid.shape[0]
+    assert int(per_video.sum()) == int(expanded["tokens_per_video"].sum()) == int((expanded["input_ids"] == video_id).sum())
+    repeats = _repeats(ids, family, collapsed.get("tokens_per_image"), per_video)
+    for name in ("input_ids", "labels", "mm_token_type_ids"):
+        assert torch.equal(torch.repeat_interleave(collapsed[name], repeats), expanded[name]), name
+    assert ids.numel() < expanded["input_ids"].numel()
+    for name in ("pixel_values_videos", "video_grid_thw", "tokens_per_video", "second_per_grid_ts", "pixel_values",
+                 "image_grid_thw", "tokens_per_image"):  # fmt: skip
+        assert (name in collapsed) == (name in expanded), name
+        if name in expanded:
+            assert torch.equal(collapsed[name], expanded[name]), name
+
+
+# ------------------------------------------------------------------------ (b), (c) the packed batch
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("pad", [1, pad_multiple_for(cp=2), pad_multiple_for(tp=2, cp=2, sequence_parallel=True)])
+def test_collapsed_batch_remaps_to_the_expanded_batch(family, pad):
+    expanded, collapsed = list(_samples(family, "expanded")), list(_samples(family, "collapsed"))
+    longest = max(s["input_ids"].numel() for s in expanded)
+    capacity = -(-(longest + 8) // pad) * pad  # rows hold one or two samples: several rows
+    e_collator, c_collator = _collators(family, capacity, pad)
+    e, c = e_collator(expanded), c_collator(collapsed)
+    assert e.num_rows > 1 and torch.equal(c.sample_index, e.sample_index)
+    assert c.input_ids.shape[0] == 1  # the packs are consecutive segments of one "thd" row
+    # The collator's own expanded boundaries, and the remap called directly with both placeholder ids.
+    assert torch.equal(c.cu_seqlens_expanded, e.cu_seqlens)
+    assert torch.equal(c.cu_seqlens_padded_expanded, e.cu_seqlens_padded)
+    ids = c.input_ids[0]
+    counts = _counts_in_order(ids, family, c.tokens_per_image, c.tokens_per_video_placeholder)
+    image_id, video_id = _ids(family)
+    real, padded = remap_cu_seqlens_padded(c.cu_seqlens, c.cu_seqlens_padded, ids, (image_id, video_id), counts)
+    assert torch.equal(real, e.cu_seqlens) and torch.equal(padded, e.cu_seqlens_padded)
+    back = remap_cu_seqlens(e.cu_seqlens_padded, ids, (image_id, video_id), counts, inverse=True)
+    assert torch.equal(back, c.cu_seqlens_padded)
+    # Collapsed boundaries count one token per placeholder.
+    assert c.seq_lens.tolist() == [collapsed[i]["input_ids"].numel() for i in c.sample_index.tolist()]
+    # The expanded row, its labels and its mRoPE positions are the expanded layout's.
+    repeats = _repeats(ids, family, c.tokens_per_image, c.tokens_per_video_placeholder)
+    assert torch.equal(torch.repeat_interleave(ids, repeats), e.input_ids.reshape(-1))
+    assert torch.equal(torch.repeat_interleave(c.labels[0], repeats), e.labels.reshape(-1))
+    assert torch.equal(c.position_ids, e.position_ids.reshape(4, 1, -1))
+    torch.testing.assert_close(c.video_grid_thw, e.video_grid_thw, rtol=0, atol=0)
+    assert torch.equal(c.pixel_values_videos, e.pixel_values_videos)
+    # (c) every sample's expanded span is a multiple of pad (context parallel: 2 * cp chunks per sample).
+    spans = c.cu_seqlens_padded_expanded.diff()
+    assert bool((spans % pad == 0).all()) and bool((spans >= c.seq_lens_expanded).all())
+    if pad > 1:
+        assert not torch.equal(c.cu_seqlens_expanded, c.cu_seqlens_padded_expanded)  # padding was needed
+
+
+# ------------------------------------------------------------------------------------- (d) errors
+
+
+def test_a_collator_without_the_video_token_says_how_to_give_it():
+    collapsed = list(_samples("qwen2_vl", "collapsed"))
+    collator = PackingCollator(4096, layout="collapsed", family="qwen2_vl", image_token_id=_ids("qwen2_vl")[0])
+    with pytest.raises(ValueError, match=r"sample 0 .*has videos but the collator knows no video_token_id: pass"):
+        collator(collapsed[:1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expanded_video_tokens_in_a_collapsed_collator_name_the_fix(family):
+    expanded = _samples(family, "expanded")[0]
+    _, collator = _collators(family, 4096, 1)
+    with pytest.raises(ValueError, match=r"video placeholder\(s\) but its 1 video\(s\) need 1 .*layout='collapsed'"):
+        collator([expanded])
+
+
+def test_counts_that_do_not_fit_the_placeholders_are_refused():
+    sample = dict(_samples("qwen3_vl", "collapsed")[0])
+    _, collator = _collators("qwen3_vl", 4096, 1)
+    assert collator([sample]).tokens_per_video_placeholder.numel() == 2
+    for wrong in (torch.tensor([1, -1]), torch.tensor([1, 0]), torch.tensor([0, 0, 0])):  # another split, sum, count
+        changed = torch.cat([sample["tokens_per_video_placeholder"], torch.zeros(1, dtype=torch.long)])[: wrong.numel()]
+        with pytest.raises(ValueError, match=r"tokens_per_video_placeholder \[.*\] disagrees with video_grid_thw"):
+            collator([{**sample, "tokens_per_video_placeholder": changed + wrong}])
+    # without tokens_per_video_placeholder the temporal groups of video_grid_thw count them
+    plain = {k: v for k, v in sample.items() if k != "tokens_per_video_placeholder"}
+    assert torch.equal(collator([plain]).tokens_per_video_placeholder, sample["tokens_per_video_placeholder"])
+
+
+def test_a_processor_that_splits_a_videos_tokens_cannot_collapse():
+    """A family whose processor wrote other tokens inside a video's run (row or frame markers) has no
+    count per placeholder: refused naming the processor and layout='expanded'."""
+    from vlm_pack.processing.layout import _collapse_videos
+
+    sample = dict(_samples("qwen2_vl", "expanded")[0])
+    video_id = _ids("qwen2_vl")[1]
+    ids = sample["input_ids"]
+    middle = int((ids == video_id).nonzero()[3])
+    marker = offline.build_tokenizer("qwen2_vl").convert_tokens_to_ids("<|vision_end|>")
+    split = {k: torch.cat([v[:middle], v.new_tensor([marker if k == "input_ids" else v[middle]]), v[middle:]])
+             for k, v in sample.items() if k in ("input_ids", "labels", "mm_token_type_ids")}  # fmt: skip
+    with pytest.raises(InternalCheckError, match=r"sample 'k'.*runs of \[3, \d+\]: MyProcessor interleaves.*'expanded'"):
+        _collapse_videos({**sample, **split}, video_id, 2, "k", "MyProcessor")
+    assert _collapse_videos(dict(sample), video_id, 2, "k")["input_ids"].numel() < ids.numel()
