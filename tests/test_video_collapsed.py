@@ -27,7 +27,7 @@ from vlm_pack import PackingCollator, offline, pad_multiple_for  # noqa: E402
 from vlm_pack.failures import InternalCheckError  # noqa: E402
 from vlm_pack.processing import process_sample  # noqa: E402
 from vlm_pack.remap import remap_cu_seqlens, remap_cu_seqlens_padded  # noqa: E402
-from vlm_pack.testing import encode_clip, processor_with_video  # noqa: E402
+from vlm_pack.testing import encode_clip, processor_with_video, token_mult_prob_error  # noqa: E402
 
 _TEMPLATES = Path(__file__).parent / "templates"
 # Qwen2/2.5-VL keep every frame; Qwen3-VL samples at its default 2 fps, so a 12-frame 6 fps clip gives 4 frames,
@@ -231,3 +231,59 @@ def test_a_processor_that_splits_a_videos_tokens_cannot_collapse():
     with pytest.raises(InternalCheckError, match=r"sample 'k'.*runs of \[3, \d+\]: MyProcessor interleaves.*'expanded'"):
         _collapse_videos({**sample, **split}, video_id, 2, "k", "MyProcessor")
     assert _collapse_videos(dict(sample), video_id, 2, "k")["input_ids"].numel() < ids.numel()
+
+
+# -------------------------------------------------------------- packed = alone through the model's expansion
+
+_VISION = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def _logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Log-prob of each next token ``[L - 1]`` (fp32 logits ``[L, V]``)."""
+    return torch.log_softmax(logits[:-1].double(), -1).gather(-1, ids[1:, None])[:, 0]
+
+
+def _expanded_forward(model, c, family: str, one_sequence: bool = False) -> torch.Tensor:
+    """What a Megatron-style model does with the collapsed batch ``c``: each placeholder replaced by its count
+    of tokens, then the language model over the expanded row with the batch's positions; logits ``[Te, V]``.
+    ``one_sequence``: the control, positions numbered through the whole row (the model's own rope over it)."""
+    repeats = _repeats(c.input_ids[0], family, c.tokens_per_image, c.tokens_per_video_placeholder)
+    ids = torch.repeat_interleave(c.input_ids[0], repeats)[None]
+    types = torch.repeat_interleave(c.mm_token_type_ids[0], repeats)[None]
+    inputs = {name: getattr(c, name) for name in _VISION if getattr(c, name) is not None}
+    positions = c.position_ids
+    if one_sequence:
+        rope, _ = model.model.get_rope_index(ids, mm_token_type_ids=types, **{
+            k: v for k, v in inputs.items() if k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")})  # fmt: skip
+        positions = torch.cat([torch.arange(ids.shape[1])[None, None], rope])
+    return model(input_ids=ids, mm_token_type_ids=types, position_ids=positions, use_cache=False, **inputs).logits[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_collapsed_batch_expanded_by_the_model_equals_each_sample_alone(family):
+    """A Megatron-style model's forward on the collapsed batch (``_expanded_forward``), fp32 on the CPU,
+    against the tiny model run on each sample alone as the processor expanded it (HF's own positions)."""
+    model = offline.tiny_model(family, _processor(family).tokenizer, initializer_range=0.2, seed=0).eval()
+    expanded, collapsed = _samples(family, "expanded"), list(_samples(family, "collapsed"))
+    capacity = -(-sum(s["input_ids"].numel() + 4 for s in expanded) // 4) * 4
+    c = PackingCollator(capacity, tokenizer=_processor(family), model_config=model.config, layout="collapsed",
+                        pad_to_multiple_of=4)(collapsed)  # fmt: skip
+    with torch.no_grad():
+        alone = [
+            model(input_ids=s["input_ids"][None], mm_token_type_ids=s["mm_token_type_ids"][None], use_cache=False,
+                  **{name: s[name] for name in _VISION if name in s}).logits[0]
+            for s in expanded
+        ]  # fmt: skip
+        errors = {}
+        for control in (False, True):
+            packed = _expanded_forward(model, c, family, one_sequence=control)
+            errors[control] = []
+            for k, index in enumerate(c.sample_index.tolist()):
+                ids = expanded[index]["input_ids"]
+                start = int(c.cu_seqlens_padded_expanded[k])
+                a, b = _logprobs(alone[index], ids), _logprobs(packed[start : start + ids.numel()], ids)
+                errors[control].append(float(token_mult_prob_error(a, b)))
+    print(f"{family} collapsed -> expanded forward: token_mult_prob_error {errors[False]}; "
+          f"positions through the row (control) {errors[True]}")  # fmt: skip
+    assert c.sample_index.numel() == 3 and max(errors[False]) <= 1.0001, errors
+    assert max(errors[True]) > 1.01, errors  # the check can fail: samples that see each other are caught
