@@ -185,6 +185,31 @@ def test_collapsed_batch_remaps_to_the_expanded_batch(family, pad):
         assert not torch.equal(c.cu_seqlens_expanded, c.cu_seqlens_padded_expanded)  # padding was needed
 
 
+def test_llava_onevision_one_placeholder_per_video_and_image():
+    """No grid: its video's frames x pooled tokens + 1 are one run (models/llava_onevision/processing_llava_onevision.py),
+    counted by tokens_per_video; positions are 1-D."""
+    template = _TEMPLATES / "llava_onevision.jinja"
+    proc = processor_with_video("llava_onevision", chat_template=template.read_text() if template.exists() else None,
+                                image_overrides={}, do_sample_frames=True, num_frames=4)  # fmt: skip
+    images, videos, conversation = _cases()[2]
+    conversation = _turns([{"type": "video"}, {"type": "image"}], "Which moves?", "The clip.")
+    e, c = (process_sample(images, conversation, processor=proc, videos=videos[:1], layout=layout)
+            for layout in ("expanded", "collapsed"))  # fmt: skip
+    assert c["tokens_per_video_placeholder"].tolist() == e["tokens_per_video"].tolist()
+    repeats = torch.ones_like(c["input_ids"])
+    repeats[c["input_ids"] == proc.image_token_id] = c["tokens_per_image"]
+    repeats[c["input_ids"] == proc.video_token_id] = c["tokens_per_video_placeholder"]
+    for name in ("input_ids", "labels"):
+        assert torch.equal(torch.repeat_interleave(c[name], repeats), e[name]), name
+    kw = dict(tokenizer=proc, family="llava_onevision", pad_to_multiple_of=4)
+    text = process_sample([], _cases()[1][2], processor=proc)
+    eb = PackingCollator(4096, **kw)([e, text, e])
+    cb = PackingCollator(4096, layout="collapsed", **kw)([c, text, c])
+    assert torch.equal(cb.cu_seqlens_expanded, eb.cu_seqlens)
+    assert torch.equal(cb.cu_seqlens_padded_expanded, eb.cu_seqlens_padded)
+    assert torch.equal(cb.position_ids, eb.position_ids.reshape(1, -1))
+
+
 # ------------------------------------------------------------------------------------- (d) errors
 
 
