@@ -130,6 +130,23 @@ def test_expansion_map_agrees_with_real_expansion():
     assert torch.equal(expanded[emap[:-1][text]], ids[text])
 
 
+def test_image_and_video_placeholders_count_together_in_buffer_order():
+    """Two placeholder ids (image -200, video -300): one count per placeholder of either, in the order they
+    stand; the reference loop reads them as one kind, so mark both as IMG for it."""
+    vid = -300
+    ids = [TEXT, vid, TEXT, IMG, vid, vid, TEXT, TEXT, IMG, TEXT]
+    counts = [4, 3, 6, 2, 5]  # video, image, video group, video group, image
+    cu = [0, 3, 7, 10]
+    as_one = [IMG if t == vid else t for t in ids]
+    want = ref_remap(cu, as_one, counts)
+    t_ids, t_counts, t_cu = torch.tensor(ids), torch.tensor(counts), torch.tensor(cu)
+    assert remap_cu_seqlens(t_cu, t_ids, (IMG, vid), t_counts).tolist() == want == [0, 6, 18, 25]
+    assert remap_cu_seqlens(torch.tensor(want), t_ids, [IMG, vid], t_counts, inverse=True).tolist() == cu
+    assert remap_cu_seqlens(t_cu, t_ids, IMG, torch.tensor([3, 5])).tolist() == ref_remap(cu, ids, [3, 5])
+    with pytest.raises(ValueError, match="5 image placeholder"):
+        remap_cu_seqlens(t_cu, t_ids, (IMG, vid), torch.tensor([3, 5]))
+
+
 def test_seed_004_example():
     """Megatron-LM PR 3427's case: tiles per image vary and samples hold several images."""
     img_seq_len = 576
