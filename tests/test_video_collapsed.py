@@ -144,6 +144,14 @@ def test_collapsed_sample_expands_to_the_expanded_one(family, case):
         assert (name in collapsed) == (name in expanded), name
         if name in expanded:
             assert torch.equal(collapsed[name], expanded[name]), name
+    # the one forecast (header only) of the collapsed layout is the expanded length: what plans and rows count
+    from vlm_pack import Preprocessor
+    from vlm_pack.vision.video import read_video_header
+
+    images, videos, conversation = _cases()[case]
+    pre = Preprocessor(processor=_processor(family), layout="collapsed")
+    length, _ = pre.forecast(conversation, [im.size for im in images], videos=[read_video_header(v) for v in videos])
+    assert length == expanded["input_ids"].numel() == int(repeats.sum())
 
 
 # ------------------------------------------------------------------------ (b), (c) the packed batch
