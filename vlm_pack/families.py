@@ -74,6 +74,8 @@ VIDEO_WRAPS: dict[str, str] = {
     "none": "nobody: the placeholder becomes frames x pooled tokens + 1 (LLaVA-OneVision)",
     "template": "the chat template, around the placeholder the processor expands (Qwen2/2.5-VL)",
     "frames": "the processor: '<t seconds>' and <|vision_start|>..<|vision_end|> per temporal grid (Qwen3-VL)",
+    "image_frames": "the processor: each kept frame an image, 'Frame{i}: <img>' + its image tokens + '</img>', the "
+    "frames joined by newlines; the model embeds them as images (InternVL)",
 }
 Wraps = Literal["none", "template", "processor", "processor_markers", "processor_text"]
 
@@ -291,6 +293,9 @@ _RECORDS = (
         vision=_rule("tiles.InternVLSpec"),
         image_token="<IMG_CONTEXT>",
         wraps="processor",
+        video_token="<video>",
+        video_processor="InternVLVideoProcessor",
+        video_wraps="image_frames",
     ),
     # HuggingFaceM4/Idefics3-8B-Llama3
     Family(
