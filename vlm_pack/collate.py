@@ -77,6 +77,7 @@ from .collate_samples import (
     SampleParts,
     TokenFields,
     check_video_tokens,
+    frames_as_images,
     keys_of,
     num_images,
     packed_extras,
@@ -296,7 +297,7 @@ class PackingCollator:
                 f"{self.family!r}: pass model_config=model.config or family= one of {', '.join(names('mrope'))}; "
                 "without the 4-row mRoPE position_ids the packed samples would attend to each other"
             )
-        tpi, n_images = self._image_counts(name, sample, vision)
+        tpi, n_images, tpv = frames_as_images(self.family, *self._image_counts(name, sample, vision), sample)
         n_placeholders = int(is_image.sum())
         if n_images and self.image_token_id is None:
             raise ValueError(
@@ -308,8 +309,6 @@ class PackingCollator:
                 f"{name}: input_ids hold {n_placeholders} image token(s) but the sample has no images "
                 "(pixel_values / image_grid_thw): give the images or remove the placeholders"
             )
-        tpv = sample.get("tokens_per_video")
-        tpv = torch.as_tensor(tpv, dtype=torch.long).reshape(-1) if tpv is not None else None
         expanded_len = self._expanded_length(name, ids, is_video, vision, tpi, n_images, n_placeholders, tpv)
         return SampleParts(
             index=index,

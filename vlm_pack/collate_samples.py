@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .batch import VISION_KEYS
+from .families import lookup
 
 if TYPE_CHECKING:
     from .collate_rows import RowPlan
@@ -24,6 +25,7 @@ __all__ = [
     "SampleParts",
     "TokenFields",
     "check_video_tokens",
+    "frames_as_images",
     "keys_of",
     "num_images",
     "packed_extras",
@@ -169,6 +171,21 @@ def check_video_tokens(
             f"{name}: input_ids hold {n_video} video tokens but tokens_per_video says "
             f"{tokens_per_video.tolist()}: the sample was changed after processing"
         )
+
+
+def frames_as_images(
+    family: str | None, tpi: torch.Tensor | None, n_images: int, sample: Mapping[str, Any]
+) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
+    """``(tokens_per_image, images, tokens_per_video)`` of a sample as the collator checks them: where the
+    family's model embeds each kept video frame as an image (``video_wraps="image_frames"``, InternVL: image
+    tokens and ``pixel_values`` rows), its videos' tokens are counted with its images' (after them; the
+    expanded layout only reads their sum)."""
+    tpv = sample.get("tokens_per_video")
+    tpv = torch.as_tensor(tpv, dtype=torch.long).reshape(-1) if tpv is not None else None
+    record = lookup(family)
+    if tpv is None or record is None or record.video_wraps != "image_frames":
+        return tpi, n_images, tpv
+    return (tpv if tpi is None else torch.cat([tpi, tpv])), n_images + len(tpv), None
 
 
 def num_images(vision: dict[str, torch.Tensor], tpi: torch.Tensor | None) -> int:
