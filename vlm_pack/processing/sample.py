@@ -52,7 +52,8 @@ def process_sample(
     processor; each is decoded (PyAV) only at the frames its forecast keeps (``vlm_pack.processing.videos``)
     and processed with ``do_sample_frames=False`` and its metadata, giving ``pixel_values_videos``,
     ``video_grid_thw`` (Qwen-VL), ``second_per_grid_ts`` (Qwen2.5-VL) and ``tokens_per_video`` (n,), equal
-    to the processor's own output for the whole decoded clip. Expanded layout only.
+    to the processor's own output for the whole decoded clip (InternVL: each kept frame is an image, its rows in
+    ``pixel_values`` with the images' tiles in prompt order, its tokens image tokens). Expanded layout only.
     """
     if processor is not None:
         tokenizer = tokenizer or processor.tokenizer
