@@ -265,3 +265,16 @@ def test_positions_not_restarted_fail():
     report, _ = _report(packed_forward=_positions_as_one_sequence)
     print(f"internvl video, positions not restarted: token_mult_prob_error {report.metric:.4f}")
     assert not report.passed and report.metric > WRONG, str(report)
+
+
+def _frames_replaced(model, batch):
+    kwargs = dict(batch.model_inputs("sdpa"))
+    kwargs["pixel_values"] = torch.randn(kwargs["pixel_values"].shape, generator=torch.Generator().manual_seed(0))
+    return model(**kwargs).logits
+
+
+def test_the_frames_reach_the_logits():
+    """Control: the same row with other pixels fails, so the frames' (and images') embeddings are in the check."""
+    report, _ = _report(packed_forward=_frames_replaced)
+    print(f"internvl video pixels replaced: token_mult_prob_error {report.metric:.4f}")
+    assert not report.passed and report.metric > WRONG, str(report)

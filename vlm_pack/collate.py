@@ -297,7 +297,9 @@ class PackingCollator:
                 f"{self.family!r}: pass model_config=model.config or family= one of {', '.join(names('mrope'))}; "
                 "without the 4-row mRoPE position_ids the packed samples would attend to each other"
             )
-        tpi, n_images, tpv = frames_as_images(self.family, *self._image_counts(name, sample, vision), sample)
+        tpi, n_images, tpv, is_video = frames_as_images(
+            self.family, *self._image_counts(name, sample, vision), sample, is_video, types
+        )
         n_placeholders = int(is_image.sum())
         if n_images and self.image_token_id is None:
             raise ValueError(

@@ -155,6 +155,12 @@ def _video_skeleton(
             frames = (f"Frame{i + 1}: {start}{placeholder}{end}" for i in range(len(v.frame_tokens)))
             out.append(("\n".join(frames), v.tokens - len(v.frame_tokens)))
         return out
+    if record.video_wraps == "timed_image_frames":  # GLM-4.1V (glm4v/processing_glm4v.py)
+        out = []
+        for v in videos:
+            frames = (f"<|begin_of_image|>{placeholder}<|end_of_image|>{int(t)}" for t in v.timestamps)
+            out.append(("".join(frames), v.tokens - len(v.timestamps)))
+        return out
     if record.video_wraps != "frames":
         return [(placeholder, v.tokens - 1) for v in videos]
     start, end = processor.vision_start_token, processor.vision_end_token

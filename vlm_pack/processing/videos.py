@@ -148,13 +148,13 @@ def load_videos(videos: Sequence[Any], processor: Any, key: Any) -> DecodedVideo
 
 def video_embedding_id(processor: Any) -> int | None:
     """The id the model scatters a video's features into: the processor's ``video_token_id``, except for a
-    family whose processor writes each frame as an image (``video_wraps="image_frames"``, InternVL: its
-    frames are image tokens, models/internvl/processing_internvl.py ``replace_video_token``)."""
+    family whose processor writes the frames as image tokens (``Family.video_as_images``: InternVL,
+    internvl/processing_internvl.py; GLM-4.1V, glm4v/processing_glm4v.py ``replace_video_token``)."""
     from .markers import _video_family
     from .render import _embedding_token_id
 
     record = _video_family(None, processor)
-    if record is not None and record.video_wraps == "image_frames":
+    if record is not None and record.video_as_images:
         return _embedding_token_id(processor)
     return getattr(processor, "video_token_id", None)
 
