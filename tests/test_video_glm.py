@@ -36,10 +36,15 @@ from vlm_pack.vision.video import read_video_header  # noqa: E402
 TOL = 1.0001
 WRONG = 1.01
 # the test template with GLM-4.1V's video part (zai-org/GLM-4.1V-9B-Thinking chat_template.jinja writes it so)
-_TEMPLATE = (Path(__file__).parent / "templates" / "glm4v.jinja").read_text().replace(
-    "{%- elif item.type == 'text' %}",
-    "{%- elif item.type == 'video' %}<|begin_of_video|><|video|><|end_of_video|>{%- elif item.type == 'text' %}",
-)
+_TEMPLATES = {
+    "glm4v": (Path(__file__).parent / "templates" / "glm4v.jinja").read_text().replace(
+        "{%- elif item.type == 'text' %}",
+        "{%- elif item.type == 'video' %}<|begin_of_video|><|video|><|end_of_video|>{%- elif item.type == 'text' %}",
+    ),
+    "glm4v_moe": (Path(__file__).parent / "templates" / "glm4v_moe.jinja").read_text(),  # GLM-4.5V
+    "glm46v": (Path(__file__).parent / "templates" / "glm46v.jinja").read_text(),  # its own video processor
+}
+FAMILIES = tuple(_TEMPLATES)
 _SIZE = {"size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28}}  # small grids for a CPU
 _MODES = {"fps2": {}, "fps1": dict(fps=1)}  # the processor's own sampling (its default 2 fps), and 1 fps
 # (frames, width, height, fps, container): odd and even counts, 64 px to 640 px, 2 to 60 fps, three containers
@@ -58,8 +63,8 @@ _TURNS = [
 
 
 @functools.cache
-def _pre(mode: str) -> Preprocessor:
-    proc = processor_with_video("glm4v", chat_template=_TEMPLATE, image_overrides=_SIZE, **_SIZE, **_MODES[mode])
+def _pre(mode: str, family: str = "glm4v") -> Preprocessor:
+    proc = processor_with_video(family, chat_template=_TEMPLATES[family], image_overrides=_SIZE, **_SIZE, **_MODES[mode])
     return Preprocessor(processor=proc)
 
 
@@ -88,9 +93,10 @@ def _own(pre: Preprocessor, images: list, clips: list[bytes], conversation: list
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", list(_MODES))
-def test_forecast_is_the_processors_own_output_per_clip(mode):
-    pre = _pre(mode)
+def test_forecast_is_the_processors_own_output_per_clip(mode, family):
+    pre = _pre(mode, family)
     for k, spec in enumerate(_CLIPS):
         clip = _clip(*spec, seed=k)
         forecast = pre.forecast_rows([(_TURNS, [], k, [read_video_header(clip)])])[0]
@@ -132,14 +138,14 @@ def test_forecast_with_an_image_and_two_videos():
 
 
 @functools.cache
-def _model():
-    return offline.tiny_model("glm4v", _pre("fps2").tokenizer, initializer_range=0.2, seed=0)
+def _model(family: str):
+    return offline.tiny_model(family, _pre("fps2", family).tokenizer, initializer_range=0.2, seed=0)
 
 
 @functools.cache
-def _samples() -> tuple:
+def _samples(family: str) -> tuple:
     """Two video samples (2 and 4 temporal groups), text only, and a sample with two videos."""
-    pre = _pre("fps2")
+    pre = _pre("fps2", family)
     video_a, video_b = _clip(10, 96, 64, 5.0, "mp4", 1), _clip(7, 64, 128, 2.0, "webm", 2)
     cases = [
         ([video_a], _TURNS),
@@ -151,28 +157,28 @@ def _samples() -> tuple:
     ]  # fmt: skip
     out = []
     for k, (videos, conversation) in enumerate(cases):
-        sample = pre.process([], conversation, key=f"glm4v/{k}", videos=videos)
+        sample = pre.process([], conversation, key=f"{family}/{k}", videos=videos)
         length, _ = pre.forecast(conversation, [], key=k, videos=[read_video_header(v) for v in videos])
         assert length == len(sample["input_ids"]), k
         out.append(sample)
     return tuple(out)
 
 
-def _report(**kwargs):
-    samples = list(_samples())
+def _report(family: str, **kwargs):
+    samples, pre, model = list(_samples(family)), _pre("fps2", family), _model(family)
     capacity = sum(len(s["input_ids"]) for s in samples)
-    collator = _pre("fps2").collator(capacity, model_config=_model().config, max_samples_per_bin=len(samples))
-    batch = collator(samples)
+    batch = pre.collator(capacity, model_config=model.config, max_samples_per_bin=len(samples))(samples)
     assert batch.num_rows == 1
-    report = check_packed_equivalence(_model(), samples, None, packed_batch=batch, tokenizer=_pre("fps2").tokenizer, **kwargs)
+    report = check_packed_equivalence(model, samples, None, packed_batch=batch, tokenizer=pre.tokenizer, **kwargs)
     return report, batch
 
 
-def test_video_samples_packed_equal_alone():
-    report, batch = _report()
-    print(f"glm4v video: token_mult_prob_error {report.metric:.7f}, max |diff| {report.max_abs_diff:.2e}")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_video_samples_packed_equal_alone(family):
+    report, batch = _report(family)
+    print(f"{family} video: token_mult_prob_error {report.metric:.7f}, max |diff| {report.max_abs_diff:.2e}")
     assert report.passed and report.metric <= TOL, str(report)
-    assert batch.video_grid_thw.shape[0] == sum(len(s.get("video_grid_thw", [])) for s in _samples())
+    assert batch.video_grid_thw.shape[0] == sum(len(s.get("video_grid_thw", [])) for s in _samples(family))
 
 
 def _positions_as_one_sequence(model, batch):
@@ -186,9 +192,10 @@ def _positions_as_one_sequence(model, batch):
     return model(**kwargs).logits
 
 
-def test_positions_not_restarted_fail():
-    report, _ = _report(packed_forward=_positions_as_one_sequence)
-    print(f"glm4v video, positions not restarted: token_mult_prob_error {report.metric:.4f}")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_positions_not_restarted_fail(family):
+    report, _ = _report(family, packed_forward=_positions_as_one_sequence)
+    print(f"{family} video, positions not restarted: token_mult_prob_error {report.metric:.4f}")
     assert not report.passed and report.metric > WRONG, str(report)
 
 
@@ -201,6 +208,6 @@ def _video_pixels_replaced(model, batch):
 
 def test_the_videos_reach_the_logits():
     """Control: the same row with other video pixels fails, so the frames' embeddings are in the check."""
-    report, _ = _report(packed_forward=_video_pixels_replaced)
+    report, _ = _report("glm4v", packed_forward=_video_pixels_replaced)
     print(f"glm4v video pixels replaced: token_mult_prob_error {report.metric:.4f}")
     assert not report.passed and report.metric > WRONG, str(report)

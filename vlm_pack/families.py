@@ -77,7 +77,7 @@ VIDEO_WRAPS: dict[str, str] = {
     "image_frames": "the processor: each kept frame an image, 'Frame{i}: <img>' + its image tokens + '</img>', the "
     "frames joined by newlines; the model embeds them as images (InternVL)",
     "timed_image_frames": "the processor: per temporal grid '<|begin_of_image|>' + its image tokens + "
-    "'<|end_of_image|>{int seconds}', inside the template's <|begin_of_video|>..<|end_of_video|> (GLM-4.1V)",
+    "'<|end_of_image|>{int seconds}', inside the template's <|begin_of_video|>..<|end_of_video|> (GLM-4.1V/4.5V/4.6V)",
 }
 # Video wraps whose frames the processor writes as image tokens (the model embeds them where images go).
 _VIDEO_AS_IMAGES = ("image_frames", "timed_image_frames")
@@ -279,6 +279,9 @@ _RECORDS = (
         image_token="<|image|>",
         wraps="template",
         mrope="qwen3_vl",
+        video_token="<|video|>",
+        video_processor="Glm46VVideoProcessor",
+        video_wraps="timed_image_frames",
     ),
     # llava-hf/llava-1.5-7b-hf
     Family(

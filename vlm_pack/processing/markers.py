@@ -145,6 +145,10 @@ def _video_skeleton(
     frame as an image, ``Frame{i}: <img>`` + ``image_seq_length`` image tokens + ``</img>``, the frames joined
     by ``"\n"`` (``InternVLProcessor.replace_video_token``, models/internvl/processing_internvl.py): that text
     is kept too, one placeholder per frame, so that ``Frame1:`` tokenizes with the prompt text before it.
+    GLM-4.1V / 4.5V / 4.6V's write per temporal group ``<|begin_of_image|>`` + its image tokens +
+    ``<|end_of_image|>`` + the group's time (``int(t)``; GLM-4.6V ``f"{t:.1f} seconds"``): that text comes from
+    the processor's own ``replace_frame_token_id`` with one placeholder (glm4v/processing_glm4v.py,
+    glm46v/processing_glm46v.py), so the installed release's format is the one counted.
     """
     record = _video_record(spec, processor)
     if record.video_wraps == "image_frames":
@@ -155,11 +159,11 @@ def _video_skeleton(
             frames = (f"Frame{i + 1}: {start}{placeholder}{end}" for i in range(len(v.frame_tokens)))
             out.append(("\n".join(frames), v.tokens - len(v.frame_tokens)))
         return out
-    if record.video_wraps == "timed_image_frames":  # GLM-4.1V (glm4v/processing_glm4v.py)
+    if record.video_wraps == "timed_image_frames":  # GLM-4.1V / 4.5V / 4.6V: the processor's own frame text
         out = []
         for v in videos:
-            frames = (f"<|begin_of_image|>{placeholder}<|end_of_image|>{int(t)}" for t in v.timestamps)
-            out.append(("".join(frames), v.tokens - len(v.timestamps)))
+            frames = (processor.replace_frame_token_id(t, num_image_tokens=1) for t in v.timestamps)
+            out.append(("".join(frames).replace(processor.image_token, placeholder), v.tokens - len(v.timestamps)))
         return out
     if record.video_wraps != "frames":
         return [(placeholder, v.tokens - 1) for v in videos]

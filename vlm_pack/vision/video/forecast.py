@@ -21,7 +21,8 @@ Rules (transformers 5.24):
   ``smart_resize`` counting the kept frames against the budget; the cap is ``max(min(max_video_tokens *
   f**2, longest // n), int(shortest * 1.05)) * n``. One ``<{t:.1f} seconds>`` per temporal group,
   ``t`` the mean of the group's first and last frame times (qwen3_vl/processing_qwen3_vl.py).
-- GLM-4.1V / 4.5V / 4.6V (``Glm4vVideoProcessor``, glm4v/video_processing_glm4v.py): Qwen3-VL's 3-D
+- GLM-4.1V / 4.5V / 4.6V (``Glm4vVideoProcessor``, glm4v/video_processing_glm4v.py; GLM-4.6V's
+  ``Glm46VVideoProcessor`` samples otherwise, resizes alike, glm46v/): Qwen3-VL's 3-D
   ``smart_resize`` (no pixel cap); per temporal group ``<|begin_of_image|>`` + its tokens +
   ``<|end_of_image|>{int(t)}``, ``t`` the group's first kept frame time (glm4v/processing_glm4v.py).
 - LLaVA-OneVision (llava_onevision/processing_llava_onevision.py): per frame
@@ -241,7 +242,7 @@ def forecast_video(
     vp = _video_processor(processor)
     settings = _settings(vp, videos_kwargs)
     classes = {cls.__name__ for cls in type(vp).__mro__}
-    if "Glm4vVideoProcessor" in classes:  # Qwen3-VL's 3-D smart_resize without the cap, its own timestamps
+    if classes & {"Glm4vVideoProcessor", "Glm46VVideoProcessor"}:  # Qwen3-VL's 3-D resize, no cap
         return _qwen(vp, header, settings, qwen3=True, glm=True)
     if "Qwen3VLVideoProcessor" in classes:
         return _qwen(vp, header, settings, qwen3=True)
@@ -256,7 +257,8 @@ def forecast_video(
         return _per_frame(vp, header, settings, seq, extra=0)
     raise ValueError(
         f"no video forecast rule for {type(vp).__name__}; rules exist for Qwen2VLVideoProcessor, "
-        "Qwen3VLVideoProcessor, LlavaOnevisionVideoProcessor and InternVLVideoProcessor."
+        "Qwen3VLVideoProcessor, Glm4vVideoProcessor, Glm46VVideoProcessor, LlavaOnevisionVideoProcessor and "
+        "InternVLVideoProcessor."
     )
 
 
