@@ -149,7 +149,7 @@ def _with_processor(
             rank = torch.cumsum(mine.long(), 0) - 1  # the item's index among its kind
             hit = (ids == token_ids[kind]) & inside & mine[item_of.clamp(min=0)]
             counts[kind] = torch.bincount(rank[item_of[hit]], minlength=len(counts[kind]))
-        for kind in counts:  # InternVL's frames hold image tokens: one id, counted over both kinds
+        for kind in counts:  # InternVL's and GLM's frames are image tokens: one id, counted over both kinds
             sharing = [k for k in counts if token_ids[k] == token_ids[kind]]
             if sum(int(counts[k].sum()) for k in sharing) != int((ids == token_ids[kind]).sum()):
                 raise SampleError(

@@ -24,7 +24,8 @@ Rules (transformers 5.24):
 - GLM-4.1V / 4.5V / 4.6V (``Glm4vVideoProcessor``, glm4v/video_processing_glm4v.py; GLM-4.6V's
   ``Glm46VVideoProcessor`` samples otherwise, resizes alike, glm46v/): Qwen3-VL's 3-D
   ``smart_resize`` (no pixel cap); per temporal group ``<|begin_of_image|>`` + its tokens +
-  ``<|end_of_image|>{int(t)}``, ``t`` the group's first kept frame time (glm4v/processing_glm4v.py).
+  ``<|end_of_image|>`` + ``t`` (GLM-4.1V ``int(t)``, GLM-4.6V ``f"{t:.1f} seconds"``), ``t`` the group's
+  first kept frame time (glm4v/processing_glm4v.py, glm46v/processing_glm46v.py ``replace_video_token``).
 - LLaVA-OneVision (llava_onevision/processing_llava_onevision.py): per frame
   ``ceil(int(sqrt(num_image_tokens)) / 2) ** 2`` pooled tokens, plus one newline token per video.
 - InternVL (internvl/processing_internvl.py): each kept frame is an image of ``image_seq_length``
@@ -65,7 +66,7 @@ class VideoForecast:
     tokens: int
     """Placeholder tokens of the whole video (LLaVA-OneVision: its newline token included)."""
     timestamps: tuple[float, ...] | None = None
-    """Qwen3-VL / Qwen3.5: seconds printed before each temporal group (GLM-4.1V: after it, as ints); ``None``
+    """Qwen3-VL / Qwen3.5: seconds printed before each temporal group (GLM-4.1V / 4.6V: after it); ``None``
     elsewhere. (With sampling off they are every frame's; transformers' Qwen3VLProcessor then has no
     ``frames_indices`` and fails.)"""
     second_per_grid_t: float | None = None
@@ -169,8 +170,8 @@ def _group_times(indices: list[int], fps: float, tps: int) -> tuple[float, ...]:
 
 
 def _glm_times(indices: list[int], fps: float, groups: int) -> tuple[float, ...]:
-    """GLM-4.1V's per-group seconds: the first kept frame's time of each temporal group (``timestamps[::2]``),
-    the last repeated up to ``groups``; its processor prints ``int`` of each."""
+    """GLM-4.1V / 4.6V's per-group seconds: the first kept frame's time of each temporal group
+    (``timestamps[::2]``), the last repeated up to ``groups``; the processor prints them its own way."""
     times = [i / fps for i in indices][::2][:groups]
     return tuple(times + [times[-1]] * (groups - len(times)))
 
