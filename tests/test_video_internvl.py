@@ -39,7 +39,7 @@ _MODES = {
     "sampled8": dict(do_sample_frames=True, num_frames=8),
     "fps2": dict(do_sample_frames=True, fps=2),
 }
-# (frames, width, height, fps, container): odd and even counts, 64 px to 640 px, 1 to 60 fps, three containers
+# (frames, width, height, fps, container): odd and even counts, 64 px to 1920 px, 1 to 60 fps, three containers
 _CLIPS = [
     (8, 64, 48, 1.0, "mp4"),
     (9, 96, 64, 5.0, "mkv"),
@@ -47,6 +47,9 @@ _CLIPS = [
     (16, 320, 240, 30.0, "mp4"),
     (21, 64, 128, 60.0, "mkv"),
     (30, 640, 360, 10.0, "mp4"),
+    (1, 64, 64, 1.0, "mp4"),  # one frame: kept whole; fewer than 8, so the sampled mode refuses it
+    (12, 1920, 1080, 25.0, "mp4"),
+    (61, 854, 480, 30.0, "mkv"),
 ]
 _TURNS = [
     {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]},
@@ -110,7 +113,7 @@ def test_forecast_is_the_processors_own_length_per_clip(mode):
     pre = _pre(mode)
     seq = pre.processor.image_seq_length
     image_id = pre.processor.image_token_id
-    checked = 0
+    checked = refused = 0
     for k, spec in enumerate(_CLIPS):
         if mode == "all" and spec[0] > 16:
             continue  # every frame of a long clip is slow on a CPU; the sampled modes cover them
@@ -118,8 +121,9 @@ def test_forecast_is_the_processors_own_length_per_clip(mode):
         forecast = pre.forecast_rows([(_TURNS, [], k, [read_video_header(clip)])])[0]
         try:
             own = _own(pre, [], [clip], _TURNS)
-        except (ValueError, ZeroDivisionError) as exc:  # fps=2 of a 1 s clip at 60 fps: no frame to keep
+        except (ValueError, ZeroDivisionError) as exc:  # 8 of 1 frame; fps=2 of a 0.35 s clip: none to keep
             assert isinstance(forecast, ValueError) and "cannot sample frames" in str(forecast), (spec, exc)
+            refused += 1
             continue
         assert not isinstance(forecast, Exception), (spec, forecast)
         kept = int((own["input_ids"][0] == image_id).sum()) // seq
@@ -135,6 +139,7 @@ def test_forecast_is_the_processors_own_length_per_clip(mode):
         assert torch.equal(sample["pixel_values"], own["pixel_values"])
         assert sample["tokens_per_video"].tolist() == forecast.video_counts
         checked += 1
+    print(f"internvl {mode}: {checked} clips forecast = the processor's own, {refused} refused by both")
     assert checked >= 3
 
 
