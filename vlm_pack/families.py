@@ -242,7 +242,8 @@ _RECORDS = (
         experts=True,
     ),
     # THUDM/GLM-4.1V-9B-Thinking; its mRoPE numbers images as Qwen2-VL and splits videos into one-frame
-    # grids as Qwen3-VL's does
+    # grids as Qwen3-VL's does. Its video frames are <|image|> tokens, so transformers' model (5.24,
+    # modeling_glm4v.py get_placeholder_mask) takes images or videos in one forward, not both (GLM-4.5V/4.6V too)
     Family(
         "glm4v",
         ("GLM-4.1V",),
