@@ -150,10 +150,13 @@ def test_forecast_with_images_and_two_videos(mode):
     # every frame kept: equal counts (InternVL's processor takes a sample's videos only so, test below)
     clips = [_clip(9, 96, 64, 5.0, "mkv", 1), _clip(9 if mode == "all" else 12, 64, 128, 6.0, "mp4", 2)]
     picture = _picture(700, 300, 3)  # 448 px tiles: several crops and a thumbnail
+    after = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "vs"}, {"type": "image"}]},
+             {"role": "assistant", "content": "Ok."}]  # fmt: skip
     for images, videos, conversation in [
         ([picture], clips, _MIXED),
         ([picture], clips[1:], [{"role": "user", "content": "<image>Look <video> now"},
                                 {"role": "assistant", "content": "Ok."}]),
+        ([picture], clips[:1], after),  # the image's block starts past the video's frames
     ]:  # fmt: skip
         row = (conversation, [im.size for im in images], "m", [read_video_header(c) for c in videos])
         forecast = pre.forecast_rows([row])[0]
@@ -165,10 +168,11 @@ def test_forecast_with_images_and_two_videos(mode):
         assert torch.equal(sample["pixel_values"], own["pixel_values"])  # image tiles and frames, in order
         assert forecast.counts == sample["tokens_per_image"].tolist()
         assert forecast.video_counts == sample["tokens_per_video"].tolist()
-        start = pre.tokenizer.convert_tokens_to_ids("<img>")
-        first_image = 0 if conversation is _MIXED else None
-        if first_image is not None:  # the image comes first: its block is the first <img>
-            assert forecast.starts == [int((sample["input_ids"] == start).nonzero()[0])]
+        blocks = (sample["input_ids"] == pre.tokenizer.convert_tokens_to_ids("<img>")).nonzero()[:, 0].tolist()
+        frames_before = 0
+        if conversation is after:  # its <img> comes after the first video's frames' <img>s
+            frames_before = sample["tokens_per_video"][0].item() // pre.processor.image_seq_length
+        assert forecast.starts == [blocks[frames_before]]
         total = int((sample["input_ids"] == pre.processor.image_token_id).sum())
         assert total == sum(forecast.counts) + sum(forecast.video_counts)
 
