@@ -314,11 +314,11 @@ def test_videos_need_a_video_processor_the_collapsed_layout_is_theirs_too():
         process_sample([], _VIDEO_TURNS, processor=offline.processor("qwen2_vl"), key="p", videos=[_clip()])
     import transformers
 
-    internvl = transformers.InternVLProcessor(
-        image_processor=offline.image_processor("internvl"),
-        tokenizer=offline.build_tokenizer("internvl"),
-        video_processor=transformers.InternVLVideoProcessor(),
-        image_seq_length=256,
-    )  # its frames become image tokens with Frame{i} text: no rule here yet, so refused up front
-    with pytest.raises(InternalCheckError, match=r"sample 'i'.*not those of InternVLVideoProcessor"):
-        process_sample([], _VIDEO_TURNS, processor=internvl, key="i", videos=[_clip()])
+    smolvlm = transformers.SmolVLMProcessor(
+        image_processor=offline.image_processor("smolvlm"),
+        tokenizer=offline.build_tokenizer("smolvlm"),
+        video_processor=transformers.SmolVLMVideoProcessor(),
+        image_seq_len=81,
+    )  # its frames become image tokens with timestamp text: no rule here yet, so refused up front
+    with pytest.raises(InternalCheckError, match=r"sample 'i'.*not those of SmolVLMVideoProcessor"):
+        process_sample([], _VIDEO_TURNS, processor=smolvlm, key="i", videos=[_clip()])

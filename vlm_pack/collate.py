@@ -62,13 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .batch import (
-    HF_STYLES,
-    SAMPLE_KEY_NAMES,
-    STYLES,
-    PackedBatch,
-    packed_seq_params_class,
-)
+from .batch import HF_STYLES, SAMPLE_KEY_NAMES, STYLES, PackedBatch, packed_seq_params_class
 from .collate_rows import RowPlan, one_row, repack, row_plan
 from .collate_samples import (
     SampleParts,
@@ -76,6 +70,7 @@ from .collate_samples import (
     cat_counts,
     check_video_tokens,
     collapsed_video_counts,
+    frames_as_images,
     keys_of,
     num_images,
     packed_extras,
@@ -293,7 +288,9 @@ class PackingCollator:
                 f"{self.family!r}: pass model_config=model.config or family= one of {', '.join(names('mrope'))}; "
                 "without the 4-row mRoPE position_ids the packed samples would attend to each other"
             )
-        tpi, n_images = self._image_counts(name, sample, vision)
+        tpi, n_images, tpv, is_video = frames_as_images(
+            self.family, *self._image_counts(name, sample, vision), sample, is_video, types
+        )
         n_placeholders = int(is_image.sum())
         if n_images and self.image_token_id is None:
             raise ValueError(
@@ -305,8 +302,6 @@ class PackingCollator:
                 f"{name}: input_ids hold {n_placeholders} image token(s) but the sample has no images "
                 "(pixel_values / image_grid_thw): give the images or remove the placeholders"
             )
-        tpv = sample.get("tokens_per_video")
-        tpv = torch.as_tensor(tpv).long().reshape(-1) if tpv is not None else None
         expanded_len = self._expanded_length(name, ids, is_video, vision, tpi, n_images, n_placeholders, tpv)
         tpvp = None
         if self.layout == "collapsed":

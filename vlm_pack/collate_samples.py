@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .batch import VISION_KEYS
+from .families import lookup
 
 if TYPE_CHECKING:
     from .collate_rows import RowPlan
@@ -26,6 +27,7 @@ __all__ = [
     "cat_counts",
     "check_video_tokens",
     "collapsed_video_counts",
+    "frames_as_images",
     "keys_of",
     "num_images",
     "packed_extras",
@@ -173,6 +175,33 @@ def check_video_tokens(
             f"{name}: input_ids hold {n_video} video tokens but tokens_per_video says "
             f"{tokens_per_video.tolist()}: the sample was changed after processing"
         )
+
+
+def frames_as_images(
+    family: str | None,
+    tpi: torch.Tensor | None,
+    n_images: int,
+    sample: Mapping[str, Any],
+    is_video: torch.Tensor,
+    types: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, int, torch.Tensor | None, torch.Tensor]:
+    """``(tokens_per_image, images, tokens_per_video, is_video)`` of a sample as the collator checks them.
+
+    Where the family's processor writes video frames as image tokens (``Family.video_as_images``), its
+    videos' tokens are counted with its images' (after them; the expanded layout only reads their sum), and
+    its video tokens are those its ``mm_token_type_ids`` types 2 (GLM-4.1V's processor marks the image tokens
+    between ``<|begin_of_video|>`` and ``<|end_of_video|>`` so); InternVL, which types none, has no video
+    tokens apart from its images' (``tokens_per_video`` then checked with them, as image tokens).
+    """
+    tpv = sample.get("tokens_per_video")
+    tpv = torch.as_tensor(tpv, dtype=torch.long).reshape(-1) if tpv is not None else None
+    record = lookup(family)
+    if tpv is None or record is None or not record.video_as_images:
+        return tpi, n_images, tpv, is_video
+    tpi = tpv if tpi is None else torch.cat([tpi, tpv])
+    if types is None:
+        return tpi, n_images + len(tpv), None, is_video
+    return tpi, n_images + len(tpv), tpv, types == 2
 
 
 def num_images(vision: dict[str, torch.Tensor], tpi: torch.Tensor | None) -> int:

@@ -74,7 +74,13 @@ VIDEO_WRAPS: dict[str, str] = {
     "none": "nobody: the placeholder becomes frames x pooled tokens + 1 (LLaVA-OneVision)",
     "template": "the chat template, around the placeholder the processor expands (Qwen2/2.5-VL)",
     "frames": "the processor: '<t seconds>' and <|vision_start|>..<|vision_end|> per temporal grid (Qwen3-VL)",
+    "image_frames": "the processor: each kept frame an image, 'Frame{i}: <img>' + its image tokens + '</img>', the "
+    "frames joined by newlines; the model embeds them as images (InternVL)",
+    "timed_image_frames": "the processor: per temporal grid '<|begin_of_image|>' + its image tokens + "
+    "'<|end_of_image|>{int seconds}', inside the template's <|begin_of_video|>..<|end_of_video|> (GLM-4.1V/4.5V/4.6V)",
 }
+# Video wraps whose frames the processor writes as image tokens (the model embeds them where images go).
+_VIDEO_AS_IMAGES = ("image_frames", "timed_image_frames")
 Wraps = Literal["none", "template", "processor", "processor_markers", "processor_text"]
 
 
@@ -144,6 +150,12 @@ class Family:
     the 2-D ``attention_mask``, and whose text model takes a mask mapping: packed rows pass one (``real_tokens``
     of a ``MaskMapping``) so that padding never reaches the router's statistics (Qwen3.5-MoE). GLM-4.5V / 4.6V
     stay False: their aux loss over real tokens is ``vlm_pack.routers`` (why: its module docstring)."""
+
+    @property
+    def video_as_images(self) -> bool:
+        """Its processor writes a video's frames as image tokens (InternVL, GLM-4.1V): counted per video by
+        where they stand, embedded by the model as images."""
+        return self.video_wraps in _VIDEO_AS_IMAGES
 
     def __post_init__(self) -> None:
         if self.wraps not in WRAPS:
@@ -230,7 +242,8 @@ _RECORDS = (
         experts=True,
     ),
     # THUDM/GLM-4.1V-9B-Thinking; its mRoPE numbers images as Qwen2-VL and splits videos into one-frame
-    # grids as Qwen3-VL's does
+    # grids as Qwen3-VL's does. Its video frames are <|image|> tokens, so transformers' model (5.24,
+    # modeling_glm4v.py get_placeholder_mask) takes images or videos in one forward, not both (GLM-4.5V/4.6V too)
     Family(
         "glm4v",
         ("GLM-4.1V",),
@@ -238,6 +251,9 @@ _RECORDS = (
         image_token="<|image|>",
         wraps="template",
         mrope="qwen3_vl",
+        video_token="<|video|>",
+        video_processor="Glm4vVideoProcessor",
+        video_wraps="timed_image_frames",
     ),
     # zai-org/GLM-4.5V: the GLM-4.1V processor and get_rope_index (glm4v_moe/modular_glm4v_moe.py) around a
     # mixture-of-experts text model (transformers >= 4.56). Not `experts`: its text model hands attention_mask to
@@ -250,6 +266,9 @@ _RECORDS = (
         image_token="<|image|>",
         wraps="template",
         mrope="qwen3_vl",
+        video_token="<|video|>",
+        video_processor="Glm4vVideoProcessor",
+        video_wraps="timed_image_frames",
     ),
     # zai-org/GLM-4.6V: Glm4vForConditionalGeneration and the GLM-4.1V processor under their own names
     # (glm46v/modular_glm46v.py; transformers >= 5.0); the released text model is GLM-4.5V's MoE, and the
@@ -261,6 +280,9 @@ _RECORDS = (
         image_token="<|image|>",
         wraps="template",
         mrope="qwen3_vl",
+        video_token="<|video|>",
+        video_processor="Glm46VVideoProcessor",
+        video_wraps="timed_image_frames",
     ),
     # llava-hf/llava-1.5-7b-hf
     Family(
@@ -291,6 +313,9 @@ _RECORDS = (
         vision=_rule("tiles.InternVLSpec"),
         image_token="<IMG_CONTEXT>",
         wraps="processor",
+        video_token="<video>",
+        video_processor="InternVLVideoProcessor",
+        video_wraps="image_frames",
     ),
     # HuggingFaceM4/Idefics3-8B-Llama3
     Family(

@@ -152,7 +152,7 @@ def _stage(
         row.placeholders = [s.count(placeholder) for s, _ in stand_ins]
     if videos:
         video = rendering.video_placeholder
-        stand_ins = _video_skeleton(how.spec, videos, video, how.processor)
+        stand_ins = _video_skeleton(how.spec, videos, video, how.processor, key)
         pieces = row.text.split(video)
         row.text = pieces[0] + "".join(s + piece for (s, _), piece in zip(stand_ins, pieces[1:]))
         row.videos = [(v.tokens, left, s.count(video)) for v, (s, left) in zip(videos, stand_ins)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from ..failures import InternalCheckError
+from ..failures import InternalCheckError, SampleError
 from ..families import FAMILIES, lookup
 
 # its image tokens. Weak keys: a cache never keeps a tokenizer alive.
@@ -99,22 +99,72 @@ def _skeleton(
     return [(placeholder, n - 1) for n in counts]
 
 
+def _video_family(spec: Any, processor: Any) -> Any:
+    """The family record of ``spec``, else the one whose video processor ``processor`` carries; or None."""
+    record = lookup(getattr(spec, "family", None) or getattr(processor, "vlm_pack_family", None))
+    if record is None and processor is not None:
+        classes = {cls.__name__ for cls in type(getattr(processor, "video_processor", None)).__mro__}
+        record = next((f for f in FAMILIES.values() if f.video_wraps and f.video_processor in classes), None)
+    return record
 
 
-def _video_skeleton(spec: Any, videos: list[Any], placeholder: str, processor: Any) -> list[tuple[str, int]]:
+def _video_record(spec: Any, processor: Any) -> Any:
+    """:func:`_video_family`, which must process videos; InternalCheckError naming the families that do."""
+    record = _video_family(spec, processor)
+    if record is None or record.video_wraps is None:
+        family = getattr(spec, "family", None) or getattr(processor, "vlm_pack_family", None)
+        supported = ", ".join(f.name for f in FAMILIES.values() if f.video_wraps)
+        raise InternalCheckError(f"vlm-pack processes no video of family {family!r}; videos: {supported}")
+    return record
+
+
+def _check_frame_counts(videos: list[Any], key: Any) -> None:
+    """SampleError naming the sample where its videos keep different frame counts for a processor that
+    stacks them: ``InternVLProcessor.__call__`` reads one ``num_frames`` off the stacked
+    ``pixel_values_videos`` of the call (models/internvl/processing_internvl.py), so it fails on them."""
+    kept = [len(v.indices) for v in videos]
+    if len(set(kept)) > 1:
+        raise SampleError(
+            "decode_error",
+            f"sample {key!r}: its videos keep {kept} frames, but the InternVL processor takes a sample's videos "
+            "only with equal frame counts; sample a fixed number (do_sample_frames=True, num_frames=N) or put "
+            "each video in its own sample",
+        )
+
+
+def _video_skeleton(
+    spec: Any, videos: list[Any], placeholder: str, processor: Any, key: Any = None
+) -> list[tuple[str, int]]:
     """Per video (its ``VideoForecast``): text standing in for its expansion, and the tokens it leaves out.
 
     Where the processor writes nothing around the video's tokens (Qwen2/2.5-VL, whose template wraps the
     placeholder; LLaVA-OneVision) its placeholder stands in for all of them. Qwen3-VL's processor writes
     ``<{t:.1f} seconds><|vision_start|>`` + one temporal group's tokens + ``<|vision_end|>`` per group
     (``Qwen3VLProcessor.replace_video_token``, models/qwen3_vl/processing_qwen3_vl.py): that text is kept with
-    one placeholder per group, the rest of each group's tokens left out.
+    one placeholder per group, the rest of each group's tokens left out. InternVL's processor writes each kept
+    frame as an image, ``Frame{i}: <img>`` + ``image_seq_length`` image tokens + ``</img>``, the frames joined
+    by ``"\n"`` (``InternVLProcessor.replace_video_token``, models/internvl/processing_internvl.py): that text
+    is kept too, one placeholder per frame, so that ``Frame1:`` tokenizes with the prompt text before it.
+    GLM-4.1V / 4.5V / 4.6V's write per temporal group ``<|begin_of_image|>`` + its image tokens +
+    ``<|end_of_image|>`` + the group's time (``int(t)``; GLM-4.6V ``f"{t:.1f} seconds"``): that text comes from
+    the processor's own ``replace_frame_token_id`` with one placeholder (glm4v/processing_glm4v.py,
+    glm46v/processing_glm46v.py), so the installed release's format is the one counted.
     """
-    family = getattr(spec, "family", None) or getattr(processor, "vlm_pack_family", None)
-    record = lookup(family)
-    if record is None or record.video_wraps is None:
-        supported = ", ".join(f.name for f in FAMILIES.values() if f.video_wraps)
-        raise InternalCheckError(f"vlm-pack processes no video of family {family!r}; videos: {supported}")
+    record = _video_record(spec, processor)
+    if record.video_wraps == "image_frames":
+        _check_frame_counts(videos, key)
+        start, end = processor.start_image_token, processor.end_image_token
+        out = []
+        for v in videos:
+            frames = (f"Frame{i + 1}: {start}{placeholder}{end}" for i in range(len(v.frame_tokens)))
+            out.append(("\n".join(frames), v.tokens - len(v.frame_tokens)))
+        return out
+    if record.video_wraps == "timed_image_frames":  # GLM-4.1V / 4.5V / 4.6V: the processor's own frame text
+        out = []
+        for v in videos:
+            frames = (processor.replace_frame_token_id(t, num_image_tokens=1) for t in v.timestamps)
+            out.append(("".join(frames).replace(processor.image_token, placeholder), v.tokens - len(v.timestamps)))
+        return out
     if record.video_wraps != "frames":
         return [(placeholder, v.tokens - 1) for v in videos]
     start, end = processor.vision_start_token, processor.vision_end_token

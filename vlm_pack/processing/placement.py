@@ -15,6 +15,7 @@ from ..chat import Rendering
 from ..failures import InternalCheckError, SampleError
 from ..labels import IGNORE_INDEX
 from .render import _embedding_token_id, _trained_tokens
+from .videos import video_embedding_id
 
 
 def _shift(
@@ -142,14 +143,15 @@ def _with_processor(
         inside = (item_of >= 0) & (offsets[:, 0] < ends[item_of.clamp(min=0)]) & (offsets[:, 1] > offsets[:, 0])
         trained &= ~inside
         kinds = [r[0] for r in replaced]
-        token_ids = {"image": _embedding_token_id(processor), "video": getattr(processor, "video_token_id", None)}
+        token_ids = {"image": _embedding_token_id(processor), "video": video_embedding_id(processor)}
         for kind in counts:
             mine = torch.tensor([k == kind for k in kinds], dtype=torch.bool)
             rank = torch.cumsum(mine.long(), 0) - 1  # the item's index among its kind
-            emb = ids == token_ids[kind]
-            hit = emb & inside & mine[item_of.clamp(min=0)]
+            hit = (ids == token_ids[kind]) & inside & mine[item_of.clamp(min=0)]
             counts[kind] = torch.bincount(rank[item_of[hit]], minlength=len(counts[kind]))
-            if int(counts[kind].sum()) != int(emb.sum()):
+        for kind in counts:  # InternVL's and GLM's frames are image tokens: one id, counted over both kinds
+            sharing = [k for k in counts if token_ids[k] == token_ids[kind]]
+            if sum(int(counts[k].sum()) for k in sharing) != int((ids == token_ids[kind]).sum()):
                 raise SampleError(
                     "placeholder_mismatch",
                     f"sample {key!r}: {kind} tokens outside the {kind}s' expansions; remove them from the text",

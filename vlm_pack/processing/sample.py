@@ -52,9 +52,10 @@ def process_sample(
     processor; each is decoded (PyAV) only at the frames its forecast keeps (``vlm_pack.processing.videos``)
     and processed with ``do_sample_frames=False`` and its metadata, giving ``pixel_values_videos``,
     ``video_grid_thw`` (Qwen-VL), ``second_per_grid_ts`` (Qwen2.5-VL) and ``tokens_per_video`` (n,), equal
-    to the processor's own output for the whole decoded clip. ``layout="collapsed"`` keeps one video token per
-    video (per temporal group for Qwen3-VL, whose ``<t seconds>`` text stays text) and adds
-    ``tokens_per_video_placeholder`` (m',): the embeddings each of them becomes.
+    to the processor's own output for the whole decoded clip (InternVL: each kept frame is an image, its rows in
+    ``pixel_values`` with the images' tiles in prompt order, its tokens image tokens). ``layout="collapsed"``
+    keeps one video token per video (per temporal group for Qwen3-VL, whose ``<t seconds>`` text stays text)
+    and adds ``tokens_per_video_placeholder`` (m',): the embeddings each of them becomes.
     """
     if processor is not None:
         tokenizer = tokenizer or processor.tokenizer

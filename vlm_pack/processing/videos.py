@@ -120,6 +120,7 @@ def load_videos(videos: Sequence[Any], processor: Any, key: Any) -> DecodedVideo
         SampleError: reason ``"decode_error"`` for a video that does not read, decode or sample (bad data).
     """
     from ..vision.video import forecast_video, read_video_header
+    from .markers import _check_frame_counts, _video_record
 
     out = []
     for index, source in enumerate(videos):
@@ -133,11 +134,29 @@ def load_videos(videos: Sequence[Any], processor: Any, key: Any) -> DecodedVideo
             if isinstance(exc, (SampleError, InternalCheckError)):
                 raise
             raise SampleError("decode_error", f"{name}: {exc}") from exc
-        frames = decode_frames(source, forecast.indices, name)
+        out.append((source, header, forecast))
+    if len(out) > 1 and _video_record(None, processor).video_wraps == "image_frames":
+        _check_frame_counts([forecast for _, _, forecast in out], key)  # refused before any decode
+    decoded = []
+    for index, (source, header, forecast) in enumerate(out):
+        frames = decode_frames(source, forecast.indices, f"sample {key!r}, video {index}")
         metadata = header.metadata()
         metadata.frames_indices = list(forecast.indices)
-        out.append(DecodedVideo(frames, metadata, forecast))
-    return DecodedVideos(out)
+        decoded.append(DecodedVideo(frames, metadata, forecast))
+    return DecodedVideos(decoded)
+
+
+def video_embedding_id(processor: Any) -> int | None:
+    """The id the model scatters a video's features into: the processor's ``video_token_id``, except for a
+    family whose processor writes the frames as image tokens (``Family.video_as_images``: InternVL,
+    internvl/processing_internvl.py; GLM-4.1V, glm4v/processing_glm4v.py ``replace_video_token``)."""
+    from .markers import _video_family
+    from .render import _embedding_token_id
+
+    record = _video_family(None, processor)
+    if record is not None and record.video_as_images:
+        return _embedding_token_id(processor)
+    return getattr(processor, "video_token_id", None)
 
 
 def check_processed(videos: DecodedVideos, processed: dict[str, Any], key: Any) -> None:

@@ -21,6 +21,11 @@ Rules (transformers 5.24):
   ``smart_resize`` counting the kept frames against the budget; the cap is ``max(min(max_video_tokens *
   f**2, longest // n), int(shortest * 1.05)) * n``. One ``<{t:.1f} seconds>`` per temporal group,
   ``t`` the mean of the group's first and last frame times (qwen3_vl/processing_qwen3_vl.py).
+- GLM-4.1V / 4.5V / 4.6V (``Glm4vVideoProcessor``, glm4v/video_processing_glm4v.py; GLM-4.6V's
+  ``Glm46VVideoProcessor`` samples otherwise, resizes alike, glm46v/): Qwen3-VL's 3-D
+  ``smart_resize`` (no pixel cap); per temporal group ``<|begin_of_image|>`` + its tokens +
+  ``<|end_of_image|>`` + ``t`` (GLM-4.1V ``int(t)``, GLM-4.6V ``f"{t:.1f} seconds"``), ``t`` the group's
+  first kept frame time (glm4v/processing_glm4v.py, glm46v/processing_glm46v.py ``replace_video_token``).
 - LLaVA-OneVision (llava_onevision/processing_llava_onevision.py): per frame
   ``ceil(int(sqrt(num_image_tokens)) / 2) ** 2`` pooled tokens, plus one newline token per video.
 - InternVL (internvl/processing_internvl.py): each kept frame is an image of ``image_seq_length``
@@ -61,8 +66,9 @@ class VideoForecast:
     tokens: int
     """Placeholder tokens of the whole video (LLaVA-OneVision: its newline token included)."""
     timestamps: tuple[float, ...] | None = None
-    """Qwen3-VL / Qwen3.5: seconds printed before each temporal group; ``None`` elsewhere. (With sampling
-    off they are every frame's; transformers' Qwen3VLProcessor then has no ``frames_indices`` and fails.)"""
+    """Qwen3-VL / Qwen3.5: seconds printed before each temporal group (GLM-4.1V / 4.6V: after it); ``None``
+    elsewhere. (With sampling off they are every frame's; transformers' Qwen3VLProcessor then has no
+    ``frames_indices`` and fails.)"""
     second_per_grid_t: float | None = None
     """Qwen2-VL / Qwen2.5-VL: ``second_per_grid_ts`` entry (Qwen2.5-VL's processor passes it)."""
     num_patches: int | None = None
@@ -163,7 +169,14 @@ def _group_times(indices: list[int], fps: float, tps: int) -> tuple[float, ...]:
     return tuple((times[i] + times[i + tps - 1]) / 2 for i in range(0, len(times), tps))
 
 
-def _qwen(vp: Any, header: VideoHeader, s: dict[str, Any], qwen3: bool) -> VideoForecast:
+def _glm_times(indices: list[int], fps: float, groups: int) -> tuple[float, ...]:
+    """GLM-4.1V / 4.6V's per-group seconds: the first kept frame's time of each temporal group
+    (``timestamps[::2]``), the last repeated up to ``groups``; the processor prints them its own way."""
+    times = [i / fps for i in indices][::2][:groups]
+    return tuple(times + [times[-1]] * (groups - len(times)))
+
+
+def _qwen(vp: Any, header: VideoHeader, s: dict[str, Any], qwen3: bool, glm: bool = False) -> VideoForecast:
     indices, metadata = _sample(vp, header, s)
     n, tps, patch, merge = len(indices), s["temporal_patch_size"], s["patch_size"], s["merge_size"]
     if n == 0:
@@ -181,7 +194,9 @@ def _qwen(vp: Any, header: VideoHeader, s: dict[str, Any], qwen3: bool) -> Video
         grid_thw=grid,
         frame_tokens=(per_group,) * grid[0],
         tokens=per_group * grid[0],
-        timestamps=_group_times(indices, metadata.fps, tps) if qwen3 else None,
+        timestamps=_glm_times(indices, metadata.fps, grid[0]) if glm else (
+            _group_times(indices, metadata.fps, tps) if qwen3 else None
+        ),
         second_per_grid_t=None if qwen3 else tps / metadata.sampled_fps,
         num_patches=grid[0] * grid[1] * grid[2],
     )
@@ -228,6 +243,8 @@ def forecast_video(
     vp = _video_processor(processor)
     settings = _settings(vp, videos_kwargs)
     classes = {cls.__name__ for cls in type(vp).__mro__}
+    if classes & {"Glm4vVideoProcessor", "Glm46VVideoProcessor"}:  # Qwen3-VL's 3-D resize, no cap
+        return _qwen(vp, header, settings, qwen3=True, glm=True)
     if "Qwen3VLVideoProcessor" in classes:
         return _qwen(vp, header, settings, qwen3=True)
     if "Qwen2VLVideoProcessor" in classes:
@@ -241,7 +258,8 @@ def forecast_video(
         return _per_frame(vp, header, settings, seq, extra=0)
     raise ValueError(
         f"no video forecast rule for {type(vp).__name__}; rules exist for Qwen2VLVideoProcessor, "
-        "Qwen3VLVideoProcessor, LlavaOnevisionVideoProcessor and InternVLVideoProcessor."
+        "Qwen3VLVideoProcessor, Glm4vVideoProcessor, Glm46VVideoProcessor, LlavaOnevisionVideoProcessor and "
+        "InternVLVideoProcessor."
     )
 
 
