@@ -354,7 +354,12 @@ class Guard:
             error = exc if isinstance(exc, SampleError) else SampleError(reason, f"{type(exc).__name__}: {exc}")
             if error is not exc:
                 error.__cause__ = exc
-            return self.bad(error, sample, key, where)
+            try:
+                return self.bad(error, sample, key, where)
+            finally:
+                # the error's traceback holds this frame, which holds the error: a cycle that keeps whatever
+                # the failed call held (a PyAV decoder) alive until a gc; a forked worker's gc then hangs in it
+                del error
 
     def bad(self, error: SampleError, sample: str, key: Any = None, where: Any = None) -> Skip:
         """A bad sample: raised naming it under ``on_error="raise"``; else reported, counted in the budget

@@ -102,7 +102,11 @@ def decode_frames(source: Any, indices: Sequence[int], name: str = "video") -> n
                 if position > wanted[-1]:
                     break
     except (av.FFmpegError, OSError, IndexError, EOFError) as exc:
-        raise SampleError("decode_error", f"{name} does not decode: {type(exc).__name__}: {exc}") from exc
+        # without its traceback: that holds this frame's stream (a threaded decoder) alive until a gc, which a
+        # forked loader worker then runs, and freeing the decoder there hangs (avcodec_free_context)
+        raise SampleError(
+            "decode_error", f"{name} does not decode: {type(exc).__name__}: {exc}"
+        ) from exc.with_traceback(None)
     if len(kept) != len(wanted):
         raise SampleError(
             "decode_error",
