@@ -211,3 +211,22 @@ def test_the_videos_reach_the_logits():
     report, _ = _report("glm4v", packed_forward=_video_pixels_replaced)
     print(f"glm4v video pixels replaced: token_mult_prob_error {report.metric:.4f}")
     assert not report.passed and report.metric > WRONG, str(report)
+
+
+def test_a_row_of_images_and_videos_is_refused_naming_both(monkeypatch):
+    """GLM's model takes images or videos per forward (get_placeholder_mask): the collator says so, naming the
+    samples, where the model would fail with a token/feature count mismatch."""
+    pre, video_samples, model = _pre("fps2"), _samples("glm4v"), _model("glm4v")
+    picture = Image.new("RGB", (200, 120), (20, 140, 60))
+    turns = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
+             {"role": "assistant", "content": "Green."}]  # fmt: skip
+    samples = [pre.process([picture], turns, key="picture"), video_samples[0]]
+    capacity = sum(len(s["input_ids"]) for s in samples)
+    collator = pre.collator(capacity, model_config=model.config, max_samples_per_bin=2)
+    with pytest.raises(ValueError, match=r"images or videos in one forward.*images \(sample 0\) and videos \(sample 1\).*separate rows"):
+        collator(samples)
+    assert collator([video_samples[0], video_samples[2]]).num_rows == 1  # videos and text only: packed
+    # the oracle: without the check, transformers' model itself fails on such a row
+    monkeypatch.setattr("vlm_pack.collate.check_images_beside_videos", lambda *args: None)
+    with torch.no_grad(), pytest.raises(ValueError, match="(?i)tokens.*features|features.*tokens"):
+        model(**collator(samples).model_inputs())

@@ -68,6 +68,7 @@ from .collate_samples import (
     SampleParts,
     TokenFields,
     cat_counts,
+    check_images_beside_videos,
     check_video_tokens,
     collapsed_video_counts,
     frames_as_images,
@@ -417,7 +418,7 @@ class PackingCollator:
             flat_types = plan.scatter(
                 [s.types if s.types is not None else torch.zeros_like(s.ids) for s in ordered], 0
             )
-        vision = _concat_vision(ordered)
+        vision = _concat_vision(ordered, self.family)
         tokens_per_image = cat_counts([s.tokens_per_image for s in ordered])
         tokens_per_video = cat_counts([s.tokens_per_video_placeholder for s in ordered])
         shape = (plan.num_rows, plan.row_length) if self.layout == "expanded" else (1, plan.total)
@@ -586,9 +587,11 @@ def _check_arguments(
         raise ValueError(f"return_style={return_style!r} needs layout='expanded' (HF models expand nothing)")
 
 
-def _concat_vision(ordered: list[SampleParts]) -> dict[str, torch.Tensor]:
+def _concat_vision(ordered: list[SampleParts], family: str | None) -> dict[str, torch.Tensor]:
     """The samples' vision tensors joined in packed order as the model reads them (``vision_inputs``)."""
-    return join_vision([s.vision for s in ordered])
+    vision = join_vision([s.vision for s in ordered])
+    check_images_beside_videos(family, vision, ordered)
+    return vision
 
 
 def _rename_samples(message: str, order: list[int]) -> str:

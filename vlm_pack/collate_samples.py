@@ -9,7 +9,7 @@ tensors concatenated, other values kept as metadata).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ __all__ = [
     "SampleParts",
     "TokenFields",
     "cat_counts",
+    "check_images_beside_videos",
     "check_video_tokens",
     "collapsed_video_counts",
     "frames_as_images",
@@ -303,3 +304,25 @@ def cat_counts(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     """The samples' per-placeholder counts joined in packed order; None when no sample has any."""
     given = [p for p in parts if p is not None]
     return torch.cat(given) if given else None
+
+
+def check_images_beside_videos(family: str | None, vision: Mapping[str, Any], parts: Sequence[SampleParts]) -> None:
+    """Refuse a row with images and videos for a family whose model takes one or the other per forward.
+
+    GLM-4.1V / 4.5V / 4.6V write video frames as ``<|image|>`` tokens, and transformers' model (5.24,
+    ``modeling_glm4v.py`` ``get_placeholder_mask``) counts every such token as an image *and* as a video
+    token: given both, it fails with a token/feature count mismatch far from the cause.
+    """
+    record = lookup(family)
+    if record is None or record.video_wraps != "timed_image_frames":
+        return
+    if "pixel_values" not in vision or "pixel_values_videos" not in vision:
+        return
+    images = [p.name for p in parts if "pixel_values" in p.vision]
+    videos = [p.name for p in parts if "pixel_values_videos" in p.vision]
+    raise ValueError(
+        f"{record.name}'s model takes images or videos in one forward, not both (transformers' "
+        f"get_placeholder_mask counts its <|image|> frame tokens as both), but this row holds images "
+        f"({', '.join(images[:3])}) and videos ({', '.join(videos[:3])}): pack image samples and video samples "
+        "in separate rows (two datasets, e.g. interleaved by the training loop), or drop one kind"
+    )
