@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..config import DEFAULT_MAX_CONSECUTIVE_FAILURES, ON_ERROR, check_choice
-from ..failures import FailureBudget, SampleError, skip_reason
+from ..failures import FailurePolicy, Guard, SampleError, data_error, skip_reason
+from .reader import video_headers
 from .records import Sample
 from .sources import Chunk, Source, chunk_samples, chunks, open_sources
 from .strings import Strings
@@ -219,19 +220,36 @@ class _ChunkResult:
 
 @dataclass(slots=True)
 class _Read:
-    """A record read and its images sized, waiting for its chunk's one forecast (``Preprocessor.forecast_rows``)."""
+    """A record read, its images sized and its videos' headers read, waiting for its chunk's one forecast
+    (``Preprocessor.forecast_rows``)."""
 
     ordinal: int
     sample: Sample
     sizes: list[tuple[int, int]]
     patches: int
+    videos: list[Any]  # VideoHeader of each video (vlm_pack.vision.video), in placeholder order
+
+
+def sample_videos(sample: Sample) -> list[Any]:
+    """The ``VideoHeader`` of each video of ``sample``, from its container (no frame decoded); raises as
+    :func:`vlm_pack.data.reader.video_headers` (``"corrupt_video"``; without PyAV, naming the extra)."""
+    names = [f"{sample.label}, video {i}" for i in range(len(sample.videos))]
+    return video_headers(sample.videos, names, sample.key)
 
 
 def _read(f: _Forecaster, sample: Sample, ordinal: int, sizes: list[tuple[int, int]] | None = None) -> _Read:
     if sizes is None:
         sizes = image_sizes(sample, exif_transpose=f.exif_transpose, verify=f.verify)
     patches = sum(int(f.pre.spec.num_patches(w, h)) for w, h in sizes)
-    return _Read(ordinal, sample, sizes, patches)
+    return _Read(ordinal, sample, sizes, patches, sample_videos(sample))
+
+
+def _row(r: _Read) -> tuple[Any, ...]:
+    """The row ``Preprocessor.forecast_rows`` takes: ``(conversation, image sizes, key)``, and the video
+    headers where the sample has videos."""
+    if r.videos:
+        return (r.sample.conversation, r.sizes, r.sample.key, r.videos)
+    return (r.sample.conversation, r.sizes, r.sample.key)
 
 
 def _row_error(exc: Exception, sample: Sample) -> SampleError:
@@ -303,37 +321,36 @@ def _forecast_chunk_items(
         except Exception as e:
             label = sample.label if isinstance(sample, Sample) else where
             key = sample.key if isinstance(sample, Sample) else key  # the record's own key, as on success
-            failed.append((out.records - 1, key, where, _data_error(e, label, key)))
-    rows = [(r.sample.conversation, r.sizes, r.sample.key) for r in read]
-    for r, forecast in zip(read, f.pre.forecast_rows(rows)):
+            failed.append((out.records - 1, key, where, data_error(e, "bad_text", label, key)))
+    for r, forecast in zip(read, f.pre.forecast_rows([_row(r) for r in read])):
         if isinstance(forecast, Exception):
             failed.append((r.ordinal, r.sample.key, r.sample.where, _row_error(forecast, r.sample)))
         else:
             _add(r, forecast, out)
+    # The failures travel back as values; the run's one Guard (main process, _spend) counts them in order.
     failed.sort(key=lambda item: item[0])  # source order, whichever step found the fault
-    if failed and f.on_error == "raise":
-        raise failed[0][3]
     out.invalid = [(key, where, str(e)) for _, key, where, e in failed]
     out.failed_ordinals = [ordinal for ordinal, _, _, _ in failed]
     out.failed_reasons = [e.reason for _, _, _, e in failed]
     return out.sealed()
 
 
-def _data_error(exc: Exception, label: str, key: str) -> SampleError:
-    """``exc`` as the :class:`SampleError` a record is skipped with; raises an error of code."""
-    reason = skip_reason(exc, "bad_text", label, key)
-    return exc if isinstance(exc, SampleError) else SampleError(reason, f"{label}: {type(exc).__name__}: {exc}")
-
-
-def _spend(budget: FailureBudget, result: _ChunkResult) -> None:
-    """Feed a chunk's outcomes, in source order, to the failure budget (raises when it is spent)."""
+def _spend(guard: Guard, result: _ChunkResult) -> None:
+    """Count a chunk's outcomes, in source order, in the run's guarded forecast stage: a good sample ends a
+    run of bad ones, a bad one is reported and counted under its reason (raises when the budget is spent,
+    or at once under ``on_error="raise"``)."""
     failures = dict(zip(result.failed_ordinals, zip(result.failed_reasons, result.invalid)))
     for ordinal in sorted([*result.ordinals, *failures]):
         if ordinal not in failures:
-            budget.success()
+            guard.good()
             continue
         reason, (key, where, message) = failures[ordinal]
-        budget.failure(reason, where if str(key) in where else f"{where} (key {key!r})", message)
+        guard.bad(SampleError(reason, message), where if str(key) in where else f"{where} (key {key!r})", key, where)
+
+
+def forecast_guard(who: str, on_error: str = "skip", max_consecutive_failures: int | None = None) -> Guard:
+    """The guarded stage a forecast run (``who``) counts its bad records in (``vlm_pack.failures``)."""
+    return FailurePolicy(who, on_error, max_consecutive_failures).stage("header-only forecast", "bad_text")
 
 
 def _ordered_map(executor: Executor | None, items: Iterator[Chunk], window: int) -> Iterator[_ChunkResult]:
@@ -424,12 +441,10 @@ def assemble_table(
     """The :class:`LengthTable` of chunk results given in source order, consumed as they come: the failure
     budget is spent in that order (raises ``FailureBudgetError`` where :func:`forecast_sources` would) and,
     with ``on_error="raise"``, the first bad sample raises, so an engine stops at the first bad chunks."""
-    budget = FailureBudget(max_consecutive_failures, who)
+    guard = forecast_guard(who, on_error, max_consecutive_failures)
     kept = []
     for result in results:
-        if on_error == "raise" and result.invalid:
-            raise SampleError(result.failed_reasons[0], result.invalid[0][2])
-        _spend(budget, result)
+        _spend(guard, result)
         kept.append(result)
     return _table(kept)
 
@@ -501,13 +516,13 @@ def forecast_sources(
     total = None if None in totals else sum(t for t in totals if t is not None)
     disable = (not progress) if progress is not None else None
     results: list[_ChunkResult] = []
-    budget = FailureBudget(max_consecutive_failures, "forecast_sources (header-only forecast)")
+    guard = forecast_guard("forecast_sources", on_error, max_consecutive_failures)
     executor = _pool(num_workers, forecaster)
     try:
         with tqdm(total=total, desc="forecast", unit=" samples", disable=disable, smoothing=0.1) as bar:
             for result in _ordered_map(executor, chunks(opened, chunk_rows), window=4 * num_workers):
                 results.append(result)
-                _spend(budget, result)
+                _spend(guard, result)
                 bar.update(result.records)
     finally:
         if executor is not None:

@@ -40,6 +40,7 @@ from ..packing import StreamPacker, padded_lengths
 from ..packing.window import StreamBalance, reserved_positions, window_order, window_schedule
 from ..processing import IMAGE_MARKER, Prompt
 from .reader import read_header, stream_tar_samples
+from .records import VIDEO_MARKER
 from .state import Cursor, EpochProgress, PlanItem, StreamSnapshot, position, split_position
 from .stats import PHASES, BadSample, BadSampleWarning, PipelineStats
 from .stream_meta import StreamEnd, attach_meta, stream_info
@@ -87,17 +88,35 @@ def _read_shard(url: str) -> Iterator[tuple[int, dict[str, Any]]]:
         samples.close()  # closes the shard's stream now, also when the reader stops early
 
 
-def _count_markers(conversation: Any) -> int:
+def _count_markers(conversation: Any, marker: str = IMAGE_MARKER, kind: str = "image") -> int:
+    """``marker``s in string content plus ``{"type": kind}`` parts: the places the text gives that medium."""
     if isinstance(conversation, str):
-        return conversation.count(IMAGE_MARKER)
+        return conversation.count(marker)
     count = 0
     for turn in conversation:
         content = turn.get("content") if isinstance(turn, dict) else None
         if isinstance(content, str):
-            count += content.count(IMAGE_MARKER)
+            count += content.count(marker)
         elif isinstance(content, list):
-            count += sum(1 for part in content if isinstance(part, dict) and part.get("type") == "image")
+            count += sum(1 for part in content if isinstance(part, dict) and part.get("type") == kind)
     return count
+
+
+def _check_places(conversation: Any, images: list[str], videos: list[str]) -> None:
+    """The text's image (and video) places against the sample's members: a mismatch is bad data."""
+    for kind, marker, members in (("image", IMAGE_MARKER, images), ("video", VIDEO_MARKER, videos)):
+        n_markers = _count_markers(conversation, marker, kind)
+        if n_markers and n_markers != len(members):
+            raise SampleError(
+                "placeholder_mismatch",
+                f"the text has {n_markers} {kind} placeholder(s) but the sample has {len(members)} {kind}(s) "
+                f"({', '.join(members) or 'none'})",
+            )
+
+
+def _video_rows(videos: list[Any]) -> dict[str, Any]:
+    """The keyword a forecast takes a sample's video headers by (none for an image-only sample)."""
+    return {"videos": videos} if videos else {}
 
 
 @dataclass(slots=True)
@@ -108,6 +127,7 @@ class _Sample:
     url: str
     key: str
     images: list[bytes]
+    videos: list[bytes]
     conversation: Any
     prompt: Prompt
     length: int  # forecast tokens
@@ -219,19 +239,17 @@ class StreamRunner:
         """The sample with its forecast; raises what makes it bad (``vlm_pack.failures`` sorts it out)."""
         preprocessor = self.work.preprocessor
         key = raw.get("__key__")
-        conversation, names, sizes = read_header(raw, exif_transpose=self.config.exif_transpose)
+        header = read_header(raw, exif_transpose=self.config.exif_transpose)
+        conversation, names, sizes = header.conversation, header.image_names, header.image_sizes
         images = [raw[name] for name in names]
-        n_markers = _count_markers(conversation) if preprocessor.template is None else None
-        if n_markers and n_markers != len(images):
-            raise SampleError(
-                "placeholder_mismatch",
-                f"the text has {n_markers} image placeholder(s) but the sample has {len(images)} image(s) "
-                f"({', '.join(names) or 'none'})",
-            )
+        videos = [raw[name] for name in header.video_names]
+        if preprocessor.template is None:
+            _check_places(conversation, names, header.video_names)
         self._check_images(names, sizes)
-        length, _, prompt = preprocessor.forecast_prompt(conversation, sizes, key)
+        length, _, prompt = preprocessor.forecast_prompt(conversation, sizes, key, **_video_rows(header.videos))
         patches = tuple(preprocessor.spec.num_patches(w, h) for w, h in sizes) if self.work.balance else ()
-        return _Sample(url, key, images, conversation, prompt, length, self._vision_cost(sizes), patches)
+        vision = self._vision_cost(sizes)
+        return _Sample(url, key, images, videos, conversation, prompt, length, vision, patches)
 
     def _forecast(self, url: str, raw: dict[str, Any]) -> _Sample | None:
         """The sample with its forecast, or None after reporting why it is skipped (timed as "forecast").
