@@ -45,7 +45,9 @@ Where things live (one file per rule; every name below is importable from ``vlm_
 - ``megatron.py``: Megatron-LM / NeMo LLaVA (fixed embeddings per tile);
 - ``families.py``: :func:`vision_spec`, a family's spec by name (which rule each family has: ``vlm_pack.families``);
 - ``from_processor.py``: :func:`vision_spec_from_processor`, one reader per HF image processor class;
-- ``headers.py``: :func:`image_size`, header-only sizes of JPEG / PNG / GIF / WebP (others via Pillow).
+- ``headers.py``: :func:`image_size`, header-only sizes of JPEG / PNG / GIF / WebP (others via Pillow);
+- ``video/``: :func:`read_video_header` (a video's exact frame count, rate and size without decoding) and
+  :func:`forecast_video` (its tokens in the family's video processor: Qwen-VL, LLaVA-OneVision, InternVL).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from .pixtral import PixtralSpec
 from .smart_resize import Glm4vSpec, Qwen2VLSpec, Qwen3VLSpec, smart_resize
 from .spec import VisionSpec
 from .tiles import Gemma3nSpec, Gemma3Spec, Idefics3Spec, InternVLSpec, Lfm2VlSpec
+from .video import VideoForecast, VideoHeader, VideoSource, forecast_video, read_video_header, sampled_frames
 
 __all__ = [
     "Gemma3Spec",
@@ -77,8 +80,14 @@ __all__ = [
     "PixtralSpec",
     "Qwen2VLSpec",
     "Qwen3VLSpec",
+    "VideoForecast",
+    "VideoHeader",
+    "VideoSource",
     "VisionSpec",
+    "forecast_video",
     "image_size",
+    "read_video_header",
+    "sampled_frames",
     "select_best_resolution",
     "smart_resize",
     "vision_spec",

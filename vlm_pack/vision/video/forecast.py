@@ -1,0 +1,247 @@
+"""``forecast_video``: a video's vision tokens from its header and the family's video processor, no decode.
+
+The count is a function of the header (frames, rate, size) and the processor's settings only::
+
+    VideoHeader --sampled_frames()--> indices the processor keeps (its own public ``sample_frames``)
+                --per-family rule---> grid (t, h, w) / tokens per frame --> VideoForecast.tokens
+
+So a clip longer than a token budget can be refused before any frame is decoded::
+
+    fc = forecast_video(read_video_header(path), processor)   # ~ms: header (or demux) + arithmetic
+    if fc.tokens > capacity: refuse(...)                      # never decoded
+
+Rules (transformers 5.24):
+
+- Qwen2-VL / Qwen2.5-VL (``Qwen2VLVideoProcessor``, models/qwen2_vl/video_processing_qwen2_vl.py): every
+  kept frame resized by the 2-D ``smart_resize`` within ``size`` (shortest_edge .. longest_edge); with
+  ``cap_pixels_per_frame`` the longest edge is ``max(min(longest, int(max_video_tokens * f**2 * 0.9) *
+  tps // n), int(shortest * 1.05))``; ``grid_t = ceil(n / tps)`` (the last frame repeated).
+  ``second_per_grid_t = tps / metadata.sampled_fps`` (qwen2_5_vl/processing_qwen2_5_vl.py).
+- Qwen3-VL / Qwen3.5 (``Qwen3VLVideoProcessor``, qwen3_vl/video_processing_qwen3_vl.py): the 3-D
+  ``smart_resize`` counting the kept frames against the budget; the cap is ``max(min(max_video_tokens *
+  f**2, longest // n), int(shortest * 1.05)) * n``. One ``<{t:.1f} seconds>`` per temporal group,
+  ``t`` the mean of the group's first and last frame times (qwen3_vl/processing_qwen3_vl.py).
+- LLaVA-OneVision (llava_onevision/processing_llava_onevision.py): per frame
+  ``ceil(int(sqrt(num_image_tokens)) / 2) ** 2`` pooled tokens, plus one newline token per video.
+- InternVL (internvl/processing_internvl.py): each kept frame is an image of ``image_seq_length``
+  ``<IMG_CONTEXT>`` tokens between ``<img>`` / ``</img>`` (the ``Frame{i}:`` text is the prompt's).
+
+``cap_pixels_per_frame=None`` (the 5.24 default, with a warning) is the processor's uncapped behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..smart_resize import _smart_resize_3d, smart_resize
+from .header import VideoHeader
+
+# Keys ``BaseVideoProcessor.preprocess`` pops before it binds the rest to ``sample_frames``.
+_NOT_SAMPLING = ("input_data_format", "do_convert_rgb", "device", "video_metadata", "do_sample_frames")
+
+
+@dataclass(frozen=True)
+class VideoForecast:
+    """What a video becomes in the family's processor, computed from its header.
+
+    ``tokens`` counts the placeholder tokens (``<|video_pad|>``, ``<video>``, ``<IMG_CONTEXT>``); the
+    special tokens and text around them (``<|vision_start|>``, Qwen3-VL's ``<t seconds>``, InternVL's
+    ``Frame{i}: <img>``) are the prompt's, and ``timestamps`` gives the text Qwen3-VL prints.
+    """
+
+    indices: tuple[int, ...]
+    """Frame indices the processor keeps (into the decoded clip)."""
+    grid_thw: tuple[int, int, int] | None
+    """Qwen-VL ``video_grid_thw`` row; ``None`` for families without one."""
+    frame_tokens: tuple[int, ...]
+    """Placeholder tokens per temporal group (Qwen-VL) or per kept frame (LLaVA-OneVision, InternVL)."""
+    tokens: int
+    """Placeholder tokens of the whole video (LLaVA-OneVision: its newline token included)."""
+    timestamps: tuple[float, ...] | None = None
+    """Qwen3-VL / Qwen3.5: seconds printed before each temporal group; ``None`` elsewhere."""
+    second_per_grid_t: float | None = None
+    """Qwen2-VL / Qwen2.5-VL: ``second_per_grid_ts`` entry (Qwen2.5-VL's processor passes it)."""
+    num_patches: int | None = None
+    """Vision-encoder patches before the merge (``pixel_values_videos`` rows) for Qwen-VL, else ``None``."""
+
+
+def _video_processor(processor: Any) -> Any:
+    vp = getattr(processor, "video_processor", processor)
+    if vp is None or not hasattr(vp, "sample_frames"):
+        raise ValueError(
+            f"{type(processor).__name__} has no video processor: build the processor with one "
+            '(transformers video processors need torchvision: pip install "vlm-pack[video]").'
+        )
+    return vp
+
+
+def _settings(vp: Any, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The kwargs ``preprocess`` runs with: each ``valid_kwargs`` key from the instance, then overrides."""
+    names = getattr(vp.valid_kwargs, "__annotations__", {})
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise ValueError(f"{type(vp).__name__} takes no video kwargs {unknown}; valid: {sorted(names)}.")
+    settings = {name: getattr(vp, name, None) for name in names}
+    settings.update(overrides)
+    return settings
+
+
+def _sample(vp: Any, header: VideoHeader, settings: dict[str, Any]) -> tuple[list[int], Any]:
+    """(kept indices, the metadata the processor saw, ``frames_indices`` set when it sampled)."""
+    metadata = header.metadata()
+    if not settings.get("do_sample_frames"):
+        return list(range(header.frames)), metadata
+    kwargs = {k: v for k, v in settings.items() if k not in _NOT_SAMPLING}
+    try:
+        indices = vp.sample_frames(metadata=metadata, **kwargs)
+    except (ValueError, ZeroDivisionError, RuntimeError) as exc:
+        raise ValueError(
+            f"{type(vp).__name__} cannot sample frames of a {header.frames}-frame clip at {header.fps:g} fps "
+            f"({exc}); change fps / num_frames / min_frames, or drop the sample."
+        ) from exc
+    indices = [int(i) for i in indices]
+    metadata.frames_indices = indices
+    return indices, metadata
+
+
+def sampled_frames(header: VideoHeader, video_processor: Any, **videos_kwargs: Any) -> list[int]:
+    """Indices of the frames the video processor keeps from a clip with this header.
+
+    With the processor's ``do_sample_frames`` on (or passed in ``videos_kwargs``), its own public
+    ``sample_frames`` is called with :meth:`VideoHeader.metadata` and the settings ``preprocess`` would
+    bind (transformers/video_processing_utils.py ``BaseVideoProcessor.preprocess``); otherwise every frame.
+    ``video_processor`` may be a full processor carrying one.
+    """
+    vp = _video_processor(video_processor)
+    return _sample(vp, header, _settings(vp, videos_kwargs))[0]
+
+
+def _edges(size: Any) -> tuple[int, int]:
+    get = size.get if isinstance(size, Mapping) else lambda k: getattr(size, k, None)
+    shortest, longest = get("shortest_edge"), get("longest_edge")
+    if not shortest or not longest:
+        raise ValueError(f"the video processor's size needs shortest_edge and longest_edge, got {size}.")
+    return int(shortest), int(longest)
+
+
+def _qwen_size(settings: dict[str, Any]) -> tuple[int, int]:
+    shortest, longest = _edges(settings["size"])
+    # ``_standardize_kwargs`` folds the deprecated min_pixels / max_pixels kwargs into size.
+    shortest = settings.get("min_pixels") or shortest
+    longest = settings.get("max_pixels") or longest
+    return shortest, longest
+
+
+def _qwen2_resize(vp: Any, s: dict[str, Any], n: int, height: int, width: int) -> tuple[int, int]:
+    factor = s["patch_size"] * s["merge_size"]
+    shortest, longest = _qwen_size(s)
+    if s.get("cap_pixels_per_frame"):
+        total = int(vp.max_video_tokens * factor * factor * 0.9)
+        longest = max(min(longest, total * s["temporal_patch_size"] // n), int(shortest * 1.05))
+    return smart_resize(height, width, factor, shortest, longest, family=type(vp).__name__)
+
+
+def _qwen3_resize(vp: Any, s: dict[str, Any], n: int, height: int, width: int) -> tuple[int, int]:
+    factor = s["patch_size"] * s["merge_size"]
+    shortest, longest = _qwen_size(s)
+    if s.get("cap_pixels_per_frame"):
+        per_frame = max(min(vp.max_video_tokens * factor * factor, longest // n), int(shortest * 1.05))
+        longest = per_frame * n
+    tps = s["temporal_patch_size"]
+    return _smart_resize_3d(n, height, width, tps, factor, shortest, longest, type(vp).__name__)
+
+
+def _group_times(indices: list[int], fps: float, tps: int) -> tuple[float, ...]:
+    """Qwen3-VL's per-group seconds: indices padded with the last to a multiple of ``tps``, then the mean of
+    each group's first and last frame time."""
+    padded = indices + [indices[-1]] * (-len(indices) % tps)
+    times = [i / fps for i in padded]
+    return tuple((times[i] + times[i + tps - 1]) / 2 for i in range(0, len(times), tps))
+
+
+def _qwen(vp: Any, header: VideoHeader, s: dict[str, Any], qwen3: bool) -> VideoForecast:
+    indices, metadata = _sample(vp, header, s)
+    n, tps, patch, merge = len(indices), s["temporal_patch_size"], s["patch_size"], s["merge_size"]
+    if n == 0:
+        raise ValueError(
+            f"{type(vp).__name__}: frame sampling keeps no frame of a {header.frames}-frame clip."
+        )
+    resize = _qwen3_resize if qwen3 else _qwen2_resize
+    h, w = header.height, header.width
+    if s.get("do_resize", True):
+        h, w = resize(vp, s, n, h, w)
+    grid = (-(-n // tps), h // patch, w // patch)
+    per_group = grid[1] * grid[2] // (merge * merge)
+    return VideoForecast(
+        indices=tuple(indices),
+        grid_thw=grid,
+        frame_tokens=(per_group,) * grid[0],
+        tokens=per_group * grid[0],
+        timestamps=_group_times(indices, metadata.fps, tps) if qwen3 else None,
+        second_per_grid_t=None if qwen3 else tps / metadata.sampled_fps,
+        num_patches=grid[0] * grid[1] * grid[2],
+    )
+
+
+def _per_frame(vp: Any, header: VideoHeader, s: dict[str, Any], per_frame: int, extra: int) -> VideoForecast:
+    indices, _ = _sample(vp, header, s)
+    return VideoForecast(
+        indices=tuple(indices),
+        grid_thw=None,
+        frame_tokens=(per_frame,) * len(indices),
+        tokens=per_frame * len(indices) + extra,
+    )
+
+
+def _processor_number(processor: Any, attr: str, given: int | None, cls: str) -> int:
+    value = given if given is not None else getattr(processor, attr, None)
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"{cls}: the token count per frame comes from the processor's `{attr}`; pass the full processor "
+            f"(not its video processor) or {attr}=..."
+        )
+    return value
+
+
+def forecast_video(
+    header: VideoHeader,
+    processor: Any,
+    *,
+    num_image_tokens: int | None = None,
+    image_seq_length: int | None = None,
+    **videos_kwargs: Any,
+) -> VideoForecast:
+    """The vision tokens (and grid, kept frames, timestamps) of a video with this header, without decoding.
+
+    ``processor``: the family's processor, or its video processor (Qwen-VL). LLaVA-OneVision and InternVL
+    take their per-frame count from the processor (``num_image_tokens`` / ``image_seq_length``): pass the
+    full processor or that number. ``videos_kwargs`` are call-time overrides (``fps=1``,
+    ``do_sample_frames=True``, ``cap_pixels_per_frame=True``, ...) exactly as given to the processor.
+
+    Raises ``ValueError`` where the processor would fail on the clip (too few frames for its sampling or
+    its temporal patch) and for a video processor it has no rule for.
+    """
+    vp = _video_processor(processor)
+    settings = _settings(vp, videos_kwargs)
+    classes = {cls.__name__ for cls in type(vp).__mro__}
+    if "Qwen3VLVideoProcessor" in classes:
+        return _qwen(vp, header, settings, qwen3=True)
+    if "Qwen2VLVideoProcessor" in classes:
+        return _qwen(vp, header, settings, qwen3=False)
+    if "LlavaOnevisionVideoProcessor" in classes:
+        image_tokens = _processor_number(processor, "num_image_tokens", num_image_tokens, type(vp).__name__)
+        pooled = math.ceil(int(math.sqrt(image_tokens)) / 2) ** 2
+        return _per_frame(vp, header, settings, pooled, extra=1)
+    if "InternVLVideoProcessor" in classes:
+        seq = _processor_number(processor, "image_seq_length", image_seq_length, type(vp).__name__)
+        return _per_frame(vp, header, settings, seq, extra=0)
+    raise ValueError(
+        f"no video forecast rule for {type(vp).__name__}; rules exist for Qwen2VLVideoProcessor, "
+        "Qwen3VLVideoProcessor, LlavaOnevisionVideoProcessor and InternVLVideoProcessor."
+    )
+
+
+__all__ = ["VideoForecast", "forecast_video", "sampled_frames"]
