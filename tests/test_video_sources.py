@@ -1,0 +1,222 @@
+"""Videos from every source: WebDataset members, parquet / ``datasets`` video columns, LLaVA-Video and ShareGPT
+JSON, messages with video parts; their headers read without decoding; bad videos counted with their reason.
+
+Clips are encoded here with PyAV (MP4 / H.264, WebM / VP8, MKV / MPEG-4 Part 2) and written the way each
+tool stores them. Oracles from outside the code under test: the bytes written, and PyAV decoding every
+frame of each clip (the frame count and size a decoder yields).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import tarfile
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vlm_pack.data.records import normalise_record
+from vlm_pack.data.shards import SampleError, video_fields, write_shards
+from vlm_pack.data.sources import iter_samples
+from vlm_pack.failures import SampleCodeError
+
+# (container, codec, frames, fps, width, height): odd and even counts, the three containers sources carry.
+CLIPS = {
+    "mp4": ("mp4", "libx264", 9, Fraction(10), 96, 64),
+    "webm": ("webm", "libvpx", 6, Fraction(8), 64, 48),
+    "mkv": ("matroska", "mpeg4", 7, Fraction(25), 80, 80),
+}
+
+
+def _encode(fmt: str, codec: str, frames: int, fps: Fraction, width: int, height: int, seed: int = 0) -> bytes:
+    """A clip of moving noise, encoded by PyAV (``fmt`` the muxer, ``codec`` the encoder)."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for _ in range(frames):
+            pixels = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        out.mux(stream.encode())
+    return buf.getvalue()
+
+
+def _decoded(data: bytes) -> tuple[int, int, int]:
+    """``(frames, width, height)`` a PyAV decoder yields from ``data``: the oracle of every header read."""
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    return len(frames), frames[0].shape[1], frames[0].shape[0]
+
+
+@pytest.fixture(scope="module")
+def clips() -> dict[str, bytes]:
+    pytest.importorskip("av")
+    return {ext: _encode(*spec, seed=i) for i, (ext, spec) in enumerate(CLIPS.items())}
+
+
+def _png(size: tuple[int, int]) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.effect_noise(size, 40).convert("RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------- WebDataset
+@pytest.mark.torchvision
+def test_shards_store_videos_as_members_in_placeholder_order(clips, tmp_path):
+    """write_shards stores a video as ``KEY.mp4`` and several as ``KEY.0.webm``, ``KEY.1.mkv``; both readers
+    give them back in that order, beside the images; each header equals a full decode, and the lazy reader
+    leaves every member unread (headers only)."""
+    from vlm_pack.data.reader import lazy_tar_samples, read_header, stream_tar_samples
+
+    conv = [{"role": "user", "content": "<image><video><video>Compare."}, {"role": "assistant", "content": "Alike."}]
+    records = [
+        {"key": "one", "videos": clips["mp4"], "caption": "noise"},
+        {"key": "two", "images": [_png((64, 48))], "videos": [clips["webm"], clips["mkv"]], "conversation": conv},
+    ]
+    (shard,) = write_shards(records, str(tmp_path / "s-%06d.tar"))
+    with tarfile.open(shard) as tar:
+        names = sorted(tar.getnames())
+        assert names == ["one.mp4", "one.txt", "two.0.webm", "two.1.mkv", "two.json", "two.png"]
+        assert tar.extractfile("two.1.mkv").read() == clips["mkv"]  # stored as given, not re-encoded
+    streamed = list(stream_tar_samples(shard))
+    with tarfile.open(shard) as tar:
+        lazy = list(lazy_tar_samples(tar, shard))
+        headers = [read_header(s) for s in lazy]
+        assert all(not isinstance(s[n], bytes) and s[n].tell() == 0 for s in lazy for n in video_fields(s))
+    assert [h.video_names for h in headers] == [["mp4"], ["0.webm", "1.mkv"]]
+    assert [read_header(s).video_names for s in streamed] == [h.video_names for h in headers]
+    for header, clip_names in zip(headers, (["mp4"], ["webm", "mkv"])):
+        for video, ext in zip(header.videos, clip_names):
+            assert (video.frames, video.width, video.height) == _decoded(clips[ext]), ext
+    assert headers[1].image_sizes == [(64, 48)]
+
+
+@pytest.mark.torchvision
+def test_a_corrupt_video_member_is_bad_data_named_with_its_reason(clips, tmp_path):
+    from vlm_pack.data.reader import read_header
+
+    sample = {"__key__": "k", "txt": b"a caption", "mp4": clips["mp4"][: len(clips["mp4"]) // 3]}
+    sample_webm = {"__key__": "w", "txt": b"a caption", "0.webm": b"\x1a\x45\xdf\xa3 not really matroska"}
+    for bad, name in ((sample, "k.mp4"), (sample_webm, "w.0.webm")):
+        with pytest.raises(SampleError, match=rf"{name}: not a readable video container") as err:
+            read_header(bad)
+        assert err.value.reason == "corrupt_video"
+
+
+# ------------------------------------------------------------------------------- JSON, parquet, datasets
+def _clip_files(clips: dict[str, bytes], folder: Path) -> dict[str, str]:
+    (folder / "videos").mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for ext, data in clips.items():
+        (folder / "videos" / f"clip.{ext}").write_bytes(data)
+        paths[ext] = f"videos/clip.{ext}"
+    return paths
+
+
+@pytest.mark.torchvision
+def test_llava_video_and_sharegpt_json_carry_their_videos(clips, tmp_path):
+    """LLaVA-Video-178K rows (``"video": path``, the clip marked ``<image>``) and LLaMA-Factory ShareGPT rows
+    (``"videos": [...]``, ``<video>`` markers, beside ``"images"``): paths resolved against the JSON's folder,
+    in order, and a LLaVA-Video ``<image>`` read as the video it marks."""
+    paths = _clip_files(clips, tmp_path)
+    (tmp_path / "frame.png").write_bytes(_png((32, 32)))
+    llava_video = {
+        "id": "lv-1",
+        "video": paths["mp4"],
+        "conversations": [{"from": "human", "value": "<image>\nWhat happens?"}, {"from": "gpt", "value": "Noise."}],
+    }
+    sharegpt = {
+        "messages": [
+            {"role": "user", "content": "<video><image>Then <video>?"},
+            {"role": "assistant", "content": "Both noise."},
+        ],
+        "videos": [paths["webm"], paths["mkv"]],
+        "images": ["frame.png"],
+    }
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps([llava_video, sharegpt]))
+    (_, _, first), (_, _, second) = iter_samples(str(path), on_error="raise")
+    assert first.videos == (str(tmp_path / paths["mp4"]),) and first.images == ()
+    assert first.conversation[0]["content"] == "<video>\nWhat happens?"  # LLaVA-Video's <image> is the clip
+    assert second.videos == (str(tmp_path / paths["webm"]), str(tmp_path / paths["mkv"]))
+    assert second.images == (str(tmp_path / "frame.png"),)
+    assert second.conversation[0]["content"] == "<video><image>Then <video>?"  # kept as written
+    # A LLaVA row with an image and a video keeps its <image> an image.
+    both = {**llava_video, "image": "frame.png"}
+    sample = normalise_record(both, where="x", image_root=tmp_path)
+    assert sample.conversation[0]["content"] == "<image>\nWhat happens?" and len(sample.videos) == 1
+    # A missing clip is bad data naming the record, the video and where it was looked for.
+    gone = {**llava_video, "video": "videos/gone.mp4"}
+    with pytest.raises(SampleError, match=r"x \(key 'lv-1'\): video 0 'videos/gone.mp4' not found") as err:
+        normalise_record(gone, where="x", image_root=tmp_path)
+    assert err.value.reason == "corrupt_video"
+
+
+@pytest.mark.torchvision
+def test_parquet_and_dataset_video_columns_bytes_or_paths(clips, tmp_path):
+    """A parquet file with a column of video bytes and a ``datasets.Dataset`` with a ``Video`` feature (bytes
+    in one row, a path in the other) give each row's videos as stored."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = _clip_files(clips, tmp_path)
+    text = [{"role": "user", "content": "<video>What is it?"}, {"role": "assistant", "content": "Noise."}]
+    table = pa.table({
+        "messages": [text, text],
+        "videos": [[clips["mp4"]], [clips["webm"]]],
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "train.parquet")
+    rows = [s for _, _, s in iter_samples(str(tmp_path / "train.parquet"), on_error="raise")]
+    assert [s.videos for s in rows] == [(clips["mp4"],), (clips["webm"],)]
+    assert [s.where for s in rows] == [f"{tmp_path / 'train.parquet'}:0", f"{tmp_path / 'train.parquet'}:1"]
+
+    features = datasets.Features({
+        "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+        "videos": datasets.List(datasets.Video(decode=False)),
+    })  # fmt: skip
+    ds = datasets.Dataset.from_dict(
+        {"messages": [text, text], "videos": [[{"bytes": clips["mkv"], "path": None}],
+                                              [{"bytes": None, "path": str(tmp_path / paths["mp4"])}]]},
+        features=features,
+    )  # fmt: skip
+    rows = [s for _, _, s in iter_samples(ds, on_error="raise")]
+    assert [s.videos for s in rows] == [(clips["mkv"],), (str(tmp_path / paths["mp4"]),)]
+
+
+# ----------------------------------------------------------------------------------------- without PyAV
+def test_without_pyav_a_video_sample_names_the_extra_and_image_samples_are_unchanged(monkeypatch, tmp_path):
+    """Runs in the main venv (no PyAV) and, with ``av`` hidden, anywhere: an image-only source forecasts as
+    before, and a sample with a video raises ``SampleCodeError`` naming it and ``vlm-pack[video]`` (every
+    video sample would fail alike: never counted as bad data). No video byte is read, so none is encoded."""
+    from vlm_pack.data.forecast import forecast_sources
+    from vlm_pack.offline import build_tokenizer, image_processor
+    from vlm_pack.preprocessor import Preprocessor
+
+    monkeypatch.setitem(sys.modules, "av", None)  # `import av` raises ImportError
+    (tmp_path / "a.png").write_bytes(_png((64, 48)))
+    (tmp_path / "clip.mp4").write_bytes(b"never opened: PyAV is missing")
+    image_row = {"messages": [{"role": "user", "content": "<image>Hi"}, {"role": "assistant", "content": "Yo"}],
+                 "images": ["a.png"]}  # fmt: skip
+    video_row = {"id": "v1", "messages": [{"role": "user", "content": "<video>Hi"},
+                                         {"role": "assistant", "content": "Yo"}], "videos": ["clip.mp4"]}  # fmt: skip
+    images_only = tmp_path / "images.jsonl"
+    images_only.write_text(json.dumps(image_row) + "\n")
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps(image_row) + "\n" + json.dumps(video_row) + "\n")
+    pre = Preprocessor(tokenizer=build_tokenizer("qwen2_vl"), image_processor=image_processor("qwen2_vl"))
+    table = forecast_sources(str(images_only), preprocessor=pre, progress=False)
+    want = pre.forecast(image_row["messages"], [(64, 48)])[0]
+    assert table.lengths.tolist() == [want] and not table.invalid
+    with pytest.raises(SampleCodeError, match=r"mixed.jsonl:2 \(key 'v1'\), video 0.*pip install \"vlm-pack\[video\]\""):
+        forecast_sources(str(mixed), preprocessor=pre, progress=False)
