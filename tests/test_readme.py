@@ -35,6 +35,18 @@ def _name(page: Path) -> str:
     return str(page.relative_to(ROOT))
 
 
+def _needs(page: Path) -> list[str]:
+    """The modules a page's blocks import beyond the main set-up, from its first line
+    (``<!-- needs: av, torchvision -->``): its run is then `torchvision`-marked and skipped without them."""
+    first = page.read_text().splitlines()[0]
+    found = re.match(r"<!-- needs: (.*) -->", first)
+    return [m.strip() for m in found.group(1).split(",")] if found else []
+
+
+def _page_param(page: Path) -> object:
+    return pytest.param(page, id=_name(page), marks=[pytest.mark.torchvision] if _needs(page) else [])
+
+
 def _hf_qwen_tokens(image: Image.Image, patch_size: int, min_pixels: int, max_pixels: int) -> int:
     import transformers
 
@@ -118,8 +130,10 @@ def parallel_run(page_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", [p for p in PAGES if _runnable(p)], ids=_name)
+@pytest.mark.parametrize("page", [_page_param(p) for p in PAGES if _runnable(p)])
 def test_every_page_runs_as_pasted(page, page_runs):
+    for module in _needs(page):
+        pytest.importorskip(module)
     after, outputs, _ = page_runs(_name(page))
     assert len(after) == len(outputs) == len(_runnable(page))
 

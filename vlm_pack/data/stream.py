@@ -320,7 +320,7 @@ class StreamRunner:
         started = time.thread_time()
         try:
             outs = self.work.preprocessor.process_pack(
-                [(sample.images, sample.conversation) for sample in samples],
+                [(s.images, s.conversation, s.videos) if s.videos else (s.images, s.conversation) for s in samples],
                 keys=[sample.key for sample in samples],
                 prompts=[sample.prompt for sample in samples],
             )
