@@ -220,3 +220,79 @@ def test_without_pyav_a_video_sample_names_the_extra_and_image_samples_are_uncha
     assert table.lengths.tolist() == [want] and not table.invalid
     with pytest.raises(SampleCodeError, match=r"mixed.jsonl:2 \(key 'v1'\), video 0.*pip install \"vlm-pack\[video\]\""):
         forecast_sources(str(mixed), preprocessor=pre, progress=False)
+
+
+# ------------------------------------------------------------------------------ end to end, with a processor
+CAPACITY = 2048
+
+
+@pytest.fixture(scope="module")
+def qwen_video():
+    """Qwen2-VL's processor with its video processor (no frame sampling: every frame kept), a small budget."""
+    pytest.importorskip("torchvision")
+    from vlm_pack.preprocessor import Preprocessor
+    from vlm_pack.testing.clips import processor_with_video
+
+    proc = processor_with_video("qwen2_vl", size={"shortest_edge": 3136, "longest_edge": 64 * 28 * 28})
+    return proc, Preprocessor(processor=proc)
+
+
+def _video_tokens_by_the_processor(proc, data: bytes) -> int:
+    """Placeholders the HF video processor makes of every decoded frame of ``data`` (its grid / merge**2)."""
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    grid = proc.video_processor(videos=[frames], return_tensors="pt")["video_grid_thw"]
+    return int(grid.prod()) // proc.video_processor.merge_size**2
+
+
+def _video_records(clips: dict[str, bytes], n: int) -> list[dict]:
+    """``n`` samples cycling: a video alone (mp4, webm, mkv), two videos and an image, an image alone."""
+    out = []
+    for i in range(n):
+        kind = i % 5
+        turn = "Describe." if kind < 4 else "What is it?"
+        record: dict = {"key": f"v{i:03d}"}
+        if kind < 3:
+            record["videos"] = [list(clips.values())[kind]]
+            turn = "<video>" + turn
+        elif kind == 3:
+            record["videos"], record["images"] = [clips["webm"], clips["mp4"]], [_png((56, 84))]
+            turn = "<video><image>Then <video>?"
+        else:
+            record["images"] = [_png((84, 56))]
+            turn = "<image>" + turn
+        record["conversation"] = [{"role": "user", "content": turn}, {"role": "assistant", "content": f"Answer {i}."}]
+        out.append(record)
+    return out
+
+
+@pytest.mark.torchvision
+def test_a_video_stream_forecasts_from_headers_what_processing_gives(clips, qwen_video, tmp_path):
+    """PackedWebDataset over shards of video, video + image and image samples: every sample packed once, its
+    header forecast equal to its processed length (no forecast mismatch), and each clip's placeholders what
+    the HF video processor makes of all its decoded frames."""
+    from vlm_pack.data.pipeline import PackedWebDataset
+    from vlm_pack.data.stream_meta import stream_info
+
+    proc, pre = qwen_video
+    records = _video_records(clips, 10)
+    urls = write_shards(records, str(tmp_path / "v-%06d.tar"), maxcount=4)
+    ds = PackedWebDataset(urls, pre, capacity=CAPACITY, shuffle_seed=None)
+    batches = list(ds)
+    keys = [k for b in batches for k in b.metadata["__key__"]]
+    assert sorted(keys) == [r["key"] for r in records]
+    for b in batches:
+        info = stream_info(b)
+        assert info["lengths"] == info["forecast"]
+    assert ds.stats.forecast_mismatches == 0 and ds.stats.samples_bad == 0
+    video_id = proc.tokenizer.convert_tokens_to_ids(proc.video_token)
+    per_key = {}
+    for b in batches:
+        bounds = b.cu_seqlens.tolist()
+        for key, start, end in zip(b.metadata["__key__"], bounds, bounds[1:]):
+            per_key[key] = int((b.input_ids[0, start:end] == video_id).sum())
+    for record in records:
+        want = sum(_video_tokens_by_the_processor(proc, v) for v in record.get("videos", []))
+        assert per_key[record["key"]] == want, record["key"]
