@@ -12,6 +12,7 @@ import io
 import json
 import sys
 import tarfile
+import warnings
 from fractions import Fraction
 from pathlib import Path
 
@@ -296,3 +297,100 @@ def test_a_video_stream_forecasts_from_headers_what_processing_gives(clips, qwen
     for record in records:
         want = sum(_video_tokens_by_the_processor(proc, v) for v in record.get("videos", []))
         assert per_key[record["key"]] == want, record["key"]
+
+
+@pytest.mark.torchvision
+def test_a_video_stream_resumes_exactly_once_and_counts_a_corrupt_video(clips, qwen_video, tmp_path):
+    """A shuffled stream of video samples with one corrupt clip, checkpointed after every batch: resumed
+    from the middle (a new dataset, the state through JSON) it gives the packs left, so every good sample
+    arrives exactly once; the corrupt clip is counted once, under ``corrupt_video``, naming its member."""
+    from vlm_pack.data.pipeline import PackedDataLoader, PackedWebDataset
+    from vlm_pack.data.stats import BadSampleWarning
+
+    _, pre = qwen_video
+    records = _video_records(clips, 12)
+    records.insert(5, {"key": "broken", "videos": [(clips["mp4"][:300], "mp4")], "caption": "cut short"})
+    urls = write_shards(records, str(tmp_path / "r-%06d.tar"), maxcount=4)
+
+    def dataset():
+        return PackedWebDataset(urls, pre, capacity=CAPACITY, shuffle_seed=3, shuffle_buffer=3, buffer_size=3)
+
+    first = dataset()
+    loader = PackedDataLoader(first, num_workers=0)
+    packs, states = [], []
+    with pytest.warns(BadSampleWarning, match=r"corrupt_video.*broken\.mp4"):
+        for batch in loader:
+            packs.append(tuple(batch.metadata["__key__"]))
+            states.append(json.loads(json.dumps(loader.state_dict())))
+    good = sorted(r["key"] for r in records if r["key"] != "broken")
+    assert sorted(k for p in packs for k in p) == good and len(packs) >= 4
+    assert first.stats.reasons == {"corrupt_video": 1}
+    for k in (1, len(packs) // 2, len(packs) - 1):
+        resumed = dataset()
+        resumed.load_state_dict(states[k - 1])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", BadSampleWarning)
+            tail = [tuple(b.metadata["__key__"]) for b in PackedDataLoader(resumed, num_workers=0)]
+        assert packs[:k] + tail == packs, k
+        assert resumed.stats.reasons == {"corrupt_video": 1} and resumed.stats.samples_read == len(records)
+
+
+def _video_dataset(clips: dict[str, bytes]):
+    import datasets
+
+    rows = []
+    for record in _video_records(clips, 8):
+        messages = record["conversation"]
+        rows.append({"messages": messages, "videos": record.get("videos", []), "images": record.get("images", [])})
+    return datasets.Dataset.from_list(rows)
+
+
+@pytest.mark.torchvision
+def test_map_style_packs_of_video_rows_are_their_forecast(clips, qwen_video):
+    """PackedMapDataset over a ``datasets.Dataset`` with a column of video bytes: every row in one pack, and
+    each pack's processed lengths equal the lengths the plan forecast from the clips' headers."""
+    from vlm_pack.config import PackingConfig
+    from vlm_pack.data.map_style import PackedMapDataset, plan_info
+
+    _, pre = qwen_video
+    ds = _video_dataset(clips)
+    packed = PackedMapDataset(ds, pre, PackingConfig(capacity=CAPACITY), cache=None)
+    rows = []
+    for i in range(len(packed)):
+        batch = packed[i]
+        info = plan_info(batch)
+        assert info["lengths"] == packed.lengths_of(info["bin"]).tolist() and not info["left_out"]
+        assert batch.pixel_values_videos is not None or all(not ds[r]["videos"] for r in info["rows"])
+        rows += info["rows"]
+    assert sorted(rows) == list(range(len(ds)))
+
+
+@pytest.mark.torchvision
+def test_analyze_forecasts_video_records_and_lists_a_corrupt_one(clips, qwen_video, tmp_path, capsys):
+    """``vlm-pack analyze`` on a ShareGPT JSONL of videos (paths) with the checkpoint's processor folder: the
+    lengths it writes are what processing gives each sample, and a corrupt clip is listed with its reason."""
+    import pyarrow.parquet as pq
+
+    from vlm_pack.cli import main
+
+    proc, pre = qwen_video
+    proc.save_pretrained(tmp_path / "ckpt")
+    paths = _clip_files(clips, tmp_path)
+    (tmp_path / "videos" / "bad.mp4").write_bytes(clips["mp4"][:200])
+    lines = []
+    for i, ext in enumerate([*paths, "bad"]):
+        video = paths.get(ext, "videos/bad.mp4")
+        lines.append({"id": f"j{i}", "messages": [{"role": "user", "content": "<video>What moves?"},
+                                                 {"role": "assistant", "content": "Noise."}], "videos": [video]})  # fmt: skip
+    manifest = tmp_path / "train.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    argv = ["analyze", str(manifest), "--processor", str(tmp_path / "ckpt"), "--out", str(tmp_path / "r"),
+            "--no-plots", "--json", "--lengths", str(tmp_path / "lengths.parquet")]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    (bad,) = report["dataset"]["invalid"]
+    assert bad["key"] == "j3" and "bad.mp4: not a readable video container" in bad["reason"]
+    written = pq.read_table(tmp_path / "lengths.parquet").to_pylist()
+    for row, line in zip(written, lines):
+        sample = pre.process([], line["messages"], videos=[tmp_path / line["videos"][0]])
+        assert row["length"] == int(sample["input_ids"].shape[0]), line["id"]
