@@ -394,3 +394,59 @@ def test_analyze_forecasts_video_records_and_lists_a_corrupt_one(clips, qwen_vid
     for row, line in zip(written, lines):
         sample = pre.process([], line["messages"], videos=[tmp_path / line["videos"][0]])
         assert row["length"] == int(sample["input_ids"].shape[0]), line["id"]
+
+
+@pytest.mark.torchvision
+def test_a_clip_over_capacity_is_refused_before_any_frame_is_decoded(clips, qwen_video, tmp_path, monkeypatch):
+    """A clip whose header forecast exceeds ``capacity`` is counted as ``too_long`` (``oversized="skip"``) and
+    never decoded: the decoder is asked only for the clips that were packed."""
+    from vlm_pack.data.forecast import forecast_sources
+    from vlm_pack.data.pipeline import PackedWebDataset
+    from vlm_pack.data.stats import BadSampleWarning
+    from vlm_pack.processing import videos as decoding
+
+    _, pre = qwen_video
+    long_clip = _encode("mp4", "libx264", 40, Fraction(10), 224, 224, seed=9)
+    records = [
+        {"key": "short", "videos": [clips["mp4"]], "caption": "short"},
+        {"key": "long", "videos": [long_clip], "caption": "long"},
+    ]
+    urls = write_shards(records, str(tmp_path / "c-%06d.tar"))
+    table = forecast_sources(urls, preprocessor=pre, progress=False)  # header forecasts: nothing decoded
+    short, long = (int(n) for n in table.lengths)
+    assert table.keys == ["short", "long"] and long > short + 8
+    opened = []
+    real = decoding.decode_frames
+    monkeypatch.setattr(decoding, "decode_frames", lambda source, *a, **k: opened.append(source) or real(source, *a, **k))
+    ds = PackedWebDataset(urls, pre, capacity=short + 8, oversized="skip")
+    with pytest.warns(BadSampleWarning, match=r"too_long"):
+        keys = [k for b in ds for k in b.metadata["__key__"]]
+    assert keys == ["short"] and ds.stats.reasons == {"too_long": 1}
+    assert len(opened) == 1
+
+
+@pytest.mark.torchvision
+def test_trl_rows_carry_videos_and_the_collator_processes_them(clips, qwen_video, tmp_path):
+    """TRL's ``packed_dataset`` over shards of video samples: each row holds its samples' clips as stored
+    (``video_bytes``, beside ``image_bytes``), and ``TRLPackingCollator`` turns it into one packed row with
+    ``pixel_values_videos`` / ``video_grid_thw`` whose real tokens are the row's forecast lengths."""
+    pytest.importorskip("trl")
+    from vlm_pack.integrations.trl import NUM_TOKENS_KEY, TRLPackingCollator, packed_dataset
+
+    _, pre = qwen_video
+    records = _video_records(clips, 6)
+    urls = write_shards(records, str(tmp_path / "t-%06d.tar"), maxcount=3)
+    rows = packed_dataset(urls, pre, capacity=CAPACITY, cache_dir=str(tmp_path / "cache"))
+    stored = {r["key"]: list(r.get("videos", [])) for r in records}
+    seen = []
+    collator = TRLPackingCollator(CAPACITY, pre)
+    for row in rows:
+        assert [list(v) for v in row["video_bytes"]] == [stored[k] for k in row["keys"]]
+        inputs = collator([row])
+        assert int(inputs[NUM_TOKENS_KEY]) == sum(row["lengths"])
+        n_videos = sum(len(v) for v in row["video_bytes"])
+        assert (inputs.get("video_grid_thw") is None) == (n_videos == 0)
+        if n_videos:
+            assert inputs["video_grid_thw"].shape[0] == n_videos and inputs["pixel_values_videos"].dim() == 2
+        seen += row["keys"]
+    assert sorted(seen) == sorted(stored)

@@ -63,6 +63,8 @@ class LengthTable:
         index: int64 ``[N]``: ordinal of each sample among all records read, invalid ones included (for a
             single dataset: its row), or None when the table was built from samples without one.
         invalid_reasons: the reason code (``vlm_pack.failures.REASONS``) of each ``invalid`` sample.
+        num_videos, video_tokens: int64 ``[N]``: videos per sample and their placeholder tokens (None: a table
+            made before videos, read as none); ``num_patches`` counts their encoder patches too (Qwen-VL).
     """
 
     keys: Strings
@@ -76,6 +78,8 @@ class LengthTable:
     invalid: list[tuple[str, str, str]] = field(default_factory=list)
     index: np.ndarray | None = None
     invalid_reasons: list[str] = field(default_factory=list)
+    num_videos: np.ndarray | None = None
+    video_tokens: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.keys, self.sources = Strings(self.keys), Strings(self.sources)  # lists are taken too
@@ -86,14 +90,15 @@ class LengthTable:
         one image (the keys and sources front-coded), so 100 M samples take ~10 GB, not the ~40 GB of lists."""
         arrays = [self.text_tokens, self.vision_tokens, self.num_patches, self.image_ptr, self.image_tokens,
                   self.image_starts, self.keys, self.sources]  # fmt: skip
-        if self.index is not None:
-            arrays.append(self.index)
+        arrays += [a for a in (self.index, self.num_videos, self.video_tokens) if a is not None]
         return sum(a.nbytes for a in arrays)
 
     @property
     def lengths(self) -> np.ndarray:
-        """int64 ``[N]``: expanded lengths (text + vision tokens)."""
-        return self.text_tokens + self.vision_tokens
+        """int64 ``[N]``: expanded lengths (text + image tokens + video tokens)."""
+        if self.video_tokens is None:
+            return self.text_tokens + self.vision_tokens
+        return self.text_tokens + self.vision_tokens + self.video_tokens
 
     @property
     def num_images(self) -> np.ndarray:
@@ -205,6 +210,8 @@ class _ChunkResult:
     num_images: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
+    videos: list[int] = field(default_factory=list)  # videos of each sample
+    video_tokens: list[int] = field(default_factory=list)  # their placeholder tokens, per sample
     invalid: list[tuple[str, str, str]] = field(default_factory=list)
     failed_ordinals: list[int] = field(default_factory=list)  # of ``invalid``, within the chunk
     failed_reasons: list[str] = field(default_factory=list)  # of ``invalid``: reason codes
@@ -212,7 +219,7 @@ class _ChunkResult:
     def sealed(self) -> _ChunkResult:
         """The per-sample lists as int64 arrays and :class:`Strings`: a list of Python ints and strs costs
         ~300 bytes a sample, which the driver would hold for every chunk of a 100 M-sample forecast."""
-        for name in ("ordinals", "text", "patches", "num_images", "counts", "starts"):
+        for name in ("ordinals", "text", "patches", "num_images", "counts", "starts", "videos", "video_tokens"):
             setattr(self, name, np.asarray(getattr(self, name), dtype=np.int64))
         self.keys, self.wheres = Strings(self.keys), Strings(self.wheres)  # type: ignore[assignment]
         return self
@@ -227,7 +234,7 @@ class _Read:
     sample: Sample
     sizes: list[tuple[int, int]]
     patches: int
-    videos: list[Any]  # VideoHeader of each video (vlm_pack.vision.video), in placeholder order
+    videos: list[Any]  # VideoForecast (or VideoHeader) of each video (vlm_pack.vision.video), in placeholder order
 
 
 def sample_videos(sample: Sample) -> list[Any]:
@@ -237,11 +244,28 @@ def sample_videos(sample: Sample) -> list[Any]:
     return video_headers(sample.videos, names, sample.key)
 
 
+def video_forecasts(pre: Preprocessor, headers: Sequence[Any]) -> list[Any]:
+    """Each ``VideoHeader``'s ``VideoForecast`` by ``pre``'s processor (what its forecast takes as it is, so
+    nothing is forecast twice; its ``num_patches`` is the video's vision cost), or the headers as they are
+    where ``pre`` has no video processor (its forecast then names what is missing)."""
+    if not headers or getattr(pre.processor, "video_processor", None) is None:
+        return list(headers)
+    from ..vision.video import forecast_video
+
+    return [forecast_video(header, pre.processor) for header in headers]
+
+
+def video_patches(videos: Sequence[Any]) -> int:
+    """Vision-encoder patches of ``videos`` (``VideoForecast.num_patches``; 0 where a family gives none)."""
+    return sum(int(getattr(video, "num_patches", None) or 0) for video in videos)
+
+
 def _read(f: _Forecaster, sample: Sample, ordinal: int, sizes: list[tuple[int, int]] | None = None) -> _Read:
     if sizes is None:
         sizes = image_sizes(sample, exif_transpose=f.exif_transpose, verify=f.verify)
-    patches = sum(int(f.pre.spec.num_patches(w, h)) for w, h in sizes)
-    return _Read(ordinal, sample, sizes, patches, sample_videos(sample))
+    videos = video_forecasts(f.pre, sample_videos(sample))
+    patches = sum(int(f.pre.spec.num_patches(w, h)) for w, h in sizes) + video_patches(videos)
+    return _Read(ordinal, sample, sizes, patches, videos)
 
 
 def _row(r: _Read) -> tuple[Any, ...]:
@@ -261,10 +285,13 @@ def _row_error(exc: Exception, sample: Sample) -> SampleError:
 
 
 def _add(r: _Read, forecast: Forecast, out: _ChunkResult) -> None:
+    video_tokens = sum(getattr(forecast, "video_counts", None) or ())
     out.ordinals.append(r.ordinal)
     out.keys.append(r.sample.key)
     out.wheres.append(r.sample.where)
-    out.text.append(forecast.length - sum(forecast.counts))
+    out.text.append(forecast.length - sum(forecast.counts) - video_tokens)
+    out.videos.append(len(r.videos))
+    out.video_tokens.append(video_tokens)
     out.patches.append(r.patches)
     out.num_images.append(len(forecast.counts))
     out.counts.extend(forecast.counts)
@@ -405,7 +432,15 @@ def _table(results: list[_ChunkResult]) -> LengthTable:
         [bad for r in results for bad in r.invalid],
         index,
         invalid_reasons=[reason for r in results for reason in r.failed_reasons],
+        **_video_columns(cat("videos"), cat("video_tokens")),
     )
+
+
+def _video_columns(videos: np.ndarray, tokens: np.ndarray) -> dict[str, np.ndarray | None]:
+    """A table's video arrays, or none for data without a video (an image-only table costs what it did)."""
+    if not videos.any():
+        return {"num_videos": None, "video_tokens": None}
+    return {"num_videos": videos, "video_tokens": tokens}
 
 
 def make_forecaster(

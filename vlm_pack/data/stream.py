@@ -39,6 +39,7 @@ from ..failures import (
 from ..packing import StreamPacker, padded_lengths
 from ..packing.window import StreamBalance, reserved_positions, window_order, window_schedule
 from ..processing import IMAGE_MARKER, Prompt
+from .forecast import video_forecasts, video_patches
 from .reader import read_header, stream_tar_samples
 from .records import VIDEO_MARKER
 from .state import Cursor, EpochProgress, PlanItem, StreamSnapshot, position, split_position
@@ -223,14 +224,16 @@ class StreamRunner:
             )
         return f"{what} > capacity {config.capacity}"
 
-    def _vision_cost(self, sizes: list[tuple[int, int]]) -> int:
+    def _vision_cost(self, sizes: list[tuple[int, int]], videos: list[Any]) -> int:
+        """The sample's vision cost: its images and videos (``"images"``), or their encoder patches."""
         config = self.config
         if config.vision_capacity is None:
             return 0
         if config.vision_cost == "images":
-            cost = len(sizes)
+            cost = len(sizes) + len(videos)
         else:
-            cost = sum(self.work.preprocessor.spec.num_patches(width, height) for width, height in sizes)
+            spec = self.work.preprocessor.spec
+            cost = sum(spec.num_patches(width, height) for width, height in sizes) + video_patches(videos)
         if cost > config.vision_capacity:
             raise SampleError("vision_too_large", f"vision cost {cost} > vision_capacity {config.vision_capacity}")
         return cost
@@ -246,9 +249,10 @@ class StreamRunner:
         if preprocessor.template is None:
             _check_places(conversation, names, header.video_names)
         self._check_images(names, sizes)
-        length, _, prompt = preprocessor.forecast_prompt(conversation, sizes, key, **_video_rows(header.videos))
+        forecasts = video_forecasts(preprocessor, header.videos)  # each clip's tokens, from its header
+        length, _, prompt = preprocessor.forecast_prompt(conversation, sizes, key, **_video_rows(forecasts))
         patches = tuple(preprocessor.spec.num_patches(w, h) for w, h in sizes) if self.work.balance else ()
-        vision = self._vision_cost(sizes)
+        vision = self._vision_cost(sizes, forecasts)
         return _Sample(url, key, images, videos, conversation, prompt, length, vision, patches)
 
     def _forecast(self, url: str, raw: dict[str, Any]) -> _Sample | None:
