@@ -232,7 +232,8 @@ def qwen_video():
     """Qwen2-VL's processor with its video processor (no frame sampling: every frame kept), a small budget."""
     pytest.importorskip("torchvision")
     from vlm_pack.preprocessor import Preprocessor
-    from vlm_pack.testing.clips import processor_with_video
+
+    processor_with_video = pytest.importorskip("vlm_pack.testing.clips").processor_with_video
 
     proc = processor_with_video("qwen2_vl", size={"shortest_edge": 3136, "longest_edge": 64 * 28 * 28})
     return proc, Preprocessor(processor=proc)
