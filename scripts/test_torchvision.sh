@@ -18,14 +18,14 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints/ci.txt -nt "$stamp" ] \
-    || [ constraints/torchvision.txt -nt "$stamp" ]; then
+    || [ constraints/torchvision.txt -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
     lock=$(mktemp)
     trap 'rm -f "$lock"' EXIT
     # the lock without its torch pin, then this stage's torch, torchvision, timm and av
     grep -v -E '^(torch|torchvision|timm|av)==' constraints/ci.txt >"$lock"
     cat constraints/torchvision.txt >>"$lock"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -c "$lock" torch timm -e ".[dev,hf,video]"
+    "$VENV/bin/python" -m pip install -q -c "$lock" torch timm -e ".[dev,hf,trl,video]"
     touch "$stamp"
 fi
 if [ $# -eq 0 ]; then set -- tests; fi

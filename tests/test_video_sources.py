@@ -314,7 +314,8 @@ def test_a_video_stream_resumes_exactly_once_and_counts_a_corrupt_video(clips, q
     urls = write_shards(records, str(tmp_path / "r-%06d.tar"), maxcount=4)
 
     def dataset():
-        return PackedWebDataset(urls, pre, capacity=CAPACITY, shuffle_seed=3, shuffle_buffer=3, buffer_size=3)
+        # samples of 29-74 tokens: packs of a few, so checkpoints fall between packs and inside buffers
+        return PackedWebDataset(urls, pre, capacity=128, shuffle_seed=3, shuffle_buffer=3, buffer_size=3)
 
     first = dataset()
     loader = PackedDataLoader(first, num_workers=0)
@@ -390,7 +391,8 @@ def test_analyze_forecasts_video_records_and_lists_a_corrupt_one(clips, qwen_vid
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     (bad,) = report["dataset"]["invalid"]
-    assert bad["key"] == "j3" and "bad.mp4: not a readable video container" in bad["reason"]
+    assert bad["key"] == "j3" and "train.jsonl:4 (key 'j3'), video 0: not a readable video container" in bad["reason"]
+    assert "videos/bad.mp4" in bad["reason"]  # the file itself, and what to do: re-encode or drop
     written = pq.read_table(tmp_path / "lengths.parquet").to_pylist()
     for row, line in zip(written, lines):
         sample = pre.process([], line["messages"], videos=[tmp_path / line["videos"][0]])
