@@ -18,7 +18,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints/ci.txt -nt "$stamp" ] \
-    || [ constraints/torchvision.txt -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
+    || [ constraints/torchvision.txt -nt "$stamp" ] || [ scripts/test_torchvision.sh -nt "$stamp" ]; then
     lock=$(mktemp)
     trap 'rm -f "$lock"' EXIT
     # the lock without its torch pin, then this stage's torch, torchvision, timm and av
