@@ -355,3 +355,23 @@ def test_plans_block_loads_the_saved_plan_and_refuses_another_capacity(data_run)
     rows = [int(r) for i in range(len(rank1)) for r in rank1.rows_of(rank1.bin_of(i)[2])]
     assert sorted(rows) == sorted(int(r) for b in plan.rank_bins_of(1) for r in plan.rows_of(int(b)))
     assert outputs[4].strip() == "stale: packing.capacity changed"
+
+
+@pytest.mark.slow
+@pytest.mark.torchvision
+def test_the_video_page_forecasts_what_processing_and_decoding_give(page_runs):
+    """docs/video.md: the header's frames and size are what PyAV decodes, the stream packed every sample at
+    its header forecast, and the LLaVA-Video row's forecast is the length processing the clip gives."""
+    av = pytest.importorskip("av")
+    pytest.importorskip("torchvision")
+    after, outputs, _ = page_runs("docs/video.md")
+    ns = after[0]
+    with av.open(io.BytesIO(ns["clip"])) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert outputs[0].splitlines()[0].split()[:4] == [str(len(frames)), "6.0", *map(str, frames[0].shape[1::-1])]
+    assert outputs[0].splitlines()[-1] == "0" and sorted(ns["batch"].metadata["__key__"]) == ["caption", "clip", "mixed"]
+    pre, row = after[1]["pre"], after[1]["rows"][0]
+    conversation = [{"role": "user", "content": "<video>\nWhat moves?"}, {"role": "assistant", "content": "A square."}]
+    processed = pre.process([], conversation, videos=[ns["clip"]])
+    assert outputs[1].split() == [f"[{int(processed['input_ids'].shape[0])}]", f"[{int(processed['tokens_per_video'].sum())}]"]
+    assert row["video"] == "clip.mp4"
