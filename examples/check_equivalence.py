@@ -8,6 +8,8 @@ token. Prints the report; exits 1 when it fails.
     .venv/bin/python examples/check_equivalence.py --mistake positions   # what a broken setup looks like
     .venv/bin/python examples/check_equivalence.py --family qwen3_5      # gated delta-net layers isolated too
     .venv/bin/python examples/check_equivalence.py --family qwen3_5 --mistake mixers  # ... and when they are not
+    python examples/check_equivalence.py --video --family qwen2_5_vl   # video samples (needs the [video] extra)
+    python examples/check_equivalence.py --video --family qwen3_vl --device cuda --dtype bfloat16 --attn varlen
 
 With a real checkpoint, replace the offline pieces by ``AutoProcessor`` / ``AutoModelForImageTextToText``
 (fp32 for an exact check; see benchmarks/RESULTS.md for bf16 tolerances on GPU).
@@ -59,15 +61,67 @@ CONVERSATIONS = [
 
 
 def positions_not_restarting(model, batch):
-    """A broken setup for --mistake: position ids numbered across the whole row."""
+    """A broken setup for --mistake: position ids numbered across the whole row (Qwen-VL: the model's own
+    mRoPE of the whole row, videos' grids and time steps included)."""
     kwargs = dict(batch.model_inputs("sdpa"))
     rows, length = batch.input_ids.shape
     arange = torch.arange(length, device=batch.input_ids.device).expand(rows, length)
+    if kwargs["position_ids"].dim() != 3:  # 1-D positions (LLaVA-OneVision)
+        kwargs["position_ids"] = arange
+        return model(**kwargs).logits
+    videos = {"video_grid_thw": batch.video_grid_thw} if batch.video_grid_thw is not None else {}
+    if batch.second_per_grid_ts is not None:
+        videos["second_per_grid_ts"] = batch.second_per_grid_ts
     rope, _ = model.model.get_rope_index(
-        batch.input_ids, mm_token_type_ids=batch.mm_token_type_ids, image_grid_thw=batch.image_grid_thw
+        batch.input_ids, mm_token_type_ids=batch.mm_token_type_ids, image_grid_thw=batch.image_grid_thw, **videos
     )
     kwargs["position_ids"] = torch.cat([arange[None].to(rope.device), rope])
     return model(**kwargs).logits
+
+
+# --video: small frames (4-48 vision tokens per temporal group) so that a CPU run takes seconds; Qwen2/2.5-VL
+# keep every frame (their checkpoints' default), Qwen3-VL samples 2 fps, OneVision 4 frames per clip (its
+# model stacks a batch's videos: every clip needs as many frames).
+VIDEO_SETTINGS = {
+    "qwen2_vl": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28}, cap_pixels_per_frame=False),
+    "qwen2_5_vl": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28}, cap_pixels_per_frame=False),
+    "qwen3_vl": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 48 * 32 * 32}, cap_pixels_per_frame=False),
+    "llava_onevision": dict(do_sample_frames=True, num_frames=4),
+}
+IMAGE_SETTINGS = {
+    "qwen2_vl": dict(size={"shortest_edge": 56 * 56, "longest_edge": 64 * 28 * 28}),
+    "qwen2_5_vl": dict(size={"shortest_edge": 56 * 56, "longest_edge": 64 * 28 * 28}),
+    "qwen3_vl": dict(size={"shortest_edge": 64 * 64, "longest_edge": 64 * 32 * 32}),
+    "llava_onevision": {},
+}
+# (question, answer, image sizes, clips as (frames, width, height, fps, container)); clip i is a video part.
+VIDEO_CONVERSATIONS = [
+    ("What moves in the clip?", "A square slides to the right.", [], [(10, 96, 64, 5.0, "mp4")]),
+    ("Compare the clip with the picture.", "The clip moves, the picture stays.", [(224, 160)],
+     [(12, 64, 128, 6.0, "mkv")]),
+    ("Write a haiku about training loss.", "Loss falls like the rain, slowly, then all at once.", [], []),
+    ("Order the clips.", "First the tall one, then the wide one.", [(120, 90)],
+     [(12, 64, 128, 6.0, "mkv"), (8, 96, 64, 4.0, "mp4")]),
+]  # fmt: skip
+
+
+def video_samples(pre: Preprocessor, family: str) -> list[dict]:
+    """Processed samples with videos (alone, with images, two in one sample) and a text-only one."""
+    from vlm_pack.testing import encode_clip
+
+    samples = []
+    for k, (question, answer, sizes, clips) in enumerate(VIDEO_CONVERSATIONS):
+        if family == "llava_onevision" and len(clips) > 1:
+            continue  # ~800 tokens per clip already
+        images = [picture(w, h, seed=10 * k + j) for j, (w, h) in enumerate(sizes)]
+        videos = [encode_clip(*clip, seed=10 * k + j) for j, clip in enumerate(clips)]
+        parts = [{"type": "video"}] * len(videos) + [{"type": "image"}] * len(images)
+        conversation = [
+            {"role": "user", "content": [*parts, {"type": "text", "text": question}]},
+            {"role": "assistant", "content": answer},
+        ]
+        samples.append(pre.process(images, conversation, key=f"video-{k}", videos=videos))
+    return samples
 
 
 def bf16_noise_floor(reference: torch.nn.Module, model: torch.nn.Module, samples: list[dict]) -> float:
@@ -96,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--capacity", type=int, default=512, help="tokens per packed row")
+    parser.add_argument("--capacity", type=int, default=None, help="tokens per packed row (512; --video 4096)")
     parser.add_argument(
         "--tolerance",
         type=float,
@@ -117,15 +171,36 @@ def main(argv: list[str] | None = None) -> int:
         default="qwen2_vl",
         help="the tiny model's family (vlm_pack.offline stand-ins): qwen2_vl, qwen3_5, lfm2_vl, ...",
     )
+    parser.add_argument(
+        "--video",
+        action="store_true",
+        help="samples with videos (PyAV-encoded clips, alone and with images) through the family's video "
+        f"processor: {', '.join(VIDEO_SETTINGS)}; needs the [video] extra (PyAV, torchvision)",
+    )
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    if args.mistake == "positions" and args.family != "qwen2_vl":
-        parser.error("--mistake positions builds Qwen2-VL's mRoPE ids: use it with --family qwen2_vl")
+    args.capacity = args.capacity or (4096 if args.video else 512)
+    if args.mistake == "positions" and args.family != "qwen2_vl" and not args.video:
+        parser.error("--mistake positions builds Qwen2-VL's mRoPE ids: use it with --family qwen2_vl (or --video)")
+    if args.video and args.family not in VIDEO_SETTINGS:
+        parser.error(f"--video runs {', '.join(VIDEO_SETTINGS)}; got --family {args.family}")
     if args.mistake == "mixers" and args.attn not in ("sdpa", "eager"):
         parser.error("--mistake mixers needs --attn sdpa or eager (varlen attention isolates the mixers)")
 
     family = args.family
-    if family == "qwen2_vl":
+    template = Path(__file__).resolve().parents[1] / "tests" / "templates" / f"{family}.jinja"
+    if args.video:
+        from vlm_pack.testing import processor_with_video
+
+        processor = processor_with_video(
+            family,
+            chat_template=template.read_text() if template.exists() else None,
+            image_overrides=IMAGE_SETTINGS[family],
+            **VIDEO_SETTINGS[family],
+        )
+        pre = Preprocessor(processor=processor)
+        tokenizer = pre.tokenizer
+    elif family == "qwen2_vl":
         tokenizer = offline.build_tokenizer(family)
         # Real Qwen2-VL image processor, max_pixels capped so that these images give 16-64 vision tokens.
         image_processor = offline.image_processor(
@@ -133,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         pre = Preprocessor(tokenizer, image_processor, family=family)
     else:  # the family's processor stand-in with the released checkpoint's chat template (tests/templates)
-        template = Path(__file__).resolve().parents[1] / "tests" / "templates" / f"{family}.jinja"
         chat_template = template.read_text() if template.exists() else None
         pre = Preprocessor(processor=offline.processor(family, chat_template=chat_template))
         tokenizer = pre.tokenizer
@@ -157,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     model = build(args.attn, dtype)
     reference = build("sdpa", dtype)
 
-    samples = []
-    for k, (question, answer, sizes) in enumerate(CONVERSATIONS):
+    samples = video_samples(pre, family) if args.video else []
+    for k, (question, answer, sizes) in enumerate([] if args.video else CONVERSATIONS):
         images = [picture(w, h, seed=10 * k + j) for j, (w, h) in enumerate(sizes)]
         conversation = [
             {

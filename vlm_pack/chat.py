@@ -18,15 +18,25 @@ message's text swapped for sentinels (or from ``{% generation %}`` blocks where 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .conversation import (
+    IMAGE_MARKER,
+    VIDEO_MARKER,
+    Conversation,
+    _normalise,
+    _normalised,
+    _parts,
+    normalise_conversation,
+)
 from .failures import SampleError
 from .families import DEFAULT_FAMILY, require
 
 __all__ = [
     "IMAGE_MARKER",
+    "VIDEO_MARKER",
     "ChatFormat",
     "Rendering",
     "chat_format",
@@ -34,10 +44,6 @@ __all__ = [
     "render_conversation",
 ]
 
-#: Where an image goes in a conversation's text (and in :class:`ChatFormat` renderings).
-IMAGE_MARKER = "<image>"
-
-Conversation = str | Sequence[dict[str, Any]]
 Segment = tuple[str, bool]  # (text, trained on)
 Template = Callable[[Conversation, int], list[Segment]]
 _SENTINEL = "\ue000{}\ue001"  # private-use characters: no template or text contains them
@@ -49,12 +55,14 @@ class Rendering:
 
     ``add_special_tokens`` is what the tokenizer call must use: ``False`` when the text already starts with
     the BOS token (transformers' own rule in ``apply_chat_template``) or the format writes its own.
+    ``video_placeholder``: the token written once per video (``""`` when the sample has none).
     """
 
     text: str
     spans: tuple[tuple[int, int], ...]
     placeholder: str
     add_special_tokens: bool
+    video_placeholder: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,31 +77,39 @@ class ChatFormat:
     assistant_sep: str = ""  # formatting after the assistant's end token, not trained
     bos: str = ""
     eos_on_caption: str = ""
+    video: str = ""  # contains VIDEO_MARKER once; "" where the format has no video
 
-    def render(self, conversation: Conversation, num_images: int) -> list[Segment]:
-        """Render to (text, trained) segments; images missing from the text go first in the first turn."""
+    def render(self, conversation: Conversation, num_images: int, num_videos: int = 0) -> list[Segment]:
+        """Render to (text, trained) segments; images (then videos) missing from the text go first in the
+        first turn."""
+        if num_videos and not self.video:
+            raise ValueError(f"vlm-pack's {self.name!r} chat format has no video: give a chat template")
         if isinstance(conversation, str):
-            text = conversation.replace(IMAGE_MARKER, self.image)
+            text = conversation.replace(IMAGE_MARKER, self.image).replace(VIDEO_MARKER, self.video)
             missing = num_images if IMAGE_MARKER not in conversation else 0
-            prefix = self.bos + self.image * missing
+            missing_videos = num_videos if VIDEO_MARKER not in conversation else 0
+            prefix = self.bos + self.image * missing + self.video * missing_videos
             return [(prefix, False), (text + self.eos_on_caption, True)]
         conversation = normalise_conversation(conversation)
         segments: list[Segment] = [(self.bos, False)] if self.bos else []
         parts = [_parts(turn.get("content")) for turn in conversation]
-        n_marked = sum(p["type"] == "image" for turn_parts in parts for p in turn_parts)
-        pending = num_images if n_marked == 0 else 0
+        kinds = [p["type"] for turn_parts in parts for p in turn_parts]
+        pending = (self.image * num_images if "image" not in kinds else "") + (
+            self.video * num_videos if "video" not in kinds else ""
+        )
+        shown = {"image": self.image, "video": self.video}
         for turn, turn_parts in zip(conversation, parts):
             role = turn["role"]
-            body = "".join(self.image if p["type"] == "image" else p["text"] for p in turn_parts)
+            body = "".join(shown[p["type"]] if p["type"] in shown else p["text"] for p in turn_parts)
             if pending and role == "user":
-                body, pending = self.image * pending + body, 0
+                body, pending = pending + body, ""
             segments.append((self.turn_start.format(role=role, ROLE=role.upper()), False))
             if role == "assistant":
                 segments += [(body + self.assistant_end, True), (self.assistant_sep, False)]
             else:
                 segments.append((body + self.turn_end, False))
         if pending:
-            segments.insert(0, (self.image * pending, False))
+            segments.insert(0, (pending, False))
         return segments
 
 
@@ -102,6 +118,7 @@ _QWEN_FORMAT = ChatFormat(
     turn_start="<|im_start|>{role}\n",
     turn_end="<|im_end|>\n",
     image="<|vision_start|>" + IMAGE_MARKER + "<|vision_end|>",
+    video="<|vision_start|>" + VIDEO_MARKER + "<|vision_end|>",
     assistant_end="<|im_end|>",
     assistant_sep="\n",
     eos_on_caption="<|im_end|>",
@@ -133,129 +150,8 @@ def chat_format(family: str | None) -> ChatFormat:
 
 
 # ------------------------------------------------------------------------------------------------------
-# Conversations: every documented format becomes {"role", "content"} turns (one normaliser for every entry
-# point); content parts: every message's content becomes [{"type": "image"} | {"type": "text", ...}, ...]
-# ------------------------------------------------------------------------------------------------------
-
-# Speakers of role/content turns and of LLaVA / ShareGPT from/value turns (any case) -> the role.
-_SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-
-
-def normalise_conversation(conversation: Conversation) -> str | list[dict[str, Any]]:
-    """Any documented conversation -> vlm-pack's turns ``{"role": "system" | "user" | "assistant", "content":
-    str | [{"type": "image"} | {"type": "text", "text": str}, ...]}``; a caption string is returned as is.
-
-    Accepted turns: ``{"role", "content"}`` (content a string with ``<image>`` markers or a list of parts; an
-    ``image_url`` part is an image; part fields set to None, as Arrow stores them, are dropped) and LLaVA /
-    ShareGPT ``{"from": "human" | "gpt" | "system", "value": str}``. Text is kept as written: ``"<image>\nQ"``
-    stays ``"<image>\nQ"`` (its image part, then ``"\nQ"``). Other turn keys that are not None are kept
-    (a template may read them). Every reader and every :class:`~vlm_pack.Preprocessor` method goes through
-    this one function. Raises ``ValueError`` saying what is wrong and what is accepted.
-    """
-    if isinstance(conversation, str) or type(conversation) is Turns:
-        return conversation
-    if not isinstance(conversation, Sequence) or isinstance(conversation, bytes) or not conversation:
-        raise ValueError("a conversation must be a caption string or a non-empty list of turns")
-    return Turns(_turn(turn) for turn in conversation)
-
-
-class Turns(list):  # type: list[dict[str, Any]]
-    """Turns :func:`normalise_conversation` made. A reader normalises a record once and the renderers
-    normalise what they are given again: for these that costs nothing (a forecast renders every row)."""
-
-    __slots__ = ()
-
-
-def _turn(turn: Any) -> dict[str, Any]:
-    # ``type(x) is dict`` first: an ABC isinstance costs ~10x more, and a forecast checks every turn and part
-    if type(turn) is not dict and not isinstance(turn, Mapping):
-        raise ValueError(f"every turn must be a dict, got {type(turn).__name__} {turn!r:.80}")
-    if "from" in turn and "role" not in turn:  # LLaVA / ShareGPT
-        speaker, value = turn.get("from"), turn.get("value")
-        role = _SPEAKERS.get(str(speaker).lower()) if isinstance(speaker, str) else None
-        if role is None:
-            raise ValueError(f"unknown speaker {speaker!r} of a LLaVA turn (expected human/gpt/system)")
-        if not isinstance(value, str):
-            raise ValueError(f"a LLaVA turn's 'value' must be a string, got {type(value).__name__}")
-        rest = {k: v for k, v in turn.items() if k not in ("from", "value") and v is not None}
-        return {**rest, "role": role, "content": value}
-    given = turn.get("role")
-    role = _SPEAKERS.get(given.lower()) if isinstance(given, str) else None
-    if role is None:
-        raise ValueError(
-            f"turn role {given!r} is not system/user/assistant: give {{'role', 'content'}} turns "
-            "(or LLaVA {'from': 'human' | 'gpt', 'value'} turns)"
-        )
-    content = turn.get("content")
-    if type(content) is list or (isinstance(content, Sequence) and not isinstance(content, (str, bytes))):
-        content = [_part(part) for part in content]
-    elif not isinstance(content, str):
-        raise ValueError(f"a {role} turn has no string or list 'content'")
-    rest = {k: v for k, v in turn.items() if k not in ("role", "content") and v is not None}
-    return {**rest, "role": role, "content": content}
-
-
-def _part(part: Any) -> dict[str, Any]:
-    kind = part.get("type") if type(part) is dict or isinstance(part, Mapping) else None
-    if kind in ("image", "image_url"):
-        return {"type": "image"}  # the image itself comes with the sample's images, in order
-    if kind == "text":
-        text = part.get("text")
-        if text is not None and not isinstance(text, str):
-            raise ValueError(f"a text part's 'text' must be a string, got {type(text).__name__}")
-        return {"type": "text", "text": text or ""}
-    raise ValueError(f"content part type must be 'image' or 'text', got {kind!r}")
-
-
-def _parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Normalised content (:func:`normalise_conversation`) as image/text parts; a string's ``<image>`` markers
-    become image parts, the text around them kept as written."""
-    if isinstance(content, str):
-        pieces = content.split(IMAGE_MARKER)
-        out: list[dict[str, Any]] = []
-        for i, piece in enumerate(pieces):
-            if i:
-                out.append({"type": "image"})
-            if piece:
-                out.append({"type": "text", "text": piece})
-        return out
-    out = []
-    for part in content:
-        out += [part] if part["type"] == "image" else _parts(part["text"])
-    return out
-
-
-def _normalise(conversation: Conversation, num_images: int, key: Any) -> list[dict[str, Any]]:
-    """Normalised messages with part lists; with no image part anywhere, the images open the first user
-    turn."""
-    if isinstance(conversation, str):
-        if IMAGE_MARKER in conversation:
-            raise ValueError(
-                f"sample {key!r}: a caption with {IMAGE_MARKER!r} markers cannot go through a chat template; "
-                "give a conversation (a list of turns) instead."
-            )
-        # A caption trains like a one-turn chat: the images are the prompt, the caption the answer.
-        conversation = [{"role": "user", "content": []}, {"role": "assistant", "content": conversation}]
-    messages = [{**t, "content": _parts(t["content"])} for t in _normalised(conversation, key)]
-    if num_images and not any(p["type"] == "image" for m in messages for p in m["content"]):
-        first_user = next((m for m in messages if m.get("role") == "user"), None)
-        if first_user is None:
-            raise ValueError(f"sample {key!r} has {num_images} image(s) but no user turn to put them in.")
-        first_user["content"] = [{"type": "image"}] * num_images + first_user["content"]
-    return messages
-
-
-# ------------------------------------------------------------------------------------------------------
 # Jinja chat templates (rendered by transformers)
 # ------------------------------------------------------------------------------------------------------
-
-
-def _normalised(conversation: Conversation, key: Any) -> Any:
-    """:func:`normalise_conversation`, its error a ``bad_text`` :class:`SampleError` naming the sample."""
-    try:
-        return normalise_conversation(conversation)
-    except ValueError as e:
-        raise SampleError("bad_text", f"sample {key!r}: {e}") from None
 
 
 def _render(
@@ -305,10 +201,11 @@ _ROLES = ("system", "user", "assistant")
 
 
 def _as_strings(
-    messages: list[dict[str, Any]], placeholder: str, roles: frozenset[str]
+    messages: list[dict[str, Any]], placeholder: str, roles: frozenset[str], video: str = ""
 ) -> list[dict[str, Any]]:
-    """For string-only roles: parts joined, images as the placeholder token."""
-    join = lambda parts: "".join(placeholder if p["type"] == "image" else p["text"] for p in parts)  # noqa: E731
+    """For string-only roles: parts joined, images (videos) as their placeholder token."""
+    shown = {"image": placeholder, "video": video}
+    join = lambda parts: "".join(shown[p["type"]] if p["type"] in shown else p["text"] for p in parts)  # noqa: E731
     return [{**m, "content": join(m["content"])} if m.get("role") in roles else m for m in messages]
 
 
@@ -484,10 +381,16 @@ def _assistant_spans(turns: _Turns, full: str, specials: tuple[str, ...]) -> lis
 
 
 def _render_template(
-    template: str, messages: list[dict[str, Any]], tokenizer: Any, placeholder: str, key: Any, spans: bool
+    template: str,
+    messages: list[dict[str, Any]],
+    tokenizer: Any,
+    placeholder: str,
+    key: Any,
+    spans: bool,
+    video: str = "",
 ) -> Rendering:
     env = _env(tokenizer)
-    inputs = _as_strings(messages, placeholder, _string_roles(template, tuple(sorted(env.items()))))
+    inputs = _as_strings(messages, placeholder, _string_roles(template, tuple(sorted(env.items()))), video)
     try:
         turns = _Turns(template, messages, inputs, env, key)
         full = turns.prefix(len(messages))
@@ -504,7 +407,7 @@ def _render_template(
             raise
         raise SampleError("bad_text", f"sample {key!r}: the chat template refused it: {e}") from e
     bos = getattr(tokenizer, "bos_token", None)
-    return Rendering(full, tuple(found), placeholder, not (bos and full.startswith(bos)))
+    return Rendering(full, tuple(found), placeholder, not (bos and full.startswith(bos)), video)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -533,6 +436,8 @@ def render_conversation(
     template: str | ChatFormat | Template | None = None,
     key: Any = None,
     spans: bool = True,
+    num_videos: int = 0,
+    video_placeholder: str | None = None,
 ) -> Rendering:
     """Render ``conversation`` with ``num_images`` images: the prompt text and its trained character spans.
 
@@ -541,50 +446,63 @@ def render_conversation(
     tokenizer's ``chat_template``, else the own format of ``family``. Raises ``ValueError`` naming ``key`` when
     the text holds a different number of images, contains ``placeholder`` itself, when the template drops
     text, or rewrites earlier turns so that assistant spans cannot be located. ``spans=False`` skips locating
-    the trained spans (a forecast needs only the text).
+    the trained spans (a forecast needs only the text). ``num_videos`` videos (``{"type": "video"}`` parts or
+    ``<video>`` markers) become ``video_placeholder`` each, checked the same way.
     """
     conversation = _normalised(conversation, key)  # every documented format, LLaVA turns included
+    video = video_placeholder or ""
+    if num_videos and not video:
+        raise ValueError(f"sample {key!r} has {num_videos} video(s): render_conversation needs video_placeholder=")
     if isinstance(template, str) or (template is None and _checkpoint_template(tokenizer, processor)):
         jinja = template if isinstance(template, str) else _checkpoint_template(tokenizer, processor)
-        messages = _normalise(conversation, num_images, key)
-        _check_placeholder_free([p.get("text", "") for m in messages for p in m["content"]], placeholder, key)
-        rendering = _render_template(jinja, messages, tokenizer, placeholder, key, spans)  # type: ignore[arg-type]
-        found = rendering.text.count(placeholder)
-        if found != num_images:
-            raise SampleError(
-                "placeholder_mismatch",
-                f"sample {key!r}: the chat template rendered {found} image placeholder(s) {placeholder!r} for "
-                f"{num_images} image(s); give one image part per image (the template may drop images in some "
-                "roles)."
-            )
+        messages = _normalise(conversation, num_images, key, num_videos)
+        texts = [p.get("text", "") for m in messages for p in m["content"]]
+        for token in (placeholder, video) if video else (placeholder,):
+            _check_placeholder_free(texts, token, key)
+        rendering = _render_template(jinja, messages, tokenizer, placeholder, key, spans, video)  # type: ignore[arg-type]
+        _check_count(rendering.text.count(placeholder), num_images, "image", placeholder, key)
+        if video:
+            _check_count(rendering.text.count(video), num_videos, "video", video, key)
         return rendering
     if template is None:
-        segments = chat_format(family).render(conversation, num_images)
+        segments = chat_format(family).render(conversation, num_images, num_videos)
     elif isinstance(template, ChatFormat):
-        segments = template.render(conversation, num_images)
+        segments = template.render(conversation, num_images, num_videos)
+    elif num_videos:
+        raise ValueError(f"sample {key!r} has videos: a template callable takes images only; give a chat template")
     else:
         segments = template(conversation, num_images)
-    n_markers = sum(text.count(IMAGE_MARKER) for text, _ in segments)
-    if n_markers != num_images:
-        raise SampleError(
-            "placeholder_mismatch",
-            f"sample {key!r}: the text has {n_markers} image placeholder(s) but {num_images} image(s) were "
-            "given; give one image per placeholder (or no placeholder at all to put the images first)."
-        )
-    if placeholder != IMAGE_MARKER:
-        _check_placeholder_free([text for text, _ in segments], placeholder, key)
+    for marker, n, kind in ((IMAGE_MARKER, num_images, "image"), (VIDEO_MARKER, num_videos, "video")):
+        _check_count(sum(text.count(marker) for text, _ in segments), n, kind, marker, key)
+    for token, marker in ((placeholder, IMAGE_MARKER), (video, VIDEO_MARKER)):
+        if token and token != marker:
+            _check_placeholder_free([text for text, _ in segments], token, key)
     texts = [text.replace(IMAGE_MARKER, placeholder) for text, _ in segments]
+    if video:
+        texts = [text.replace(VIDEO_MARKER, video) for text in texts]
     spans, at = [], 0
     for text, (_, trained) in zip(texts, segments):
         if trained and text:
             spans.append((at, at + len(text)))
         at += len(text)
-    return Rendering("".join(texts), tuple(spans), placeholder, False)
+    return Rendering("".join(texts), tuple(spans), placeholder, False, video)
+
+
+def _check_count(found: int, wanted: int, kind: str, token: str, key: Any) -> None:
+    """A ``placeholder_mismatch`` naming the sample unless the rendering holds one ``token`` per ``kind``."""
+    if found != wanted:
+        raise SampleError(
+            "placeholder_mismatch",
+            f"sample {key!r}: the rendered prompt holds {found} {kind} placeholder(s) but {wanted} {kind}(s) were "
+            f"given ({token!r}); give one {kind} part (or {kind} marker) per {kind}, or none to put them first (the "
+            f"template may drop {kind}s in some roles).",
+        )
 
 
 def _check_placeholder_free(texts: list[str], placeholder: str, key: Any) -> None:
     if any(placeholder in text for text in texts):
         raise ValueError(
-            f"sample {key!r}: the text contains the image token {placeholder!r} itself; write "
-            f"{IMAGE_MARKER!r} (or an image part) where an image goes, or remove the token from the text."
+            f"sample {key!r}: the text contains the vision token {placeholder!r} itself; write "
+            f"{IMAGE_MARKER!r} / {VIDEO_MARKER!r} (or an image / video part) where an image / video goes, or "
+            "remove the token from the text."
         )

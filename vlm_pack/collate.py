@@ -73,7 +73,15 @@ from .batch import (
     packed_seq_params_class,
 )
 from .collate_rows import RowPlan, one_row, repack, row_plan
-from .collate_samples import SampleParts, TokenFields, keys_of, num_images, packed_extras, split_fields
+from .collate_samples import (
+    SampleParts,
+    TokenFields,
+    check_video_tokens,
+    keys_of,
+    num_images,
+    packed_extras,
+    split_fields,
+)
 from .collate_settings import CollatorSettings
 from .families import names
 from .labels import IGNORE_INDEX
@@ -300,7 +308,9 @@ class PackingCollator:
                 f"{name}: input_ids hold {n_placeholders} image token(s) but the sample has no images "
                 "(pixel_values / image_grid_thw): give the images or remove the placeholders"
             )
-        expanded_len = self._expanded_length(name, ids, is_video, vision, tpi, n_images, n_placeholders)
+        tpv = sample.get("tokens_per_video")
+        tpv = torch.as_tensor(tpv, dtype=torch.long).reshape(-1) if tpv is not None else None
+        expanded_len = self._expanded_length(name, ids, is_video, vision, tpi, n_images, n_placeholders, tpv)
         return SampleParts(
             index=index,
             name=name,
@@ -351,6 +361,7 @@ class PackingCollator:
         tpi: torch.Tensor | None,
         n_images: int,
         n_placeholders: int,
+        tokens_per_video: torch.Tensor | None = None,
     ) -> int:
         """The sample's length once expanded, after checking its placeholders against its images.
 
@@ -369,14 +380,8 @@ class PackingCollator:
                     f"{int(tpi.sum())} ({tpi.tolist()}): the placeholders were expanded for other images, "
                     "another processor setting or another merge size"
                 )
-            video_grid = vision.get("video_grid_thw")
-            if video_grid is not None and self.video_token_id is not None:
-                n_video = int(is_video.sum())
-                want = int((video_grid.reshape(-1, 3).prod(-1) // self.spatial_merge_size**2).sum())
-                if n_video != want:
-                    raise ValueError(
-                        f"{name}: input_ids hold {n_video} video tokens but video_grid_thw makes {want}"
-                    )
+            if self.video_token_id is not None:
+                check_video_tokens(name, is_video, vision, tokens_per_video, self.spatial_merge_size)
             return sample_length.expanded_length(ids.numel(), tpi, self.layout)
         if is_video.any() or "video_grid_thw" in vision:
             raise ValueError(

@@ -20,11 +20,19 @@ from .batch import VISION_KEYS
 if TYPE_CHECKING:
     from .collate_rows import RowPlan
 
-__all__ = ["SampleParts", "TokenFields", "keys_of", "num_images", "packed_extras", "split_fields"]
+__all__ = [
+    "SampleParts",
+    "TokenFields",
+    "check_video_tokens",
+    "keys_of",
+    "num_images",
+    "packed_extras",
+    "split_fields",
+]
 
 # Per-sample keys the collator consumes itself.
 _TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "mm_token_type_ids")
-_OWN_KEYS = (*_TOKEN_KEYS, *VISION_KEYS, "tokens_per_image")
+_OWN_KEYS = (*_TOKEN_KEYS, *VISION_KEYS, "tokens_per_image", "tokens_per_video")
 
 
 @dataclass
@@ -143,6 +151,24 @@ def packed_extras(ordered: list[SampleParts], plan: RowPlan, shape: tuple[int, i
         except RuntimeError as e:
             raise ValueError(f"cannot concatenate the per-sample tensors {k!r} along dim 0: {e}") from None
     return extra
+
+
+def check_video_tokens(
+    name: str, is_video: torch.Tensor, vision: dict[str, torch.Tensor], tokens_per_video: torch.Tensor | None, merge: int
+) -> None:
+    """ValueError naming the sample unless its video tokens (``is_video`` [L] bool) are what its
+    ``video_grid_thw`` (Qwen-VL, ``merge`` the spatial merge size) and ``tokens_per_video`` [m] make."""
+    n_video = int(is_video.sum())
+    video_grid = vision.get("video_grid_thw")
+    if video_grid is not None:
+        want = int((video_grid.reshape(-1, 3).prod(-1) // merge**2).sum())
+        if n_video != want:
+            raise ValueError(f"{name}: input_ids hold {n_video} video tokens but video_grid_thw makes {want}")
+    if tokens_per_video is not None and int(tokens_per_video.sum()) != n_video:
+        raise ValueError(
+            f"{name}: input_ids hold {n_video} video tokens but tokens_per_video says "
+            f"{tokens_per_video.tolist()}: the sample was changed after processing"
+        )
 
 
 def num_images(vision: dict[str, torch.Tensor], tpi: torch.Tensor | None) -> int:

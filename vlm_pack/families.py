@@ -18,6 +18,9 @@ CLI) reads this registry and nothing else, so every spelling means the same fami
     chat_format     qwen                      None                None              chat (no chat template)
     token_mixers    ()                        ()                  ()                mixers, batch
     experts         False                     False               False             batch (router mask)
+    video_token     <|video_pad|>             None                None              processing (videos)
+    video_processor Qwen2VLVideoProcessor     None                None              testing (clips)
+    video_wraps     template                  None (no video)     None              processing (videos)
 
 Packed layouts: *expanded* rows hold one token per image embedding, as HF processors write them; *collapsed*
 rows one placeholder per image (Megatron), expanded inside the model, which needs each image's embedding tokens
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_FAMILY",
     "FAMILIES",
+    "VIDEO_WRAPS",
     "WRAPS",
     "Family",
     "VisionRule",
@@ -64,6 +68,12 @@ WRAPS: dict[str, str] = {
     "processor": "the processor: special tokens spec.extra_tokens counts (InternVL's <img>, Pixtral's breaks)",
     "processor_markers": "the processor: tile markers counted through the tokenizer (Idefics3's <row_1_col_1>)",
     "processor_text": "the processor: text that merges with the prompt around it (Gemma 3's '\\n\\n')",
+}
+#: Who writes the tokens around each video's embeddings, and so how a forecast counts them.
+VIDEO_WRAPS: dict[str, str] = {
+    "none": "nobody: the placeholder becomes frames x pooled tokens + 1 (LLaVA-OneVision)",
+    "template": "the chat template, around the placeholder the processor expands (Qwen2/2.5-VL)",
+    "frames": "the processor: '<t seconds>' and <|vision_start|>..<|vision_end|> per temporal grid (Qwen3-VL)",
 }
 Wraps = Literal["none", "template", "processor", "processor_markers", "processor_text"]
 
@@ -122,6 +132,13 @@ class Family:
     token_mixers: tuple[str, ...] = ()
     """Layers of its text model that mix tokens without attention (``"gated_delta_net"``, ``"short_conv"``):
     packed rows must reach them with the sample boundaries too (``vlm_pack.mixers``)."""
+    video_token: str | None = None
+    """The token the processor expands into a video's embeddings (``<|video_pad|>``, OneVision's ``<video>``)."""
+    video_processor: str | None = None
+    """The transformers video processor class of its processor (``Qwen2VLVideoProcessor``)."""
+    video_wraps: str | None = None
+    """Who writes the tokens around a video's embeddings, a key of :data:`VIDEO_WRAPS`; None: vlm-pack
+    processes no video for this family (a video sample gets an error naming the families that do)."""
     experts: bool = False
     """Its text model routes tokens to experts and counts them in an auxiliary load-balancing loss that reads
     the 2-D ``attention_mask``, and whose text model takes a mask mapping: packed rows pass one (``real_tokens``
@@ -131,6 +148,9 @@ class Family:
     def __post_init__(self) -> None:
         if self.wraps not in WRAPS:
             raise ValueError(f"family {self.name!r}: wraps={self.wraps!r} is none of {', '.join(WRAPS)}")
+        if self.video_wraps is not None and (self.video_wraps not in VIDEO_WRAPS or not self.video_token):
+            raise ValueError(f"family {self.name!r}: video_wraps={self.video_wraps!r} needs a video_token and "
+                             f"one of {', '.join(VIDEO_WRAPS)}")
 
 
 # Each ``vision`` default is the released checkpoint's preprocessor_config.json (named above each record);
@@ -144,6 +164,9 @@ _RECORDS = (
         wraps="template",
         mrope="qwen2_vl",
         chat_format="qwen",
+        video_token="<|video_pad|>",
+        video_processor="Qwen2VLVideoProcessor",
+        video_wraps="template",
     ),
     # Qwen/Qwen2.5-VL-7B-Instruct
     Family(
@@ -153,6 +176,9 @@ _RECORDS = (
         wraps="template",
         mrope="qwen2_5_vl",
         chat_format="qwen",
+        video_token="<|video_pad|>",
+        video_processor="Qwen2VLVideoProcessor",
+        video_wraps="template",
     ),
     # Qwen/Qwen3-VL-8B-Instruct (image and video preprocessor configs)
     Family(
@@ -162,8 +188,19 @@ _RECORDS = (
         wraps="template",
         mrope="qwen3_vl",
         chat_format="qwen",
+        video_token="<|video_pad|>",
+        video_processor="Qwen3VLVideoProcessor",
+        video_wraps="frames",
     ),
-    Family("qwen3_vl_moe", image_token="<|image_pad|>", wraps="template", mrope="qwen3_vl"),
+    Family(
+        "qwen3_vl_moe",
+        image_token="<|image_pad|>",
+        wraps="template",
+        mrope="qwen3_vl",
+        video_token="<|video_pad|>",
+        video_processor="Qwen3VLVideoProcessor",
+        video_wraps="frames",
+    ),
     # Qwen/Qwen3.5-27B (Qwen3VLProcessor; image settings as Qwen3-VL's). Text model: gated delta-net layers
     # and attention 3:1 (modeling_qwen3_5.py, 5.24); positions: Qwen3-VL's get_rope_index (videos split per frame)
     Family(
@@ -173,6 +210,9 @@ _RECORDS = (
         image_token="<|image_pad|>",
         wraps="template",
         mrope="qwen3_vl",
+        video_token="<|video_pad|>",
+        video_processor="Qwen3VLVideoProcessor",
+        video_wraps="frames",
         token_mixers=("gated_delta_net",),
     ),
     # Qwen/Qwen3.5-35B-A3B: the same with a mixture-of-experts MLP, whose router reads a 2-D padding mask
@@ -183,6 +223,9 @@ _RECORDS = (
         image_token="<|image_pad|>",
         wraps="template",
         mrope="qwen3_vl",
+        video_token="<|video_pad|>",
+        video_processor="Qwen3VLVideoProcessor",
+        video_wraps="frames",
         token_mixers=("gated_delta_net",),
         experts=True,
     ),
@@ -233,7 +276,13 @@ _RECORDS = (
     ),
     # llava-hf/llava-onevision-qwen2-7b-ov-hf
     Family(
-        "llava_onevision", ("LLaVA-OV",), vision=_rule("anyres.LlavaOnevisionSpec"), image_token="<image>"
+        "llava_onevision",
+        ("LLaVA-OV",),
+        vision=_rule("anyres.LlavaOnevisionSpec"),
+        image_token="<image>",
+        video_token="<video>",
+        video_processor="LlavaOnevisionVideoProcessor",
+        video_wraps="none",
     ),
     # OpenGVLab/InternVL3-8B-hf (also InternVL2 / 2.5: 448 px tiles, 1..12, thumbnail)
     Family(

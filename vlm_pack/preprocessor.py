@@ -165,26 +165,37 @@ class Preprocessor:
         return _checked_ids(self.tokenizer, rendering, num_images, key)[:2]
 
     def forecast(
-        self, conversation: Conversation, image_sizes: Sequence[tuple[int, int]], key: Any = None
+        self,
+        conversation: Conversation,
+        image_sizes: Sequence[tuple[int, int]],
+        key: Any = None,
+        videos: Sequence[Any] = (),
     ) -> tuple[int, list[int]]:
-        """``(expanded length, tokens per image)`` from image ``(width, height)`` only: :meth:`forecast_rows`
-        with one row."""
-        return self.forecast_prompt(conversation, image_sizes, key, keep=False)[:2]
+        """``(expanded length, tokens per image)`` from image ``(width, height)`` only (and each video's
+        ``VideoHeader`` or ``VideoForecast``, ``vlm_pack.vision.video``): :meth:`forecast_rows` with one row."""
+        return self.forecast_prompt(conversation, image_sizes, key, keep=False, videos=videos)[:2]
 
     def forecast_prompt(
-        self, conversation: Conversation, image_sizes: Sequence[tuple[int, int]], key: Any = None, keep: bool = True
+        self,
+        conversation: Conversation,
+        image_sizes: Sequence[tuple[int, int]],
+        key: Any = None,
+        keep: bool = True,
+        videos: Sequence[Any] = (),
     ) -> tuple[int, list[int], Prompt | None]:
         """:meth:`forecast` and the :class:`Prompt` it rendered, for ``process(..., prompt=)`` (``keep``)."""
-        (result,) = self.forecast_rows([(conversation, image_sizes, key)], keep=keep)
+        row = (conversation, image_sizes, key, videos) if videos else (conversation, image_sizes, key)
+        (result,) = self.forecast_rows([row], keep=keep)
         if isinstance(result, Exception):
             raise result
         return result.length, result.counts, result.prompt
 
     def forecast_rows(
-        self, rows: Sequence[tuple[Conversation, Sequence[tuple[int, int]], Any]], keep: bool = False
+        self, rows: Sequence[tuple[Any, ...]], keep: bool = False
     ) -> list[Forecast | Exception]:
         """The :class:`~vlm_pack.processing.length.Forecast` (length, tokens per image, image starts) of each
-        ``(conversation, image (width, height)s, key)`` row, or the error it raised, the prompts tokenized in
+        ``(conversation, image (width, height)s, key)`` row (``(..., key, videos)`` with videos: their
+        ``VideoHeader`` or ``VideoForecast``), or the error it raised, the prompts tokenized in
         one batched call: vlm-pack's one forecast (:func:`vlm_pack.processing.length.forecast_rows`), which
         every planner, the Energon encoder and ``forecast_length`` use."""
         return length.forecast_rows(
@@ -193,18 +204,25 @@ class Preprocessor:
         )  # fmt: skip
 
     def process(
-        self, images: Sequence[Any], conversation: Conversation, key: Any = None, prompt: Prompt | None = None
+        self,
+        images: Sequence[Any],
+        conversation: Conversation,
+        key: Any = None,
+        prompt: Prompt | None = None,
+        videos: Sequence[Any] = (),
     ) -> dict[str, torch.Tensor]:
-        """One processed sample: :func:`process_sample` with these parts."""
-        return process_sample(images, conversation, key=key, prompt=prompt, **self._options())
+        """One processed sample: :func:`process_sample` with these parts (``videos``: encoded videos, bytes
+        or paths, decoded at the frames the forecast keeps)."""
+        return process_sample(images, conversation, key=key, prompt=prompt, videos=videos, **self._options())
 
     def process_pack(
         self,
-        samples: Sequence[tuple[Sequence[Any], Conversation]],
+        samples: Sequence[tuple[Any, ...]],
         keys: Sequence[Any] | None = None,
         prompts: Sequence[Prompt | None] | None = None,
     ) -> list[dict[str, torch.Tensor] | SampleError]:
-        """A pack's ``(images, conversation)`` samples: :func:`process_pack` with these parts (each sample's
+        """A pack's ``(images, conversation)`` (or ``(images, conversation, videos)``) samples:
+        :func:`process_pack` with these parts (each sample's
         output, or its data error; an error of code raises ``SampleCodeError``; the images through one
         image-processor call where exact)."""
         return process_pack(samples, keys=keys, prompts=prompts, **self._options())

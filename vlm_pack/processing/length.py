@@ -10,6 +10,10 @@ expanded length from :func:`expanded_length`: the collator and the Energon encod
     tokenized  all rows of a chunk in one batched call (the Rust backend where it gives the same ids)
     length     len(ids) + the tokens each stand-in leaves out (the image's tokens and wrappers, less one)
     starts     image i's block: its first stand-in placeholder + the tokens left out before it
+
+A row's videos (``VideoHeader`` or ``VideoForecast`` of ``vlm_pack.vision.video``: the frames the processor
+keeps, its grid and timestamps) stand in the same way (``markers._video_skeleton``): their placeholder, or
+Qwen3-VL's ``<t seconds><|vision_start|>P<|vision_end|>`` per temporal group, each P one frame's tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 from .._compat import fast_encode_plus
 from ..chat import ChatFormat, Conversation, Rendering, Template
-from .markers import _skeleton, _wraps
+from .markers import _skeleton, _video_skeleton, _wraps
 from .render import Prompt, _check_placeholders, _placeholder, _render, _tokenize
 
 __all__ = ["Forecast", "expanded_length", "forecast_length", "forecast_rows"]
@@ -37,12 +41,14 @@ class Forecast:
             where the processor wraps it in marker tokens, the first of those.
         prompt: the rendering (and, where ``process_sample`` tokenizes it itself, its tokens) when asked to
             ``keep`` it, for ``process_sample(..., prompt=)``.
+        video_counts: ``[m]`` vision tokens of each video (``tokens_per_video``).
     """
 
     length: int
     counts: list[int]
     starts: list[int]
     prompt: Prompt | None = None
+    video_counts: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -58,10 +64,11 @@ class _Row:
     placeholders: list[int] = field(default_factory=list)  # placeholders in each image's stand-in
     tokens: tuple[list[int], list[bool]] | None = None  # kept for process_sample (its own tokenization)
     ids: list[int] | None = None
+    videos: list[tuple[int, int, int]] = field(default_factory=list)  # per video: tokens, left out, placeholders
 
 
 def forecast_rows(
-    rows: Sequence[tuple[Conversation, Sequence[tuple[int, int]], Any]],
+    rows: Sequence[tuple[Any, ...]],
     *,
     tokenizer: Any,
     spec: Any = None,
@@ -71,7 +78,9 @@ def forecast_rows(
     placeholder: str | None = None,
     keep: bool = False,
 ) -> list[Forecast | Exception]:
-    """The :class:`Forecast` of each ``(conversation, image (width, height)s, key)`` row, or what it raised.
+    """The :class:`Forecast` of each ``(conversation, image (width, height)s, key)`` row, or what it raised;
+    a row ``(conversation, sizes, key, videos)`` also has videos (each a ``VideoHeader`` or ``VideoForecast``,
+    ``vlm_pack.vision.video``; they need ``processor`` with its video processor).
 
     ``spec``: the vision spec (needed where a row has images); ``placeholder``: the token the template writes
     per image (default: asked here); ``keep``: keep each row's :class:`Prompt`. The rows' prompts are tokenized
@@ -82,13 +91,15 @@ def forecast_rows(
     how = _How(tokenizer, spec, processor, _wraps(spec), tokenizer.convert_tokens_to_ids(placeholder), keep, fast)
     out: list[Forecast | Exception | None] = [None] * len(rows)
     staged: list[_Row] = []
-    for index, (conversation, sizes, key) in enumerate(rows):
+    for index, (conversation, sizes, key, *more) in enumerate(rows):
         try:
+            videos = _video_forecasts(more[0], processor) if more and more[0] else []
             rendering = _render(
                 conversation, tokenizer, processor, family, template, len(sizes), key,
-                spans=keep or not fast, placeholder=placeholder,
+                spans=keep or not fast, placeholder=placeholder, num_videos=len(videos),
             )  # fmt: skip
-            staged.append(_stage(index, key, rendering, sizes, how))
+            row = _stage(index, key, rendering, sizes, how, videos)
+            staged.append(row)
         except Exception as exc:
             out[index] = exc
     for row, ids in zip(staged, _token_ids(tokenizer, staged)):
@@ -112,7 +123,18 @@ class _How:
     fast: bool
 
 
-def _stage(index: int, key: Any, rendering: Rendering, sizes: Sequence[tuple[int, int]], how: _How) -> _Row:
+def _video_forecasts(videos: Sequence[Any], processor: Any) -> list[Any]:
+    """Each of a row's videos as a ``VideoForecast``: given, or forecast from its ``VideoHeader``."""
+    from ..vision.video import VideoForecast, forecast_video
+
+    if processor is None:
+        raise TypeError("a forecast with videos needs processor= carrying its video processor")
+    return [v if isinstance(v, VideoForecast) else forecast_video(v, processor) for v in videos]
+
+
+def _stage(
+    index: int, key: Any, rendering: Rendering, sizes: Sequence[tuple[int, int]], how: _How, videos: list[Any]
+) -> _Row:
     """The row with its stand-in text; tokenized here where process_sample's own tokenization is kept, or the
     tokenizer is slow (process_sample tokenizes its prompt span by span there: the same ids)."""
     sizes = [(int(w), int(h)) for w, h in sizes]
@@ -128,6 +150,12 @@ def _stage(index: int, key: Any, rendering: Rendering, sizes: Sequence[tuple[int
             row.text = pieces[0] + "".join(s + piece for (s, _), piece in zip(stand_ins, pieces[1:]))
         row.left = [left for _, left in stand_ins]
         row.placeholders = [s.count(placeholder) for s, _ in stand_ins]
+    if videos:
+        video = rendering.video_placeholder
+        stand_ins = _video_skeleton(how.spec, videos, video, how.processor)
+        pieces = row.text.split(video)
+        row.text = pieces[0] + "".join(s + piece for (s, _), piece in zip(stand_ins, pieces[1:]))
+        row.videos = [(v.tokens, left, s.count(video)) for v, (s, left) in zip(videos, stand_ins)]
     own = how.keep and how.processor is None and not how.wraps.startswith("processor")
     if row.text == text and (own or not how.fast):
         row.tokens = _tokenize(how.tokenizer, rendering)
@@ -139,6 +167,8 @@ def _stage(index: int, key: Any, rendering: Rendering, sizes: Sequence[tuple[int
 
 def _finish(row: _Row, ids: list[int], how: _How) -> Forecast:
     """The row's length and image starts from its stand-in text's ids."""
+    if row.videos:
+        return _finish_with_videos(row, ids, how)
     found = ids.count(how.image_id)
     _check_placeholders(found, sum(row.placeholders), len(row.counts), row.rendering.placeholder, row.key)
     starts, at, shift = [], -1, 0
@@ -150,6 +180,27 @@ def _finish(row: _Row, ids: list[int], how: _How) -> Forecast:
         shift += left
     prompt = Prompt(row.rendering, row.tokens) if how.keep else None
     return Forecast(len(ids) + sum(row.left), row.counts, starts, prompt)
+
+
+def _finish_with_videos(row: _Row, ids: list[int], how: _How) -> Forecast:
+    """:func:`_finish` of a row with videos: its images' and videos' placeholders walked in the order they
+    come, each item's stand-in holding its own run of them."""
+    video_id = how.tokenizer.convert_tokens_to_ids(row.rendering.video_placeholder)
+    marks = [(at, token == video_id) for at, token in enumerate(ids) if token in (how.image_id, video_id)]
+    found = sum(is_video for _, is_video in marks)
+    wanted = sum(n for _, _, n in row.videos)
+    _check_placeholders(found, wanted, len(row.videos), row.rendering.video_placeholder, row.key)
+    _check_placeholders(len(marks) - found, sum(row.placeholders), len(row.counts), row.rendering.placeholder, row.key)
+    starts, shift, k, image, video = [], 0, 0, 0, 0
+    while k < len(marks):
+        at, is_video = marks[k]
+        if is_video:
+            k, shift, video = k + row.videos[video][2], shift + row.videos[video][1], video + 1
+        else:
+            starts.append(at + shift)
+            k, shift, image = k + row.placeholders[image], shift + row.left[image], image + 1
+    prompt = Prompt(row.rendering, row.tokens) if how.keep else None
+    return Forecast(len(ids) + shift, row.counts, starts, prompt, [n for n, _, _ in row.videos])
 
 
 def _token_ids(tokenizer: Any, rows: list[_Row]) -> list[list[int]]:

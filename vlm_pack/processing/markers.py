@@ -8,7 +8,7 @@ import weakref
 from typing import Any
 
 from ..failures import InternalCheckError
-from ..families import lookup
+from ..families import FAMILIES, lookup
 
 # its image tokens. Weak keys: a cache never keeps a tokenizer alive.
 _MARKER_EXTRAS: weakref.WeakKeyDictionary[Any, dict[tuple[int, str], int]] = weakref.WeakKeyDictionary()
@@ -99,3 +99,27 @@ def _skeleton(
     return [(placeholder, n - 1) for n in counts]
 
 
+
+
+def _video_skeleton(spec: Any, videos: list[Any], placeholder: str, processor: Any) -> list[tuple[str, int]]:
+    """Per video (its ``VideoForecast``): text standing in for its expansion, and the tokens it leaves out.
+
+    Where the processor writes nothing around the video's tokens (Qwen2/2.5-VL, whose template wraps the
+    placeholder; LLaVA-OneVision) its placeholder stands in for all of them. Qwen3-VL's processor writes
+    ``<{t:.1f} seconds><|vision_start|>`` + one temporal group's tokens + ``<|vision_end|>`` per group
+    (``Qwen3VLProcessor.replace_video_token``, models/qwen3_vl/processing_qwen3_vl.py): that text is kept with
+    one placeholder per group, the rest of each group's tokens left out.
+    """
+    family = getattr(spec, "family", None) or getattr(processor, "vlm_pack_family", None)
+    record = lookup(family)
+    if record is None or record.video_wraps is None:
+        supported = ", ".join(f.name for f in FAMILIES.values() if f.video_wraps)
+        raise InternalCheckError(f"vlm-pack processes no video of family {family!r}; videos: {supported}")
+    if record.video_wraps != "frames":
+        return [(placeholder, v.tokens - 1) for v in videos]
+    start, end = processor.vision_start_token, processor.vision_end_token
+    out = []
+    for v in videos:
+        text = "".join(f"<{t:.1f} seconds>{start}{placeholder}{end}" for t in v.timestamps)
+        out.append((text, v.tokens - len(v.timestamps)))
+    return out

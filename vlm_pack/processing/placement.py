@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..chat import Rendering
-from ..failures import SampleError
+from ..failures import InternalCheckError, SampleError
 from ..labels import IGNORE_INDEX
 from .render import _embedding_token_id, _trained_tokens
 
@@ -64,10 +64,14 @@ class _RecordingTokenizer:
 
 
 def _call_processor(
-    processor: Any, rendering: Rendering, images: list[Any]
-) -> tuple[Any, list[tuple[int, int]]]:
-    """``processor(text=[prompt], images=[images])`` with offsets, and the ``[(start, end), ...]`` characters
-    of the rendered prompt each image's placeholder was replaced by, in the expanded prompt.
+    processor: Any, rendering: Rendering, images: list[Any], videos: Any = None
+) -> tuple[Any, list[tuple[str, int, int, int]]]:
+    """``processor(text=[prompt], images=[images], videos=...)`` with offsets, and per image and video in
+    the order of the prompt ``(kind, end of its placeholder in the rendered prompt, start, end of what it
+    was replaced by in the expanded prompt)``, ``kind`` ``"image"`` or ``"video"``.
+
+    ``videos``: :class:`~vlm_pack.processing.videos.DecodedVideos`, their frames sampled already (the
+    processor is told so, with the metadata its timestamps and ``second_per_grid_ts`` come from).
 
     transformers >= 5.7 reports them (``return_text_replacement_offsets``). Older processors each replace the
     placeholder inside their own ``__call__`` and hand the expanded text to their tokenizer, so there the
@@ -78,19 +82,26 @@ def _call_processor(
     call = dict(
         return_tensors="pt", return_offsets_mapping=True, add_special_tokens=rendering.add_special_tokens
     )
-    if _REPORTS_REPLACEMENTS.get(kind, True) or not images:
+    if videos:
+        call.update(videos.processor_kwargs())
+    if _REPORTS_REPLACEMENTS.get(kind, True) or not images or videos:
         enc = processor(
             text=[rendering.text],
             images=[images] if images else None,
             return_text_replacement_offsets=True,
             **call,
         )
-        if not images:
+        if not images and not videos:
             return enc, []
         reported = enc.get("text_replacement_offsets")
         _REPORTS_REPLACEMENTS[kind] = reported is not None
         if reported is not None:
-            return enc, [tuple(r["new_span"]) for r in reported[0] if r["type"] == "image"]
+            return enc, [(r["type"], r["span"][1], *r["new_span"]) for r in reported[0] if r["type"] in _MEDIA]
+        if videos:
+            raise InternalCheckError(
+                f"{kind.__name__} does not report where it expanded each video (text_replacement_offsets): "
+                "video samples need transformers >= 5.7"
+            )
     if _EDGE in rendering.text:
         raise SampleError(
             "bad_text",
@@ -101,43 +112,57 @@ def _call_processor(
     marked.tokenizer = recorder
     text = rendering.text.replace(rendering.placeholder, f"{_EDGE}{rendering.placeholder}{_EDGE}")
     enc = marked(text=[text], images=[images], **call)
-    return enc, recorder.replaced
-
-
-def _with_processor(processor: Any, rendering: Rendering, images: list[Any], key: Any) -> dict[str, Any]:
-    """The processor's expansion and tokenization of the rendered prompt, with labels and image counts."""
-    enc, replaced = _call_processor(processor, rendering, images)
-    ids = enc["input_ids"][0]
-    offsets = enc["offset_mapping"][0].long()
     placeholder = len(rendering.placeholder)
     pieces = rendering.text.split(rendering.placeholder)[:-1]
-    ends = torch.tensor(list(itertools.accumulate(len(p) + placeholder for p in pieces)), dtype=torch.long)
-    new = torch.tensor(replaced, dtype=torch.long).reshape(-1, 2)
+    ends = itertools.accumulate(len(p) + placeholder for p in pieces)
+    return enc, [("image", end, *new) for end, new in zip(ends, recorder.replaced)]
+
+
+_MEDIA = ("image", "video")
+
+
+def _with_processor(
+    processor: Any, rendering: Rendering, images: list[Any], key: Any, videos: Any = None
+) -> dict[str, Any]:
+    """The processor's expansion and tokenization of the rendered prompt, with labels and the embeddings of
+    each image (``tokens_per_image``) and video (``tokens_per_video``)."""
+    enc, replaced = _call_processor(processor, rendering, images, videos)
+    ids = enc["input_ids"][0]
+    offsets = enc["offset_mapping"][0].long()
+    media = torch.tensor([r[1:] for r in replaced], dtype=torch.long).reshape(-1, 3)  # [n, (end, start', end')]
     length = int(offsets.max()) if len(offsets) else 0
-    trained = _trained_tokens(_shift(rendering.spans, ends, new[:, 1]), offsets, max(length, 1))
-    counts = torch.zeros(len(images), dtype=torch.long)
-    if images:
-        starts, ends = new[:, 0].contiguous(), new[:, 1]
-        image_of = torch.searchsorted(starts, offsets[:, 0].contiguous(), right=True) - 1
-        inside = (
-            (image_of >= 0) & (offsets[:, 0] < ends[image_of.clamp(min=0)]) & (offsets[:, 1] > offsets[:, 0])
-        )
-        trained &= ~inside
-        emb = ids == _embedding_token_id(processor)
-        counts = torch.bincount(image_of[emb & inside], minlength=len(images))
-        if int(counts.sum()) != int(emb.sum()):
-            raise SampleError(
-                "placeholder_mismatch",
-                f"sample {key!r}: image tokens outside the images' expansions; remove them from the text"
-            )
+    trained = _trained_tokens(_shift(rendering.spans, media[:, 0].contiguous(), media[:, 2]), offsets, max(length, 1))
     out = {k: v for k, v in enc.items() if k not in _TEXT_KEYS}
+    counts = {"image": torch.zeros(len(images), dtype=torch.long)}
+    if videos:
+        counts["video"] = torch.zeros(len(videos), dtype=torch.long)
+    if replaced:
+        starts, ends = media[:, 1].contiguous(), media[:, 2]
+        item_of = torch.searchsorted(starts, offsets[:, 0].contiguous(), right=True) - 1
+        inside = (item_of >= 0) & (offsets[:, 0] < ends[item_of.clamp(min=0)]) & (offsets[:, 1] > offsets[:, 0])
+        trained &= ~inside
+        kinds = [r[0] for r in replaced]
+        token_ids = {"image": _embedding_token_id(processor), "video": getattr(processor, "video_token_id", None)}
+        for kind in counts:
+            mine = torch.tensor([k == kind for k in kinds], dtype=torch.bool)
+            rank = torch.cumsum(mine.long(), 0) - 1  # the item's index among its kind
+            emb = ids == token_ids[kind]
+            hit = emb & inside & mine[item_of.clamp(min=0)]
+            counts[kind] = torch.bincount(rank[item_of[hit]], minlength=len(counts[kind]))
+            if int(counts[kind].sum()) != int(emb.sum()):
+                raise SampleError(
+                    "placeholder_mismatch",
+                    f"sample {key!r}: {kind} tokens outside the {kind}s' expansions; remove them from the text",
+                )
+    if videos:
+        out["tokens_per_video"] = counts["video"]
     for name in ("mm_token_type_ids", "token_type_ids"):
         if name in out:
             out[name] = out[name][0]
     out.update(
         input_ids=ids,
         labels=torch.where(trained, ids, torch.full_like(ids, IGNORE_INDEX)),
-        tokens_per_image=counts,
+        tokens_per_image=counts["image"],
     )
     return out
 

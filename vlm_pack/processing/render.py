@@ -13,7 +13,7 @@ import torch
 
 from ..chat import ChatFormat, Conversation, Rendering, Template, render_conversation
 from ..failures import InternalCheckError
-from ..families import FAMILIES, canonical, lookup
+from ..families import FAMILIES, canonical, lookup, names
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,22 @@ def _embedding_token_id(processor: Any) -> int:
     return int(processor.image_token_id)
 
 
+def _video_placeholder(tokenizer: Any, processor: Any, family: str | None) -> str:
+    """The token a chat template writes once per video (what the processor then expands): the processor's
+    ``video_token``, else the tokenizer's, else the family's (``vlm_pack.families``)."""
+    for owner in (processor, tokenizer):
+        named = getattr(owner, "video_token", None) if owner is not None else None
+        if isinstance(named, str) and named:
+            return named
+    record = lookup(canonical(family or getattr(tokenizer, "vlm_pack_family", None), strict=False))
+    if record is not None and record.video_token:
+        return record.video_token
+    raise InternalCheckError(
+        f"no video token known for family {family!r}: pass a processor with a video_token (videos are "
+        f"processed for {', '.join(names('video_wraps'))})"
+    )
+
+
 def _render(
     conversation: Conversation,
     tokenizer: Any,
@@ -96,10 +112,12 @@ def _render(
     key: Any,
     spans: bool = True,
     placeholder: str | None = None,
+    num_videos: int = 0,
 ) -> Rendering:
     family = canonical(family or getattr(tokenizer, "vlm_pack_family", None))  # any spelling
     if placeholder is None:  # a Preprocessor passes the one it asked once
         placeholder = _placeholder(tokenizer, processor, family)
+    video = _video_placeholder(tokenizer, processor, family) if num_videos else None
     return render_conversation(
         conversation,
         tokenizer=tokenizer,
@@ -110,6 +128,8 @@ def _render(
         template=template,
         key=key,
         spans=spans,
+        num_videos=num_videos,
+        video_placeholder=video,
     )
 
 

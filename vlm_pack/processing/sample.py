@@ -16,6 +16,7 @@ from .images import _load_images
 from .layout import _collapse, _expand_text, _finish, _grid_counts, _with_image_processor
 from .placement import _with_processor
 from .render import Prompt, _checked_ids, _embedding_token_id, _render
+from .videos import check_processed, load_videos
 
 
 def process_sample(
@@ -30,6 +31,7 @@ def process_sample(
     template: str | ChatFormat | Template | None = None,
     key: Any = None,
     prompt: Prompt | None = None,
+    videos: Sequence[Any] = (),
 ) -> dict[str, torch.Tensor]:
     """One processed sample (1-D token tensors) for ``PackingCollator``.
 
@@ -43,6 +45,13 @@ def process_sample(
     ``layout="collapsed"`` keeps one image token per image (families with one run of them per image).
     ``prompt``: the :class:`Prompt` ``Preprocessor.forecast_prompt`` rendered for this conversation with the
     same arguments (not rendered or tokenized again).
+
+    ``videos``: encoded videos (bytes, paths, binary files), one per ``{"type": "video"}`` part or ``<video>``
+    marker (none: they open the first user turn after the images). They need a ``processor`` with its video
+    processor; each is decoded (PyAV) only at the frames its forecast keeps (``vlm_pack.processing.videos``)
+    and processed with ``do_sample_frames=False`` and its metadata, giving ``pixel_values_videos``,
+    ``video_grid_thw`` (Qwen-VL), ``second_per_grid_ts`` (Qwen2.5-VL) and ``tokens_per_video`` (n,), equal
+    to the processor's own output for the whole decoded clip. Expanded layout only.
     """
     if processor is not None:
         tokenizer = tokenizer or processor.tokenizer
@@ -54,12 +63,19 @@ def process_sample(
         raise InternalCheckError(
             f"sample {key!r} has images: process_sample needs image_processor= (or processor=)"
         )
+    if videos:
+        _check_video_options(processor, layout, key)
     if prompt is None:
-        prompt = Prompt(_render(conversation, tokenizer, processor, family, template, len(images), key))
+        prompt = Prompt(
+            _render(conversation, tokenizer, processor, family, template, len(images), key, num_videos=len(videos))
+        )
     rendering = prompt.rendering
     pil = _load_images(images, key)
     if processor is not None:
-        out = _with_processor(processor, rendering, pil, key)
+        decoded = load_videos(videos, processor, key) if videos else None
+        out = _with_processor(processor, rendering, pil, key, decoded)
+        if decoded:
+            check_processed(decoded, out, key)
         image_id = _embedding_token_id(processor)
         if layout == "collapsed" and len(pil):
             out = _collapse(out, image_id, key)
@@ -67,6 +83,20 @@ def process_sample(
     out = _with_image_processor(image_processor, tokenizer, rendering, pil, key, prompt.tokens)
     image_id = tokenizer.convert_tokens_to_ids(rendering.placeholder)
     return _finish(out, tokenizer, family, image_id, layout, len(pil), key)
+
+
+def _check_video_options(processor: Any, layout: str, key: Any) -> None:
+    """InternalCheckError naming the sample where its videos cannot be processed with these parts."""
+    if processor is None or getattr(processor, "video_processor", None) is None:
+        raise InternalCheckError(
+            f"sample {key!r} has videos: process_sample needs processor= carrying its video processor "
+            '(transformers video processors need torchvision: pip install "vlm-pack[video]")'
+        )
+    if layout != "expanded":
+        raise InternalCheckError(
+            f"sample {key!r} has videos: the collapsed layout keeps one placeholder per image only; "
+            "use layout='expanded' for videos"
+        )
 
 
 # Image processors whose one call over many images equals a call per sample joined by ``join_vision``: each
@@ -109,13 +139,14 @@ class _Staged:
 
 
 def process_pack(
-    samples: Sequence[tuple[Sequence[Any], Conversation]],
+    samples: Sequence[tuple[Any, ...]],
     *,
     keys: Sequence[Any] | None = None,
     prompts: Sequence[Prompt | None] | None = None,
     **options: Any,
 ) -> list[dict[str, torch.Tensor] | SampleError]:
-    """``process_sample`` of each ``(images, conversation)`` of a pack, or its data error, in order.
+    """``process_sample`` of each ``(images, conversation)`` (or ``(images, conversation, videos)``) of a
+    pack, or its data error, in order.
 
     ``options``: the keyword arguments of :func:`process_sample`; ``keys`` / ``prompts``: its ``key`` /
     ``prompt`` per sample. The result equals ``process_sample`` sample by sample, but with a Qwen2/2.5/3-VL or
@@ -135,14 +166,18 @@ def process_pack(
     prompts = list(prompts) if prompts is not None else [None] * len(samples)
 
     def alone(index: int) -> dict[str, torch.Tensor] | SampleError:
-        images, conversation = samples[index]
+        images, conversation, *videos = samples[index]
         try:
-            return process_sample(images, conversation, key=keys[index], prompt=prompts[index], **options)
+            return process_sample(
+                images, conversation, key=keys[index], prompt=prompts[index], videos=videos[0] if videos else (),
+                **options,
+            )  # fmt: skip
         except Exception as exc:
             return _pack_sample_error(exc, keys[index])
 
     tokenizer, image_processor = options.get("tokenizer"), options.get("image_processor")
-    if tokenizer is None or not _one_call(image_processor, options.get("processor")):
+    with_videos = any(len(sample) > 2 and sample[2] for sample in samples)
+    if tokenizer is None or with_videos or not _one_call(image_processor, options.get("processor")):
         return [alone(index) for index in range(len(samples))]
     results: list[dict[str, torch.Tensor] | SampleError | None] = [None] * len(samples)
     staged: list[_Staged] = []

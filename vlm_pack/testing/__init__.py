@@ -38,11 +38,14 @@ What lives where:
 - ``harness.py``: ``check_packed_equivalence``, its ``EquivalenceReport`` (``TokenDiff``, ``SampleDiff``,
   ``PackedEquivalenceError``) and the default forwards of Hugging Face models, on the padded reference
   batch of ``vlm_pack.padded_batch.pad_samples`` (re-exported here);
-- ``reference.py``: ``CollapsedLlavaModel``, a Megatron-like collapsed-placeholder LLaVA, and its forwards.
+- ``reference.py``: ``CollapsedLlavaModel``, a Megatron-like collapsed-placeholder LLaVA, and its forwards;
+- ``clips.py``: ``encode_clip`` (a clip PyAV encodes) and ``processor_with_video`` (a family's processor with
+  its video processor), to run the same check on video samples (the ``[video]`` extra).
 """
 
 from __future__ import annotations
 
+from .clips import encode_clip, processor_with_video
 from .harness import (
     EquivalenceReport,
     PackedEquivalenceError,
@@ -73,7 +76,9 @@ __all__ = [
     "collapsed_packed_forward",
     "default_batched_forward",
     "default_packed_forward",
+    "encode_clip",
     "next_token_logprobs",
     "pad_samples",
+    "processor_with_video",
     "token_mult_prob_error",
 ]
