@@ -195,6 +195,40 @@ def test_parquet_and_dataset_video_columns_bytes_or_paths(clips, tmp_path):
     assert [s.videos for s in rows] == [(clips["mkv"],), (str(tmp_path / paths["mp4"]),)]
 
 
+@pytest.mark.torchvision
+def test_messages_with_video_parts_name_their_clips_or_take_the_videos_column(clips, qwen_video, tmp_path):
+    """TRL / HF-style messages: ``{"type": "video"}`` parts with a ``videos`` column, or parts naming their
+    own file (``"video"`` / ``"path"``, as HF chat templates take them), in the order of the parts; each
+    row's header forecast is the length processing gives."""
+    paths = _clip_files(clips, tmp_path)
+    (tmp_path / "frame.png").write_bytes(_png((32, 32)))
+
+    def user(*parts):
+        return [{"role": "user", "content": list(parts)}, {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]
+
+    rows = [
+        {"messages": user({"type": "video"}, {"type": "image"}, {"type": "text", "text": "Which?"}),
+         "videos": [paths["mp4"]], "images": ["frame.png"]},
+        {"messages": user({"type": "video", "video": paths["mkv"]}, {"type": "text", "text": "And?"},
+                          {"type": "video", "path": paths["webm"]})},
+    ]  # fmt: skip
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first, second = (s for _, _, s in iter_samples(str(path), on_error="raise"))
+    assert first.videos == (str(tmp_path / paths["mp4"]),) and first.images == (str(tmp_path / "frame.png"),)
+    assert second.videos == (str(tmp_path / paths["mkv"]), str(tmp_path / paths["webm"])) and second.images == ()
+    kinds = [[p["type"] for p in turn["content"]] for turn in second.conversation]
+    assert kinds[0] == ["video", "text", "video"]
+    from vlm_pack.data.forecast import forecast_sources
+
+    _, pre = qwen_video
+    table = forecast_sources(str(path), preprocessor=pre, progress=False, on_error="raise")
+    processed = [pre.process(list(s.images), s.conversation, s.key, videos=list(s.videos)) for s in (first, second)]
+    assert table.lengths.tolist() == [int(p["input_ids"].shape[0]) for p in processed]
+    assert table.video_tokens.tolist() == [int(p["tokens_per_video"].sum()) for p in processed]
+    assert table.num_videos.tolist() == [1, 2]
+
+
 # ----------------------------------------------------------------------------------------- without PyAV
 def test_without_pyav_a_video_sample_names_the_extra_and_image_samples_are_unchanged(monkeypatch, tmp_path):
     """Runs in the main venv (no PyAV) and, with ``av`` hidden, anywhere: an image-only source forecasts as
@@ -232,8 +266,7 @@ def qwen_video():
     """Qwen2-VL's processor with its video processor (no frame sampling: every frame kept), a small budget."""
     pytest.importorskip("torchvision")
     from vlm_pack.preprocessor import Preprocessor
-
-    processor_with_video = pytest.importorskip("vlm_pack.testing.clips").processor_with_video
+    from vlm_pack.testing.clips import processor_with_video
 
     proc = processor_with_video("qwen2_vl", size={"shortest_edge": 3136, "longest_edge": 64 * 28 * 28})
     return proc, Preprocessor(processor=proc)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..chat import IMAGE_MARKER, normalise_conversation
+from ..chat import IMAGE_MARKER, VIDEO_MARKER, normalise_conversation
 from .shards import SampleError, image_fields, parse_text, video_fields
 
 __all__ = ["RECORD_FORMATS", "Sample", "detect_record_format", "normalise_record", "record_key"]
@@ -79,7 +79,6 @@ _VIDEO_FIELDS = {
     "caption": ("videos", "video"),
 }
 _KEY_FIELDS = ("key", "__key__", "id")
-VIDEO_MARKER = "<video>"  # where a video goes in string content (vlm_pack.chat's, once it writes videos)
 # Where a video part names its own file (HF chat templates: "video", "path" or "url").
 _PART_VIDEO_KEYS = ("video", "path", "url")
 

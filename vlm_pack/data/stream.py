@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..chat import VIDEO_MARKER
 from ..failures import (
     Failure,
     FailureBudget,
@@ -41,7 +42,6 @@ from ..packing.window import StreamBalance, reserved_positions, window_order, wi
 from ..processing import IMAGE_MARKER, Prompt
 from .forecast import video_forecasts, video_patches
 from .reader import read_header, stream_tar_samples
-from .records import VIDEO_MARKER
 from .state import Cursor, EpochProgress, PlanItem, StreamSnapshot, position, split_position
 from .stats import PHASES, BadSample, BadSampleWarning, PipelineStats
 from .stream_meta import StreamEnd, attach_meta, stream_info
@@ -113,11 +113,6 @@ def _check_places(conversation: Any, images: list[str], videos: list[str]) -> No
                 f"the text has {n_markers} {kind} placeholder(s) but the sample has {len(members)} {kind}(s) "
                 f"({', '.join(members) or 'none'})",
             )
-
-
-def _video_rows(videos: list[Any]) -> dict[str, Any]:
-    """The keyword a forecast takes a sample's video headers by (none for an image-only sample)."""
-    return {"videos": videos} if videos else {}
 
 
 @dataclass(slots=True)
@@ -250,7 +245,7 @@ class StreamRunner:
             _check_places(conversation, names, header.video_names)
         self._check_images(names, sizes)
         forecasts = video_forecasts(preprocessor, header.videos)  # each clip's tokens, from its header
-        length, _, prompt = preprocessor.forecast_prompt(conversation, sizes, key, **_video_rows(forecasts))
+        length, _, prompt = preprocessor.forecast_prompt(conversation, sizes, key, videos=forecasts)
         patches = tuple(preprocessor.spec.num_patches(w, h) for w, h in sizes) if self.work.balance else ()
         vision = self._vision_cost(sizes, forecasts)
         return _Sample(url, key, images, videos, conversation, prompt, length, vision, patches)
