@@ -4,11 +4,20 @@ Each worker process reads whole chunks of the sources itself (``sources.read_chu
 record, reads each image's ``(width, height)`` from its header bytes (``vision.image_size``; no pixel is
 decoded) and forecasts the chunk's rows in one ``Preprocessor.forecast_rows`` call (vlm-pack's one forecast,
 its prompts tokenized in one batched call): the numbers of ``Preprocessor.forecast``, so the forecast equals
-``len(process_sample(...)["input_ids"])``. Results come back in source order, whatever ``num_workers``::
+``len(process_sample(...)["input_ids"])``. A video's header is read from its container (PyAV; an MKV / WebM's
+packets demuxed, never decoded) and forecast once (``vision.video.forecast_video``), the forecast handed to
+the Preprocessor as it is. Results come back in source order, whatever ``num_workers``::
 
     main       open_sources ─ chunks ─┬──────────────────────────────────┬─ in order ─> LengthTable
     worker 0        chunk 0, 2, 4 ... │ read ─ normalise ─ image_size ─  │  + tqdm: total, rate, ETA
-    worker 1        chunk 1, 3, 5 ... │        tokenize ─ sample_tokens  │
+    worker 1        chunk 1, 3, 5 ... │ video header ─ tokenize ─ sample │
+                                      │ tokens; bad records as values    │  one Guard counts them,
+                                      └──────────────────────────────────┘  in source order
+
+A record that cannot be read or forecast travels back as its :class:`SampleError` (classified in the worker by
+``vlm_pack.failures.data_error``: an error of code raises there); the main process counts every chunk's
+outcomes in source order through the run's one :class:`~vlm_pack.failures.Guard` (``forecast_guard``): its
+budget of consecutive failures, its ``on_error``.
 """
 
 from __future__ import annotations
