@@ -426,6 +426,10 @@ def test_analyze_forecasts_video_records_and_lists_a_corrupt_one(clips, qwen_vid
     (bad,) = report["dataset"]["invalid"]
     assert bad["key"] == "j3" and "train.jsonl:4 (key 'j3'), video 0: not a readable video container" in bad["reason"]
     assert "videos/bad.mp4" in bad["reason"]  # the file itself, and what to do: re-encode or drop
+    from vlm_pack.data.forecast import forecast_sources
+
+    table = forecast_sources(str(manifest), preprocessor=pre, progress=False)
+    assert table.invalid_reasons == ["corrupt_video"] and list(table.keys) == ["j0", "j1", "j2"]
     written = pq.read_table(tmp_path / "lengths.parquet").to_pylist()
     for row, line in zip(written, lines):
         sample = pre.process([], line["messages"], videos=[tmp_path / line["videos"][0]])
