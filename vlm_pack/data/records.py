@@ -209,7 +209,8 @@ def _part_videos(turns: Any) -> list[Any]:
         content = turn.get("content") if isinstance(turn, Mapping) else None
         for part in content if isinstance(content, list) else ():
             if isinstance(part, Mapping) and part.get("type") == "video":
-                found.extend(part[k] for k in _PART_VIDEO_KEYS if part.get(k) is not None)
+                named = next((part[k] for k in _PART_VIDEO_KEYS if part.get(k) is not None), None)
+                found += [] if named is None else [named]  # the first of its keys a part sets
     return found
 
 
