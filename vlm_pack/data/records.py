@@ -27,7 +27,7 @@ Images stay as stored: encoded ``bytes`` (an HF ``Image`` feature read with ``de
 ``{"bytes", "path"}``), a path (relative paths resolved against ``image_root``), a binary file object (a tar
 member) or a PIL image. Videos likewise (bytes, a path, an HF ``Video`` feature's ``{"bytes", "path"}``, a tar
 member), in the order of their ``<video>`` markers or ``{"type": "video"}`` parts, apart from the images. A
-video part may carry its own path (``{"type": "video", "video" | "path": "clip.mp4"}``, as HF chat templates
+video part may carry its own path (``{"type": "video", "video" | "url" | "path": "clip.mp4"}``, as HF chat templates
 take it) where the record has no videos field. LLaVA-Video JSON marks its one video with ``<image>``: a
 ``llava`` record with a video and no image has those markers read as ``<video>``.
 
@@ -79,8 +79,9 @@ _VIDEO_FIELDS = {
     "caption": ("videos", "video"),
 }
 _KEY_FIELDS = ("key", "__key__", "id")
-# Where a video part names its own file (HF chat templates: "video", "path" or "url").
-_PART_VIDEO_KEYS = ("video", "path", "url")
+# Where a video part names its own file, first found first: transformers' apply_chat_template reads the keys
+# in this order (processing_utils.py, transformers 5.24).
+_PART_VIDEO_KEYS = ("video", "url", "path")
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ def _part_videos(turns: Any) -> list[Any]:
         for part in content if isinstance(content, list) else ():
             if isinstance(part, Mapping) and part.get("type") == "video":
                 named = next((part[k] for k in _PART_VIDEO_KEYS if part.get(k) is not None), None)
-                found += [] if named is None else [named]  # the first of its keys a part sets
+                found += [] if named is None else [named]
     return found
 
 
