@@ -27,8 +27,8 @@ Images stay as stored: encoded ``bytes`` (an HF ``Image`` feature read with ``de
 ``{"bytes", "path"}``), a path (relative paths resolved against ``image_root``), a binary file object (a tar
 member) or a PIL image. Videos likewise (bytes, a path, an HF ``Video`` feature's ``{"bytes", "path"}``, a tar
 member), in the order of their ``<video>`` markers or ``{"type": "video"}`` parts, apart from the images. A
-video part may carry its own path (``{"type": "video", "video" | "url" | "path": "clip.mp4"}``, as HF chat templates
-take it) where the record has no videos field. LLaVA-Video JSON marks its one video with ``<image>``: a
+video part may carry its own path (``{"type": "video", "video" | "url" | "path": "clip.mp4"}``, as HF chat
+templates take it) where the record has no videos field. LLaVA-Video JSON marks its one video with ``<image>``: a
 ``llava`` record with a video and no image has those markers read as ``<video>``.
 
 A record that fits no record format raises :class:`SampleError` listing its keys and the accepted formats.
@@ -279,7 +279,8 @@ def normalise_record(
         # An Arrow row (a dataset, parquet) has every image column: None there means no such image.
         images = [record[n] for n in image_fields(record) if record[n] is not None]
         videos = [record[n] for n in video_fields(record) if record[n] is not None]
-        return Sample(key, conversation, _medias(images, label, root), where, _medias(videos, label, root, "video"))
+        videos = _medias(videos, label, root, "video")
+        return Sample(key, conversation, _medias(images, label, root), where, videos)
     if chosen is None:
         raise _no_format(record, label, record_format)
     text_field = next((f for f in _TEXT_FIELDS[chosen] if f in record), None)
