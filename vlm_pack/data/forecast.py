@@ -535,8 +535,10 @@ def forecast_sources(
             most common reason (default: ``PackingConfig``'s, ``DEFAULT_MAX_CONSECUTIVE_FAILURES``; None:
             no limit, every invalid record is listed).
 
-    Records with bad data are invalid (``on_error``); an error of code (a ``template`` raising
-    ``AttributeError`` / ``TypeError`` ..., a bug) raises ``SampleCodeError`` naming the record.
+    Records with bad data are invalid (``on_error``): a video whose container does not open or read counts as
+    ``corrupt_video``. An error of code (a ``template`` raising ``AttributeError`` / ``TypeError`` ..., a bug)
+    raises ``SampleCodeError`` naming the record, as does a video without PyAV (``pip install
+    "vlm-pack[video]"``; image-only sources never import it).
     """
     from tqdm import tqdm
 
