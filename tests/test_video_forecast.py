@@ -1,7 +1,8 @@
 """Video forecasts from the container header equal the family's own video processor on the decoded frames.
 
-Every clip is encoded here with PyAV (MP4 h264 / mpeg4, WebM VP8 / VP9, MKV h264 / mpeg4; 1-300 frames;
-1-60 fps with 29.97; 64 px to 1920 px; odd and even counts and sizes; variable-frame-rate MP4 and MKV).
+Every clip is encoded by the test with PyAV (tests/video_clips.py: MP4 h264 / mpeg4, WebM VP8 / VP9, MKV
+h264 / mpeg4; 1-300 frames; 1-60 fps with 29.97; 64 px to 1920 px; odd and even counts and sizes;
+variable-frame-rate MP4 and MKV).
 The oracle is outside the code under test: each clip is decoded in full with PyAV, its metadata taken the
 way transformers' ``read_video_pyav`` takes it (decoded count, ``stream.average_rate``), and the released
 video processor class (or the full processor, for the token counts in ``input_ids``, Qwen2.5-VL's
@@ -14,7 +15,6 @@ import io
 import re
 import sys
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -25,31 +25,10 @@ pytestmark = pytest.mark.torchvision
 av = pytest.importorskip("av")
 pytest.importorskip("torchvision")
 
+from video_clips import clip_set  # noqa: E402
+
 from vlm_pack import offline  # noqa: E402
 from vlm_pack.vision import VideoHeader, forecast_video, read_video_header, sampled_frames  # noqa: E402
-
-_CODECS = [
-    ("mp4", "h264"),
-    ("mp4", "mpeg4"),
-    ("webm", "libvpx"),
-    ("webm", "libvpx-vp9"),
-    ("matroska", "h264"),
-    ("matroska", "mpeg4"),
-]
-_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 31, 32, 61, 97, 150, 300]
-_RATES = [Fraction(1), Fraction(2), Fraction(5), Fraction(10), Fraction(12), Fraction(15), Fraction(24),
-          Fraction(25), Fraction(30000, 1001), Fraction(30), Fraction(50), Fraction(60)]  # fmt: skip
-_SMALL = [(64, 64), (96, 64), (64, 112), (160, 120), (128, 72), (200, 100), (320, 240)]
-# Big frames stay short so that the processors' resizes stay fast.
-_BIG = [
-    ("mp4", "h264", 3, Fraction(30), 1920, 1080),
-    ("webm", "libvpx-vp9", 2, Fraction(25), 1080, 1920),
-    ("matroska", "h264", 5, Fraction(30000, 1001), 1280, 720),
-    ("mp4", "mpeg4", 4, Fraction(60), 640, 360),
-    ("webm", "libvpx", 1, Fraction(24), 854, 480),
-    ("webm", "libvpx-vp9", 7, Fraction(15), 65, 49),  # odd sides
-    ("webm", "libvpx", 9, Fraction(10), 99, 67),
-]
 
 
 @dataclass
@@ -63,46 +42,6 @@ class Clip:
     """``stream.average_rate``: what transformers' ``read_video_pyav`` tells the processor."""
 
 
-def _encode(fmt: str, codec: str, count: int, rate: Fraction, width: int, height: int) -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as out:
-        stream = out.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        ramp = np.linspace(0, 255, width).astype(np.int64)[None, :, None]
-        for i in range(count):
-            image = np.broadcast_to((ramp + 13 * i) % 256, (height, width, 3)).astype(np.uint8)
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
-        out.mux(stream.encode())
-    return buf.getvalue()
-
-
-def _variable_rate(fmt: str, count: int = 40, steps_ms: tuple[int, ...] = (33, 80, 17, 120)) -> bytes:
-    """A clip whose packets carry irregular timestamps (mpeg4 has no B-frames: pts = dts)."""
-    source = av.open(io.BytesIO(_encode("matroska", "mpeg4", count, Fraction(30), 96, 64)))
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as out:
-        stream = out.add_stream_from_template(source.streams.video[0])
-        stream.time_base = Fraction(1, 1000)
-        pts = 0
-        packets = (p for p in source.demux(source.streams.video[0]) if p.size > 0)
-        for i, packet in enumerate(packets):
-            step = steps_ms[i % len(steps_ms)]
-            packet.stream, packet.time_base = stream, Fraction(1, 1000)
-            packet.pts = packet.dts = pts
-            packet.duration = step
-            pts += step
-            out.mux(packet)
-    source.close()
-    return buf.getvalue()
-
-
-def _specs() -> list[tuple[str, str, int, Fraction, int, int]]:
-    specs = [
-        (*_CODECS[i % 6], _COUNTS[i % 16], _RATES[(5 * i) % 12], *_SMALL[(3 * i) % 7]) for i in range(58)
-    ]
-    return specs + _BIG
-
-
 def _decode(data: bytes) -> tuple[np.ndarray, float]:
     with av.open(io.BytesIO(data)) as container:
         stream = container.streams.video[0]
@@ -114,11 +53,9 @@ def _decode(data: bytes) -> tuple[np.ndarray, float]:
 def clips(tmp_path_factory) -> list[Clip]:
     root = tmp_path_factory.mktemp("clips")
     out = []
-    made = [(f"{fmt}-{codec}-{n}f-{float(r):g}fps-{w}x{h}", _encode(fmt, codec, n, r, w, h))
-            for fmt, codec, n, r, w, h in _specs()]  # fmt: skip
-    made += [("vfr-mp4", _variable_rate("mp4")), ("vfr-mkv", _variable_rate("matroska"))]
-    for name, data in made:
-        path = root / f"{name}.{'mkv' if 'matroska' in name or 'mkv' in name else name.split('-')[0]}"
+    for name, data in clip_set():
+        ext = "mkv" if "matroska" in name or name.endswith("mkv") else "webm" if "webm" in name else "mp4"
+        path = root / f"{name}.{ext}"
         path.write_bytes(data)
         frames, fps = _decode(data)
         out.append(Clip(name, data, path, frames, fps))
@@ -152,19 +89,53 @@ def test_a_header_read_equals_a_full_decode_on_every_clip(clips, headers):
         header = headers[clip.name]
         t, h, w, _ = clip.frames.shape
         assert (header.frames, header.width, header.height, header.fps) == (t, w, h, clip.fps), clip.name
-        expected = "header" if clip.name.startswith(("mp4", "vfr-mp4")) else "demux"
+        expected = "header" if clip.name.startswith(("mp4", "vfr-mp4", "rotated")) else "demux"  # edit list
         assert header.how == expected, clip.name
         assert header.duration is not None and header.duration > 0, clip.name
     vfr = headers["vfr-mp4"]
     # 40 frames over 2.5 s of irregular steps: the mean rate, not the 30 fps the frames were encoded at.
     assert vfr.fps == pytest.approx(16.0) and vfr.duration == pytest.approx(2.5)
+    assert headers["editlist-mp4"].frames == 37  # 40 samples, 3 trimmed by the edit list
+    # PyAV hands frames out as coded: the display matrix's 90 degrees are reported, not applied.
+    with av.open(io.BytesIO(next(c.data for c in clips if c.name == "rotated-mp4"))) as container:
+        assert next(container.decode(video=0)).rotation == 90
+    assert (headers["rotated-mp4"].width, headers["rotated-mp4"].height) == (96, 64)
 
 
-def test_a_file_object_is_read_from_its_position_and_left_there(clips):
+class _NoDecode:
+    """A PyAV input container whose ``decode`` fails the test: the header path must never call it."""
+
+    def __init__(self, container: Any) -> None:
+        self._container = container
+
+    def decode(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the forecast decoded frames")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._container, name)
+
+
+def test_a_clip_over_budget_is_refused_without_decoding_a_frame(clips, monkeypatch):
+    proc = _full("qwen3_vl", _video_processor("Qwen3VLVideoProcessor", **_QWEN3))
+    real_open = av.open
+    monkeypatch.setattr(av, "open", lambda *a, **k: _NoDecode(real_open(*a, **k)))
+    capacity = 1024
+    refused = []
+    for clip in clips:
+        header = read_video_header(clip.data)
+        if len(clip.frames) >= 2 and forecast_video(header, proc).tokens > capacity:
+            refused.append(clip.name)
+    # At the released 25165824-pixel budget the 1080p and 720p clips are over 1024 tokens (4080, 2040,
+    # 1760; test_qwen3_vl_tokens_grid_and_timestamps proves these counts); the rest fit.
+    assert sorted(refused) == ["matroska-h264-5f-29.97fps-1280x720", "mp4-h264-3f-30fps-1920x1080",
+                               "webm-libvpx-vp9-2f-25fps-1080x1920"]  # fmt: skip
+
+
+def test_a_file_object_is_read_and_left_where_it_was(clips):
     clip = clips[3]
-    fp = io.BytesIO(b"xyz" + clip.data)
-    fp.seek(3)
-    assert read_video_header(fp).frames == len(clip.frames) and fp.tell() == 3
+    fp = io.BytesIO(clip.data)
+    fp.seek(7)
+    assert read_video_header(fp).frames == len(clip.frames) and fp.tell() == 7
 
 
 def _audio_only() -> bytes:
@@ -314,14 +285,18 @@ def test_qwen2_vl_released_settings_every_frame(clips, headers):
     assert report["refused"] == []
 
 
-def test_qwen2_vl_sampling_at_2_fps(clips, headers):
-    vp = _video_processor("Qwen2VLVideoProcessor", **_QWEN2, do_sample_frames=True, fps=2)
+def test_qwen2_vl_sampling_at_2_fps_with_the_per_frame_pixel_cap(clips, headers):
+    # A small max_video_tokens makes Qwen2-VL's cap (its own rule, not Qwen3-VL's) bind on most clips.
+    vp = _video_processor("Qwen2VLVideoProcessor", **_QWEN2, do_sample_frames=True, fps=2,
+                          cap_pixels_per_frame=True, max_video_tokens=300)  # fmt: skip
     report = _compare(clips, headers, lambda h: forecast_video(h, vp), _video_oracle(vp))
     _assert_all_match(report, at_least=50)
     one = next(c for c in clips if len(c.frames) == 1)
     assert one.name in report["refused"]  # sampling keeps 0 frames of 1: the processor fails, we refuse
     some = next(c for c in clips if len(c.frames) == 300)
     assert sampled_frames(headers[some.name], vp) == _video_oracle(vp)(some)["indices"]
+    uncapped = forecast_video(headers[some.name], vp, cap_pixels_per_frame=False).tokens
+    assert forecast_video(headers[some.name], vp).tokens < uncapped
 
 
 def test_qwen2_5_vl_tokens_and_second_per_grid_ts(clips, headers):
@@ -351,7 +326,7 @@ def test_qwen3_5_with_the_per_frame_pixel_cap_passed_at_call_time(clips, headers
 
 
 # LLaVA-OneVision and InternVL resize every frame to one size: the released settings (every frame) on the
-# clips of up to 32 frames, then the processors' own uniform sampling of 8 frames on all.
+# clips of up to 16 frames, then the processors' own uniform sampling of 8 frames on all.
 _OV = dict(size={"height": 384, "width": 384}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
 _INTERNVL = dict(size={"height": 448, "width": 448}, image_mean=[0.485, 0.456, 0.406],
                  image_std=[0.229, 0.224, 0.225])  # fmt: skip
@@ -362,10 +337,11 @@ def test_llava_onevision_tokens_per_frame_after_pooling(clips, headers, sample):
     extra = dict(do_sample_frames=True, num_frames=8) if sample else {}
     proc = _full("llava_onevision", _video_processor("LlavaOnevisionVideoProcessor", **_OV, **extra))
     oracle = _processor_oracle(proc, proc.video_token, proc.video_token)
-    report = _compare(clips, headers, lambda h: forecast_video(h, proc), oracle, None if sample else 32)
+    report = _compare(clips, headers, lambda h: forecast_video(h, proc), oracle, None if sample else 16)
     _assert_all_match(report, at_least=35)
     assert report["refused"] == [c.name for c in clips if sample and len(c.frames) < 8]
     assert forecast_video(headers["vfr-mp4"], proc).frame_tokens[0] == 14 * 14  # 27 x 27 patches, pooled
+    _assert_same_frames(clips, headers, proc.video_processor, sample)
 
 
 @pytest.mark.parametrize("sample", [False, True], ids=["every-frame", "8-frames"])
@@ -373,6 +349,31 @@ def test_internvl_frames_as_images(clips, headers, sample):
     extra = dict(do_sample_frames=True, num_frames=8) if sample else {}
     proc = _full("internvl", _video_processor("InternVLVideoProcessor", **_INTERNVL, **extra))
     oracle = _processor_oracle(proc, proc.video_token, proc.image_token)
-    report = _compare(clips, headers, lambda h: forecast_video(h, proc), oracle, None if sample else 32)
+    report = _compare(clips, headers, lambda h: forecast_video(h, proc), oracle, None if sample else 16)
     _assert_all_match(report, at_least=35)
     assert report["refused"] == [c.name for c in clips if sample and len(c.frames) < 8]
+    _assert_same_frames(clips, headers, proc.video_processor, sample)
+
+
+def _assert_same_frames(clips, headers, vp: Any, sample: bool) -> None:
+    """The frames the decoder must hand over: ``sampled_frames`` = the indices the video processor kept."""
+    if not sample:
+        return
+    for clip in (c for c in clips if len(c.frames) >= 8):
+        out = vp(videos=[clip.frames], video_metadata=[_oracle_metadata(clip)], return_metadata=True)
+        kept = [int(i) for i in out["video_metadata"][0].frames_indices]
+        assert sampled_frames(headers[clip.name], vp) == kept, clip.name
+
+
+def test_forecast_refusals_name_the_processor_and_the_fix(headers):
+    header = headers["vfr-mp4"]
+    with pytest.raises(ValueError, match=r"Qwen2VLProcessor has no video processor: build the processor"):
+        forecast_video(header, offline.processor("qwen2_vl"))  # the offline processor is built without one
+    ov = _video_processor("LlavaOnevisionVideoProcessor", **_OV)
+    with pytest.raises(ValueError, match=r"`num_image_tokens`; pass the full processor"):
+        forecast_video(header, ov)
+    assert forecast_video(header, ov, num_image_tokens=729).tokens == 40 * 196 + 1
+    with pytest.raises(ValueError, match=r"takes no video kwargs \['fsp'\]"):
+        forecast_video(header, _video_processor("Qwen3VLVideoProcessor", **_QWEN3), fsp=1)
+    with pytest.raises(ValueError, match="no video forecast rule for SmolVLMVideoProcessor"):
+        forecast_video(header, _video_processor("SmolVLMVideoProcessor"))

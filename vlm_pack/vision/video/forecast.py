@@ -61,7 +61,8 @@ class VideoForecast:
     tokens: int
     """Placeholder tokens of the whole video (LLaVA-OneVision: its newline token included)."""
     timestamps: tuple[float, ...] | None = None
-    """Qwen3-VL / Qwen3.5: seconds printed before each temporal group; ``None`` elsewhere."""
+    """Qwen3-VL / Qwen3.5: seconds printed before each temporal group; ``None`` elsewhere. (With sampling
+    off they are every frame's; transformers' Qwen3VLProcessor then has no ``frames_indices`` and fails.)"""
     second_per_grid_t: float | None = None
     """Qwen2-VL / Qwen2.5-VL: ``second_per_grid_ts`` entry (Qwen2.5-VL's processor passes it)."""
     num_patches: int | None = None

@@ -7,8 +7,11 @@ does not state exactly is never estimated from duration x rate.
 
 What the decoder will see, measured with PyAV 18 (tests/test_video_forecast.py checks it on every clip):
 
-- frame count: the MP4 sample count, or the demuxed packet count, equals the frames ``container.decode``
-  yields (h264 with B-frames, mpeg4, VP8, VP9);
+- frame count: the MP4 sample count, or the demuxed packet count (less the packets an edit list marks
+  discarded), equals the frames ``container.decode`` yields (h264 with B-frames, mpeg4, VP8, VP9). An MP4
+  whose sample count disagrees with duration x rate (an edit list trimming it) is demuxed;
+- cost: libavformat's stream probe (``avformat_find_stream_info``, run by every PyAV open) may decode the
+  first frame to learn the pixel format; nothing else is decoded;
 - size: ``frame.to_ndarray()`` returns the coded ``width x height``; PyAV does not apply a rotation
   display matrix (``frame.rotation`` only reports it), so the header's coded size is the size the
   processor receives from a PyAV decoder;
@@ -130,8 +133,12 @@ def _header_frames(container: Any, stream: Any, duration: float | None) -> int |
 
 
 def _demux_frames(container: Any, stream: Any) -> int:
-    """Video packets with a payload: the frames the decoder will yield (flush packets are empty)."""
-    return sum(1 for packet in container.demux(stream) if packet.size > 0)
+    """Video packets with a payload that the demuxer does not mark discarded: the frames the decoder yields.
+
+    Flush packets are empty; an MP4 edit list that starts the clip late marks its leading packets
+    ``discard`` and the decoder drops their frames (a 40-sample MP4 trimmed by 3 decodes to 37 frames).
+    """
+    return sum(1 for packet in container.demux(stream) if packet.size > 0 and not packet.is_discard)
 
 
 def _open(av: Any, video: VideoSource) -> Any:
@@ -145,8 +152,8 @@ def _open(av: Any, video: VideoSource) -> Any:
 def read_video_header(video: VideoSource, *, name: str | None = None) -> VideoHeader:
     """Frame count, mean rate, duration and size of the first video stream of ``video``, without decoding.
 
-    ``video``: encoded bytes, a path, or a seekable binary file (read from its current position, which is
-    restored afterwards). ``name`` labels the video in errors (default: the path or the byte count).
+    ``video``: encoded bytes, a path, or a seekable binary file that holds the video alone (PyAV seeks
+    absolute offsets): it is read from its start, and its position is restored afterwards. ``name`` labels the video in errors (default: the path or the byte count).
 
     Raises ``ImportError`` naming ``pip install "vlm-pack[video]"`` without PyAV, and ``ValueError`` naming
     the video for a container PyAV cannot open, one without a video stream, or one with no frame.
@@ -154,6 +161,8 @@ def read_video_header(video: VideoSource, *, name: str | None = None) -> VideoHe
     av = _import_av()
     label = name or _describe(video)
     start = video.tell() if hasattr(video, "tell") and hasattr(video, "seek") else None
+    if start:
+        video.seek(0)  # type: ignore[union-attr]  # PyAV reads on from the position, then seeks absolute
     try:
         container = _open(av, video)
     except (av.FFmpegError, OSError, UnicodeDecodeError) as exc:
