@@ -9,6 +9,7 @@ token. Prints the report; exits 1 when it fails.
     .venv/bin/python examples/check_equivalence.py --family qwen3_5      # gated delta-net layers isolated too
     .venv/bin/python examples/check_equivalence.py --family qwen3_5 --mistake mixers  # ... and when they are not
     python examples/check_equivalence.py --video --family qwen2_5_vl   # video samples (needs the [video] extra)
+    python examples/check_equivalence.py --video --family qwen3_5 --attn varlen   # videos + gated delta-net
     python examples/check_equivalence.py --video --family qwen3_vl --device cuda --dtype bfloat16 --attn varlen
 
 With a real checkpoint, replace the offline pieces by ``AutoProcessor`` / ``AutoModelForImageTextToText``
@@ -87,12 +88,14 @@ VIDEO_SETTINGS = {
     "qwen2_5_vl": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28}, cap_pixels_per_frame=False),
     "qwen3_vl": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 48 * 32 * 32}, cap_pixels_per_frame=False),
     "llava_onevision": dict(do_sample_frames=True, num_frames=4),
+    "qwen3_5": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 48 * 32 * 32}, cap_pixels_per_frame=False),
 }
 IMAGE_SETTINGS = {
     "qwen2_vl": dict(size={"shortest_edge": 56 * 56, "longest_edge": 64 * 28 * 28}),
     "qwen2_5_vl": dict(size={"shortest_edge": 56 * 56, "longest_edge": 64 * 28 * 28}),
     "qwen3_vl": dict(size={"shortest_edge": 64 * 64, "longest_edge": 64 * 32 * 32}),
     "llava_onevision": {},
+    "qwen3_5": dict(size={"shortest_edge": 64 * 64, "longest_edge": 64 * 32 * 32}),
 }
 # (question, answer, image sizes, clips as (frames, width, height, fps, container)); clip i is a video part.
 VIDEO_CONVERSATIONS = [

@@ -181,15 +181,34 @@ def test_qwen2_5_vl_without_second_per_grid_ts_fails():
     assert not report.passed and report.metric > WRONG, str(report)
 
 
-def test_the_gpu_check_runs_video_samples(capsys):
-    """``examples/check_equivalence.py --video`` (what runs on a GPU in bf16): PASS, and FAIL on its control."""
+def _example():
     import importlib.util
 
     path = Path(__file__).parents[1] / "examples" / "check_equivalence.py"
     spec = importlib.util.spec_from_file_location("example_check_equivalence_video", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_the_gpu_check_runs_video_samples(capsys):
+    """``examples/check_equivalence.py --video`` (what runs on a GPU in bf16): PASS, and FAIL on its control."""
+    example = _example()
     assert example.main(["--video", "--family", "qwen2_5_vl"]) == 0
     assert "PASS: token_mult_prob_error 1.00000" in capsys.readouterr().out
     assert example.main(["--video", "--family", "qwen2_5_vl", "--mistake", "positions"]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_qwen3_5_video_samples_need_their_delta_net_isolated(capsys):
+    """Qwen3.5 (Qwen3-VL's processor and timestamps, gated delta-net text layers): exact through varlen
+    attention, which isolates the delta-net per sample; left to transformers' PyTorch path it leaks."""
+    example = _example()
+    assert example.main(["--video", "--family", "qwen3_5", "--attn", "varlen"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS: token_mult_prob_error 1.00000" in out
+    assert example.main(["--video", "--family", "qwen3_5", "--mistake", "mixers"]) == 1
+    out = capsys.readouterr().out
+    metric = float(out.split("token_mult_prob_error ")[1].split()[0])
+    print(f"qwen3_5 video, delta-net not isolated: token_mult_prob_error {metric:.4f}")
+    assert "mixes tokens without attention" in out and metric > WRONG

@@ -31,12 +31,15 @@ _VIDEO = {
     ),
     "qwen3_vl": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 48 * 32 * 32}, cap_pixels_per_frame=False),
     "llava_onevision": dict(do_sample_frames=True, num_frames=4),
+    # Qwen3.5: Qwen3-VL's processor and timestamps (its tiny model needs flash-linear-attention to pack)
+    "qwen3_5": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 48 * 32 * 32}, cap_pixels_per_frame=False),
 }
 _IMAGE = {
     "qwen2_vl": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28}),
     "qwen2_5_vl": dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28}),
     "qwen3_vl": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 64 * 32 * 32}),
     "llava_onevision": {},
+    "qwen3_5": dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 64 * 32 * 32}),
 }
 FAMILIES = tuple(_VIDEO)
 _VIDEO_TURNS = [
@@ -87,9 +90,12 @@ def test_rendering_writes_the_video_placeholder_and_checks_counts():
             num_videos=1, video_placeholder="<|video_pad|>", key="k2",
         )  # fmt: skip
     assert err.value.reason == "placeholder_mismatch"
+    template = (_TEMPLATES / "qwen2_vl.jinja").read_text()
+    with pytest.raises(SampleError, match=r"sample 'k3'.*1 video placeholder\(s\) but 0 video"):
+        render_conversation(_VIDEO_TURNS, tokenizer=tok, placeholder="<|image_pad|>", num_images=0,
+                            template=template, key="k3")  # a video part, but no video given
     # no video part anywhere: the videos open the first user turn, after the images
     plain = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
-    template = (_TEMPLATES / "qwen2_vl.jinja").read_text()
     text = render_conversation(
         plain, tokenizer=tok, placeholder="<|image_pad|>", num_images=1, template=template,
         num_videos=1, video_placeholder="<|video_pad|>",
@@ -131,15 +137,55 @@ def test_decode_frames_keeps_only_the_asked_frames(container):
 
 
 @pytest.mark.torchvision
-def test_a_truncated_clip_decodes_up_to_its_last_good_frame_only():
+def test_decoding_holds_the_kept_frames_not_the_clip():
+    """Peak traced memory (numpy reports its buffers to tracemalloc) while keeping 2 of 60 frames stays near
+    2 frames; keeping all 60 costs 60 (so the measure sees frames at all)."""
     pytest.importorskip("av")
+    import tracemalloc
+
     from vlm_pack.processing.videos import decode_frames
 
-    clip = _clip(30, 64, 48, 10.0, "mp4", 5)
-    truncated = clip[: len(clip) * 2 // 3]  # the header (moov at the end? then nothing opens) or the tail is lost
+    clip = _clip(60, 128, 96, 10.0, "mp4", 8)
+    frame = 128 * 96 * 3
+    decode_frames(clip, [0], "warm-up")  # imports and codec set-up are not the frames
+    peaks = {}
+    for kept in ([0, 59], list(range(60))):
+        tracemalloc.start()
+        decode_frames(clip, kept, "clip")
+        peaks[len(kept)] = tracemalloc.get_traced_memory()[1] / frame
+        tracemalloc.stop()
+    assert peaks[2] < 4 and peaks[60] > 55, peaks
+
+
+@pytest.mark.torchvision
+def test_a_truncated_clip_is_a_decode_error_naming_it(tmp_path):
+    """Cut short: a plain MP4 loses its index (written last) and does not open; a "faststart" MP4 keeps its
+    index up front, states 30 frames and yields fewer: both bad data, naming the video."""
+    av = pytest.importorskip("av")
+    from vlm_pack.processing.videos import decode_frames
+    from vlm_pack.vision.video import read_video_header
+
+    plain = _clip(30, 64, 48, 10.0, "mp4", 5)
     with pytest.raises(SampleError, match="clip 7 does not decode") as err:
-        decode_frames(truncated, [0, 29], "clip 7")
+        decode_frames(plain[: len(plain) * 2 // 3], [0, 29], "clip 7")
     assert err.value.reason == "decode_error"
+    path = tmp_path / "faststart.mp4"
+    with av.open(str(path), "w", format="mp4", options={"movflags": "faststart"}) as out:
+        stream = out.add_stream("libx264", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for index in range(30):
+            pixels = np.random.default_rng(index).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    data = path.read_bytes()
+    cut = data[: len(data) // 2]
+    assert read_video_header(cut).frames == 30  # the header still says 30
+    with pytest.raises(SampleError, match=r"clip 8 does not decode: it yields \d+ frame\(s\), but frame 29") as err:
+        decode_frames(cut, [0, 29], "clip 8")
+    assert err.value.reason == "decode_error"
+    assert len(decode_frames(cut, [0, 5], "clip 8")) == 2  # the frames it holds still decode
 
 
 # ------------------------------------------------------------------------- processing through HF processors
@@ -208,9 +254,12 @@ def test_forecast_equals_processed_length_for_video_and_mixed_samples(family):
     rows = [(conv, [im.size for im in ims], k, [read_video_header(c) for c in vids]) for k, (ims, vids, conv) in enumerate(cases)]
     forecasts = pre.forecast_rows(rows)
     image_id = pre.processor.image_token_id
-    for (images, videos, conversation), forecast in zip(cases, forecasts):
+    for (images, videos, conversation), forecast, row in zip(cases, forecasts, rows):
         assert not isinstance(forecast, Exception), forecast
         sample = pre.process(images, conversation, videos=videos)
+        length, _, prompt = pre.forecast_prompt(*row[:3], videos=row[3])  # rendered once, processed with it
+        again = pre.process(images, conversation, prompt=prompt, videos=videos)
+        assert length == forecast.length and torch.equal(again["input_ids"], sample["input_ids"])
         assert forecast.length == len(sample["input_ids"])
         assert forecast.video_counts == sample["tokens_per_video"].tolist()
         assert forecast.counts == sample["tokens_per_image"].tolist()
@@ -262,3 +311,13 @@ def test_videos_need_the_expanded_layout_and_a_video_processor():
         process_sample([], _VIDEO_TURNS, processor=_processor("qwen2_vl"), layout="collapsed", key="c", videos=[_clip()])
     with pytest.raises(InternalCheckError, match=r"sample 'p'.*video processor"):
         process_sample([], _VIDEO_TURNS, processor=offline.processor("qwen2_vl"), key="p", videos=[_clip()])
+    import transformers
+
+    internvl = transformers.InternVLProcessor(
+        image_processor=offline.image_processor("internvl"),
+        tokenizer=offline.build_tokenizer("internvl"),
+        video_processor=transformers.InternVLVideoProcessor(),
+        image_seq_length=256,
+    )  # its frames become image tokens with Frame{i} text: no rule here yet, so refused up front
+    with pytest.raises(InternalCheckError, match=r"sample 'i'.*not those of InternVLVideoProcessor"):
+        process_sample([], _VIDEO_TURNS, processor=internvl, key="i", videos=[_clip()])

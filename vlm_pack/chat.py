@@ -456,6 +456,8 @@ def render_conversation(
     if isinstance(template, str) or (template is None and _checkpoint_template(tokenizer, processor)):
         jinja = template if isinstance(template, str) else _checkpoint_template(tokenizer, processor)
         messages = _normalise(conversation, num_images, key, num_videos)
+        parts = sum(p["type"] == "video" for m in messages for p in m["content"])
+        _check_count(parts, num_videos, "video", VIDEO_MARKER, key)  # a template may write its own token
         texts = [p.get("text", "") for m in messages for p in m["content"]]
         for token in (placeholder, video) if video else (placeholder,):
             _check_placeholder_free(texts, token, key)

@@ -32,8 +32,12 @@ A plain string is a caption: the images are the prompt and the whole caption is 
 
 Rooms: ``render`` (placeholder, template, collapsed ids), ``markers`` (tokens a processor writes around an
 image), ``length`` (the one forecast and the expanded length), ``images`` (loading), ``placement`` (the HF
-processor path), ``layout`` (tokenizer + image processor, the collapsed layout), ``sample`` (process_sample,
-process_pack).
+processor path), ``layout`` (tokenizer + image processor, the collapsed layout), ``videos`` (decoding only the
+frames a video's forecast keeps, PyAV), ``sample`` (process_sample, process_pack).
+
+Videos (``{"type": "video"}`` parts or ``<video>`` markers; ``process_sample(..., videos=[bytes or path])``) go
+through an HF ``processor`` with its video processor, expanded layout only, and forecast from their headers
+(``forecast_rows`` rows ``(conversation, sizes, key, video headers)``).
 """
 
 from __future__ import annotations

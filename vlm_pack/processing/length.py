@@ -91,15 +91,15 @@ def forecast_rows(
     how = _How(tokenizer, spec, processor, _wraps(spec), tokenizer.convert_tokens_to_ids(placeholder), keep, fast)
     out: list[Forecast | Exception | None] = [None] * len(rows)
     staged: list[_Row] = []
-    for index, (conversation, sizes, key, *more) in enumerate(rows):
+    for index, given in enumerate(rows):
+        conversation, sizes, key = given[0], given[1], given[2]
         try:
-            videos = _video_forecasts(more[0], processor) if more and more[0] else []
+            videos = _video_forecasts(given[3], processor) if len(given) > 3 and given[3] else []
             rendering = _render(
                 conversation, tokenizer, processor, family, template, len(sizes), key,
                 spans=keep or not fast, placeholder=placeholder, num_videos=len(videos),
             )  # fmt: skip
-            row = _stage(index, key, rendering, sizes, how, videos)
-            staged.append(row)
+            staged.append(_stage(index, key, rendering, sizes, how, videos))
         except Exception as exc:
             out[index] = exc
     for row, ids in zip(staged, _token_ids(tokenizer, staged)):

@@ -12,6 +12,7 @@ import torch
 
 from ..chat import ChatFormat, Conversation, Template
 from ..failures import InternalCheckError, SampleError, skip_reason
+from ..families import FAMILIES
 from .images import _load_images
 from .layout import _collapse, _expand_text, _finish, _grid_counts, _with_image_processor
 from .placement import _with_processor
@@ -96,6 +97,14 @@ def _check_video_options(processor: Any, layout: str, key: Any) -> None:
         raise InternalCheckError(
             f"sample {key!r} has videos: the collapsed layout keeps one placeholder per image only; "
             "use layout='expanded' for videos"
+        )
+    classes = {cls.__name__ for cls in type(processor.video_processor).__mro__}
+    supported = {f.video_processor: f.name for f in FAMILIES.values() if f.video_wraps}
+    if not classes & set(supported):
+        raise InternalCheckError(
+            f"sample {key!r} has videos: vlm-pack processes the videos of {', '.join(sorted(set(supported.values())))}"
+            f", not those of {type(processor.video_processor).__name__} (its frames' tokens and wrappers have no "
+            "forecast rule here yet)"
         )
 
 

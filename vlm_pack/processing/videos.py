@@ -68,8 +68,7 @@ def _open(av: Any, source: Any) -> Any:
         return av.open(io.BytesIO(bytes(source)), "r")
     if isinstance(source, (str, os.PathLike)):
         return av.open(os.fspath(source), "r")
-    source.seek(0)
-    return av.open(source, "r")
+    return av.open(source, "r")  # a binary file, read from where it stands (as read_video_header does)
 
 
 def decode_frames(source: Any, indices: Sequence[int], name: str = "video") -> np.ndarray:
