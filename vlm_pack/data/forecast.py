@@ -535,11 +535,9 @@ def forecast_sources(
             most common reason (default: ``PackingConfig``'s, ``DEFAULT_MAX_CONSECUTIVE_FAILURES``; None:
             no limit, every invalid record is listed).
 
-    Records with bad data are invalid (``on_error``): a video whose container does not open or read counts as
-    ``corrupt_video``. An error of code (a ``template`` raising ``AttributeError`` / ``TypeError`` ..., a bug)
-    raises ``SampleCodeError`` naming the record, as does a video without PyAV (``pip install
-    "vlm-pack[video]"``; image-only sources never import it).
-    """
+    Records with bad data are invalid (``on_error``; an unreadable video: ``corrupt_video``). An error of code
+    (a ``template`` raising ``TypeError`` ..., a bug; a video without ``pip install "vlm-pack[video]"``)
+    raises ``SampleCodeError`` naming the record."""
     from tqdm import tqdm
 
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
