@@ -6,9 +6,12 @@ setup:
 demo: setup
 	.venv/bin/vlm-pack demo
 
+# the main suite, then the torchvision/video-marked tests in their own venv (scripts/test_torchvision.sh:
+# torch 2.14.1 + torchvision + av; the first run installs it, see docs/versions.md for the time it takes)
 test: setup
 	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -q
+	bash scripts/test_torchvision.sh
 
 # the inner loop: every test not marked slow (each module's core behaviour, under a minute on 2 cores)
 test-fast: setup
@@ -26,4 +29,4 @@ wheel: setup
 	bash scripts/check_wheel.sh
 
 clean:
-	rm -rf .venv build *.egg-info .pytest_cache vlm-pack-report
+	rm -rf .venv .venv-tv build *.egg-info .pytest_cache vlm-pack-report

@@ -152,9 +152,9 @@ def test_lazy_and_streaming_readers_agree_and_lazy_reads_only_headers(tmp_path, 
         assert not isinstance(lazy[1]["0.png"], bytes)  # an unread file object
 
         headers = [read_header(s) for s in (lazy[0], streamed[0], lazy[1], streamed[1])]
-        assert headers[0] == headers[1] == ("a caption", ["jpg"], [(60, 150)])  # EXIF orientation applied
+        assert headers[0] == headers[1] == ("a caption", ["jpg"], [(60, 150)], [], [])  # EXIF orientation applied
         assert headers[0].image_sizes[0] == ImageOps.exif_transpose(Image.open(io.BytesIO(rotated))).size
-        assert headers[2] == headers[3] == (conv, ["0.png", "1.webp"], [(500, 400), (64, 48)])
+        assert headers[2] == headers[3] == (conv, ["0.png", "1.webp"], [(500, 400), (64, 48)], [], [])
         assert f.n_read < len(big) // 3  # headers only: neither big image was read
         assert lazy[1]["0.png"].read() == big  # the header read left the member at its start
         for i, (reason, text) in zip(

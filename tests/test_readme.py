@@ -35,6 +35,18 @@ def _name(page: Path) -> str:
     return str(page.relative_to(ROOT))
 
 
+def _needs(page: Path) -> list[str]:
+    """The modules a page's blocks import beyond the main set-up, from its first line
+    (``<!-- needs: av, torchvision -->``): its run is then `torchvision`-marked and skipped without them."""
+    first = page.read_text().splitlines()[0]
+    found = re.match(r"<!-- needs: (.*) -->", first)
+    return [m.strip() for m in found.group(1).split(",")] if found else []
+
+
+def _page_param(page: Path) -> object:
+    return pytest.param(page, id=_name(page), marks=[pytest.mark.torchvision] if _needs(page) else [])
+
+
 def _hf_qwen_tokens(image: Image.Image, patch_size: int, min_pixels: int, max_pixels: int) -> int:
     import transformers
 
@@ -118,8 +130,10 @@ def parallel_run(page_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", [p for p in PAGES if _runnable(p)], ids=_name)
+@pytest.mark.parametrize("page", [_page_param(p) for p in PAGES if _runnable(p)])
 def test_every_page_runs_as_pasted(page, page_runs):
+    for module in _needs(page):
+        pytest.importorskip(module)
     after, outputs, _ = page_runs(_name(page))
     assert len(after) == len(outputs) == len(_runnable(page))
 
@@ -341,3 +355,23 @@ def test_plans_block_loads_the_saved_plan_and_refuses_another_capacity(data_run)
     rows = [int(r) for i in range(len(rank1)) for r in rank1.rows_of(rank1.bin_of(i)[2])]
     assert sorted(rows) == sorted(int(r) for b in plan.rank_bins_of(1) for r in plan.rows_of(int(b)))
     assert outputs[4].strip() == "stale: packing.capacity changed"
+
+
+@pytest.mark.slow
+@pytest.mark.torchvision
+def test_the_video_page_forecasts_what_processing_and_decoding_give(page_runs):
+    """docs/video.md: the header's frames and size are what PyAV decodes, the stream packed every sample at
+    its header forecast, and the LLaVA-Video row's forecast is the length processing the clip gives."""
+    av = pytest.importorskip("av")
+    pytest.importorskip("torchvision")
+    after, outputs, _ = page_runs("docs/video.md")
+    ns = after[0]
+    with av.open(io.BytesIO(ns["clip"])) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert outputs[0].splitlines()[0].split()[:4] == [str(len(frames)), "6.0", *map(str, frames[0].shape[1::-1])]
+    assert outputs[0].splitlines()[-1] == "0" and sorted(ns["batch"].metadata["__key__"]) == ["caption", "clip", "mixed"]
+    pre, row = after[1]["pre"], after[1]["rows"][0]
+    conversation = [{"role": "user", "content": "<video>\nWhat moves?"}, {"role": "assistant", "content": "A square."}]
+    processed = pre.process([], conversation, videos=[ns["clip"]])
+    assert outputs[1].split() == [f"[{int(processed['input_ids'].shape[0])}]", f"[{int(processed['tokens_per_video'].sum())}]"]
+    assert row["video"] == "clip.mp4"

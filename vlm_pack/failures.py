@@ -79,6 +79,7 @@ REASONS: dict[str, str] = {
     "missing_text": "a record without a text it can be read from (it fits no record format)",
     "bad_text": "a text that does not parse, or that the chat template refuses",
     "corrupt_image": "an image whose header does not read, or that is missing",
+    "corrupt_video": "a video whose container does not open or read, or that is missing",
     "image_too_large": "an image whose header declares more than max_image_pixels (not decoded)",
     "placeholder_mismatch": "the text's image places differ from the sample's images",
     "image_rejected": "an image the processor's size rule refuses",

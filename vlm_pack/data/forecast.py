@@ -4,11 +4,20 @@ Each worker process reads whole chunks of the sources itself (``sources.read_chu
 record, reads each image's ``(width, height)`` from its header bytes (``vision.image_size``; no pixel is
 decoded) and forecasts the chunk's rows in one ``Preprocessor.forecast_rows`` call (vlm-pack's one forecast,
 its prompts tokenized in one batched call): the numbers of ``Preprocessor.forecast``, so the forecast equals
-``len(process_sample(...)["input_ids"])``. Results come back in source order, whatever ``num_workers``::
+``len(process_sample(...)["input_ids"])``. A video's header is read from its container (PyAV; an MKV / WebM's
+packets demuxed, never decoded) and forecast once (``vision.video.forecast_video``), the forecast handed to
+the Preprocessor as it is. Results come back in source order, whatever ``num_workers``::
 
     main       open_sources ─ chunks ─┬──────────────────────────────────┬─ in order ─> LengthTable
     worker 0        chunk 0, 2, 4 ... │ read ─ normalise ─ image_size ─  │  + tqdm: total, rate, ETA
-    worker 1        chunk 1, 3, 5 ... │        tokenize ─ sample_tokens  │
+    worker 1        chunk 1, 3, 5 ... │ video header ─ tokenize ─ sample │
+                                      │ tokens; bad records as values    │  one Guard counts them,
+                                      └──────────────────────────────────┘  in source order
+
+A record that cannot be read or forecast travels back as its :class:`SampleError` (classified in the worker by
+``vlm_pack.failures.data_error``: an error of code raises there); the main process counts every chunk's
+outcomes in source order through the run's one :class:`~vlm_pack.failures.Guard` (``forecast_guard``): its
+budget of consecutive failures, its ``on_error``.
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..config import DEFAULT_MAX_CONSECUTIVE_FAILURES, ON_ERROR, check_choice
-from ..failures import FailureBudget, SampleError, skip_reason
+from ..failures import FailurePolicy, Guard, SampleError, data_error, skip_reason
+from .reader import video_headers
 from .records import Sample
 from .sources import Chunk, Source, chunk_samples, chunks, open_sources
 from .strings import Strings
@@ -62,6 +72,8 @@ class LengthTable:
         index: int64 ``[N]``: ordinal of each sample among all records read, invalid ones included (for a
             single dataset: its row), or None when the table was built from samples without one.
         invalid_reasons: the reason code (``vlm_pack.failures.REASONS``) of each ``invalid`` sample.
+        num_videos, video_tokens: int64 ``[N]``: videos per sample and their placeholder tokens (None: a table
+            made before videos, read as none); ``num_patches`` counts their encoder patches too (Qwen-VL).
     """
 
     keys: Strings
@@ -75,6 +87,8 @@ class LengthTable:
     invalid: list[tuple[str, str, str]] = field(default_factory=list)
     index: np.ndarray | None = None
     invalid_reasons: list[str] = field(default_factory=list)
+    num_videos: np.ndarray | None = None
+    video_tokens: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.keys, self.sources = Strings(self.keys), Strings(self.sources)  # lists are taken too
@@ -85,14 +99,15 @@ class LengthTable:
         one image (the keys and sources front-coded), so 100 M samples take ~10 GB, not the ~40 GB of lists."""
         arrays = [self.text_tokens, self.vision_tokens, self.num_patches, self.image_ptr, self.image_tokens,
                   self.image_starts, self.keys, self.sources]  # fmt: skip
-        if self.index is not None:
-            arrays.append(self.index)
+        arrays += [a for a in (self.index, self.num_videos, self.video_tokens) if a is not None]
         return sum(a.nbytes for a in arrays)
 
     @property
     def lengths(self) -> np.ndarray:
-        """int64 ``[N]``: expanded lengths (text + vision tokens)."""
-        return self.text_tokens + self.vision_tokens
+        """int64 ``[N]``: expanded lengths (text + image tokens + video tokens)."""
+        if self.video_tokens is None:
+            return self.text_tokens + self.vision_tokens
+        return self.text_tokens + self.vision_tokens + self.video_tokens
 
     @property
     def num_images(self) -> np.ndarray:
@@ -204,6 +219,8 @@ class _ChunkResult:
     num_images: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
+    videos: list[int] = field(default_factory=list)  # videos of each sample
+    video_tokens: list[int] = field(default_factory=list)  # their placeholder tokens, per sample
     invalid: list[tuple[str, str, str]] = field(default_factory=list)
     failed_ordinals: list[int] = field(default_factory=list)  # of ``invalid``, within the chunk
     failed_reasons: list[str] = field(default_factory=list)  # of ``invalid``: reason codes
@@ -211,7 +228,7 @@ class _ChunkResult:
     def sealed(self) -> _ChunkResult:
         """The per-sample lists as int64 arrays and :class:`Strings`: a list of Python ints and strs costs
         ~300 bytes a sample, which the driver would hold for every chunk of a 100 M-sample forecast."""
-        for name in ("ordinals", "text", "patches", "num_images", "counts", "starts"):
+        for name in ("ordinals", "text", "patches", "num_images", "counts", "starts", "videos", "video_tokens"):
             setattr(self, name, np.asarray(getattr(self, name), dtype=np.int64))
         self.keys, self.wheres = Strings(self.keys), Strings(self.wheres)  # type: ignore[assignment]
         return self
@@ -219,19 +236,53 @@ class _ChunkResult:
 
 @dataclass(slots=True)
 class _Read:
-    """A record read and its images sized, waiting for its chunk's one forecast (``Preprocessor.forecast_rows``)."""
+    """A record read, its images sized and its videos' headers read, waiting for its chunk's one forecast
+    (``Preprocessor.forecast_rows``)."""
 
     ordinal: int
     sample: Sample
     sizes: list[tuple[int, int]]
     patches: int
+    videos: list[Any]  # VideoForecast (or VideoHeader) of each video (vlm_pack.vision.video), in placeholder order
+
+
+def sample_videos(sample: Sample) -> list[Any]:
+    """The ``VideoHeader`` of each video of ``sample``, from its container (no frame decoded); raises as
+    :func:`vlm_pack.data.reader.video_headers` (``"corrupt_video"``; without PyAV, naming the extra)."""
+    names = [f"{sample.label}, video {i}" for i in range(len(sample.videos))]
+    return video_headers(sample.videos, names, sample.key)
+
+
+def video_forecasts(pre: Preprocessor, headers: Sequence[Any]) -> list[Any]:
+    """Each ``VideoHeader``'s ``VideoForecast`` by ``pre``'s processor (what its forecast takes as it is, so
+    nothing is forecast twice; its ``num_patches`` is the video's vision cost), or the headers as they are
+    where ``pre`` has no video processor (its forecast then names what is missing)."""
+    if not headers or getattr(pre.processor, "video_processor", None) is None:
+        return list(headers)
+    from ..vision.video import forecast_video
+
+    return [forecast_video(header, pre.processor) for header in headers]
+
+
+def video_patches(videos: Sequence[Any]) -> int:
+    """Vision-encoder patches of ``videos`` (``VideoForecast.num_patches``; 0 where a family gives none)."""
+    return sum(int(getattr(video, "num_patches", None) or 0) for video in videos)
 
 
 def _read(f: _Forecaster, sample: Sample, ordinal: int, sizes: list[tuple[int, int]] | None = None) -> _Read:
     if sizes is None:
         sizes = image_sizes(sample, exif_transpose=f.exif_transpose, verify=f.verify)
-    patches = sum(int(f.pre.spec.num_patches(w, h)) for w, h in sizes)
-    return _Read(ordinal, sample, sizes, patches)
+    videos = video_forecasts(f.pre, sample_videos(sample))
+    patches = sum(int(f.pre.spec.num_patches(w, h)) for w, h in sizes) + video_patches(videos)
+    return _Read(ordinal, sample, sizes, patches, videos)
+
+
+def _row(r: _Read) -> tuple[Any, ...]:
+    """The row ``Preprocessor.forecast_rows`` takes: ``(conversation, image sizes, key)``, and the video
+    headers where the sample has videos."""
+    if r.videos:
+        return (r.sample.conversation, r.sizes, r.sample.key, r.videos)
+    return (r.sample.conversation, r.sizes, r.sample.key)
 
 
 def _row_error(exc: Exception, sample: Sample) -> SampleError:
@@ -243,10 +294,13 @@ def _row_error(exc: Exception, sample: Sample) -> SampleError:
 
 
 def _add(r: _Read, forecast: Forecast, out: _ChunkResult) -> None:
+    video_tokens = sum(getattr(forecast, "video_counts", None) or ())
     out.ordinals.append(r.ordinal)
     out.keys.append(r.sample.key)
     out.wheres.append(r.sample.where)
-    out.text.append(forecast.length - sum(forecast.counts))
+    out.text.append(forecast.length - sum(forecast.counts) - video_tokens)
+    out.videos.append(len(r.videos))
+    out.video_tokens.append(video_tokens)
     out.patches.append(r.patches)
     out.num_images.append(len(forecast.counts))
     out.counts.extend(forecast.counts)
@@ -303,37 +357,36 @@ def _forecast_chunk_items(
         except Exception as e:
             label = sample.label if isinstance(sample, Sample) else where
             key = sample.key if isinstance(sample, Sample) else key  # the record's own key, as on success
-            failed.append((out.records - 1, key, where, _data_error(e, label, key)))
-    rows = [(r.sample.conversation, r.sizes, r.sample.key) for r in read]
-    for r, forecast in zip(read, f.pre.forecast_rows(rows)):
+            failed.append((out.records - 1, key, where, data_error(e, "bad_text", label, key)))
+    for r, forecast in zip(read, f.pre.forecast_rows([_row(r) for r in read])):
         if isinstance(forecast, Exception):
             failed.append((r.ordinal, r.sample.key, r.sample.where, _row_error(forecast, r.sample)))
         else:
             _add(r, forecast, out)
+    # The failures travel back as values; the run's one Guard (main process, _spend) counts them in order.
     failed.sort(key=lambda item: item[0])  # source order, whichever step found the fault
-    if failed and f.on_error == "raise":
-        raise failed[0][3]
     out.invalid = [(key, where, str(e)) for _, key, where, e in failed]
     out.failed_ordinals = [ordinal for ordinal, _, _, _ in failed]
     out.failed_reasons = [e.reason for _, _, _, e in failed]
     return out.sealed()
 
 
-def _data_error(exc: Exception, label: str, key: str) -> SampleError:
-    """``exc`` as the :class:`SampleError` a record is skipped with; raises an error of code."""
-    reason = skip_reason(exc, "bad_text", label, key)
-    return exc if isinstance(exc, SampleError) else SampleError(reason, f"{label}: {type(exc).__name__}: {exc}")
-
-
-def _spend(budget: FailureBudget, result: _ChunkResult) -> None:
-    """Feed a chunk's outcomes, in source order, to the failure budget (raises when it is spent)."""
+def _spend(guard: Guard, result: _ChunkResult) -> None:
+    """Count a chunk's outcomes, in source order, in the run's guarded forecast stage: a good sample ends a
+    run of bad ones, a bad one is reported and counted under its reason (raises when the budget is spent,
+    or at once under ``on_error="raise"``)."""
     failures = dict(zip(result.failed_ordinals, zip(result.failed_reasons, result.invalid)))
     for ordinal in sorted([*result.ordinals, *failures]):
         if ordinal not in failures:
-            budget.success()
+            guard.good()
             continue
         reason, (key, where, message) = failures[ordinal]
-        budget.failure(reason, where if str(key) in where else f"{where} (key {key!r})", message)
+        guard.bad(SampleError(reason, message), where if str(key) in where else f"{where} (key {key!r})", key, where)
+
+
+def forecast_guard(who: str, on_error: str = "skip", max_consecutive_failures: int | None = None) -> Guard:
+    """The guarded stage a forecast run (``who``) counts its bad records in (``vlm_pack.failures``)."""
+    return FailurePolicy(who, on_error, max_consecutive_failures).stage("header-only forecast", "bad_text")
 
 
 def _ordered_map(executor: Executor | None, items: Iterator[Chunk], window: int) -> Iterator[_ChunkResult]:
@@ -388,7 +441,15 @@ def _table(results: list[_ChunkResult]) -> LengthTable:
         [bad for r in results for bad in r.invalid],
         index,
         invalid_reasons=[reason for r in results for reason in r.failed_reasons],
+        **_video_columns(cat("videos"), cat("video_tokens")),
     )
+
+
+def _video_columns(videos: np.ndarray, tokens: np.ndarray) -> dict[str, np.ndarray | None]:
+    """A table's video arrays, or none for data without a video (an image-only table costs what it did)."""
+    if not videos.any():
+        return {"num_videos": None, "video_tokens": None}
+    return {"num_videos": videos, "video_tokens": tokens}
 
 
 def make_forecaster(
@@ -424,12 +485,10 @@ def assemble_table(
     """The :class:`LengthTable` of chunk results given in source order, consumed as they come: the failure
     budget is spent in that order (raises ``FailureBudgetError`` where :func:`forecast_sources` would) and,
     with ``on_error="raise"``, the first bad sample raises, so an engine stops at the first bad chunks."""
-    budget = FailureBudget(max_consecutive_failures, who)
+    guard = forecast_guard(who, on_error, max_consecutive_failures)
     kept = []
     for result in results:
-        if on_error == "raise" and result.invalid:
-            raise SampleError(result.failed_reasons[0], result.invalid[0][2])
-        _spend(budget, result)
+        _spend(guard, result)
         kept.append(result)
     return _table(kept)
 
@@ -476,8 +535,10 @@ def forecast_sources(
             most common reason (default: ``PackingConfig``'s, ``DEFAULT_MAX_CONSECUTIVE_FAILURES``; None:
             no limit, every invalid record is listed).
 
-    Records with bad data are invalid (``on_error``); an error of code (a ``template`` raising
-    ``AttributeError`` / ``TypeError`` ..., a bug) raises ``SampleCodeError`` naming the record.
+    Records with bad data are invalid (``on_error``): a video whose container does not open or read counts as
+    ``corrupt_video``. An error of code (a ``template`` raising ``AttributeError`` / ``TypeError`` ..., a bug)
+    raises ``SampleCodeError`` naming the record, as does a video without PyAV (``pip install
+    "vlm-pack[video]"``; image-only sources never import it).
     """
     from tqdm import tqdm
 
@@ -501,13 +562,13 @@ def forecast_sources(
     total = None if None in totals else sum(t for t in totals if t is not None)
     disable = (not progress) if progress is not None else None
     results: list[_ChunkResult] = []
-    budget = FailureBudget(max_consecutive_failures, "forecast_sources (header-only forecast)")
+    guard = forecast_guard("forecast_sources", on_error, max_consecutive_failures)
     executor = _pool(num_workers, forecaster)
     try:
         with tqdm(total=total, desc="forecast", unit=" samples", disable=disable, smoothing=0.1) as bar:
             for result in _ordered_map(executor, chunks(opened, chunk_rows), window=4 * num_workers):
                 results.append(result)
-                _spend(budget, result)
+                _spend(guard, result)
                 bar.update(result.records)
     finally:
         if executor is not None:

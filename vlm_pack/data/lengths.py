@@ -6,10 +6,12 @@ One row per forecast sample, in source order::
     column          type          what
     row             int64         ordinal among all records read, invalid ones included (LengthTable.index)
     key, source     string        the sample's key and where it was read
-    text_tokens     int64         tokens that are not image placeholders
+    text_tokens     int64         tokens that are not image or video placeholders
     vision_tokens   int64         image placeholder tokens (sum over the sample's images)
-    length          int64         text_tokens + vision_tokens: the processed length
-    num_patches     int64         vision-encoder patches
+    video_tokens    int64         video placeholder tokens (sum over the sample's videos)
+    num_videos      int64         videos of the sample
+    length          int64         text_tokens + vision_tokens + video_tokens: the processed length
+    num_patches     int64         vision-encoder patches (images and videos)
     image_tokens    list<int64>   placeholders of each image
     image_starts    list<int64>   where each image's block starts inside the sample
 
@@ -32,7 +34,8 @@ from .strings import Strings
 
 __all__ = ["read_lengths", "write_lengths"]
 
-LENGTHS_FORMAT = 1
+LENGTHS_FORMAT = 2  # 2: video_tokens and num_videos (a format-1 table, written before videos, reads as none)
+_READS = (1, 2)
 _META = b"vlm_pack"
 
 
@@ -60,6 +63,8 @@ def write_lengths(table: LengthTable, path: str | os.PathLike[str]) -> Path:
         "source": _arrow_strings(table.sources),
         "text_tokens": pa.array(table.text_tokens, pa.int64()),
         "vision_tokens": pa.array(table.vision_tokens, pa.int64()),
+        "video_tokens": pa.array(_or_zeros(table.video_tokens, len(table)), pa.int64()),
+        "num_videos": pa.array(_or_zeros(table.num_videos, len(table)), pa.int64()),
         "length": pa.array(table.lengths, pa.int64()),
         "num_patches": pa.array(table.num_patches, pa.int64()),
         "image_tokens": make(offsets, pa.array(table.image_tokens, pa.int64())),
@@ -76,6 +81,10 @@ def write_lengths(table: LengthTable, path: str | os.PathLike[str]) -> Path:
     pq.write_table(arrow, tmp)
     os.replace(tmp, path)
     return path
+
+
+def _or_zeros(values: np.ndarray | None, n: int) -> np.ndarray:
+    return np.zeros(n, np.int64) if values is None else np.asarray(values, np.int64)
 
 
 def _arrow_strings(strings: Strings, piece: int = 1 << 20) -> Any:
@@ -106,7 +115,7 @@ def read_lengths(path: str | os.PathLike[str]) -> LengthTable:
             "vlm_pack.data.lengths.write_lengths or `vlm-pack analyze ... --lengths FILE.parquet`."
         )
     meta = json.loads(raw)
-    if meta.get("format") != LENGTHS_FORMAT:
+    if meta.get("format") not in _READS:
         raise ValueError(
             f"{path}: lengths table format {meta.get('format')!r}, this vlm-pack reads {LENGTHS_FORMAT}; "
             "forecast the data again."
@@ -126,4 +135,6 @@ def read_lengths(path: str | os.PathLike[str]) -> LengthTable:
         invalid=[tuple(item) for item in meta["invalid"]],
         index=i64("row"),
         invalid_reasons=list(meta["invalid_reasons"]),
+        num_videos=i64("num_videos") if "num_videos" in arrow.column_names else None,
+        video_tokens=i64("video_tokens") if "video_tokens" in arrow.column_names else None,
     )

@@ -359,7 +359,8 @@ class PackedMapDataset(torch.utils.data.Dataset):
             record, record_format=self.record_format, key=str(row), where=f"dataset[{row}]", image_root=self.image_root
         )
         images = [im if not isinstance(im, str) else Path(im) for im in sample.images]
-        out = self.preprocessor.process(images, sample.conversation, sample.key)
+        media = {"videos": list(sample.videos)} if sample.videos else {}  # image-only: processed as before
+        out = self.preprocessor.process(images, sample.conversation, sample.key, **media)
         n = int(out["input_ids"].shape[0])
         if n != forecast:
             raise forecast_mismatch(forecast, n, sample.label)

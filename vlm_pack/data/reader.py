@@ -9,27 +9,33 @@ stream packs::
                     (random-access TarFile)      seekable file objects (not read)     (forecast_sources)
                           │
                           ▼   webdataset group_by_keys: key = name up to the first dot, field = the rest
-    {"__key__": "000018", "__url__": url, "json": b"...", "0.png": <bytes|file>, "1.webp": ...}
+    {"__key__": "000018", "__url__": url, "json": b"...", "0.png": <bytes|file>, "1.webp": ..., "mp4": ...}
                           │
                           ▼   read_header(): parse_text + image_fields + vision.image_size (header only)
-    SampleHeader(conversation, image_names=["0.png", "1.webp"], image_sizes=[(w, h), (w, h)])
-                          or SampleError(reason="missing_text" | "bad_text" | "corrupt_image")
+                          │                  + video_fields + read_video_header (container header, no decode)
+    SampleHeader(conversation, image_names=["0.png", "1.webp"], image_sizes=[(w, h), (w, h)],
+                 video_names=["mp4"], videos=[VideoHeader(frames, fps, duration, width, height, how)])
+                          or SampleError(reason="missing_text" | "bad_text" | "corrupt_image" | "corrupt_video")
 
 ``lazy_tar_samples`` never reads image bytes: ``image_size`` reads a few header bytes of each image member and
-seeks back, and the tar itself is walked header to header, so an analysis costs a few KB per image.
+seeks back, and the tar itself is walked header to header, so an analysis costs a few KB per image. A video
+member is opened by PyAV in place (its header, and for MKV / WebM its packets, demuxed, never decoded).
+Videos need the ``video`` extra (PyAV); without it a sample with a video raises ``SampleCodeError`` naming the
+sample and ``pip install "vlm-pack[video]"``, and image-only samples never import it.
 """
 
 from __future__ import annotations
 
 import re
 import tarfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from ..failures import SampleCodeError
 from ..vision import image_size
-from .shards import SampleError, image_fields, parse_text
+from .shards import SampleError, image_fields, parse_text, video_fields
 
-__all__ = ["SampleHeader", "lazy_tar_samples", "read_header", "stream_tar_samples"]
+__all__ = ["SampleHeader", "lazy_tar_samples", "read_header", "stream_tar_samples", "video_headers"]
 
 #: Fields read whole by ``lazy_tar_samples`` (the text); every other member stays an unread file object.
 TEXT_FIELDS = ("json", "txt")
@@ -38,11 +44,38 @@ _SKIP_META = re.compile(r"__[^/]*__($|/)")
 
 
 class SampleHeader(NamedTuple):
-    """What a sample's forecast needs: its text and its images' ``(width, height)``, in placeholder order."""
+    """What a sample's forecast needs: its text, its images' ``(width, height)`` and its videos' container
+    headers (``vlm_pack.vision.video.VideoHeader``), each in placeholder order."""
 
     conversation: str | list[dict[str, Any]]
     image_names: list[str]
     image_sizes: list[tuple[int, int]]
+    video_names: list[str] = []  # noqa: RUF012 - a NamedTuple default, never mutated
+    videos: list[Any] = []  # noqa: RUF012
+
+
+def video_headers(videos: Sequence[Any], names: Sequence[str], key: Any = None) -> list[Any]:
+    """The ``VideoHeader`` of each video (bytes, a path or a seekable binary file; left where it was), read
+    from its container without decoding (``vlm_pack.vision.video.read_video_header``).
+
+    Raises:
+        SampleError: reason ``"corrupt_video"`` naming the video for a container that does not open or read.
+        SampleCodeError: without PyAV (the ``video`` extra), naming the sample and ``pip install
+        "vlm-pack[video]"``: every video sample would fail alike, so it is never counted as bad data.
+    """
+    if not videos:
+        return []
+    from ..vision.video import read_video_header
+
+    headers = []
+    for video, name in zip(videos, names):
+        try:
+            headers.append(read_video_header(video, name=name))
+        except ImportError as exc:
+            raise SampleCodeError(f"{name}: a video sample, and {exc}; image-only samples need no extra.", key) from exc
+        except ValueError as exc:  # the reader's own: a container PyAV cannot open or read, named
+            raise SampleError("corrupt_video", str(exc)) from None
+    return headers
 
 
 def stream_tar_samples(url: str) -> Iterator[dict[str, Any]]:
@@ -95,7 +128,8 @@ def read_header(
     exif_transpose: bool = True,
     image_name: Callable[[str], str] | None = None,
 ) -> SampleHeader:
-    """Text and image sizes of a sample dict (fields as ``bytes`` or binary file objects); no pixel decoded.
+    """Text, image sizes and video headers of a sample dict (fields as ``bytes`` or binary file objects); no
+    pixel decoded.
 
     Args:
         sample: a WebDataset sample dict, e.g. from :func:`stream_tar_samples` or :func:`lazy_tar_samples`.
@@ -104,8 +138,9 @@ def read_header(
 
     Raises:
         SampleError: reason ``"missing_text"`` / ``"bad_text"`` (see ``parse_text``; also a turn whose
-        ``content`` is neither a string nor a list of parts), or ``"corrupt_image"`` with ``image_size``'s
-        message for the first unreadable image header.
+        ``content`` is neither a string nor a list of parts), ``"corrupt_image"`` with ``image_size``'s
+        message for the first unreadable image header, or ``"corrupt_video"`` for an unreadable video
+        container (:func:`video_headers`, which also says what raises without PyAV).
     """
     conversation = parse_text(sample)
     _check_contents(conversation)
@@ -119,7 +154,9 @@ def read_header(
             sizes.append(image_size(sample[name], exif_transpose=exif_transpose, name=image_name(name)))
         except ValueError as exc:
             raise SampleError("corrupt_image", str(exc)) from None
-    return SampleHeader(conversation, names, sizes)
+    video_names = video_fields(sample)
+    videos = video_headers([sample[n] for n in video_names], [image_name(n) for n in video_names], sample.get("__key__"))
+    return SampleHeader(conversation, names, sizes, video_names, videos)
 
 
 def _check_contents(conversation: str | list[dict[str, Any]]) -> None:

@@ -3,16 +3,20 @@
 A record is one row of a dataset as its source stores it; its *record format* says which fields hold the text
 and the images. The format is detected from the record (``record_format=`` overrides it)::
 
-    format       text field                                   images field      who writes it
+    format       text field                                   media fields      who writes it
     webdataset   json {"messages" ...} | txt                  jpg, 0.png, ...   vlm-pack shards, WebDataset
-    llava        conversations [{"from", "value"}]            image (a path     LLaVA-Instruct JSON
-                                                               or a list)
-    sharegpt     messages | conversations, content a string   images            ShareGPT, LLaMA-Factory
-                 with <image> markers (or from/value turns),
-                 + an optional "system" prompt
-    messages     messages | conversation, content parts       images | image    TRL / HF hub datasets,
-                 [{"type": "image"}, {"type": "text", ...}]                     vlm-pack JSONL
-    caption      caption | text                                images | image    image-caption pairs
+                                                              mp4, 0.webm, ...
+    llava        conversations [{"from", "value"}]            image | video     LLaVA-Instruct, LLaVA-Video
+                                                              (a path or list)  JSON
+    sharegpt     messages | conversations, content a string   images, videos    ShareGPT, LLaMA-Factory
+                 with <image> / <video> markers (or from/value
+                 turns), + an optional "system" prompt
+    messages     messages | conversation, content parts       images | image,   TRL / HF hub datasets,
+                 [{"type": "image" | "video"}, {"type":        videos | video    vlm-pack JSONL
+                 "text", ...}]                                (or the path in
+                                                              a video part)
+    caption      caption | text                                images | image,   image-caption pairs
+                                                              videos | video
 
 Every record format becomes vlm-pack's message format (``processing.py``): turns ``{"role": "system" | "user" |
 "assistant", "content": str | [{"type": "image"} | {"type": "text", "text": ...}]}`` with ``<image>``
@@ -21,7 +25,11 @@ marking where an image goes in string content, or a caption string. The turns go
 their text as written (a LLaVA ``"<image>\\nWhat?"`` is the content ``"<image>\\nWhat?"``, newline kept).
 Images stay as stored: encoded ``bytes`` (an HF ``Image`` feature read with ``decode=False`` is
 ``{"bytes", "path"}``), a path (relative paths resolved against ``image_root``), a binary file object (a tar
-member) or a PIL image.
+member) or a PIL image. Videos likewise (bytes, a path, an HF ``Video`` feature's ``{"bytes", "path"}``, a tar
+member), in the order of their ``<video>`` markers or ``{"type": "video"}`` parts, apart from the images. A
+video part may carry its own path (``{"type": "video", "video" | "url" | "path": "clip.mp4"}``, as HF chat
+templates take it) where the record has no videos field. LLaVA-Video JSON marks its one video with ``<image>``: a
+``llava`` record with a video and no image has those markers read as ``<video>``.
 
 A record that fits no record format raises :class:`SampleError` listing its keys and the accepted formats.
 """
@@ -35,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..chat import normalise_conversation
-from .shards import SampleError, image_fields, parse_text
+from ..chat import IMAGE_MARKER, VIDEO_MARKER, normalise_conversation
+from .shards import SampleError, image_fields, parse_text, video_fields
 
 __all__ = ["RECORD_FORMATS", "Sample", "detect_record_format", "normalise_record", "record_key"]
 
@@ -64,7 +72,16 @@ _IMAGE_FIELDS = {
     "messages": ("images", "image"),
     "caption": ("images", "image"),
 }
+_VIDEO_FIELDS = {
+    "llava": ("video", "videos"),
+    "sharegpt": ("videos", "video"),
+    "messages": ("videos", "video"),
+    "caption": ("videos", "video"),
+}
 _KEY_FIELDS = ("key", "__key__", "id")
+# Where a video part names its own file, first found first: transformers' apply_chat_template reads the keys
+# in this order (processing_utils.py, transformers 5.24).
+_PART_VIDEO_KEYS = ("video", "url", "path")
 
 
 @dataclass(frozen=True)
@@ -73,13 +90,15 @@ class Sample:
 
     ``conversation`` is vlm-pack's message format (or a caption string); ``images`` are in placeholder
     order, each encoded ``bytes``, a path ``str``, a binary file object or a PIL image; ``where`` says
-    where the record lives (``file.parquet:17``, ``llava.json[3]``, ``shard.tar``) for messages.
+    where the record lives (``file.parquet:17``, ``llava.json[3]``, ``shard.tar``) for messages;
+    ``videos`` are in ``<video>`` placeholder order, each encoded ``bytes``, a path or a binary file object.
     """
 
     key: str
     conversation: str | list[dict[str, Any]]
     images: tuple[Any, ...]
     where: str
+    videos: tuple[Any, ...] = ()
 
     @property
     def label(self) -> str:
@@ -105,7 +124,7 @@ def detect_record_format(record: Mapping[str, Any]) -> str | None:
         return "webdataset"
     if "conversations" in record and "messages" not in record:
         first = _first_turn(record["conversations"])
-        if "images" in record or isinstance(first.get("content"), str):
+        if "images" in record or "videos" in record or isinstance(first.get("content"), str):
             return "sharegpt"
         return "llava"
     for name in ("messages", "conversation"):
@@ -149,9 +168,10 @@ def _turns(turns: Any, where: str) -> list[dict[str, Any]]:
         raise SampleError("bad_text", f"{where}: {e}") from None
 
 
-def _image(item: Any, where: str, index: int, root: str | os.PathLike[str] | None) -> Any:
-    """One stored image -> bytes, an existing path, a file object or a PIL image."""
-    if type(item) is dict or isinstance(item, Mapping):  # an HF Image feature read with decode=False
+def _media(item: Any, where: str, index: int, root: str | os.PathLike[str] | None, kind: str = "image") -> Any:
+    """One stored image or video -> bytes, an existing path, a file object (or, an image, a PIL image)."""
+    reason = f"corrupt_{kind}"
+    if type(item) is dict or isinstance(item, Mapping):  # an HF Image / Video feature read with decode=False
         data, path = item.get("bytes"), item.get("path")
         if data is not None:
             return bytes(data)
@@ -164,24 +184,47 @@ def _image(item: Any, where: str, index: int, root: str | os.PathLike[str] | Non
             path = Path(root) / path
         if not path.is_file():
             raise SampleError(
-                "corrupt_image",
-                f"{where}: image {index} {os.fspath(item)!r} not found at {path}; relative image paths are "
+                reason,
+                f"{where}: {kind} {index} {os.fspath(item)!r} not found at {path}; relative {kind} paths are "
                 "resolved against the source's folder or image_root (--image-root).",
             )
         return str(path)
-    if hasattr(item, "read") or hasattr(item, "size"):  # a tar member, or a decoded PIL image
+    if hasattr(item, "read") or (kind == "image" and hasattr(item, "size")):  # a tar member, a PIL image
         return item
-    raise SampleError(
-        "corrupt_image", f"{where}: image {index} is a {type(item).__name__}, not bytes, a path or an image"
-    )
+    what = "bytes, a path or an image" if kind == "image" else "bytes or a path"
+    raise SampleError(reason, f"{where}: {kind} {index} is a {type(item).__name__}, not {what}")
 
 
-def _images(raw: Any, where: str, root: str | os.PathLike[str] | None) -> tuple[Any, ...]:
+def _medias(raw: Any, where: str, root: str | os.PathLike[str] | None, kind: str = "image") -> tuple[Any, ...]:
     if raw is None:
         return ()
     listed = type(raw) is list or (isinstance(raw, Sequence) and not isinstance(raw, (str, bytes, bytearray)))
     items = raw if listed else [raw]
-    return tuple(_image(item, where, i, root) for i, item in enumerate(items))
+    return tuple(_media(item, where, i, root, kind) for i, item in enumerate(items))
+
+
+def _part_videos(turns: Any) -> list[Any]:
+    """The files video parts name themselves (``{"type": "video", "video": "clip.mp4"}``), in order."""
+    found = []
+    for turn in turns if isinstance(turns, list) else ():
+        content = turn.get("content") if isinstance(turn, Mapping) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, Mapping) and part.get("type") == "video":
+                named = next((part[k] for k in _PART_VIDEO_KEYS if part.get(k) is not None), None)
+                found += [] if named is None else [named]
+    return found
+
+
+def _video_markers(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """LLaVA-Video's turns: its ``<image>`` markers stand for the record's video (it has no image); turns
+    that mark videos as ``<video>`` already are kept."""
+    if any(VIDEO_MARKER in turn["content"] for turn in conversation if isinstance(turn.get("content"), str)):
+        return conversation
+    return [
+        {**turn, "content": turn["content"].replace(IMAGE_MARKER, VIDEO_MARKER)}
+        if isinstance(turn.get("content"), str) else turn
+        for turn in conversation
+    ]  # fmt: skip
 
 
 def record_key(record: Any, default: str) -> str:
@@ -235,7 +278,9 @@ def normalise_record(
             raise SampleError(e.reason, f"{label}: {e}") from None
         # An Arrow row (a dataset, parquet) has every image column: None there means no such image.
         images = [record[n] for n in image_fields(record) if record[n] is not None]
-        return Sample(key, conversation, _images(images, label, root), where)
+        videos = [record[n] for n in video_fields(record) if record[n] is not None]
+        videos = _medias(videos, label, root, "video")
+        return Sample(key, conversation, _medias(images, label, root), where, videos)
     if chosen is None:
         raise _no_format(record, label, record_format)
     text_field = next((f for f in _TEXT_FIELDS[chosen] if f in record), None)
@@ -258,5 +303,10 @@ def normalise_record(
             # LLaMA-Factory keeps the system prompt in its own column; it is part of the sample's length
             conversation = [{"role": "system", "content": system}, *conversation]
     image_field = next((f for f in _IMAGE_FIELDS[chosen] if f in record), None)
-    images = _images(record[image_field], label, root) if image_field else ()
-    return Sample(key, conversation, images, where)
+    images = _medias(record[image_field], label, root) if image_field else ()
+    video_field = next((f for f in _VIDEO_FIELDS[chosen] if record.get(f) is not None), None)
+    raw_videos = record[video_field] if video_field else _part_videos(text)
+    videos = _medias(raw_videos, label, root, "video")
+    if chosen == "llava" and videos and not images and not isinstance(conversation, str):
+        conversation = _video_markers(conversation)
+    return Sample(key, conversation, images, where, videos)

@@ -14,6 +14,8 @@ name up to its first dot); the rest of the name is the field::
 
 Images keep their encoded bytes (no re-encoding, so a JPEG stays the same JPEG); the order of a sample's
 images is the order of its ``<image>`` placeholders: the unnumbered field first, then ``0.*``, ``1.*`` ...
+Videos are members of their own extensions (``KEY.mp4``, ``KEY.0.webm``, ``KEY.1.mkv`` ...), numbered and
+ordered the same way, apart from the images: the order of the ``<video>`` placeholders.
 The text is either ``txt`` (a caption: the image(s) followed by the caption as the assistant's answer) or
 ``json`` holding a conversation in one of the accepted record formats (see :func:`parse_text`).
 
@@ -36,9 +38,11 @@ from ..failures import SampleError  # the one data-error type (defined with the 
 
 __all__ = [
     "IMAGE_EXTENSIONS",
+    "VIDEO_EXTENSIONS",
     "SampleError",
     "image_fields",
     "parse_text",
+    "video_fields",
     "write_shards",
     "write_shards_from_folder",
 ]
@@ -56,6 +60,9 @@ _MAGIC = (
     (b"MM\x00*", "tiff"),
 )
 _IMAGE_FIELD = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTENSIONS) + r")$")
+#: Field extensions read as videos (containers PyAV opens; lower case).
+VIDEO_EXTENSIONS = ("mp4", "webm", "mkv", "mov", "avi")
+_VIDEO_FIELD = re.compile(r"^(?:(\d+)\.)?(" + "|".join(VIDEO_EXTENSIONS) + r")$")
 
 
 def _sniff(data: bytes) -> str | None:
@@ -65,6 +72,38 @@ def _sniff(data: bytes) -> str | None:
         if data.startswith(magic):
             return ext
     return None
+
+
+def _sniff_video(data: bytes) -> str | None:
+    if data[4:8] == b"ftyp":  # ISO base media (MP4, MOV): the first box names the brand
+        return "mov" if data[8:10] == b"qt" else "mp4"
+    if data[:4] == b"\x1a\x45\xdf\xa3":  # EBML: the DocType in the first bytes says WebM or Matroska
+        return "webm" if b"webm" in data[:64] else "mkv"
+    if data[:4] == b"RIFF" and data[8:11] == b"AVI":
+        return "avi"
+    return None
+
+
+def _encode_video(video: Any, where: str) -> tuple[bytes, str]:
+    """``video`` (path, bytes or ``(bytes, ext)``) -> (its bytes, as stored, and the field extension)."""
+    if isinstance(video, tuple) and len(video) == 2 and isinstance(video[0], (bytes, bytearray)):
+        return bytes(video[0]), _normalise_ext(video[1])
+    if isinstance(video, (bytes, bytearray, memoryview)):
+        data = bytes(video)
+        ext = _sniff_video(data)
+        if ext is None:
+            raise ValueError(
+                f"{where}: cannot tell the container of {len(data)} video bytes from their header; pass "
+                "(bytes, 'mp4') to name it."
+            )
+        return data, ext
+    if isinstance(video, (str, os.PathLike)):
+        path = Path(video)
+        ext = _normalise_ext(path.suffix)
+        if ext not in VIDEO_EXTENSIONS:
+            raise ValueError(f"{where}: {path} does not end in a video extension ({', '.join(VIDEO_EXTENSIONS)}).")
+        return path.read_bytes(), ext
+    raise TypeError(f"{where}: a video must be a path, encoded bytes or (bytes, ext), not {type(video).__name__}.")
 
 
 def _normalise_ext(ext: str) -> str:
@@ -110,7 +149,7 @@ def _encode_image(image: Any, image_format: str, where: str) -> tuple[bytes, str
 
 
 _TEXT_FIELDS = ("conversation", "conversations", "messages", "caption", "text")
-_RECORD_FIELDS = frozenset(("key", "__key__", "images", "image", "meta", *_TEXT_FIELDS))
+_RECORD_FIELDS = frozenset(("key", "__key__", "images", "image", "videos", "video", "meta", *_TEXT_FIELDS))
 
 
 def _record_fields(record: Any, index: int, image_format: str) -> tuple[str | None, dict[str, bytes]]:
@@ -134,10 +173,11 @@ def _record_fields(record: Any, index: int, image_format: str) -> tuple[str | No
         if len(images_fields) > 1:
             raise ValueError(f"{where}: give 'images' or 'image', not both")
         images = record[images_fields[0]] if images_fields else []
+        videos = _one_field(record, ("videos", "video"), where)
         text: Any = record[texts[0]] if texts else None
         meta = record.get("meta")
     elif isinstance(record, Sequence) and not isinstance(record, (str, bytes)) and len(record) == 2:
-        key, (images, text), meta = None, record, None
+        key, (images, text), meta, videos = None, record, None, []
     else:
         raise TypeError(
             f"{where}: expected a dict with 'images' and 'conversation'/'caption', or an (images, text) pair; "
@@ -151,16 +191,14 @@ def _record_fields(record: Any, index: int, image_format: str) -> tuple[str | No
                 f"{where}: WebDataset keys end at the first dot of the file name; use a key without '.' "
                 "in its last path component."
             )
-    if images is None:
-        images = []
-    elif not isinstance(images, (list, tuple)) or (
-        isinstance(images, tuple) and len(images) == 2 and isinstance(images[0], (bytes, bytearray))
-    ):
-        images = [images]
+    images, videos = _as_list(images), _as_list(videos)
     fields: dict[str, bytes] = {}
     for i, image in enumerate(images):
         data, ext = _encode_image(image, image_format, f"{where}, image {i}")
         fields[ext if len(images) == 1 else f"{i}.{ext}"] = data
+    for i, video in enumerate(videos):
+        data, ext = _encode_video(video, f"{where}, video {i}")
+        fields[ext if len(videos) == 1 else f"{i}.{ext}"] = data
     if isinstance(text, str):
         fields["txt"] = text.encode("utf-8")
     elif isinstance(text, list):
@@ -178,6 +216,24 @@ def _record_fields(record: Any, index: int, image_format: str) -> tuple[str | No
     if not fields:
         raise ValueError(f"{where}: a record needs at least one image or a text.")
     return key, fields
+
+
+def _one_field(record: Mapping[str, Any], names: tuple[str, ...], where: str) -> Any:
+    given = [name for name in names if name in record]
+    if len(given) > 1:
+        raise ValueError(f"{where}: give {' or '.join(repr(n) for n in names)}, not both")
+    return record[given[0]] if given else []
+
+
+def _as_list(items: Any) -> list[Any]:
+    """One media item or a list of them -> a list (a ``(bytes, ext)`` pair is one item)."""
+    if items is None:
+        return []
+    if not isinstance(items, (list, tuple)) or (
+        isinstance(items, tuple) and len(items) == 2 and isinstance(items[0], (bytes, bytearray))
+    ):
+        return [items]
+    return list(items)
 
 
 def _shard_pattern(output: str | os.PathLike) -> str:
@@ -208,6 +264,7 @@ def write_shards(
 
                 {"key": "abc",                          # optional; default key_format.format(index)
                  "images": [path | bytes | (bytes, "jpg") | PIL.Image, ...],   # or one image
+                 "videos": [path | bytes | (bytes, "mp4"), ...],   # optional, or one video (stored as is)
                  "conversation": [{"role": "user", "content": [{"type": "image"}, ...]}, ...]
                    | "conversations": [{"from": "human", "value": "<image>\\n..."}, ...]   # LLaVA
                    | "caption": "a dog on a beach",
@@ -328,6 +385,16 @@ def image_fields(sample: Mapping[str, Any]) -> list[str]:
     found = []
     for name in sample:
         m = _IMAGE_FIELD.match(name)
+        if m is not None:
+            found.append((-1 if m.group(1) is None else int(m.group(1)), name))
+    return [name for _, name in sorted(found)]
+
+
+def video_fields(sample: Mapping[str, Any]) -> list[str]:
+    """The video fields of a WebDataset sample dict, in placeholder order (``mp4`` first, then ``0.*``, ``1.*``)."""
+    found = []
+    for name in sample:
+        m = _VIDEO_FIELD.match(name)
         if m is not None:
             found.append((-1 if m.group(1) is None else int(m.group(1)), name))
     return [name for _, name in sorted(found)]

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..chat import VIDEO_MARKER
 from ..failures import (
     Failure,
     FailureBudget,
@@ -39,6 +40,7 @@ from ..failures import (
 from ..packing import StreamPacker, padded_lengths
 from ..packing.window import StreamBalance, reserved_positions, window_order, window_schedule
 from ..processing import IMAGE_MARKER, Prompt
+from .forecast import video_forecasts, video_patches
 from .reader import read_header, stream_tar_samples
 from .state import Cursor, EpochProgress, PlanItem, StreamSnapshot, position, split_position
 from .stats import PHASES, BadSample, BadSampleWarning, PipelineStats
@@ -87,17 +89,30 @@ def _read_shard(url: str) -> Iterator[tuple[int, dict[str, Any]]]:
         samples.close()  # closes the shard's stream now, also when the reader stops early
 
 
-def _count_markers(conversation: Any) -> int:
+def _count_markers(conversation: Any, marker: str = IMAGE_MARKER, kind: str = "image") -> int:
+    """``marker``s in string content plus ``{"type": kind}`` parts: the places the text gives that medium."""
     if isinstance(conversation, str):
-        return conversation.count(IMAGE_MARKER)
+        return conversation.count(marker)
     count = 0
     for turn in conversation:
         content = turn.get("content") if isinstance(turn, dict) else None
         if isinstance(content, str):
-            count += content.count(IMAGE_MARKER)
+            count += content.count(marker)
         elif isinstance(content, list):
-            count += sum(1 for part in content if isinstance(part, dict) and part.get("type") == "image")
+            count += sum(1 for part in content if isinstance(part, dict) and part.get("type") == kind)
     return count
+
+
+def _check_places(conversation: Any, images: list[str], videos: list[str]) -> None:
+    """The text's image (and video) places against the sample's members: a mismatch is bad data."""
+    for kind, marker, members in (("image", IMAGE_MARKER, images), ("video", VIDEO_MARKER, videos)):
+        n_markers = _count_markers(conversation, marker, kind)
+        if n_markers and n_markers != len(members):
+            raise SampleError(
+                "placeholder_mismatch",
+                f"the text has {n_markers} {kind} placeholder(s) but the sample has {len(members)} {kind}(s) "
+                f"({', '.join(members) or 'none'})",
+            )
 
 
 @dataclass(slots=True)
@@ -108,6 +123,7 @@ class _Sample:
     url: str
     key: str
     images: list[bytes]
+    videos: list[bytes]
     conversation: Any
     prompt: Prompt
     length: int  # forecast tokens
@@ -203,14 +219,16 @@ class StreamRunner:
             )
         return f"{what} > capacity {config.capacity}"
 
-    def _vision_cost(self, sizes: list[tuple[int, int]]) -> int:
+    def _vision_cost(self, sizes: list[tuple[int, int]], videos: list[Any]) -> int:
+        """The sample's vision cost: its images and videos (``"images"``), or their encoder patches."""
         config = self.config
         if config.vision_capacity is None:
             return 0
         if config.vision_cost == "images":
-            cost = len(sizes)
+            cost = len(sizes) + len(videos)
         else:
-            cost = sum(self.work.preprocessor.spec.num_patches(width, height) for width, height in sizes)
+            spec = self.work.preprocessor.spec
+            cost = sum(spec.num_patches(width, height) for width, height in sizes) + video_patches(videos)
         if cost > config.vision_capacity:
             raise SampleError("vision_too_large", f"vision cost {cost} > vision_capacity {config.vision_capacity}")
         return cost
@@ -219,19 +237,18 @@ class StreamRunner:
         """The sample with its forecast; raises what makes it bad (``vlm_pack.failures`` sorts it out)."""
         preprocessor = self.work.preprocessor
         key = raw.get("__key__")
-        conversation, names, sizes = read_header(raw, exif_transpose=self.config.exif_transpose)
+        header = read_header(raw, exif_transpose=self.config.exif_transpose)
+        conversation, names, sizes = header.conversation, header.image_names, header.image_sizes
         images = [raw[name] for name in names]
-        n_markers = _count_markers(conversation) if preprocessor.template is None else None
-        if n_markers and n_markers != len(images):
-            raise SampleError(
-                "placeholder_mismatch",
-                f"the text has {n_markers} image placeholder(s) but the sample has {len(images)} image(s) "
-                f"({', '.join(names) or 'none'})",
-            )
+        videos = [raw[name] for name in header.video_names]
+        if preprocessor.template is None:
+            _check_places(conversation, names, header.video_names)
         self._check_images(names, sizes)
-        length, _, prompt = preprocessor.forecast_prompt(conversation, sizes, key)
+        forecasts = video_forecasts(preprocessor, header.videos)  # each clip's tokens, from its header
+        length, _, prompt = preprocessor.forecast_prompt(conversation, sizes, key, videos=forecasts)
         patches = tuple(preprocessor.spec.num_patches(w, h) for w, h in sizes) if self.work.balance else ()
-        return _Sample(url, key, images, conversation, prompt, length, self._vision_cost(sizes), patches)
+        vision = self._vision_cost(sizes, forecasts)
+        return _Sample(url, key, images, videos, conversation, prompt, length, vision, patches)
 
     def _forecast(self, url: str, raw: dict[str, Any]) -> _Sample | None:
         """The sample with its forecast, or None after reporting why it is skipped (timed as "forecast").
@@ -302,7 +319,7 @@ class StreamRunner:
         started = time.thread_time()
         try:
             outs = self.work.preprocessor.process_pack(
-                [(sample.images, sample.conversation) for sample in samples],
+                [(s.images, s.conversation, s.videos) if s.videos else (s.images, s.conversation) for s in samples],
                 keys=[sample.key for sample in samples],
                 prompts=[sample.prompt for sample in samples],
             )

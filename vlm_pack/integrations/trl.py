@@ -5,7 +5,8 @@ it is set up by hand. Four pieces do that::
 
     a datasets.Dataset, parquet, --packed_dataset--> datasets.Dataset, a row per pack (plan: PackedMapDataset's
     JSON / JSONL (LLaVA), shards                     {"keys", "conversations",      over header forecasts, no
-    (anything forecast_sources reads)                 "image_bytes", "lengths"}     decode; read by row)
+    (anything forecast_sources reads)                 "image_bytes", "video_bytes", decode; read by row)
+                                                      "lengths"}
                                                      (streaming=True: an IterableDataset; .left_out: samples
                                                       left out, with their reasons)
         --TRLPackingCollator--> input_ids, labels [R, T]; position_ids [4, R, T] (Qwen mRoPE) or [R, T];
@@ -81,6 +82,7 @@ _FEATURES = datasets.Features(
         "keys": datasets.List(datasets.Value("string")),
         "conversations": datasets.List(datasets.Value("string")),
         "image_bytes": datasets.List(datasets.List(datasets.Value("binary"))),
+        "video_bytes": datasets.List(datasets.List(datasets.Value("binary"))),
         "lengths": datasets.List(datasets.Value("int64")),
     }
 )
@@ -123,11 +125,12 @@ def packed_sft_config(output_dir: str, **kwargs: Any) -> SFTConfig:
 
 # ---------------------------------------------------------------------------------------------- dataset
 
-_ROWS_FORMAT = 2  # in the fingerprints of the Arrow files below: bump when what a row holds changes
+_ROWS_FORMAT = 3  # in the fingerprints of the Arrow files below: bump when what a row holds changes
 # PackedMapDataset warns about the samples its plan leaves out only when it builds the plan (not when it reads
 # it from its cache); packed_dataset reports them itself, every time, with those the reading left out.
 _PLAN_WARNING = r"vlm-pack: \d+ sample\(s\) left out of the plan"
 _IMAGE_COLUMN = "{}.png"  # a name the WebDataset record format reads as image {}; the bytes keep their own format
+_VIDEO_COLUMN = "{}.mp4"  # ... and as video {}: PyAV reads the container from the bytes, whatever the name
 
 
 def packed_dataset(
@@ -170,8 +173,9 @@ def packed_dataset(
     is, without forecasting; one made with another template, processor or capacity is refused, naming what
     changed.
 
-    Each bin becomes one row ``{"keys", "conversations" (JSON), "image_bytes", "lengths"}``, samples in data
-    order, read row by row from the dataset (images undecoded; :class:`TRLPackingCollator` decodes them).
+    Each bin becomes one row ``{"keys", "conversations" (JSON), "image_bytes", "video_bytes", "lengths"}``,
+    samples in data order, read row by row from the dataset (images and videos undecoded, videos forecast from
+    their container headers; :class:`TRLPackingCollator` decodes them).
 
     Samples left out are reported, never dropped silently: under ``on_error="skip"`` (default) a record that
     cannot be read or forecast (a corrupt image, a record in no format) and, with ``oversized="skip"``, a
@@ -254,21 +258,24 @@ def _as_dataset(
     """``sources`` as one ``datasets.Dataset``: ``(dataset, records left out, record format, image root)``.
 
     One ``datasets.Dataset`` is used as it is. Other sources are copied into one, in the WebDataset record format
-    (``__key__``, ``json`` holding the normalised conversation, image ``i`` in column ``"{i}.png"``, None
-    past a record's last image), so that the conversation reaches the chat template exactly as read; a
+    (``__key__``, ``json`` holding the normalised conversation, image ``i`` in column ``"{i}.png"``, video
+    ``i`` in ``"{i}.mp4"``, None past a record's last one), so that the conversation reaches the chat template exactly as read; a
     record that cannot be read is kept out of it and returned as ``(key, where, reason)``.
     """
     opened = open_sources(sources, image_root=image_root)
     if len(opened) == 1 and opened[0].kind == "dataset":
         return opened[0].ref, [], record_format, opened[0].image_root
-    most, fingerprint = _survey(opened, record_format)
+    (most, most_videos), fingerprint = _survey(opened, record_format)
     names = tuple(_IMAGE_COLUMN.format(i) for i in range(most))
+    video_names = tuple(_VIDEO_COLUMN.format(i) for i in range(most_videos))
     string, binary = datasets.Value("string"), datasets.Value("binary")
     columns = {"__key__": string, "__where__": string, "__error__": string, "json": binary}
-    features = datasets.Features({**columns, **dict.fromkeys(names, binary)})
+    features = datasets.Features({**columns, **dict.fromkeys(names + video_names, binary)})
     table = datasets.Dataset.from_generator(
         copied_records,
-        gen_kwargs={"sources": tuple(opened), "record_format": record_format, "names": names},
+        gen_kwargs={
+            "sources": tuple(opened), "record_format": record_format, "names": names, "video_names": video_names
+        },
         features=features,
         cache_dir=cache_dir,
         fingerprint=fingerprint,
@@ -302,9 +309,10 @@ def _samples(
         yield from chunk_samples(opened, chunk, record_format=record_format)
 
 
-def _survey(opened: Sequence[Any], record_format: str | None) -> tuple[int, str]:
-    """The most images one record of ``opened`` has, and a fingerprint of what the copy is made from (the
-    files' sizes and times, a dataset's fingerprint, every image file's; unique for an IterableDataset)."""
+def _survey(opened: Sequence[Any], record_format: str | None) -> tuple[tuple[int, int], str]:
+    """The most images and the most videos one record of ``opened`` has, and a fingerprint of what the copy
+    is made from (the files' sizes and times, a dataset's fingerprint, every image and video file's; unique
+    for an IterableDataset)."""
     from .._version import __version__
 
     stamp = hashlib.sha256(json.dumps([_ROWS_FORMAT, __version__, record_format]).encode())
@@ -316,24 +324,24 @@ def _survey(opened: Sequence[Any], record_format: str | None) -> tuple[int, str]
         else:
             stat = os.stat(src.name)
             stamp.update(f"{src.kind}:{src.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    most = 0
+    most = most_videos = 0
     for _, _, sample in _samples(opened, record_format):
         if isinstance(sample, Sample):
-            most = max(most, len(sample.images))
-            for image in sample.images:
-                if isinstance(image, str):  # an image file a JSON record names: changing it changes the copy
-                    stat = os.stat(image)
-                    stamp.update(f"{image}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return most, stamp.hexdigest()[:32]
+            most, most_videos = max(most, len(sample.images)), max(most_videos, len(sample.videos))
+            for item in (*sample.images, *sample.videos):
+                if isinstance(item, str):  # a file a JSON record names: changing it changes the copy
+                    stat = os.stat(item)
+                    stamp.update(f"{item}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return (most, most_videos), stamp.hexdigest()[:32]
 
 
 def copied_records(
-    sources: Sequence[Any], record_format: str | None, names: Sequence[str]
+    sources: Sequence[Any], record_format: str | None, names: Sequence[str], video_names: Sequence[str] = ()
 ) -> Iterator[dict[str, Any]]:
     """The rows :func:`_as_dataset` copies ``sources`` into (module level, for ``datasets``' generator)."""
     for where, key, sample in _samples(list(sources), record_format):
         row: dict[str, Any] = {"__key__": key, "__where__": where, "__error__": None, "json": None}
-        row.update(dict.fromkeys(names))
+        row.update(dict.fromkeys((*names, *video_names)))
         if isinstance(sample, SampleError):
             row["__error__"] = str(sample)
             yield row
@@ -343,13 +351,14 @@ def copied_records(
         row["__key__"], row["json"] = sample.key, json.dumps(payload, ensure_ascii=False).encode("utf-8")
         try:
             row.update(zip(names, (_image_bytes(image) for image in sample.images)))
+            row.update(zip(video_names, (_image_bytes(video) for video in sample.videos)))
         except OSError as e:
-            row["__error__"] = f"{sample.label}: an image could not be read ({e})"
+            row["__error__"] = f"{sample.label}: an image or a video could not be read ({e})"
         yield row
 
 
 def _image_bytes(image: Any) -> bytes:
-    """One image of a ``vlm_pack.data.Sample`` (bytes, a path, a binary file, a PIL image) as bytes."""
+    """One image or video of a ``vlm_pack.data.Sample`` (bytes, a path, a binary file, a PIL image) as bytes."""
     if isinstance(image, bytes):
         return image
     if isinstance(image, str):
@@ -413,6 +422,7 @@ def pack_rows(
             "keys": [s.key for s in samples],
             "conversations": [json.dumps(s.conversation, ensure_ascii=False) for s in samples],
             "image_bytes": [[_image_bytes(image) for image in s.images] for s in samples],
+            "video_bytes": [[_image_bytes(video) for video in s.videos] for s in samples],
             "lengths": list(bin_lengths),
         }
 
@@ -455,8 +465,10 @@ class TRLPackingCollator:
         """The processed samples of ``rows`` (``process_sample`` output), row by row."""
         out = []
         for row in rows:
-            for key, conv, images in zip(row["keys"], row["conversations"], row["image_bytes"]):
-                out.append(self.preprocessor.process(images, json.loads(conv), key))
+            videos_of = row.get("video_bytes") or [[]] * len(row["keys"])  # rows written before videos: none
+            for key, conv, images, videos in zip(row["keys"], row["conversations"], row["image_bytes"], videos_of):
+                media = {"videos": videos} if videos else {}  # an image-only sample is processed as before
+                out.append(self.preprocessor.process(images, json.loads(conv), key, **media))
         return out
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
