@@ -10,6 +10,7 @@ raises, so only the encoder's own counting keeps a bad video from taking good sa
 from __future__ import annotations
 
 import functools
+import gc
 import io
 import itertools
 import shutil
@@ -136,6 +137,18 @@ def shards(tmp_path_factory):
     return path, {r["key"]: r for r in records}
 
 
+@pytest.fixture(autouse=True)
+def _collect_decoder_garbage():
+    """Collect garbage after each test, while the process still has its decoder threads. Known bug (reported to
+    the lead): a clip that does not decode, skipped through ``failures.Guard.call`` in this process, leaves its
+    PyAV container (a frame-threaded codec context) in a reference cycle (the caught error, held in a local of the
+    frame its traceback holds); when Energon later forks loader workers, a collection in the child frees it and
+    hangs in ``avcodec_free_context`` (its threads do not exist there). Breaking that cycle in ``Guard.call``
+    (``error = None`` once reported) fixes it; this fixture keeps the in-process tests from tripping the next."""
+    yield
+    gc.collect()
+
+
 def _alone(record: dict) -> dict:
     """The oracle: the sample processed on its own, outside Energon and the encoder."""
     pre = Preprocessor(processor=_processor())
@@ -144,10 +157,10 @@ def _alone(record: dict) -> dict:
     return pre.process(images, record["conversation"], key=record["key"], videos=videos)
 
 
-def _loader(path: Path, encoder: VLMPackingTaskEncoder, workers: int, handler=None, buffer: int = 6):
+def _loader(path: Path, encoder: VLMPackingTaskEncoder, workers: int, handler=None, buffer: int = 6, repeat=False):
     extra = {} if handler is None else {"global_error_handler": handler}
     wc = WorkerConfig(rank=0, world_size=1, num_workers=workers, **extra)
-    ds = packed_train_dataset(str(path), encoder, worker_config=wc, packing_buffer_size=buffer, repeat=False)
+    ds = packed_train_dataset(str(path), encoder, worker_config=wc, packing_buffer_size=buffer, repeat=repeat)
     return get_savable_loader(ds, watchdog_timeout_seconds=None)
 
 
@@ -256,3 +269,40 @@ def test_a_clip_over_capacity_stops_the_run_by_default_before_it_is_decoded(shar
     with pytest.raises(FatalSampleError, match=rf"sample 'oversized': \d+ tokens > capacity {CAPACITY}; raise capacity"):
         list(_loader(shards[0], _encoder(), workers=0))
     assert not any("oversized" in name for name in decoded)
+
+
+def _take(loader, n: int, what) -> list:
+    """``what`` of the next ``n`` packs; then stop the loader's worker processes now (an abandoned iterator is
+    otherwise shut down by a later garbage collection, stalling whatever runs then)."""
+    out = [what(p) for p in itertools.islice(loader, n)]
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        iterator._shutdown_workers()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_restore_mid_epoch_gives_the_same_video_packs_and_reports(shards, workers):
+    """Saved after two packs and restored in a new loader (repeat=True, as in training; Energon's default
+    handler): the packs that follow, their ids, video pixels and left-out reports, are the uninterrupted run's,
+    across the bad videos (the buffers are re-read and re-cooked on restore, so the cooker must be stateless)."""
+
+    def loader():  # a buffer smaller than the dataset: with repeat=True a larger one would repeat samples
+        return _loader(shards[0], _encoder(oversized="skip"), workers=workers, buffer=4, repeat=True)
+
+    def seen(pack):
+        videos = pack.batch.pixel_values_videos
+        return pack.keys, pack.left_out, pack.batch.input_ids.tolist(), None if videos is None else videos.sum().item()
+
+    full = _take(loader(), 6, seen)
+    first = loader()
+    head = [seen(p) for p in itertools.islice(first, 2)]
+    state = first.save_state_rank()
+    _take(first, 0, seen)
+    restored = loader()
+    restored.restore_state_rank(state)
+    assert head + _take(restored, 4, seen) == full
+    reported = {key for _, left_out, _, _ in full for key, _ in left_out}
+    assert reported == {"corrupt", "oversized", "truncated"}  # every bad video is in the compared packs
+    assert any(v is not None for *_, v in full)  # video pixels are among what is compared
