@@ -306,3 +306,13 @@ def test_a_restore_mid_epoch_gives_the_same_video_packs_and_reports(shards, work
     reported = {key for _, left_out, _, _ in full for key, _ in left_out}
     assert reported == {"corrupt", "oversized", "truncated"}  # every bad video is in the compared packs
     assert any(v is not None for *_, v in full)  # video pixels are among what is compared
+
+
+@pytest.mark.slow
+def test_videos_in_the_collapsed_layout_stop_the_run_naming_the_sample_and_the_fix(shards):
+    """Megatron's collapsed layout (one placeholder per image) has no video expansion: the first video sample
+    stops the run (Energon's default handler re-raises it), naming the sample and ``layout='expanded'``."""
+    pre = Preprocessor(processor=_processor(), layout="collapsed")
+    encoder = VLMPackingTaskEncoder(pre, CAPACITY, model_config=_model_config(), oversized="skip")
+    with pytest.raises(FatalSampleError, match=r"sample '[\w-]+'.*layout='expanded'"):
+        list(_loader(shards[0], encoder, workers=0))
