@@ -4,11 +4,18 @@ Energon's packing hooks get no lengths, and a sample its selector leaves out of 
 word (the buffer is cleared). :class:`VLMPackingTaskEncoder` fills both gaps::
 
     CrudeWebdataset  ->  cooker (@stateless)           ->  select_samples_to_pack      ->  pack_selected_samples
-    (decoder=None:       image sizes from the headers,      vlm_pack.pack (best fit         (@stateless) decode, process,
-     raw bytes)          forecast_length: exact tokens      decreasing) over the buffer,    PackingCollator -> one row
-                         (no pixel decoded)                 on the padded spans the rows    in a PackedVLMSample
-                                                            will have; oversized: carried   (.keys, .left_out, restore
+    (decoder=None:       image sizes, video container       vlm_pack.pack (best fit         (@stateless) decode, process,
+     raw bytes)          headers; forecast_length: exact    decreasing) over the buffer,    PackingCollator -> one row
+                         tokens (no pixel or frame          on the padded spans the rows    in a PackedVLMSample
+                         decoded)                           will have; oversized: carried   (.keys, .left_out, restore
                                                             by a pack of the same buffer    keys by Energon)
+
+Videos are members beside the images (``KEY.mp4``, ``KEY.0.webm``, ``KEY.1.mkv`` ...; ``vlm_pack.data.video_fields``,
+in the order of the ``<video>`` placeholders): the cooker reads each container's header (``read_header``: the MP4
+sample table, or a demux-only packet count for MKV / WebM), so a clip's tokens are forecast and a clip longer than
+``capacity`` is refused or skipped before any frame is decoded; the packer decodes only the frames the forecast
+kept (``Preprocessor.process(..., videos=)``). A container that does not read is ``corrupt_video`` (cooker), one
+that reads but does not decode is ``decode_error`` (packer): either is that sample alone, counted and reported.
 
 Every pack is one row: the selection plans on each sample's span once padded to ``pad_to_multiple_of`` (as the
 collator lays it out, ``vlm_pack.packing.padded_lengths``), and the collator (``max_rows=1``) refuses a pack
@@ -57,6 +64,7 @@ and load it with :func:`packed_train_dataset` (``batch_size=None``: every item i
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import numbers
 import warnings
@@ -113,13 +121,15 @@ class FatalPackingError(FatalSampleError):
 
 @edataclass
 class VLMSample(Sample):
-    """A cooked sample: raw image bytes (not decoded), the conversation and its exact forecast length, or
-    ``failure``: why its forecast failed (``"reason: detail"``, a bad sample carried to a pack's report)."""
+    """A cooked sample: raw image and video bytes (not decoded; ``videos`` in ``<video>`` order), the
+    conversation and its exact forecast length, or ``failure``: why its forecast failed (``"reason: detail"``,
+    a bad sample carried to a pack's report)."""
 
     images: list
     conversation: Any
     length: int
     failure: str | None = None
+    videos: tuple = ()
 
 
 @edataclass
@@ -259,12 +269,14 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
                 return VLMSample(**meta, images=[], conversation=None, length=length, failure=_why(skip))
             self.forecasting.good()
         return VLMSample(**meta, images=[crude[name] for name in header.image_names],
-                         conversation=header.conversation, length=length)
+                         conversation=header.conversation, length=length,
+                         videos=tuple(crude[name] for name in header.video_names))
 
     def _forecast(self, crude: dict, key: str) -> tuple[Any, int]:
-        """The sample's header (text, image names and sizes; no pixel decoded) and its exact expanded length."""
+        """The sample's header (text, image sizes, video container headers; no pixel or frame decoded) and its
+        exact expanded length."""
         header = read_header(crude, exif_transpose=self.config.exif_transpose, image_name=lambda name: f"{key}.{name}")
-        length, _ = self.preprocessor.forecast(header.conversation, header.image_sizes, key)
+        length, _ = self.preprocessor.forecast(header.conversation, header.image_sizes, key, videos=header.videos)
         return header, int(length)
 
     def _too_long(self, length: int) -> str | None:
@@ -302,8 +314,8 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         """The processed sample, or ``"reason: detail"`` when its pixels do not decode (bad data, counted)
         or its processed length is not its forecast (``forecast_mismatch``: never packed at another length)."""
         key, label = sample.__key__, f"sample {sample.__key__!r}"
-        p = self.processing.call(self.preprocessor.process, sample.images, sample.conversation, key,
-                                 sample=label, key=key)
+        process = functools.partial(self.preprocessor.process, videos=sample.videos)
+        p = self.processing.call(process, sample.images, sample.conversation, key, sample=label, key=key)
         if isinstance(p, Skip):
             return _why(p)
         n = sample_length.expanded_length(len(p["input_ids"]), p.get("tokens_per_image"), self.preprocessor.layout)
