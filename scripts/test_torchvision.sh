@@ -25,7 +25,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints/ci.txt 
     grep -v -E '^(torch|torchvision|timm|av)==' constraints/ci.txt >"$lock"
     cat constraints/torchvision.txt >>"$lock"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -c "$lock" torch timm -e ".[dev,hf,trl,video]"
+    "$VENV/bin/python" -m pip install -q -c "$lock" torch timm -e ".[dev,hf,trl,energon,video]"
     touch "$stamp"
 fi
 if [ $# -eq 0 ]; then set -- tests; fi
