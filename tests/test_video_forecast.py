@@ -28,6 +28,7 @@ pytest.importorskip("torchvision")
 from video_clips import clip_set  # noqa: E402
 
 from vlm_pack import offline  # noqa: E402
+from vlm_pack.failures import InternalCheckError  # noqa: E402
 from vlm_pack.vision import VideoHeader, forecast_video, read_video_header, sampled_frames  # noqa: E402
 
 
@@ -367,13 +368,13 @@ def _assert_same_frames(clips, headers, vp: Any, sample: bool) -> None:
 
 def test_forecast_refusals_name_the_processor_and_the_fix(headers):
     header = headers["vfr-mp4"]
-    with pytest.raises(ValueError, match=r"Qwen2VLProcessor has no video processor: build the processor"):
+    with pytest.raises(InternalCheckError, match=r"Qwen2VLProcessor has no video processor: build the processor"):
         forecast_video(header, offline.processor("qwen2_vl"))  # the offline processor is built without one
     ov = _video_processor("LlavaOnevisionVideoProcessor", **_OV)
     with pytest.raises(ValueError, match=r"`num_image_tokens`; pass the full processor"):
         forecast_video(header, ov)
     assert forecast_video(header, ov, num_image_tokens=729).tokens == 40 * 196 + 1
-    with pytest.raises(ValueError, match=r"takes no video kwargs \['fsp'\]"):
+    with pytest.raises(InternalCheckError, match=r"takes no video kwargs \['fsp'\]"):
         forecast_video(header, _video_processor("Qwen3VLVideoProcessor", **_QWEN3), fsp=1)
-    with pytest.raises(ValueError, match="no video forecast rule for SmolVLMVideoProcessor"):
+    with pytest.raises(InternalCheckError, match="no video forecast rule for SmolVLMVideoProcessor"):
         forecast_video(header, _video_processor("SmolVLMVideoProcessor"))

@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ...failures import InternalCheckError
 from ..smart_resize import _smart_resize_3d, smart_resize
 from .header import VideoHeader
 
@@ -78,7 +79,7 @@ class VideoForecast:
 def _video_processor(processor: Any) -> Any:
     vp = getattr(processor, "video_processor", processor)
     if vp is None or not hasattr(vp, "sample_frames"):
-        raise ValueError(
+        raise InternalCheckError(
             f"{type(processor).__name__} has no video processor: build the processor with one "
             '(transformers video processors need torchvision: pip install "vlm-pack[video]").'
         )
@@ -90,7 +91,7 @@ def _settings(vp: Any, overrides: Mapping[str, Any]) -> dict[str, Any]:
     names = getattr(vp.valid_kwargs, "__annotations__", {})
     unknown = sorted(set(overrides) - set(names))
     if unknown:
-        raise ValueError(f"{type(vp).__name__} takes no video kwargs {unknown}; valid: {sorted(names)}.")
+        raise InternalCheckError(f"{type(vp).__name__} takes no video kwargs {unknown}; valid: {sorted(names)}.")
     settings = {name: getattr(vp, name, None) for name in names}
     settings.update(overrides)
     return settings
@@ -130,7 +131,7 @@ def _edges(size: Any) -> tuple[int, int]:
     get = size.get if isinstance(size, Mapping) else lambda k: getattr(size, k, None)
     shortest, longest = get("shortest_edge"), get("longest_edge")
     if not shortest or not longest:
-        raise ValueError(f"the video processor's size needs shortest_edge and longest_edge, got {size}.")
+        raise InternalCheckError(f"the video processor's size needs shortest_edge and longest_edge, got {size}.")
     return int(shortest), int(longest)
 
 
@@ -215,7 +216,7 @@ def _per_frame(vp: Any, header: VideoHeader, s: dict[str, Any], per_frame: int, 
 def _processor_number(processor: Any, attr: str, given: int | None, cls: str) -> int:
     value = given if given is not None else getattr(processor, attr, None)
     if not isinstance(value, int) or value <= 0:
-        raise ValueError(
+        raise InternalCheckError(
             f"{cls}: the token count per frame comes from the processor's `{attr}`; pass the full processor "
             f"(not its video processor) or {attr}=..."
         )
@@ -238,7 +239,9 @@ def forecast_video(
     ``do_sample_frames=True``, ``cap_pixels_per_frame=True``, ...) exactly as given to the processor.
 
     Raises ``ValueError`` where the processor would fail on the clip (too few frames for its sampling or
-    its temporal patch) and for a video processor it has no rule for.
+    its temporal patch): bad data, counted as such. A processor without a video processor, one it has no rule
+    for, or settings it cannot read raise :class:`~vlm_pack.failures.InternalCheckError`: every clip would
+    fail, so a pipeline stops at the first instead of counting each sample as bad.
     """
     vp = _video_processor(processor)
     settings = _settings(vp, videos_kwargs)
@@ -256,7 +259,7 @@ def forecast_video(
     if "InternVLVideoProcessor" in classes:
         seq = _processor_number(processor, "image_seq_length", image_seq_length, type(vp).__name__)
         return _per_frame(vp, header, settings, seq, extra=0)
-    raise ValueError(
+    raise InternalCheckError(
         f"no video forecast rule for {type(vp).__name__}; rules exist for Qwen2VLVideoProcessor, "
         "Qwen3VLVideoProcessor, Glm4vVideoProcessor, Glm46VVideoProcessor, LlavaOnevisionVideoProcessor and "
         "InternVLVideoProcessor."
