@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 import tarfile
 import warnings
@@ -431,9 +432,18 @@ def test_analyze_forecasts_video_records_and_lists_a_corrupt_one(clips, qwen_vid
     table = forecast_sources(str(manifest), preprocessor=pre, progress=False)
     assert table.invalid_reasons == ["corrupt_video"] and list(table.keys) == ["j0", "j1", "j2"]
     written = pq.read_table(tmp_path / "lengths.parquet").to_pylist()
+    video_tokens = []
     for row, line in zip(written, lines):
         sample = pre.process([], line["messages"], videos=[tmp_path / line["videos"][0]])
         assert row["length"] == int(sample["input_ids"].shape[0]), line["id"]
+        video_tokens.append(int(sample["tokens_per_video"].sum()))
+    d = report["dataset"]  # the report counts the videos and their tokens (the processor's), not as text
+    assert (d["videos"], d["images"], d["text_only_samples"]) == (3, 0, 0)
+    assert d["video_tokens"] == sum(video_tokens) and d["video_tokens_per_sample"]["max"] == max(video_tokens)
+    from vlm_pack.report import format_report
+
+    assert "(0 images, 3 videos, 0 text-only)" in format_report(report)
+    assert re.search(rf"video  mean +{sum(video_tokens) / 3:,.0f} ", format_report(report))
 
 
 @pytest.mark.torchvision

@@ -316,6 +316,8 @@ def analyze(
         per_cap.append(m)
         results.append(r)
     n_img = table.num_images
+    n_vid = table.num_videos if table.num_videos is not None else np.zeros_like(n_img)
+    video_tokens = table.video_tokens if table.video_tokens is not None else np.zeros_like(n_img)
     report = {
         "vlm_pack_version": __version__,
         **(meta or {}),
@@ -323,12 +325,15 @@ def analyze(
         "dataset": {
             "samples": len(table),
             "images": int(n_img.sum()),
-            "text_only_samples": int((n_img == 0).sum()),
+            "videos": int(n_vid.sum()),
+            "text_only_samples": int(((n_img == 0) & (n_vid == 0)).sum()),
             "images_per_sample": {str(k): int(v) for k, v in zip(*np.unique(n_img, return_counts=True))},
             "text_tokens": int(table.text_tokens.sum()),
             "vision_tokens": int(table.vision_tokens.sum()),
             "text_tokens_per_sample": _stats(table.text_tokens.astype(np.float64)),
             "vision_tokens_per_sample": _stats(table.vision_tokens.astype(np.float64)),
+            "video_tokens": int(video_tokens.sum()),
+            "video_tokens_per_sample": _stats(video_tokens.astype(np.float64)),
             "length_per_sample": _stats(table.lengths.astype(np.float64)),
             "invalid": [{"key": k, "source": s, "reason": r} for k, s, r in table.invalid],
         },

@@ -35,13 +35,18 @@ def _dataset_lines(report: dict[str, Any]) -> list[str]:
     d, b = report["dataset"], report["baseline"]
     t, v, L = d["text_tokens_per_sample"], d["vision_tokens_per_sample"], d["length_per_sample"]
     lines = [
-        f"vlm-pack analyze: {d['samples']:,} samples ({d['images']:,} images, {d['text_only_samples']:,} text-only)"
+        f"vlm-pack analyze: {d['samples']:,} samples ({d['images']:,} images, "
+        + (f"{d['videos']:,} videos, " if d.get("videos") else "")
+        + f"{d['text_only_samples']:,} text-only)"
         + (f" | {report['family']}" if report.get("family") else "")
         + (f" | {report['source']}" if report.get("source") else ""),
         f"tokens per sample   text   mean {t['mean']:>7,.0f}  p50 {t['p50']:>7,.0f}  p95 {t['p95']:>7,.0f}  max {t['max']:>7,.0f}",
         f"                    vision mean {v['mean']:>7,.0f}  p50 {v['p50']:>7,.0f}  p95 {v['p95']:>7,.0f}  max {v['max']:>7,.0f}",
         f"                    total  mean {L['mean']:>7,.0f}  p50 {L['p50']:>7,.0f}  p95 {L['p95']:>7,.0f}  max {L['max']:>7,.0f}",
     ]
+    if d.get("videos"):  # images are `vision`; a video's tokens are their own row (and in `total`)
+        w = d["video_tokens_per_sample"]
+        lines.insert(3, f"                    video  mean {w['mean']:>7,.0f}  p50 {w['p50']:>7,.0f}  p95 {w['p95']:>7,.0f}  max {w['max']:>7,.0f}")
     if d["invalid"]:
         lines.append(f"invalid samples skipped: {len(d['invalid'])} (listed in report.json)")
     lines.append(
