@@ -74,6 +74,9 @@ class LengthTable:
         invalid_reasons: the reason code (``vlm_pack.failures.REASONS``) of each ``invalid`` sample.
         num_videos, video_tokens: int64 ``[N]``: videos per sample and their placeholder tokens (None: a table
             made before videos, read as none); ``num_patches`` counts their encoder patches too (Qwen-VL).
+        video_groups, video_group_patches: int64 ``[V]`` (``V = num_videos.sum()``, sample by sample): each
+            video's temporal groups ``t`` and encoder patches per group ``h * w`` (its ``video_grid_thw``; the
+            Qwen-VL tower attends within a group); 0 and 0 for a family without a grid; None: not known.
     """
 
     keys: Strings
@@ -89,6 +92,8 @@ class LengthTable:
     invalid_reasons: list[str] = field(default_factory=list)
     num_videos: np.ndarray | None = None
     video_tokens: np.ndarray | None = None
+    video_groups: np.ndarray | None = None
+    video_group_patches: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.keys, self.sources = Strings(self.keys), Strings(self.sources)  # lists are taken too
@@ -99,7 +104,8 @@ class LengthTable:
         one image (the keys and sources front-coded), so 100 M samples take ~10 GB, not the ~40 GB of lists."""
         arrays = [self.text_tokens, self.vision_tokens, self.num_patches, self.image_ptr, self.image_tokens,
                   self.image_starts, self.keys, self.sources]  # fmt: skip
-        arrays += [a for a in (self.index, self.num_videos, self.video_tokens) if a is not None]
+        extra = (self.index, self.num_videos, self.video_tokens, self.video_groups, self.video_group_patches)
+        arrays += [a for a in extra if a is not None]
         return sum(a.nbytes for a in arrays)
 
     @property
@@ -221,6 +227,8 @@ class _ChunkResult:
     starts: list[int] = field(default_factory=list)
     videos: list[int] = field(default_factory=list)  # videos of each sample
     video_tokens: list[int] = field(default_factory=list)  # their placeholder tokens, per sample
+    groups: list[int] = field(default_factory=list)  # per video: temporal groups t of its grid (0: none)
+    group_patches: list[int] = field(default_factory=list)  # per video: patches h * w of one group
     invalid: list[tuple[str, str, str]] = field(default_factory=list)
     failed_ordinals: list[int] = field(default_factory=list)  # of ``invalid``, within the chunk
     failed_reasons: list[str] = field(default_factory=list)  # of ``invalid``: reason codes
@@ -228,7 +236,8 @@ class _ChunkResult:
     def sealed(self) -> _ChunkResult:
         """The per-sample lists as int64 arrays and :class:`Strings`: a list of Python ints and strs costs
         ~300 bytes a sample, which the driver would hold for every chunk of a 100 M-sample forecast."""
-        for name in ("ordinals", "text", "patches", "num_images", "counts", "starts", "videos", "video_tokens"):
+        for name in ("ordinals", "text", "patches", "num_images", "counts", "starts", "videos", "video_tokens",
+                     "groups", "group_patches"):
             setattr(self, name, np.asarray(getattr(self, name), dtype=np.int64))
         self.keys, self.wheres = Strings(self.keys), Strings(self.wheres)  # type: ignore[assignment]
         return self
@@ -301,6 +310,10 @@ def _add(r: _Read, forecast: Forecast, out: _ChunkResult) -> None:
     out.text.append(forecast.length - sum(forecast.counts) - video_tokens)
     out.videos.append(len(r.videos))
     out.video_tokens.append(video_tokens)
+    for video in r.videos:  # the grid the tower attends by (t groups of h * w patches), where the family has one
+        t, h, w = getattr(video, "grid_thw", None) or (0, 0, 0)
+        out.groups.append(int(t))
+        out.group_patches.append(int(h) * int(w))
     out.patches.append(r.patches)
     out.num_images.append(len(forecast.counts))
     out.counts.extend(forecast.counts)
@@ -441,15 +454,15 @@ def _table(results: list[_ChunkResult]) -> LengthTable:
         [bad for r in results for bad in r.invalid],
         index,
         invalid_reasons=[reason for r in results for reason in r.failed_reasons],
-        **_video_columns(cat("videos"), cat("video_tokens")),
+        **_video_columns(cat("videos"), cat("video_tokens"), cat("groups"), cat("group_patches")),
     )
 
 
-def _video_columns(videos: np.ndarray, tokens: np.ndarray) -> dict[str, np.ndarray | None]:
+def _video_columns(videos: np.ndarray, tokens: np.ndarray, groups: np.ndarray, per_group: np.ndarray) -> dict:
     """A table's video arrays, or none for data without a video (an image-only table costs what it did)."""
     if not videos.any():
-        return {"num_videos": None, "video_tokens": None}
-    return {"num_videos": videos, "video_tokens": tokens}
+        return {}
+    return {"num_videos": videos, "video_tokens": tokens, "video_groups": groups, "video_group_patches": per_group}
 
 
 def make_forecaster(

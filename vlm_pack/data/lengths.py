@@ -14,6 +14,8 @@ One row per forecast sample, in source order::
     num_patches     int64         vision-encoder patches (images and videos)
     image_tokens    list<int64>   placeholders of each image
     image_starts    list<int64>   where each image's block starts inside the sample
+    video_groups    list<int64>   temporal groups t of each video's grid (0: a family without one)
+    video_group_patches list<int64> encoder patches h * w of one group of each video
 
 The samples that could not be forecast (``LengthTable.invalid``, with their reason codes) ride in the
 schema's metadata (``vlm_pack`` key, JSON). Needs ``pyarrow`` (``pip install 'vlm-pack[hf]'``).
@@ -34,8 +36,10 @@ from .strings import Strings
 
 __all__ = ["read_lengths", "write_lengths"]
 
-LENGTHS_FORMAT = 2  # 2: video_tokens and num_videos (a format-1 table, written before videos, reads as none)
-_READS = (1, 2)
+# 2: video_tokens and num_videos (a format-1 table, written before videos, reads as none); 3: each video's
+# grid, video_groups and video_group_patches (a format-2 table reads with them None: videos costed as before)
+LENGTHS_FORMAT = 3
+_READS = (1, 2, 3)
 _META = b"vlm_pack"
 
 
@@ -70,6 +74,10 @@ def write_lengths(table: LengthTable, path: str | os.PathLike[str]) -> Path:
         "image_tokens": make(offsets, pa.array(table.image_tokens, pa.int64())),
         "image_starts": make(offsets, pa.array(table.image_starts, pa.int64())),
     }
+    if table.video_groups is not None and table.video_group_patches is not None:
+        vptr = pa.array(np.concatenate([[0], np.cumsum(_or_zeros(table.num_videos, len(table)))]), pa.int64())
+        for name in ("video_groups", "video_group_patches"):
+            columns[name] = pa.LargeListArray.from_arrays(vptr, pa.array(getattr(table, name), pa.int64()))
     meta = {
         "format": LENGTHS_FORMAT,
         "invalid": [list(item) for item in table.invalid],
@@ -137,4 +145,13 @@ def read_lengths(path: str | os.PathLike[str]) -> LengthTable:
         invalid_reasons=list(meta["invalid_reasons"]),
         num_videos=i64("num_videos") if "num_videos" in arrow.column_names else None,
         video_tokens=i64("video_tokens") if "video_tokens" in arrow.column_names else None,
+        video_groups=_flat(arrow, "video_groups"),
+        video_group_patches=_flat(arrow, "video_group_patches"),
     )
+
+
+def _flat(arrow: Any, name: str) -> np.ndarray | None:
+    """A list column's values end to end (int64), or None where the table has no such column."""
+    if name not in arrow.column_names:
+        return None
+    return arrow.column(name).combine_chunks().flatten().to_numpy().astype(np.int64)

@@ -413,7 +413,7 @@ def plan_packs(
         vision=None if result.vision is None else result.vision[kept],
         vision_capacity=result.vision_capacity,
         max_samples_per_bin=result.max_samples_per_bin,
-        has_image=None if balance.image_every_rank is False else np.diff(table.image_ptr)[kept] > 0,
+        has_image=None if balance.image_every_rank is False else vision_inputs(table)[kept] > 0,
     )
     if made is None:
         return members, bin_ptr, rank_bins, grad_accum
@@ -434,10 +434,9 @@ def sample_costs(table: Any, lengths: np.ndarray, cost: Any) -> np.ndarray:
     """float64 ``[N]``: the cost of each of ``table``'s samples alone (``lengths`` ``[N]`` padded spans): a
     :class:`~vlm_pack.packing.PackCost`'s, vectorised, or a callable's on a pack of that one sample (one
     call per sample: the balanced packs treat a pack's cost as the sum of its samples')."""
-    from ..packing.cost import PackCost, image_patches
+    from ..packing.cost import PackCost
 
-    patches = image_patches(table.image_ptr, table.image_tokens, table.vision_tokens, table.num_patches)
-    ptr = np.asarray(table.image_ptr, dtype=np.int64)
+    patches, ptr = table_patches(table)
     lengths = np.asarray(lengths, dtype=np.int64)
     cost = PackCost() if cost is None else cost
     if isinstance(cost, PackCost):
@@ -451,14 +450,38 @@ def sample_costs(table: Any, lengths: np.ndarray, cost: Any) -> np.ndarray:
 def _costs_and_images(
     table: Any, lengths: np.ndarray, members: np.ndarray, bin_ptr: np.ndarray, cost: Any
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(costs float64 [B], images int64 [B])`` of the packs ``members`` / ``bin_ptr`` (rows of ``table``)."""
-    from ..packing.cost import gather_ragged, image_patches, pack_costs
+    """``(costs float64 [B], images int64 [B])`` of the packs ``members`` / ``bin_ptr`` (rows of ``table``);
+    ``images``: the vision tower's inputs of each pack, its images and videos (:func:`vision_inputs`)."""
+    from ..packing.cost import gather_ragged, pack_costs
 
-    patches = image_patches(table.image_ptr, table.image_tokens, table.vision_tokens, table.num_patches)
-    patches, image_ptr = gather_ragged(patches, table.image_ptr, members)
-    costs = pack_costs(lengths[members], bin_ptr, patches, image_ptr, cost)
-    images = np.add.reduceat(np.diff(image_ptr), bin_ptr[:-1]) if members.size else np.zeros(0, np.int64)
+    patches, ptr = table_patches(table)
+    patches, unit_ptr = gather_ragged(patches, ptr, members)
+    costs = pack_costs(lengths[members], bin_ptr, patches, unit_ptr, cost)
+    inputs = vision_inputs(table)[members]
+    images = np.add.reduceat(inputs, bin_ptr[:-1]) if members.size else np.zeros(0, np.int64)
     return costs, images
+
+
+def vision_inputs(table: Any) -> np.ndarray:
+    """int64 ``[N]``: what each sample feeds the vision tower, its images and its videos: a video runs the
+    same tower (Qwen-VL's ``visual`` takes ``pixel_values_videos``; LLaVA-OneVision and InternVL encode its
+    frames as images), so a rank holding only videos in a step does not leave the tower's parameters
+    unused (the image rule of :func:`~vlm_pack.packing.step_plan`)."""
+    images = np.diff(np.asarray(table.image_ptr, dtype=np.int64))
+    videos = getattr(table, "num_videos", None)
+    return images if videos is None else images + np.asarray(videos, dtype=np.int64)
+
+
+def table_patches(table: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(patches int64 [U], ptr int64 [N + 1])``: the vision tower's attention units of each of ``table``'s
+    samples, images then video frame groups (:func:`~vlm_pack.packing.cost.vision_patches`)."""
+    from ..packing.cost import vision_patches
+
+    return vision_patches(
+        table.image_ptr, table.image_tokens, table.vision_tokens, table.num_patches,
+        getattr(table, "num_videos", None), getattr(table, "video_groups", None),
+        getattr(table, "video_group_patches", None),
+    )  # fmt: skip
 
 
 def _split_for_ranks(bins: list[np.ndarray], world_size: int) -> list[np.ndarray]:

@@ -115,6 +115,16 @@ def _check_places(conversation: Any, images: list[str], videos: list[str]) -> No
             )
 
 
+def _vision_units(preprocessor: Any, sizes: list[tuple[int, int]], videos: list[Any]) -> tuple[int, ...]:
+    """ViT patches of each image, then of each video's frame groups (``t`` groups of ``h * w``: the tower
+    attends within a group, so a video costs as ``t`` images; vlm_pack.packing.cost.vision_patches)."""
+    units = [preprocessor.spec.num_patches(w, h) for w, h in sizes]
+    for video in videos:
+        t, h, w = getattr(video, "grid_thw", None) or (0, 0, 0)
+        units += [int(h) * int(w)] * int(t)
+    return tuple(units)
+
+
 @dataclass(slots=True)
 class _Sample:
     """A forecast sample waiting in a buffer: raw image bytes, its text, its forecast and the prompt the
@@ -128,7 +138,7 @@ class _Sample:
     prompt: Prompt
     length: int  # forecast tokens
     vision: int  # vision cost (PackingConfig.vision_cost)
-    patches: tuple[int, ...]  # ViT patches per image, for the pack's cost (only with StreamBalance, else ())
+    patches: tuple[int, ...]  # ViT patches per image and video frame group, for the pack's cost (StreamBalance)
 
 
 class StreamRunner:
@@ -246,7 +256,7 @@ class StreamRunner:
         self._check_images(names, sizes)
         forecasts = video_forecasts(preprocessor, header.videos)  # each clip's tokens, from its header
         length, _, prompt = preprocessor.forecast_prompt(conversation, sizes, key, videos=forecasts)
-        patches = tuple(preprocessor.spec.num_patches(w, h) for w, h in sizes) if self.work.balance else ()
+        patches = _vision_units(preprocessor, sizes, forecasts) if self.work.balance else ()
         vision = self._vision_cost(sizes, forecasts)
         return _Sample(url, key, images, videos, conversation, prompt, length, vision, patches)
 
@@ -424,7 +434,7 @@ class StreamRunner:
         for b, positions in enumerate(window):
             samples = [self.samples[pos] for pos in positions]
             costs[b] = balance.pack_cost([s.length for s in samples], [p for s in samples for p in s.patches])
-            has_image[b] = any(s.images for s in samples)
+            has_image[b] = any(s.images or s.videos for s in samples)  # a video runs the vision tower too
         seed = self.config.shuffle_seed
         key = (balance.seed, 0 if seed is None else seed + 1, self.epoch, self.generation, self.window)
         schedule = window_schedule(balance.window, key)

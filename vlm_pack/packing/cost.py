@@ -9,7 +9,9 @@ about twice that, for every term alike, so it does not change which pack is dear
                                                   masked half), 1 bidirectional (the ViT)
 
 In a pack the attention term is per *sample* for the language model (varlen attention never crosses a
-boundary) and per *image* for the vision tower; where the tower attends in windows (Qwen2.5-VL: 112 px
+boundary) and per *image* for the vision tower (per *frame group* of a video: Qwen-VL's tower attends
+within each of a video's ``t`` groups of ``h * w`` patches, transformers ``vision_utils.get_vision_cu_seqlens``,
+so a video of grid ``(t, h, w)`` costs as ``t`` images of ``h * w`` patches, :func:`vision_patches`); where the tower attends in windows (Qwen2.5-VL: 112 px
 windows = 64 patches, full attention only in ``fullatt_block_indexes``) a windowed layer costs
 ``4 d p min(p, window)`` instead of ``4 d p^2``. Plus the output head, ``2 s h V``. So a pack's cost is the sum
 of its samples' costs::
@@ -32,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CostFn", "PackCost", "image_patches", "pack_costs"]
+__all__ = ["CostFn", "PackCost", "image_patches", "pack_costs", "vision_patches"]
 
 #: one pack's sample lengths (int64 ``[n]``) and its images' ViT patches (int64 ``[m]``) -> its cost
 CostFn = Callable[[np.ndarray, np.ndarray], float]
@@ -174,6 +176,49 @@ def image_patches(
     tokens = np.asarray(vision_tokens, dtype=np.float64)[owner]
     share = np.divide(np.asarray(image_tokens, np.float64), tokens, out=np.zeros(owner.size), where=tokens > 0)
     return np.rint(share * np.asarray(num_patches, dtype=np.float64)[owner]).astype(np.int64)
+
+
+def vision_patches(
+    image_ptr: np.ndarray,
+    image_tokens: np.ndarray,
+    vision_tokens: np.ndarray,
+    num_patches: np.ndarray,
+    num_videos: np.ndarray | None = None,
+    video_groups: np.ndarray | None = None,
+    video_group_patches: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(patches int64 [U], ptr int64 [N + 1])``: the vision tower's attention units of each sample, sample
+    ``i``'s being ``patches[ptr[i]:ptr[i+1]]``: its images' patches (:func:`image_patches` of the patches
+    left after its videos'), then each video's ``t`` frame groups of ``h * w`` patches (``num_videos [N]``,
+    ``video_groups [V]`` = ``t``, ``video_group_patches [V]`` = ``h * w``, ``V = num_videos.sum()``; a video
+    without a grid, ``t = 0``, adds none). Without grids (None) a sample's patches go to its images."""
+    iptr = np.asarray(image_ptr, dtype=np.int64)
+    patches = np.asarray(num_patches, dtype=np.int64)
+    if num_videos is None or video_groups is None or video_group_patches is None:
+        return image_patches(iptr, image_tokens, vision_tokens, patches), iptr
+    groups = np.asarray(video_groups, dtype=np.int64)
+    per_group = np.asarray(video_group_patches, dtype=np.int64)
+    vptr = np.concatenate([[0], np.cumsum(num_videos)]).astype(np.int64)
+    if groups.shape != (vptr[-1],) or per_group.shape != groups.shape:
+        raise ValueError(
+            f"video_groups {groups.shape} / video_group_patches {per_group.shape}: give one entry per video "
+            f"({int(vptr[-1])} = num_videos.sum())"
+        )
+    left = patches - np.rint(_segment_sum((groups * per_group).astype(np.float64), vptr)).astype(np.int64)
+    if (left < 0).any():
+        i = int(np.flatnonzero(left < 0)[0])
+        raise ValueError(f"sample {i}: its videos' grids hold more patches than num_patches[{i}] = {patches[i]}")
+    images = image_patches(iptr, image_tokens, vision_tokens, left)
+    units = np.repeat(per_group, groups)  # [G]: one entry per frame group
+    gptr = np.concatenate([[0], np.cumsum(np.rint(_segment_sum(groups.astype(np.float64), vptr)))]).astype(np.int64)
+    n_img, n_grp = np.diff(iptr), np.diff(gptr)
+    ptr = np.concatenate([[0], np.cumsum(n_img + n_grp)]).astype(np.int64)
+    out = np.empty(int(ptr[-1]), dtype=np.int64)
+    owner = np.repeat(np.arange(n_img.size), n_img)
+    out[ptr[owner] + np.arange(images.size) - iptr[owner]] = images
+    owner = np.repeat(np.arange(n_grp.size), n_grp)
+    out[ptr[owner] + n_img[owner] + np.arange(units.size) - gptr[owner]] = units
+    return out, ptr
 
 
 def gather_ragged(values: np.ndarray, ptr: np.ndarray, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -143,6 +143,8 @@ def _analysis_config(capacity: int, config: PackingConfig | None) -> PackingConf
 
 def _pack_metrics(table: LengthTable, result: PackResult, vision_kept: np.ndarray) -> dict[str, Any]:
     """The packs' fill and what each pack holds; ``vision_kept`` ``[N]``: vision tokens each sample keeps."""
+    from vlm_pack.data.plan import vision_inputs
+
     nb = result.num_bins
     starts = result.bin_offsets[:-1]
     seg = lambda v: np.add.reduceat(v[result.order], starts) if nb else np.zeros(0, np.int64)  # noqa: E731
@@ -154,6 +156,7 @@ def _pack_metrics(table: LengthTable, result: PackResult, vision_kept: np.ndarra
         "padded_tokens": nb * int(result.capacity),
         "samples_per_pack": _stats(result.bin_sizes.astype(np.float64)),
         "images_per_pack": _stats(seg(table.num_images).astype(np.float64)),
+        "vision_inputs_per_pack": _stats(seg(vision_inputs(table)).astype(np.float64)),  # images + videos
         "vision_tokens_per_pack": _stats(seg(vision_kept).astype(np.float64)),
     }
 
@@ -179,7 +182,8 @@ def step_balance(
     plan (``StepBalance()``: cost-balanced packs where they deal better, see
     :func:`~vlm_pack.data.plan.plan_packs`); ``packs``: which packs it keeps (``"balanced"`` or ``"bfd"``) and
     ``num_packs`` how many; ``short_of_images``: :func:`~vlm_pack.packing.steps.steps_short_of_images` of
-    the step plan: ``"short"`` counts every step where a rank has no image pack, ``"avoidable"`` those the
+    the step plan (a video counts as an image: it runs the vision tower): ``"short"`` counts every step where
+    a rank has no image pack, ``"avoidable"`` those the
     plan's image packs could have filled (0: the image rule holds). A dataset too small for ``world_size`` ranks
     gives ``{"error": reason}`` instead."""
     from vlm_pack.data.plan import _costs_and_images, _split_for_ranks, deal_packs, plan_packs
