@@ -150,6 +150,25 @@ def test_the_report_counts_video_packs_for_the_image_rule():
     assert metrics["vision_inputs_per_pack"]["mean"] > metrics["images_per_pack"]["mean"]
 
 
+def test_a_stream_costs_a_video_by_its_frame_groups():
+    """``StreamBalance``'s per-sample units: each image's patches (the image processor's own grid), then each
+    video's ``t`` groups of ``h * w``; a family without a grid adds none."""
+    from PIL import Image
+
+    from vlm_pack.data.stream import _vision_units
+    from vlm_pack.offline import build_tokenizer, image_processor
+    from vlm_pack.preprocessor import Preprocessor
+    from vlm_pack.vision.video.forecast import VideoForecast
+
+    ip = image_processor("qwen2_vl")
+    pre = Preprocessor(tokenizer=build_tokenizer("qwen2_vl"), image_processor=ip)
+    grid = ip(images=[Image.new("RGB", (200, 120))], return_tensors="np")["image_grid_thw"][0]
+    video = VideoForecast(indices=tuple(range(6)), grid_thw=(3, 8, 10), frame_tokens=(20,) * 3, tokens=60,
+                          num_patches=240)  # fmt: skip
+    no_grid = VideoForecast(indices=(0, 1), grid_thw=None, frame_tokens=(196, 196), tokens=392)
+    assert _vision_units(pre, [(200, 120)], [video, no_grid]) == (int(np.prod(grid)), 80, 80, 80)
+
+
 # ------------------------------------------------------------------------------ end to end, real clips
 def _clip(frames: int, width: int, height: int) -> bytes:
     import av
