@@ -309,10 +309,28 @@ def test_a_restore_mid_epoch_gives_the_same_video_packs_and_reports(shards, work
 
 
 @pytest.mark.slow
-def test_videos_in_the_collapsed_layout_stop_the_run_naming_the_sample_and_the_fix(shards):
-    """Megatron's collapsed layout (one placeholder per image) has no video expansion: the first video sample
-    stops the run (Energon's default handler re-raises it), naming the sample and ``layout='expanded'``."""
+def test_videos_in_the_collapsed_layout_pack_at_their_expanded_lengths(shards):
+    """Megatron's collapsed layout (one placeholder per video, per image) through the encoder: every good
+    sample is packed once, each sample's collapsed span holds one video token per video, and its span in the
+    expanded space (what the model attends over once it expands the placeholders) is the length the sample
+    has processed alone in the expanded layout."""
+    import torch
+
+    path, records = shards
     pre = Preprocessor(processor=_processor(), layout="collapsed")
     encoder = VLMPackingTaskEncoder(pre, CAPACITY, model_config=_model_config(), oversized="skip")
-    with pytest.raises(FatalSampleError, match=r"sample '[\w-]+'.*layout='expanded'"):
-        list(_loader(shards[0], encoder, workers=0))
+    packs = list(_loader(path, encoder, workers=0))
+    assert sorted(k for p in packs for k in p.keys) == GOOD, [p.left_out for p in packs]
+    video_id = _processor().video_token_id
+    for pack in packs:
+        batch = pack.batch
+        alone = [_alone(records[k]) for k in pack.keys]
+        assert batch.layout == "collapsed"
+        assert batch.seq_lens_expanded.tolist() == [len(a["input_ids"]) for a in alone]
+        starts = batch.cu_seqlens.tolist()
+        for i, key in enumerate(pack.keys):
+            span = batch.input_ids.reshape(-1)[starts[i] : starts[i + 1]]
+            assert int((span == video_id).sum()) == len(records[key].get("videos", [])), key
+        grids = [a["video_grid_thw"] for a in alone if "video_grid_thw" in a]
+        if grids:
+            assert torch.equal(batch.video_grid_thw, torch.cat(grids))

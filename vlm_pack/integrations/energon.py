@@ -318,7 +318,10 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         p = self.processing.call(process, sample.images, sample.conversation, key, sample=label, key=key)
         if isinstance(p, Skip):
             return _why(p)
-        n = sample_length.expanded_length(len(p["input_ids"]), p.get("tokens_per_image"), self.preprocessor.layout)
+        n = sample_length.expanded_length(
+            len(p["input_ids"]), p.get("tokens_per_image"), self.preprocessor.layout,
+            p.get("tokens_per_video_placeholder"),
+        )  # fmt: skip
         if n != sample.length:
             return _why(self.processing.bad(forecast_mismatch(sample.length, n, label), label, key))
         self.processing.good()

@@ -241,12 +241,14 @@ def _plain_backend(tokenizer: Any) -> Any:
     return backend
 
 
-def expanded_length(num_ids: int, tokens_per_image: Any, layout: str) -> int:
+def expanded_length(num_ids: int, tokens_per_image: Any, layout: str, tokens_per_video_placeholder: Any = None) -> int:
     """A processed sample's length once expanded: its ``num_ids`` in the expanded layout; in the collapsed
-    one (one placeholder per image) each image's placeholder becomes its ``tokens_per_image`` ``[n]``."""
-    if layout == "expanded" or tokens_per_image is None:
+    one (one placeholder per image, per video or per video's temporal group) each image's placeholder becomes
+    its ``tokens_per_image`` ``[n]`` and each video placeholder its ``tokens_per_video_placeholder`` ``[m']``."""
+    if layout == "expanded":
         return int(num_ids)
-    counts = [int(n) for n in tokens_per_image]
+    counts = [int(n) for n in (tokens_per_image if tokens_per_image is not None else ())]
+    counts += [int(n) for n in (tokens_per_video_placeholder if tokens_per_video_placeholder is not None else ())]
     return int(num_ids) + sum(counts) - len(counts)
 
 
