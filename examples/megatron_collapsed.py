@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     multiple = pad_multiple_for(cp=args.cp)
     capacity = -(-args.capacity // multiple) * multiple
     batches = {
-        # max_rows=None: the samples are a list, not a planned bin; in-batch packing makes as many packs as needed
+        # max_rows=None: the samples are a list, not a planned bin; re-packed into the packs they need
         layout: parts[layout].collator(capacity, pad_to_multiple_of=multiple, max_rows=None)(items)
         for layout, items in samples.items()
     }

@@ -89,7 +89,9 @@ def hf_rope(model, s):
 def test_qwen_layout_labels_positions_padding(qwen):
     tok, model, samples, _ = qwen
     m = 8
-    collator = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=m, max_rows=None)
+    collator = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=m, max_rows=None
+    )
     b = collator(samples)
     n = len(samples)
     R, T = b.input_ids.shape
@@ -130,7 +132,9 @@ def test_qwen_layout_labels_positions_padding(qwen):
 @pytest.mark.slow
 def test_packed_forward_matches_each_sample_alone(qwen):
     tok, model, samples, _ = qwen
-    b = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None)(samples)
+    b = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None
+    )(samples)
     with torch.no_grad():
         out = model(**b.model_inputs("sdpa"))
         logp = out.logits.log_softmax(-1)
@@ -160,7 +164,12 @@ def test_packed_forward_matches_each_sample_alone(qwen):
 def test_padding_multiples_and_unpadded_rows(qwen):
     tok, _, samples, _ = qwen
     b = PackingCollator(
-        96, tokenizer=tok, family="qwen2_vl", pad_to_multiple_of=pad_multiple_for(cp=4), pad_to_capacity=False, max_rows=None
+        96,
+        tokenizer=tok,
+        family="qwen2_vl",
+        pad_to_multiple_of=pad_multiple_for(cp=4),
+        pad_to_capacity=False,
+        max_rows=None,
     )(samples)
     assert b.pad_to_multiple_of == 8
     assert bool((b.cu_seqlens_padded.diff() % 8 == 0).all())
@@ -220,7 +229,7 @@ def test_one_bin_is_one_row_in_its_order_and_the_repacker_is_a_function_of_its_o
     assert batch.sample_keys == ["s36", "s9", "s21"] and batch.num_rows == 1
     assert batch.cu_seqlens_padded.tolist() == [0, 36, 48, 72]  # 36, 12, 24: the row is the bin's span
     with pytest.raises(AssertionError, match="re-packed"):
-        PackingCollator(72, pad_to_multiple_of=4, max_rows=None)(samples)  # opted in: in-batch packing re-packs
+        PackingCollator(72, pad_to_multiple_of=4, max_rows=None)(samples)  # opted in: re-packs
 
 
 def test_the_settings_are_read_once_from_one_table():
@@ -291,7 +300,9 @@ def test_sample_keys_follow_the_packed_order(qwen):
     assert b.sample_keys == [names[i] for i in order]
     assert b.metadata["source"] == ["demo"] * len(samples)
     assert "__key__" not in b.model_input_names() and "input_ids" in b.model_input_names()
-    by_id = PackingCollator(64, tokenizer=tok, family="qwen2_vl", max_rows=None)([dict(s, id=i * 10) for i, s in enumerate(samples)])
+    by_id = PackingCollator(64, tokenizer=tok, family="qwen2_vl", max_rows=None)(
+        [dict(s, id=i * 10) for i, s in enumerate(samples)]
+    )
     assert by_id.sample_keys == [i * 10 for i in by_id.sample_index.tolist()]
     assert PackingCollator(64, tokenizer=tok, family="qwen2_vl", max_rows=None)(samples).sample_keys is None
 
@@ -366,7 +377,9 @@ def test_collapsed_llava_counts_from_config():
 
 def test_model_input_styles(qwen):
     tok, model, samples, _ = qwen
-    b = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None)(samples)
+    b = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None
+    )(samples)
     R, T = b.input_ids.shape
     sdpa = b.model_inputs("sdpa")
     assert "attention_mask" not in sdpa and sdpa["use_cache"] is False
@@ -411,7 +424,9 @@ def test_flash_style_inputs_run_varlen_attention(qwen):
 
     tok, model, samples, _ = qwen
     varlen = use_varlen_attention(tiny_model("qwen2_vl", tok, initializer_range=0.2))  # same seed, weights
-    b = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None)(samples)
+    b = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None
+    )(samples)
     with torch.no_grad():
         rows = model(**b.model_inputs("sdpa")).logits
         flat = varlen(**b.model_inputs("flash_attention_2")).logits
@@ -453,7 +468,9 @@ def test_flash_style_through_transformers_flash_dispatch(qwen):
     for m in flash.modules():
         if hasattr(m, "config"):  # set_attn_implementation would try to import the flash-attn package
             m.config._attn_implementation_internal = "test_flash_varlen"
-    b = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None)(samples)
+    b = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None
+    )(samples)
     inputs = b.model_inputs("flash_attention_2")
     assert inputs["cu_seq_lens_q"].dtype == torch.int32
     with torch.no_grad():
@@ -764,14 +781,18 @@ def test_pad_multiple_for_is_the_parallel_padding_rule():
 
 def test_dataloader_workers_and_trainer_style(qwen):
     tok, model, samples, _ = qwen
-    collator = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None)
+    collator = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None
+    )
     assert pickle.loads(pickle.dumps(collator)).image_token_id == tok.image_token_id
     loader = torch.utils.data.DataLoader(samples * 2, batch_size=5, num_workers=2, collate_fn=collator)
     batches = list(loader)
     assert len(batches) == 2 and all(isinstance(x, PackedBatch) for x in batches)
     assert all(sorted(x.sample_index.tolist()) == list(range(5)) for x in batches)
     # As an HF Trainer data_collator: a plain dict of forward kwargs.
-    as_dict = PackingCollator(64, tokenizer=tok, model_config=model.config, return_style="sdpa", max_rows=None)(samples)
+    as_dict = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, return_style="sdpa", max_rows=None
+    )(samples)
     assert isinstance(as_dict, dict) and as_dict["use_cache"] is False
     with torch.no_grad():
         assert torch.isfinite(model(**as_dict).loss)
@@ -794,7 +815,9 @@ def test_hf_trainer_step(qwen, tmp_path):
         save_strategy="no",
         logging_strategy="no",
     )
-    collator = PackingCollator(64, tokenizer=tok, model_config=model.config, return_style="sdpa", max_rows=None)
+    collator = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, return_style="sdpa", max_rows=None
+    )
     before = model.lm_head.weight.detach().clone()
     result = Trainer(model=model, args=args, train_dataset=samples, data_collator=collator).train()
     assert result.global_step == 1 and torch.isfinite(torch.tensor(result.training_loss))

@@ -210,7 +210,8 @@ def test_llava_onevision_one_placeholder_per_video_and_image():
     repeats[c["input_ids"] == proc.video_token_id] = c["tokens_per_video_placeholder"]
     for name in ("input_ids", "labels"):
         assert torch.equal(torch.repeat_interleave(c[name], repeats), e[name]), name
-    kw = dict(tokenizer=proc, family="llava_onevision", pad_to_multiple_of=4, max_rows=None)  # three samples, rows they need
+    # max_rows=None: the three samples need two rows (in-batch packing)
+    kw = dict(tokenizer=proc, family="llava_onevision", pad_to_multiple_of=4, max_rows=None)
     text = process_sample([], _cases()[1][2], processor=proc)
     eb = PackingCollator(4096, **kw)([e, text, e])
     cb = PackingCollator(4096, layout="collapsed", **kw)([c, text, c])

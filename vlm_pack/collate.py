@@ -1,9 +1,9 @@
 """Pack processed image-text samples into rows a vision-language model trains on exactly as on each alone.
 
-``PackingCollator(capacity)`` takes one planned bin, a list of processed samples (``process_sample`` output,
-or an HF processor's output for one example), and returns a :class:`PackedBatch` of one row in the order given;
-``max_rows=None`` opts into re-packing a list into as many rows as it needs (in-batch packing). Expanded layout
-of ``max_rows=None``: two rows of ``capacity = 16``, ``pad_to_multiple_of = 4`` (spans multiples of 4)::
+``PackingCollator(capacity)`` takes one planned bin, a list of processed samples (``process_sample``
+output, or an HF processor's output for one example), and returns a :class:`PackedBatch` of one row in
+the order given; ``max_rows=None`` opts into re-packing a list into the rows it needs (in-batch packing),
+drawn here: two rows of ``capacity = 16``, ``pad_to_multiple_of = 4`` (every span a multiple of 4)::
 
     sample        0: a0 a1 I I I a2      1: b0 b1 b2 b3 b4 b5 b6      2: c0 c1 I I
     expanded len  6                      7                            4
