@@ -81,7 +81,10 @@ def bench_collate(repeats: int) -> None:
     tok, samples = qwen_samples(64)
     model = tiny_model("qwen2_vl", tok)
     lens = [s["input_ids"].numel() for s in samples]
-    collator = PackingCollator(8192, tokenizer=tok, model_config=model.config, pad_to_multiple_of=8)
+    # max_rows=None: 64 samples packed inside the collator (in-batch packing), as the figures always measured
+    collator = PackingCollator(
+        8192, tokenizer=tok, model_config=model.config, pad_to_multiple_of=8, max_rows=None
+    )
     batch = collator(samples)
     flattening = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     text_only = [{"input_ids": s["input_ids"].tolist(), "labels": s["labels"].tolist()} for s in samples]

@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.dtype} noise floor (padded batch, {args.dtype} vs float32): {noise:.6f}")
         tolerance = tolerance or max(1.001, 1 + 3 * (noise - 1))
 
-    collator = pre.collator(args.capacity, model_config=model.config)
+    # max_rows=None: the samples are a list, not a planned bin; the collator packs them into rows (opt-in)
+    collator = pre.collator(args.capacity, model_config=model.config, max_rows=None)
     style = "sdpa" if args.attn == "varlen" else args.attn  # model_inputs style of the packed rows
     packed_forward = {
         "none": None,

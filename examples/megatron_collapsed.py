@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     multiple = pad_multiple_for(cp=args.cp)
     capacity = -(-args.capacity // multiple) * multiple
     batches = {
-        layout: parts[layout].collator(capacity, pad_to_multiple_of=multiple)(items)
+        # max_rows=None: the samples are a list, not a planned bin; re-packed into the packs they need
+        layout: parts[layout].collator(capacity, pad_to_multiple_of=multiple, max_rows=None)(items)
         for layout, items in samples.items()
     }
     collapsed, expanded = batches["collapsed"], batches["expanded"]

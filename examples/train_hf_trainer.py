@@ -4,7 +4,7 @@
 micro-batch's samples end to end in as few rows of ``capacity`` tokens as fit, and the model keeps them apart
 from the position-id restarts (no attention mask, ``use_cache=False``)::
 
-    padded (B = 4)                          packed by PackingCollator(capacity, return_style="sdpa")
+    padded (B = 4)                          packed by PackingCollator(capacity, max_rows=None, ...)
     |s0 ......|############|                |s0 ......|s2 ..|s3 .......|#|      2 rows instead of 4,
     |s1 ..................|                 |s1 ..................|######|      same 4 samples, same
     |s2 ..|################|                                                    labels, same loss
@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train = torch.utils.data.Subset(dataset, keep)
 
     model = tiny_model("qwen2_vl", tokenizer).train()
-    collator = pre.collator(args.capacity, model_config=model.config, return_style="sdpa")
+    # max_rows=None: the Trainer hands the collator per_device_train_batch_size samples, not a planned bin;
+    # in-batch packing (an opt-in) lays them out in as many rows as they need
+    collator = pre.collator(args.capacity, model_config=model.config, return_style="sdpa", max_rows=None)
     rows: list[int] = []
 
     def data_collator(samples: list[dict[str, torch.Tensor]]) -> dict[str, Any]:

@@ -89,7 +89,9 @@ def hf_rope(model, s):
 def test_qwen_layout_labels_positions_padding(qwen):
     tok, model, samples, _ = qwen
     m = 8
-    collator = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=m)
+    collator = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=m, max_rows=None
+    )
     b = collator(samples)
     n = len(samples)
     R, T = b.input_ids.shape
@@ -130,7 +132,9 @@ def test_qwen_layout_labels_positions_padding(qwen):
 @pytest.mark.slow
 def test_packed_forward_matches_each_sample_alone(qwen):
     tok, model, samples, _ = qwen
-    b = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4)(samples)
+    b = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None
+    )(samples)
     with torch.no_grad():
         out = model(**b.model_inputs("sdpa"))
         logp = out.logits.log_softmax(-1)
@@ -160,7 +164,12 @@ def test_packed_forward_matches_each_sample_alone(qwen):
 def test_padding_multiples_and_unpadded_rows(qwen):
     tok, _, samples, _ = qwen
     b = PackingCollator(
-        96, tokenizer=tok, family="qwen2_vl", pad_to_multiple_of=pad_multiple_for(cp=4), pad_to_capacity=False
+        96,
+        tokenizer=tok,
+        family="qwen2_vl",
+        pad_to_multiple_of=pad_multiple_for(cp=4),
+        pad_to_capacity=False,
+        max_rows=None,
     )(samples)
     assert b.pad_to_multiple_of == 8
     assert bool((b.cu_seqlens_padded.diff() % 8 == 0).all())
@@ -174,13 +183,16 @@ def _text(n: int, key: object) -> dict:
 
 def test_a_planned_bin_is_one_row_or_an_error_naming_its_samples():
     samples = [_text(n, f"s{n}") for n in (30, 33, 36)]  # 99 tokens; padded to multiples of 4: 104
-    assert PackingCollator(100, pad_to_multiple_of=4)(samples).num_rows == 2  # in-batch packing re-packs
-    one_row = PackingCollator(100, pad_to_multiple_of=4, max_rows=1)
+    # in-batch packing is an opt-in (max_rows=None): it re-packs the list into the rows it needs
+    assert PackingCollator(100, pad_to_multiple_of=4, max_rows=None)(samples).num_rows == 2
+    assert PackingCollator(100, pad_to_multiple_of=4, max_rows=2)(samples).num_rows == 2
+    one_row = PackingCollator(100, pad_to_multiple_of=4)  # the default: one bin, one row
+    assert one_row.max_rows == 1
     with pytest.raises(
         ValueError,
         match=r"sample 0 \(key 's30'\), sample 1 \(key 's33'\), sample 2 \(key 's36'\) need 2 rows of capacity "
         r"100 \(expanded lengths \[30, 33, 36\], padded to multiples of 4: \[32, 36, 36\]; 104 tokens\).*"
-        r"pad_to_multiple_of=4",
+        r"pad_to_multiple_of=4.*opt in with PackingCollator\(\.\.\., max_rows=None\)",
     ):
         one_row(samples)
     # Lengths near the edge: every bin pack() plans with the collator's multiple is exactly one row ...
@@ -213,11 +225,11 @@ def test_one_bin_is_one_row_in_its_order_and_the_repacker_is_a_function_of_its_o
         raise AssertionError("a bin that fits one row was re-packed")
 
     monkeypatch.setattr(collate_module, "repack", refuse)
-    batch = PackingCollator(72, pad_to_multiple_of=4, max_rows=1)(samples)
+    batch = PackingCollator(72, pad_to_multiple_of=4)(samples)  # the default, max_rows=1
     assert batch.sample_keys == ["s36", "s9", "s21"] and batch.num_rows == 1
     assert batch.cu_seqlens_padded.tolist() == [0, 36, 48, 72]  # 36, 12, 24: the row is the bin's span
     with pytest.raises(AssertionError, match="re-packed"):
-        PackingCollator(72, pad_to_multiple_of=4)(samples)  # max_rows=None: in-batch packing re-packs
+        PackingCollator(72, pad_to_multiple_of=4, max_rows=None)(samples)  # opted in: re-packs
 
 
 def test_the_settings_are_read_once_from_one_table():
@@ -268,11 +280,11 @@ def test_from_config_reads_the_packing_config(qwen):
 def test_strategies_keep_every_sample(qwen):
     tok, _, samples, _ = qwen
     lens = [s["input_ids"].numel() for s in samples]
-    nf = PackingCollator(64, tokenizer=tok, family="qwen2_vl", strategy="nf")(samples)
+    nf = PackingCollator(64, tokenizer=tok, family="qwen2_vl", strategy="nf", max_rows=None)(samples)
     assert nf.sample_index.tolist() == list(range(len(samples)))  # next-fit keeps the data order
-    bfd = PackingCollator(64, tokenizer=tok, family="qwen2_vl")(samples)
+    bfd = PackingCollator(64, tokenizer=tok, family="qwen2_vl", max_rows=None)(samples)
     assert bfd.num_rows == -(-sum(lens) // 64)  # as few rows as the lengths allow here
-    one = PackingCollator(64, tokenizer=tok, family="qwen2_vl", max_samples_per_bin=1)(samples)
+    one = PackingCollator(64, tokenizer=tok, family="qwen2_vl", max_samples_per_bin=1, max_rows=None)(samples)
     assert one.num_rows == len(samples)
 
 
@@ -282,15 +294,17 @@ def test_sample_keys_follow_the_packed_order(qwen):
     tok, _, samples, _ = qwen
     names = [f"shard-0/{i:06d}" for i in range(len(samples))]
     keyed = [dict(s, __key__=name, source="demo") for s, name in zip(samples, names)]
-    b = PackingCollator(64, tokenizer=tok, family="qwen2_vl")(keyed)
+    b = PackingCollator(64, tokenizer=tok, family="qwen2_vl", max_rows=None)(keyed)
     order = b.sample_index.tolist()
     assert order != sorted(order)  # bfd reorders these samples: the keys must follow them
     assert b.sample_keys == [names[i] for i in order]
     assert b.metadata["source"] == ["demo"] * len(samples)
     assert "__key__" not in b.model_input_names() and "input_ids" in b.model_input_names()
-    by_id = PackingCollator(64, tokenizer=tok, family="qwen2_vl")([dict(s, id=i * 10) for i, s in enumerate(samples)])
+    by_id = PackingCollator(64, tokenizer=tok, family="qwen2_vl", max_rows=None)(
+        [dict(s, id=i * 10) for i, s in enumerate(samples)]
+    )
     assert by_id.sample_keys == [i * 10 for i in by_id.sample_index.tolist()]
-    assert PackingCollator(64, tokenizer=tok, family="qwen2_vl")(samples).sample_keys is None
+    assert PackingCollator(64, tokenizer=tok, family="qwen2_vl", max_rows=None)(samples).sample_keys is None
 
 
 # ----------------------------------------------------------------------------------- collapsed layout
@@ -299,8 +313,8 @@ def test_sample_keys_follow_the_packed_order(qwen):
 def test_collapsed_layout_matches_expanded(qwen):
     tok, model, expanded, collapsed = qwen
     kw = dict(tokenizer=tok, model_config=model.config, pad_to_multiple_of=8)
-    e = PackingCollator(64, **kw)(expanded)
-    c = PackingCollator(64, layout="collapsed", **kw)(collapsed)
+    e = PackingCollator(64, **kw, max_rows=None)(expanded)
+    c = PackingCollator(64, layout="collapsed", **kw, max_rows=None)(collapsed)
     assert torch.equal(c.sample_index, e.sample_index) and c.num_rows == e.num_rows
     assert c.input_ids.shape[0] == 1  # packs are consecutive segments of one "thd" row
     # Expanded boundaries (what attention needs) agree with the expanded layout's own.
@@ -363,7 +377,9 @@ def test_collapsed_llava_counts_from_config():
 
 def test_model_input_styles(qwen):
     tok, model, samples, _ = qwen
-    b = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4)(samples)
+    b = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None
+    )(samples)
     R, T = b.input_ids.shape
     sdpa = b.model_inputs("sdpa")
     assert "attention_mask" not in sdpa and sdpa["use_cache"] is False
@@ -408,7 +424,9 @@ def test_flash_style_inputs_run_varlen_attention(qwen):
 
     tok, model, samples, _ = qwen
     varlen = use_varlen_attention(tiny_model("qwen2_vl", tok, initializer_range=0.2))  # same seed, weights
-    b = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4)(samples)
+    b = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None
+    )(samples)
     with torch.no_grad():
         rows = model(**b.model_inputs("sdpa")).logits
         flat = varlen(**b.model_inputs("flash_attention_2")).logits
@@ -450,7 +468,9 @@ def test_flash_style_through_transformers_flash_dispatch(qwen):
     for m in flash.modules():
         if hasattr(m, "config"):  # set_attn_implementation would try to import the flash-attn package
             m.config._attn_implementation_internal = "test_flash_varlen"
-    b = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4)(samples)
+    b = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None
+    )(samples)
     inputs = b.model_inputs("flash_attention_2")
     assert inputs["cu_seq_lens_q"].dtype == torch.int32
     with torch.no_grad():
@@ -761,14 +781,18 @@ def test_pad_multiple_for_is_the_parallel_padding_rule():
 
 def test_dataloader_workers_and_trainer_style(qwen):
     tok, model, samples, _ = qwen
-    collator = PackingCollator(64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4)
+    collator = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, pad_to_multiple_of=4, max_rows=None
+    )
     assert pickle.loads(pickle.dumps(collator)).image_token_id == tok.image_token_id
     loader = torch.utils.data.DataLoader(samples * 2, batch_size=5, num_workers=2, collate_fn=collator)
     batches = list(loader)
     assert len(batches) == 2 and all(isinstance(x, PackedBatch) for x in batches)
     assert all(sorted(x.sample_index.tolist()) == list(range(5)) for x in batches)
     # As an HF Trainer data_collator: a plain dict of forward kwargs.
-    as_dict = PackingCollator(64, tokenizer=tok, model_config=model.config, return_style="sdpa")(samples)
+    as_dict = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, return_style="sdpa", max_rows=None
+    )(samples)
     assert isinstance(as_dict, dict) and as_dict["use_cache"] is False
     with torch.no_grad():
         assert torch.isfinite(model(**as_dict).loss)
@@ -791,7 +815,9 @@ def test_hf_trainer_step(qwen, tmp_path):
         save_strategy="no",
         logging_strategy="no",
     )
-    collator = PackingCollator(64, tokenizer=tok, model_config=model.config, return_style="sdpa")
+    collator = PackingCollator(
+        64, tokenizer=tok, model_config=model.config, return_style="sdpa", max_rows=None
+    )
     before = model.lm_head.weight.detach().clone()
     result = Trainer(model=model, args=args, train_dataset=samples, data_collator=collator).train()
     assert result.global_step == 1 and torch.isfinite(torch.tensor(result.training_loss))

@@ -122,6 +122,7 @@ def _collator(family: str, samples, per_pack: int, **kwargs) -> PackingCollator:
         model_config=model.config,
         max_samples_per_bin=per_pack,
         **kwargs,
+        max_rows=None,
     )
 
 
@@ -446,6 +447,7 @@ def test_collapsed_model_needs_remapped_cu_seqlens(per_pack):
         model_config=model.config,
         layout="collapsed",
         max_samples_per_bin=per_pack,
+        max_rows=None,
     )
     batch = collator(samples)
     assert batch.input_ids.shape[0] == 1 and batch.layout == "collapsed"
@@ -544,6 +546,7 @@ def test_collapsed_model_with_cp_padding():
         layout="collapsed",
         pad_to_multiple_of=8,
         max_samples_per_bin=2,
+        max_rows=None,
     )
     batch = collator(samples)
     assert (batch.cu_seqlens_padded_expanded.diff() % 8 == 0).all()
@@ -602,6 +605,7 @@ if __name__ == "__main__":  # the figures of benchmarks/RESULTS.md, section "equ
             model_config=cmodel.config,
             layout="collapsed",
             max_samples_per_bin=per_pack,
+            max_rows=None,
         )(samples)
         for how in ("remapped", "collapsed"):
             r = check_packed_equivalence(

@@ -157,7 +157,7 @@ def test_flash_style_without_isolation_raises_or_leaks():
 def test_harness_fails_on_a_leaking_mixer_even_when_the_metric_passes():
     # one sample per row: nothing to leak, the metric passes, but the model would leak once packed
     samples = _samples()
-    collator = vp.PackingCollator(max(LENGTHS), pad_token_id=0)
+    collator = vp.PackingCollator(max(LENGTHS), pad_token_id=0, max_rows=None)
     report = check_packed_equivalence(_model("lfm2"), samples, collator)
     assert report.metric <= TOL
     assert not report.passed and "model.layers.0.conv" in str(report)

@@ -646,9 +646,10 @@ def test_sharding_a_multi_row_collator_batch():
         for n in (5, 9, 3, 12, 7, 2)
     ]
     samples = [process_sample([], conv, tokenizer=tok) for conv in convs]
-    batch = PackingCollator(64, family="qwen2_vl", tokenizer=tok, pad_to_multiple_of=pad_multiple_for(cp=2))(
-        samples
+    collator = PackingCollator(  # max_rows=None: the samples re-packed into several rows (in-batch packing)
+        64, family="qwen2_vl", tokenizer=tok, pad_to_multiple_of=pad_multiple_for(cp=2), max_rows=None
     )
+    batch = collator(samples)
     assert batch.num_rows > 1 and batch.position_ids.shape == (4, batch.num_rows, 64)
     cu = batch.cu_seqlens_padded
     assert int(cu[-1]) == batch.num_rows * 64  # the padded samples partition every row

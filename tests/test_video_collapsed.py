@@ -109,7 +109,8 @@ def _counts_in_order(ids: torch.Tensor, family: str, per_image, per_video) -> to
 
 
 def _collators(family: str, capacity: int, pad: int) -> tuple[PackingCollator, PackingCollator]:
-    kw = dict(tokenizer=_processor(family), family=family, pad_to_multiple_of=pad)
+    # max_rows=None: a call gets all the samples, re-packed into the rows they need (in-batch packing)
+    kw = dict(tokenizer=_processor(family), family=family, pad_to_multiple_of=pad, max_rows=None)
     if family == "qwen2_5_vl":
         kw["tokens_per_second"] = 2  # Qwen2.5-VL's vision_config default (configuration_qwen2_5_vl.py)
     return PackingCollator(capacity, **kw), PackingCollator(capacity, layout="collapsed", **kw)
@@ -209,7 +210,8 @@ def test_llava_onevision_one_placeholder_per_video_and_image():
     repeats[c["input_ids"] == proc.video_token_id] = c["tokens_per_video_placeholder"]
     for name in ("input_ids", "labels"):
         assert torch.equal(torch.repeat_interleave(c[name], repeats), e[name]), name
-    kw = dict(tokenizer=proc, family="llava_onevision", pad_to_multiple_of=4)
+    # max_rows=None: the three samples need two rows (in-batch packing)
+    kw = dict(tokenizer=proc, family="llava_onevision", pad_to_multiple_of=4, max_rows=None)
     text = process_sample([], _cases()[1][2], processor=proc)
     eb = PackingCollator(4096, **kw)([e, text, e])
     cb = PackingCollator(4096, layout="collapsed", **kw)([c, text, c])

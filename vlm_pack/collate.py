@@ -1,8 +1,9 @@
 """Pack processed image-text samples into rows a vision-language model trains on exactly as on each alone.
 
-``PackingCollator(capacity)`` takes a list of processed samples (``process_sample`` output, or an HF
-processor's output for one example) and returns a :class:`PackedBatch`. Expanded layout, two rows of
-``capacity = 16``, ``pad_to_multiple_of = 4`` (every sample's span a multiple of 4, e.g. ``2 * CP``)::
+``PackingCollator(capacity)`` takes one planned bin, a list of processed samples (``process_sample``
+output, or an HF processor's output for one example), and returns a :class:`PackedBatch` of one row in
+the order given; ``max_rows=None`` opts into re-packing a list into the rows it needs (in-batch packing),
+drawn here: two rows of ``capacity = 16``, ``pad_to_multiple_of = 4`` (every span a multiple of 4)::
 
     sample        0: a0 a1 I I I a2      1: b0 b1 b2 b3 b4 b5 b6      2: c0 c1 I I
     expanded len  6                      7                            4
@@ -151,17 +152,15 @@ class PackingCollator:
         pad_to_multiple_of: every sample's expanded span becomes a multiple of this (see
             :func:`pad_multiple_for`); ``capacity`` must be a multiple of it.
         pad_to_capacity: rows are exactly ``capacity`` long (static shapes); else as long as the fullest row.
-        strategy: how a list of samples is re-packed into rows (``collate_rows.repack``, ``max_rows`` other
-            than 1): ``"bfd"`` (default, fewest rows), ``"ffd"``, ``"ff"`` (first fit in data order), ``"nf"``
-            (consecutive samples, data order kept across rows). Inside a row samples keep their input order and rows are sorted
-            by their first sample, so the layout is reproducible and easy to read.
+        strategy: how re-packing (``max_rows`` None or N, ``collate_rows.repack``) groups samples: ``"bfd"``
+            (default, fewest rows), ``"ffd"``, ``"ff"`` (first fit in data order), ``"nf"`` (data order kept
+            across rows); inside a row samples keep their input order, rows are sorted by their first sample.
         max_samples_per_bin: optional cap on samples per row (a bin of the plan; ``PackingConfig``'s name).
-        max_rows: at most this many rows per call (None: as many as the samples need). ``1`` when each call
-            gets one planned bin (``pack``, ``StreamPacker``, a ``PackedMapDataset`` / ``PackedWebDataset`` /
-            Energon pack; :meth:`from_config`): the bin becomes exactly one row in the order given
-            (``collate_rows.one_row``, no re-packing), or the call raises naming its samples (a plan
-            made on other lengths than the rows': plan with this ``pad_to_multiple_of``) instead of
-            quietly re-packing it into more rows than the caller planned.
+        max_rows: ``1`` (default): each call is one planned bin (``pack``, ``StreamPacker``, the datasets,
+            Energon; :meth:`from_config`), laid out as exactly one row in the order given (``one_row``), or
+            the call raises naming its samples (a plan made on other lengths than the rows') instead of
+            quietly re-packing. Opt into in-batch packing (an HF ``Trainer``'s ``per_device_train_batch_size``
+            samples) with ``max_rows=None`` (as many rows as needed) or ``N`` (at most ``N`` rows).
         return_style: None returns a :class:`PackedBatch`; a style of :data:`STYLES` returns
             ``batch.model_inputs(style)`` (use ``"sdpa"`` etc. as an HF ``Trainer`` ``data_collator``).
 
@@ -194,7 +193,7 @@ class PackingCollator:
         pad_to_capacity: bool = True,
         strategy: str = "bfd",
         max_samples_per_bin: int | None = None,
-        max_rows: int | None = None,
+        max_rows: int | None = 1,
         return_style: str | None = None,
     ) -> None:
         _check_arguments(capacity, layout, pad_to_multiple_of, strategy, return_style)
@@ -459,7 +458,8 @@ class PackingCollator:
 
     def _plan(self, items: list[SampleParts]) -> RowPlan:
         """The samples as rows of one flat buffer (``collate_rows``): one planned bin as one row in its given
-        order (``max_rows=1``), else re-packed into as few rows as ``strategy`` finds."""
+        order (``max_rows=1``, the default), else (opted in: ``max_rows`` None or N) re-packed into as few
+        rows as ``strategy`` finds."""
         from .packing import padded_lengths
 
         multiple = self.pad_to_multiple_of
@@ -498,7 +498,9 @@ class PackingCollator:
             f"(max_rows={self.max_rows}: each call is one planned bin). Plan the bins as the collator lays out "
             f"rows: with its padding (vlm_pack.pack(lengths, {self.capacity}, "
             f"pad_to_multiple_of={multiple}) / PackingConfig(pad_to_multiple_of={multiple})) and the same "
-            "max_samples_per_bin, or use max_rows=None to let the collator re-pack the samples."
+            "max_samples_per_bin; or, to pack a batch of samples inside the collator (in-batch packing, e.g. "
+            "an HF Trainer's per_device_train_batch_size samples), opt in with PackingCollator(..., "
+            "max_rows=None) (as many rows as the samples need) or max_rows=N (at most N rows)."
         )
 
     def _expanded_view(

@@ -115,7 +115,9 @@ class Preprocessor:
     def collator(self, capacity: int, **options: Any) -> Any:
         """The :class:`~vlm_pack.PackingCollator` for these parts: ``options`` (its keyword arguments, e.g.
         ``model_config=model.config``) win; the tokenizer, the layout, the family, the token a processor scatters
-        image features into and the image processor's ``merge_size`` fill in what they leave out."""
+        image features into and the image processor's ``merge_size`` fill in what they leave out. As the
+        collator's own default, a call is one planned bin laid out as one row; ``max_rows=None`` opts into
+        re-packing a list of samples (in-batch packing)."""
         from .collate import PackingCollator
 
         options.setdefault("tokenizer", self.tokenizer)

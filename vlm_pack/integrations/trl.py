@@ -456,8 +456,9 @@ class TRLPackingCollator:
         pad_to_multiple_of: int = 1,
     ) -> None:
         self.preprocessor = Preprocessor.check(preprocessor)
+        # max_rows=None: a micro-batch holds per_device_train_batch_size packs, regrouped into rows here
         self.collator = self.preprocessor.collator(
-            capacity, model_config=model_config, pad_to_multiple_of=pad_to_multiple_of
+            capacity, model_config=model_config, pad_to_multiple_of=pad_to_multiple_of, max_rows=None
         )
         self.packed = packed
 
