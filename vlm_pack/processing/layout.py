@@ -29,6 +29,11 @@ def _collapse(out: dict[str, Any], image_id: int, key: Any) -> dict[str, Any]:
         )
     keep = ~emb
     keep[first] = True
+    return _keep_tokens(out, keep)
+
+
+def _keep_tokens(out: dict[str, Any], keep: torch.Tensor) -> dict[str, Any]:
+    """``out``'s per-token fields (``(L,)`` each) at ``keep`` ``(L,)`` bool: the placeholders collapsed."""
     for name in ("input_ids", "labels", "mm_token_type_ids", "token_type_ids"):
         if name in out:
             out[name] = out[name][keep]
@@ -70,9 +75,7 @@ def _collapse_videos(out: dict[str, Any], video_id: int, merge: int, key: Any, w
         )
     keep = ~is_video
     keep[starts] = True
-    for name in ("input_ids", "labels", "mm_token_type_ids", "token_type_ids"):
-        if name in out:
-            out[name] = out[name][keep]
+    out = _keep_tokens(out, keep)
     out["tokens_per_video_placeholder"] = lengths
     return out
 
