@@ -314,7 +314,7 @@ def check_images_beside_videos(family: str | None, vision: Mapping[str, Any], pa
     token: given both, it fails with a token/feature count mismatch far from the cause.
     """
     record = lookup(family)
-    if record is None or record.video_wraps != "timed_image_frames":
+    if record is None or not record.video_as_images:  # InternVL's frames travel as images: never both keys
         return
     if "pixel_values" not in vision or "pixel_values_videos" not in vision:
         return
