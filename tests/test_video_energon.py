@@ -31,6 +31,7 @@ from vlm_pack import Preprocessor
 from vlm_pack.data import stream_tar_samples, write_shards
 from vlm_pack.integrations.energon import VLMPackingTaskEncoder, packed_train_dataset
 from vlm_pack.testing import encode_clip, processor_with_video
+from vlm_pack.testing.clips import truncated_clip
 
 pytestmark = pytest.mark.torchvision
 
@@ -69,29 +70,6 @@ def _png(width: int, height: int, colour: tuple[int, int, int]) -> bytes:
     return buf.getvalue()
 
 
-def _faststart_mp4_cut_in_half(frames: int = 30) -> bytes:
-    """An MP4 with its index up front, cut in half: its header still states ``frames`` frames (the forecast
-    reads), the decoder yields fewer (the packer's decode fails)."""
-    import tempfile
-
-    import av
-    import numpy as np
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "faststart.mp4"
-        with av.open(str(path), "w", format="mp4", options={"movflags": "faststart"}) as out:
-            stream = out.add_stream("libx264", rate=10)
-            stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
-            for index in range(frames):
-                pixels = np.random.default_rng(index).integers(0, 256, (64, 96, 3), dtype=np.uint8)
-                for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                    out.mux(packet)
-            for packet in stream.encode():
-                out.mux(packet)
-        data = path.read_bytes()
-    return data[: len(data) // 2]
-
-
 def _turns(parts: list[dict], answer: str) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": "What happens?"}]},
             {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
@@ -121,7 +99,7 @@ def _records() -> list[dict]:
     bad = [
         {"key": "corrupt", "videos": [(corrupt[:64] + bytes(len(corrupt) - 64), "mp4")],
          "conversation": _turns([_VIDEO], "Unreadable.")},
-        {"key": "truncated", "videos": [(_faststart_mp4_cut_in_half(), "mp4")], "conversation": _turns([_VIDEO], "Cut.")},
+        {"key": "truncated", "videos": [(truncated_clip(), "mp4")], "conversation": _turns([_VIDEO], "Cut.")},
         {"key": "oversized", "videos": [(encode_clip(**LONG_CLIP), "mp4")], "conversation": _turns([_VIDEO], "Long.")},
     ]
     # the bad samples spread between good ones, so that they share packing buffers and packs with them

@@ -18,27 +18,13 @@ pytestmark = pytest.mark.torchvision
 
 _CHILD = textwrap.dedent(
     """
-    import gc, os, sys, tempfile, time
-
-    import av
-    import numpy as np
+    import gc, os, sys, time
 
     from vlm_pack.failures import FailurePolicy
     from vlm_pack.processing.videos import decode_frames
+    from vlm_pack.testing.clips import truncated_clip
 
-    # an MP4 with its index up front, cut in half: the header states 30 frames, the decoder yields fewer
-    path = os.path.join(tempfile.mkdtemp(), "faststart.mp4")  # faststart rewrites a file, not a buffer
-    with av.open(path, "w", format="mp4", options={"movflags": "faststart"}) as out:
-        stream = out.add_stream("libx264", rate=10)
-        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
-        for i in range(30):
-            pixels = np.random.default_rng(i).integers(0, 256, (64, 96, 3), dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    data = open(path, "rb").read()
-    clip = data[: len(data) // 2]
+    clip = truncated_clip()  # its header states 30 frames, the decoder yields fewer
     guard = FailurePolicy("fork-test", "skip", None).stage("process", "decode_error")
     skipped = guard.call(decode_frames, clip, list(range(30)), sample="truncated")
     assert skipped.reason == "decode_error", skipped

@@ -9,9 +9,7 @@ end-to-end forecast of PyAV-encoded clips checked against the video processor's 
 
 from __future__ import annotations
 
-import io
 import warnings
-from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -171,21 +169,6 @@ def test_a_stream_costs_a_video_by_its_frame_groups():
 
 
 # ------------------------------------------------------------------------------ end to end, real clips
-def _clip(frames: int, width: int, height: int) -> bytes:
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as out:
-        stream = out.add_stream("libx264", rate=Fraction(10))
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        ramp = np.linspace(0, 255, width).astype(np.int64)[None, :, None]
-        for i in range(frames):
-            image = np.broadcast_to((ramp + 17 * i) % 256, (height, width, 3)).astype(np.uint8)
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
-        out.mux(stream.encode())
-    return buf.getvalue()
-
-
 @pytest.mark.torchvision
 def test_forecast_sources_records_each_videos_grid_as_the_processor_makes_it(tmp_path):
     """PyAV clips through ``forecast_sources``: each video's ``(t, h * w)`` equals the video processor's
@@ -197,14 +180,14 @@ def test_forecast_sources_records_each_videos_grid_as_the_processor_makes_it(tmp
 
     from vlm_pack.data.forecast import forecast_sources
     from vlm_pack.preprocessor import Preprocessor
-    from vlm_pack.testing.clips import processor_with_video
+    from vlm_pack.testing.clips import encode_clip, processor_with_video
 
     proc = processor_with_video("qwen2_vl", size={"shortest_edge": 3136, "longest_edge": 64 * 28 * 28})
     pre = Preprocessor(processor=proc)
     specs = [(9, 96, 64), (4, 64, 64), (7, 80, 112)]
     lines = []
     for i, spec in enumerate(specs):
-        (tmp_path / f"c{i}.mp4").write_bytes(_clip(*spec))
+        (tmp_path / f"c{i}.mp4").write_bytes(encode_clip(*spec, fps=10))
         lines.append({"id": f"v{i}", "videos": [f"c{i}.mp4"],
                       "messages": [{"role": "user", "content": "<video>What moves?"},
                                    {"role": "assistant", "content": "A ramp."}]})  # fmt: skip

@@ -158,29 +158,19 @@ def test_decoding_holds_the_kept_frames_not_the_clip():
 
 
 @pytest.mark.torchvision
-def test_a_truncated_clip_is_a_decode_error_naming_it(tmp_path):
+def test_a_truncated_clip_is_a_decode_error_naming_it():
     """Cut short: a plain MP4 loses its index (written last) and does not open; a "faststart" MP4 keeps its
     index up front, states 30 frames and yields fewer: both bad data, naming the video."""
-    av = pytest.importorskip("av")
+    pytest.importorskip("av")
     from vlm_pack.processing.videos import decode_frames
+    from vlm_pack.testing.clips import truncated_clip
     from vlm_pack.vision.video import read_video_header
 
     plain = _clip(30, 64, 48, 10.0, "mp4", 5)
     with pytest.raises(SampleError, match="clip 7 does not decode") as err:
         decode_frames(plain[: len(plain) * 2 // 3], [0, 29], "clip 7")
     assert err.value.reason == "decode_error"
-    path = tmp_path / "faststart.mp4"
-    with av.open(str(path), "w", format="mp4", options={"movflags": "faststart"}) as out:
-        stream = out.add_stream("libx264", rate=10)
-        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
-        for index in range(30):
-            pixels = np.random.default_rng(index).integers(0, 256, (48, 64, 3), dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    data = path.read_bytes()
-    cut = data[: len(data) // 2]
+    cut = truncated_clip(30, 64, 48)
     assert read_video_header(cut).frames == 30  # the header still says 30
     with pytest.raises(SampleError, match=r"clip 8 does not decode: it yields \d+ frame\(s\), but frame 29") as err:
         decode_frames(cut, [0, 29], "clip 8")

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..families import require
 
-__all__ = ["encode_clip", "processor_with_video"]
+__all__ = ["encode_clip", "processor_with_video", "truncated_clip"]
 
 
 _CODECS = {"mp4": ("libx264", "yuv420p"), "mkv": ("libx264", "yuv420p"), "webm": ("libvpx", "yuv420p")}
@@ -58,6 +58,30 @@ def encode_clip(
         for packet in stream.encode():
             out.mux(packet)
     return buffer.getvalue()
+
+
+def truncated_clip(frames: int = 30, width: int = 96, height: int = 64) -> bytes:
+    """An MP4 with its index up front ("faststart"), cut in half: its header still states ``frames`` frames
+    (what a forecast reads), the decoder yields fewer (what a decode meets in a truncated download). Noise
+    frames, so that the cut falls inside the frames' data."""
+    import tempfile
+    from pathlib import Path
+
+    import av
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "faststart.mp4"  # faststart rewrites a file, not a buffer
+        with av.open(str(path), "w", format="mp4", options={"movflags": "faststart"}) as out:
+            stream = out.add_stream("libx264", rate=10)
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            for index in range(frames):
+                pixels = np.random.default_rng(index).integers(0, 256, (height, width, 3), dtype=np.uint8)
+                for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                    out.mux(packet)
+            for packet in stream.encode():
+                out.mux(packet)
+        data = path.read_bytes()
+    return data[: len(data) // 2]
 
 
 def processor_with_video(
