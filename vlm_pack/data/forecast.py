@@ -6,7 +6,7 @@ decoded) and forecasts the chunk's rows in one ``Preprocessor.forecast_rows`` ca
 its prompts tokenized in one batched call): the numbers of ``Preprocessor.forecast``, so the forecast equals
 ``len(process_sample(...)["input_ids"])``. A video's header is read from its container (PyAV; an MKV / WebM's
 packets demuxed, never decoded) and forecast once (``vision.video.forecast_video``), the forecast handed to
-the Preprocessor as it is. Results come back in source order, whatever ``num_workers``::
+the Preprocessor as it is. Results come back in source order, whatever ``num_proc``::
 
     main       open_sources ─ chunks ─┬──────────────────────────────────┬─ in order ─> LengthTable
     worker 0        chunk 0, 2, 4 ... │ read ─ normalise ─ image_size ─  │  + tqdm: total, rate, ETA
@@ -17,13 +17,15 @@ the Preprocessor as it is. Results come back in source order, whatever ``num_wor
 A record that cannot be read or forecast travels back as its :class:`SampleError` (classified in the worker by
 ``vlm_pack.failures.data_error``: an error of code raises there); the main process counts every chunk's
 outcomes in source order through the run's one :class:`~vlm_pack.failures.Guard` (``forecast_guard``): its
-budget of consecutive failures, its ``on_error``.
+budgets (consecutive failures, and the share of bad records, judged at the end of the run too), its
+``on_error``.
 """
 
 from __future__ import annotations
 
 import gc
 import io
+import warnings
 import multiprocessing
 import os
 from collections import deque
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..config import DEFAULT_MAX_CONSECUTIVE_FAILURES, ON_ERROR, check_choice
+from ..config import DEFAULT_MAX_BAD_FRACTION, DEFAULT_MAX_CONSECUTIVE_FAILURES, ON_ERROR, check_choice
 from ..failures import FailurePolicy, Guard, SampleError, data_error, skip_reason
 from .reader import video_headers
 from .records import Sample
@@ -397,9 +399,15 @@ def _spend(guard: Guard, result: _ChunkResult) -> None:
         guard.bad(SampleError(reason, message), where if str(key) in where else f"{where} (key {key!r})", key, where)
 
 
-def forecast_guard(who: str, on_error: str = "skip", max_consecutive_failures: int | None = None) -> Guard:
+def forecast_guard(
+    who: str,
+    on_error: str = "skip",
+    max_consecutive_failures: int | None = None,
+    max_bad_fraction: float | None = None,
+) -> Guard:
     """The guarded stage a forecast run (``who``) counts its bad records in (``vlm_pack.failures``)."""
-    return FailurePolicy(who, on_error, max_consecutive_failures).stage("header-only forecast", "bad_text")
+    policy = FailurePolicy(who, on_error, max_consecutive_failures, max_bad_fraction=max_bad_fraction)
+    return policy.stage("header-only forecast", "bad_text")
 
 
 def _ordered_map(executor: Executor | None, items: Iterator[Chunk], window: int) -> Iterator[_ChunkResult]:
@@ -493,16 +501,21 @@ def make_forecaster(
 
 
 def assemble_table(
-    results: Iterable[_ChunkResult], max_consecutive_failures: int | None, who: str, on_error: str = "skip"
+    results: Iterable[_ChunkResult],
+    max_consecutive_failures: int | None,
+    who: str,
+    on_error: str = "skip",
+    max_bad_fraction: float | None = DEFAULT_MAX_BAD_FRACTION,
 ) -> LengthTable:
     """The :class:`LengthTable` of chunk results given in source order, consumed as they come: the failure
     budget is spent in that order (raises ``FailureBudgetError`` where :func:`forecast_sources` would) and,
     with ``on_error="raise"``, the first bad sample raises, so an engine stops at the first bad chunks."""
-    guard = forecast_guard(who, on_error, max_consecutive_failures)
+    guard = forecast_guard(who, on_error, max_consecutive_failures, max_bad_fraction)
     kept = []
     for result in results:
         _spend(guard, result)
         kept.append(result)
+    guard.finish()
     return _table(kept)
 
 
@@ -519,10 +532,12 @@ def forecast_sources(
     exif_transpose: bool = True,
     verify: bool = False,
     on_error: str = "skip",
-    num_workers: int = 1,
+    num_proc: int = 1,
     progress: bool | None = None,
     chunk_rows: int = 1024,
     max_consecutive_failures: int | None = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    max_bad_fraction: float | None = DEFAULT_MAX_BAD_FRACTION,
+    num_workers: int | None = None,
 ) -> LengthTable:
     """Forecast every record of ``sources`` (``datasets`` objects, parquet / JSON / JSONL files, shards,
     folders, globs: see ``sources.open_sources``) from text and image headers: a :class:`LengthTable`.
@@ -540,21 +555,32 @@ def forecast_sources(
         verify: also decode every image's pixels (slower; catches files cut short after their header).
         on_error: ``"skip"`` (default: listed in ``LengthTable.invalid`` with its reason) or ``"raise"`` (a
             ``SampleError`` naming where the record lives and its key); ``PackingConfig.on_error``'s values.
-        num_workers: processes reading and forecasting chunks (1: this process).
+        num_proc: processes reading and forecasting chunks (1: this process), as ``datasets``' ``map``
+            and ``PackedMapDataset`` name them. ``num_workers=`` is its old name (a ``DeprecationWarning``).
         progress: a tqdm bar with total and ETA (``None``: only on a terminal).
         chunk_rows: records per chunk (parquet: whole row groups).
         max_consecutive_failures: with ``on_error="skip"``, the failure budget of ``vlm_pack.failures``:
             more invalid records than this in a row (source order) raise ``FailureBudgetError`` naming the
             most common reason (default: ``PackingConfig``'s, ``DEFAULT_MAX_CONSECUTIVE_FAILURES``; None:
             no limit, every invalid record is listed).
+        max_bad_fraction: with ``on_error="skip"``, the failure budget's share: more than this share of the
+            records seen being invalid raises ``FailureBudgetError`` naming the most common reason and its
+            fix (judged from the 100th record on and at the end; default ``PackingConfig``'s; None: no limit).
 
     Records with bad data are invalid (``on_error``; an unreadable video: ``corrupt_video``). An error of code
     (a ``template`` raising ``TypeError`` ..., a bug; a video without ``pip install "vlm-pack[video]"``)
     raises ``SampleCodeError`` naming the record."""
     from tqdm import tqdm
 
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+    if num_workers is not None:
+        warnings.warn(
+            "forecast_sources(num_workers=) is now num_proc= (the name datasets and PackedMapDataset use)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        num_proc = num_workers
+    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+        raise ValueError(f"num_proc must be a positive int, got {num_proc!r}")
     forecaster = make_forecaster(
         sources,
         tokenizer=tokenizer,
@@ -573,15 +599,16 @@ def forecast_sources(
     total = None if None in totals else sum(t for t in totals if t is not None)
     disable = (not progress) if progress is not None else None
     results: list[_ChunkResult] = []
-    guard = forecast_guard("forecast_sources", on_error, max_consecutive_failures)
-    executor = _pool(num_workers, forecaster)
+    guard = forecast_guard("forecast_sources", on_error, max_consecutive_failures, max_bad_fraction)
+    executor = _pool(num_proc, forecaster)
     try:
         with tqdm(total=total, desc="forecast", unit=" samples", disable=disable, smoothing=0.1) as bar:
-            for result in _ordered_map(executor, chunks(opened, chunk_rows), window=4 * num_workers):
+            for result in _ordered_map(executor, chunks(opened, chunk_rows), window=4 * num_proc):
                 results.append(result)
                 _spend(guard, result)
                 bar.update(result.records)
     finally:
         if executor is not None:
             executor.shutdown(cancel_futures=True)
+    guard.finish()
     return _table(results)

@@ -546,6 +546,7 @@ class StreamRunner:
             self._restore(self.snapshot)
             yield from self._drain()
         yield from self._read_all()
+        self.forecasting.finish()  # the share of bad samples over the whole stream (vlm_pack.failures)
         self._flush()
         self.flushed = True
         yield from self._drain(final=True)
@@ -575,6 +576,7 @@ class StreamRunner:
                 if held is not None:
                     yield held
                 held = batch
+        self.processing.finish()
         if held is None:
             yield StreamEnd(self._meta([], [], done=True))
             return
