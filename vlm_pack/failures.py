@@ -61,14 +61,14 @@ from typing import Any
 
 __all__ = [
     "BAD_REASONS",
+    "FIXES",
+    "MIN_SEEN_FOR_FRACTION",
     "REASONS",
     "Failure",
     "FailureBudget",
     "FailureBudgetError",
-    "FIXES",
     "FailurePolicy",
     "Guard",
-    "MIN_SEEN_FOR_FRACTION",
     "ImageDecodeError",
     "InternalCheckError",
     "SampleCodeError",

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import gc
 import io
-import warnings
 import multiprocessing
 import os
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor

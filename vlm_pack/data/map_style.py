@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from ..config import PackingConfig, collator_options
-from ..failures import Failure, FailurePolicy, Guard, Skip, forecast_mismatch, no_good_sample, tally
+from ..failures import Failure, FailurePolicy, Guard, Skip, no_good_sample, tally
 from ..packing.steps import block_order
 from ..preprocessor import Preprocessor
 from .fingerprint import Unfingerprintable
@@ -327,7 +327,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
             "bin": b,
             "rows": kept,
             "left_out": [[row, reason] for row, (reason, _) in failed.items()],
-            "lengths": [int(p["input_ids"].shape[0]) for p in processed],
+            "lengths": [self.preprocessor.processed_length(p) for p in processed],
             "plan": self.plan_digest,
         }
         batch.metadata[_META] = info  # a dataclass field: survives .to(device) and pin_memory()
@@ -361,9 +361,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         images = [im if not isinstance(im, str) else Path(im) for im in sample.images]
         media = {"videos": list(sample.videos)} if sample.videos else {}  # image-only: processed as before
         out = self.preprocessor.process(images, sample.conversation, sample.key, **media)
-        n = int(out["input_ids"].shape[0])
-        if n != forecast:
-            raise forecast_mismatch(forecast, n, sample.label)
+        self.preprocessor.checked_length(out, forecast, sample.label)  # the forecast it was packed on
         out["__key__"], out["__row__"] = sample.key, row
         return out
 

@@ -35,7 +35,6 @@ from ..failures import (
     SampleCodeError,
     SampleError,
     Skip,
-    forecast_mismatch,
 )
 from ..packing import StreamPacker, padded_lengths
 from ..packing.window import StreamBalance, reserved_positions, window_order, window_schedule
@@ -320,7 +319,7 @@ class StreamRunner:
         self.stats.time["pack"] += time.thread_time() - started
 
     # -- collation
-    def _process(self, samples: list[_Sample]) -> list[dict[str, Any] | None]:
+    def _process(self, samples: list[_Sample]) -> list[tuple[dict[str, Any], int] | None]:
         """``process_sample`` of a bin's samples (timed as "preprocess"); None for each bad one (counted).
 
         ``process_pack`` writes the bin's ``pixel_values`` once (one image-processor call where that is
@@ -339,29 +338,31 @@ class StreamRunner:
         self.stats.time["preprocess"] += time.thread_time() - started
         return [self._checked(sample, out) for sample, out in zip(samples, outs)]
 
-    def _checked(self, sample: _Sample, out: dict[str, Any] | SampleError) -> dict[str, Any] | None:
-        """``out`` of ``sample``, or None after reporting it bad: its processing failed, or its processed
-        length is not its forecast (``vlm_pack.failures.forecast_mismatch``: the bin was packed on it)."""
+    def _checked(self, sample: _Sample, out: dict[str, Any] | SampleError) -> tuple[dict[str, Any], int] | None:
+        """``(out, its length in a row)`` of ``sample``, or None after reporting it bad: its processing failed,
+        or its processed length is not its forecast (``Preprocessor.checked_length``: the bin was packed on it)."""
         label = self._label(sample.url, sample.key)
-        if not isinstance(out, SampleError) and int(out["input_ids"].shape[0]) != sample.length:
-            self.stats.forecast_mismatches += 1
-            out = forecast_mismatch(sample.length, int(out["input_ids"].shape[0]), label)
-        if isinstance(out, SampleError):
-            self.processing.bad(out, label, sample.key, sample.url)
-            return None
-        return out
+        if not isinstance(out, SampleError):
+            try:
+                return out, self.work.preprocessor.checked_length(out, sample.length, label)
+            except SampleError as mismatch:
+                self.stats.forecast_mismatches += 1
+                out = mismatch
+        self.processing.bad(out, label, sample.key, sample.url)
+        return None
 
     def _make_batch(self, positions: list[int]) -> Any:
         processed, picked, lengths = [], [], []
         samples = [self.samples.pop(pos) for pos in positions]
-        for sample, out in zip(samples, self._process(samples)):
-            if out is None:
+        for sample, checked in zip(samples, self._process(samples)):
+            if checked is None:
                 continue
+            out, length = checked
             out["__key__"] = sample.key
             out["__url__"] = sample.url
             processed.append(out)
             picked.append(sample)
-            lengths.append(int(out["input_ids"].shape[0]))
+            lengths.append(length)
         if not processed:
             return None
         self.processing.good()
