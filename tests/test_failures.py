@@ -340,7 +340,9 @@ def test_map_some_corrupt_images_are_left_out_with_the_reason_and_the_rest_train
     left_out = [tuple(x) for b in batches for x in plan_info(b)["left_out"]]
     assert rows == [0, 2, 3, 5]
     assert left_out == [(1, "decode_error")]  # the one the plan had: its pixels failed
-    assert [key for key, _, _ in packed.skipped] == ["4"]  # the unreadable header: left out of the plan
+    # the unreadable header, left out of the plan, then the row whose pixels failed at load: both reported
+    assert [(key, reason) for key, _, reason in packed.skipped][1:] == [("1", "decode_error")]
+    assert packed.skipped[0][0] == "4"
 
 
 def test_map_more_consecutive_bad_records_than_the_limit_raise(qwen):

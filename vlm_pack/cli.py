@@ -57,6 +57,7 @@ def _packing_config(args: argparse.Namespace, capacity: int) -> Any:
         exif_transpose=not args.no_exif_transpose,
         max_consecutive_failures=args.max_consecutive_failures,
         max_bad_fraction=args.max_bad_fraction,
+        max_image_pixels=args.max_image_pixels,
         shuffle_seed=getattr(args, "shuffle_seed", None),
     )
 
@@ -119,6 +120,7 @@ def _forecast(
         progress=False if args.no_progress else None,
         max_consecutive_failures=config.max_consecutive_failures,
         max_bad_fraction=config.max_bad_fraction,
+        max_image_pixels=config.max_image_pixels,
     )
     try:
         if engine == "ray":
@@ -426,6 +428,7 @@ def _plan_forecast(args: argparse.Namespace, ds: Any, root: Path | None, pre: An
         progress=False if args.no_progress else None,
         max_consecutive_failures=config.max_consecutive_failures,
         max_bad_fraction=config.max_bad_fraction,
+        max_image_pixels=config.max_image_pixels,
     )
     if args.engine == "ray":
         from vlm_pack.integrations.ray import forecast_ray

@@ -163,6 +163,15 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         f"last (default {_DEFAULTS.max_bad_fraction}; 'none': no limit)",
     )
     d.add_argument(
+        "--max-image-pixels",
+        type=_budget,
+        default=_DEFAULTS.max_image_pixels,
+        metavar="N",
+        help="refuse an image whose header declares more pixels than N, before decoding it (a decompression "
+        f"bomb, an oversized scan), listed as image_too_large (default {_DEFAULTS.max_image_pixels:,}, "
+        "Pillow's own limit; 'none': no cap)",
+    )
+    d.add_argument(
         "--verify",
         action="store_true",
         help="decode every image's pixels too. Without it the check is header-only: the text parses, each "

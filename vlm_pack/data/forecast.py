@@ -38,7 +38,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..config import DEFAULT_MAX_BAD_FRACTION, DEFAULT_MAX_CONSECUTIVE_FAILURES, ON_ERROR, check_choice
+from ..config import (
+    DEFAULT_MAX_BAD_FRACTION,
+    DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    ON_ERROR,
+    check_choice,
+)
 from ..failures import FailurePolicy, Guard, SampleError, data_error, skip_reason
 from .reader import video_headers
 from .records import Sample
@@ -151,12 +157,19 @@ class LengthTable:
 
 
 def image_sizes(
-    sample: Sample, *, exif_transpose: bool = True, verify: bool = False
+    sample: Sample,
+    *,
+    exif_transpose: bool = True,
+    verify: bool = False,
+    max_image_pixels: int | None = None,
 ) -> list[tuple[int, int]]:
     """``(width, height)`` of each image of ``sample`` as the processor will see it, from headers only.
 
-    ``verify=True`` also decodes every image's pixels (catches a file cut short after its header).
-    Raises :class:`SampleError` (``"corrupt_image"``) naming the sample and image for an unreadable one.
+    An image whose header declares more than ``max_image_pixels`` is refused there, before any pixel is
+    decoded (:func:`refuse_large_image`). ``verify=True`` also decodes every image's pixels (catches a file
+    cut short after its header). Raises :class:`SampleError` naming the sample and image: ``"corrupt_image"``
+    for an unreadable one, ``"image_too_large"`` for one over the limit (or that Pillow refuses as a
+    decompression bomb).
     """
     from ..vision import image_size
 
@@ -167,16 +180,34 @@ def image_sizes(
             continue
         name = f"{sample.label}, image {i}"
         try:
-            sizes.append(image_size(image, exif_transpose=exif_transpose, name=name))
-            if verify:
-                _decode_fully(image, name)
+            size = image_size(image, exif_transpose=exif_transpose, name=name)
         except ValueError as e:
             raise SampleError("corrupt_image", str(e)) from None
+        refuse_large_image(name, size, max_image_pixels)
+        if verify:
+            _decode_fully(image, name)
+        sizes.append(size)
     return sizes
 
 
+def refuse_large_image(name: str, size: tuple[int, int], limit: int | None) -> None:
+    """Raise ``SampleError("image_too_large")`` naming the image when its header's ``(width, height)`` has
+    more than ``limit`` pixels (``PackingConfig.max_image_pixels``; None: no cap): before decoding, at plan
+    time and at load time alike."""
+    width, height = size
+    if limit is None or width * height <= limit:
+        return
+    raise SampleError(
+        "image_too_large",
+        f"{name}: its header declares {width}x{height} = {width * height:,} pixels > max_image_pixels "
+        f"{limit:,}; refused before decoding (a decompression bomb or an oversized scan). Downscale it, or raise "
+        "PackingConfig.max_image_pixels (--max-image-pixels; None: no cap) if such images are expected.",
+    )
+
+
 def _decode_fully(image: Any, name: str) -> None:
-    """Decode every pixel of ``image`` (bytes, a path or a seekable binary file; left where it was)."""
+    """Decode every pixel of ``image`` (bytes, a path or a seekable binary file; left where it was); raises
+    ``SampleError`` naming the real cause: Pillow's decompression-bomb limit, or a truncated or corrupt file."""
     from PIL import Image
 
     try:
@@ -188,9 +219,16 @@ def _decode_fully(image: Any, name: str) -> None:
             data = image if isinstance(image, bytes) else Path(image).read_bytes()
         with Image.open(io.BytesIO(data)) as im:
             im.load()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ValueError(
-            f"{name}: the header reads but the pixels do not decode ({e}): the file is truncated or corrupt."
+    except Image.DecompressionBombError as e:
+        raise SampleError(
+            "image_too_large",
+            f"{name}: Pillow refuses to decode it as a decompression bomb ({e}); not decoded. Downscale it, or "
+            "raise PIL.Image.MAX_IMAGE_PIXELS if such images are expected.",
+        ) from None
+    except (OSError, SyntaxError, ValueError) as e:
+        raise SampleError(
+            "corrupt_image",
+            f"{name}: the header reads but the pixels do not decode ({e}): the file is truncated or corrupt.",
         ) from None
 
 
@@ -204,6 +242,7 @@ class _Forecaster:
     exif_transpose: bool
     on_error: str
     verify: bool = False
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
 
 
 _WORKER: _Forecaster | None = None
@@ -282,7 +321,12 @@ def video_patches(videos: Sequence[Any]) -> int:
 
 def _read(f: _Forecaster, sample: Sample, ordinal: int, sizes: list[tuple[int, int]] | None = None) -> _Read:
     if sizes is None:
-        sizes = image_sizes(sample, exif_transpose=f.exif_transpose, verify=f.verify)
+        sizes = image_sizes(
+            sample, exif_transpose=f.exif_transpose, verify=f.verify, max_image_pixels=f.max_image_pixels
+        )
+    else:  # sized by the shard reader's headers: the same limit
+        for i, size in enumerate(sizes):
+            refuse_large_image(f"{sample.label}, image {i}", size, f.max_image_pixels)
     videos = video_forecasts(f.pre, sample_videos(sample))
     patches = sum(int(f.pre.spec.num_patches(w, h)) for w, h in sizes) + video_patches(videos)
     return _Read(ordinal, sample, sizes, patches, videos)
@@ -487,6 +531,7 @@ def make_forecaster(
     verify: bool = False,
     on_error: str = "skip",
     who: str = "forecast_sources",
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> _Forecaster:
     """The opened sources and checkpoint parts a worker forecasts :func:`forecast_chunk` with (the arguments
     of :func:`forecast_sources`)."""
@@ -497,7 +542,7 @@ def make_forecaster(
         raise TypeError(f"{who} needs spec= (or a preprocessor with an image processor)")
     check_choice("on_error", on_error, ON_ERROR)
     opened = open_sources(sources, image_root=image_root)
-    return _Forecaster(opened, pre, record_format, exif_transpose, on_error, verify)
+    return _Forecaster(opened, pre, record_format, exif_transpose, on_error, verify, max_image_pixels)
 
 
 def assemble_table(
@@ -537,6 +582,7 @@ def forecast_sources(
     chunk_rows: int = 1024,
     max_consecutive_failures: int | None = DEFAULT_MAX_CONSECUTIVE_FAILURES,
     max_bad_fraction: float | None = DEFAULT_MAX_BAD_FRACTION,
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
     num_workers: int | None = None,
 ) -> LengthTable:
     """Forecast every record of ``sources`` (``datasets`` objects, parquet / JSON / JSONL files, shards,
@@ -553,6 +599,8 @@ def forecast_sources(
         image_root: folder relative image paths resolve against (default: the source file's folder).
         exif_transpose: size images as ``ImageOps.exif_transpose`` shows them (as ``load_image`` does).
         verify: also decode every image's pixels (slower; catches files cut short after their header).
+        max_image_pixels: refuse an image whose header declares more pixels, before decoding, as
+            ``image_too_large`` (``PackingConfig``'s default; None: no cap).
         on_error: ``"skip"`` (default: listed in ``LengthTable.invalid`` with its reason) or ``"raise"`` (a
             ``SampleError`` naming where the record lives and its key); ``PackingConfig.on_error``'s values.
         num_proc: processes reading and forecasting chunks (1: this process), as ``datasets``' ``map``
@@ -593,6 +641,7 @@ def forecast_sources(
         exif_transpose=exif_transpose,
         verify=verify,
         on_error=on_error,
+        max_image_pixels=max_image_pixels,
     )
     opened = forecaster.sources
     totals = [s.num_rows for s in opened]

@@ -62,6 +62,7 @@ from ..failures import Failure, FailurePolicy, Guard, Skip, no_good_sample, tall
 from ..packing.steps import block_order
 from ..preprocessor import Preprocessor
 from .fingerprint import Unfingerprintable
+from .forecast import image_sizes
 from .plan import (
     Plan,
     StalePlanError,
@@ -427,6 +428,8 @@ class PackedMapDataset(torch.utils.data.Dataset):
         sample = normalise_record(
             record, record_format=self.record_format, key=str(row), where=f"dataset[{row}]", image_root=self.image_root
         )
+        if self.config.max_image_pixels is not None:  # refused from its header, never decoded (as at plan time)
+            image_sizes(sample, exif_transpose=self.config.exif_transpose, max_image_pixels=self.config.max_image_pixels)
         images = [im if not isinstance(im, str) else Path(im) for im in sample.images]
         media = {"videos": list(sample.videos)} if sample.videos else {}  # image-only: processed as before
         out = self.preprocessor.process(images, sample.conversation, sample.key, **media)

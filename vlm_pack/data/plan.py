@@ -272,6 +272,7 @@ def make_plan(
         progress=progress,
         max_consecutive_failures=cfg.max_consecutive_failures,
         max_bad_fraction=cfg.max_bad_fraction,
+        max_image_pixels=cfg.max_image_pixels,
     )
     return plan_of_table(table, cfg, key, world_size=world_size, strategy=strategy, balance=balance)
 

@@ -39,7 +39,7 @@ from ..failures import (
 from ..packing import StreamPacker, padded_lengths
 from ..packing.window import StreamBalance, reserved_positions, window_order, window_schedule
 from ..processing import IMAGE_MARKER, Prompt
-from .forecast import video_forecasts, video_patches
+from .forecast import refuse_large_image, video_forecasts, video_patches
 from .reader import read_header, stream_tar_samples
 from .state import Cursor, EpochProgress, PlanItem, StreamSnapshot, position, split_position
 from .stats import PHASES, BadSample, BadSampleWarning, PipelineStats
@@ -199,16 +199,8 @@ class StreamRunner:
 
     # -- per sample: header-only forecast
     def _check_images(self, names: list[str], sizes: list[tuple[int, int]]) -> None:
-        limit = self.config.max_image_pixels
         for (width, height), name in zip(sizes, names):
-            if limit is not None and width * height > limit:
-                raise SampleError(
-                    "image_too_large",
-                    f"{name}: its header declares {width}x{height} = {width * height:,} pixels > "
-                    f"max_image_pixels {limit:,}; refused before decoding (a decompression bomb or an "
-                    "oversized scan). Downscale it in the shard, or raise PackingConfig.max_image_pixels "
-                    "(None: no cap) if such images are expected.",
-                )
+            refuse_large_image(name, (width, height), self.config.max_image_pixels)
             try:
                 self.work.preprocessor.spec.num_tokens(width, height)
             except ValueError as exc:

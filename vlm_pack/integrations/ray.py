@@ -30,7 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..config import DEFAULT_MAX_BAD_FRACTION, DEFAULT_MAX_CONSECUTIVE_FAILURES, PackingConfig
+from ..config import (
+    DEFAULT_MAX_BAD_FRACTION,
+    DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    PackingConfig,
+)
 from ..data.forecast import LengthTable, assemble_table, forecast_chunk, make_forecaster
 from ..data.sources import Chunk, Source, chunks
 
@@ -151,6 +156,7 @@ def forecast_ray(
     address: str | None = None,
     progress: bool | None = None,
     max_bad_fraction: float | None = DEFAULT_MAX_BAD_FRACTION,
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> LengthTable:
     """:func:`vlm_pack.data.forecast_sources` of ``sources`` (parquet, JSON / JSONL, WebDataset shards, a
     ``datasets`` dataset from the hub or ``save_to_disk``...) run as a Ray Data ``map_batches`` over
@@ -182,6 +188,7 @@ def forecast_ray(
         verify=verify,
         on_error=on_error,
         who="forecast_ray",
+        max_image_pixels=max_image_pixels,
     )
     pieces = ray_chunks(forecaster.sources, chunk_rows)
     # workers skip and report; the driver raises the first failure in source order, whichever worker found it,
@@ -285,6 +292,7 @@ def build_plan_ray(
         num_proc=num_proc,
         max_consecutive_failures=config.max_consecutive_failures,
         max_bad_fraction=config.max_bad_fraction,
+        max_image_pixels=config.max_image_pixels,
         address=address,
         progress=progress,
     )
