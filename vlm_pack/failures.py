@@ -87,6 +87,7 @@ __all__ = [
 #: Why a sample (or a shard) was skipped: the reasons bad data is counted under.
 REASONS: dict[str, str] = {
     "unreadable_shard": "a shard that cannot be opened or read to its end (counted, not a sample)",
+    "empty_shard": "a shard that holds no sample (counted, not a sample)",
     "missing_text": "a record without a text it can be read from (it fits no record format)",
     "bad_text": "a text that does not parse, or that the chat template refuses",
     "corrupt_image": "an image whose header does not read, or that is missing",
@@ -105,6 +106,7 @@ BAD_REASONS = tuple(REASONS)
 #: of ``vlm-pack``'s error).
 FIXES: dict[str, str] = {
     "unreadable_shard": "check the shard paths and that every shard was written to its end",
+    "empty_shard": "write the shard again, or leave it out of the shard list",
     "missing_text": "give the records a text field of one record format, or name it with record_format=",
     "bad_text": "check the text field's format, the chat template, and record_format= (--format)",
     "corrupt_image": "an image not found: relative image paths resolve against each source's folder, so give "

@@ -390,6 +390,8 @@ def _tar_records(path: Path) -> Iterator[tuple[str, str, Any]]:
                 raise ValueError(f"{where}: corrupt tar shard: {at} ({detail}).") from None
             key = sample["__key__"]
             yield where, key, sample
+        if key is None:  # an empty shard: listed with the records left out, never a silent nothing
+            yield where, Path(where).name, SampleError("empty_shard", f"{where}: the shard holds no sample.")
 
 
 def chunk_samples(

@@ -447,7 +447,8 @@ class StreamRunner:
     ) -> Iterator[tuple[int, dict[str, Any]]]:
         """Samples of a plan item with index >= ``first`` (or only those in ``collect``), timing the reads.
 
-        Shard errors are reported as ``unreadable_shard`` and end the item.
+        Shard errors are reported as ``unreadable_shard`` (keyed by the sample a cut tar left incomplete) and end
+        the item; a shard read whole that holds no sample as ``empty_shard``.
         """
         url = self.work.urls[item.shard]
         wanted = set(item.pending) if collect is None else collect
@@ -458,17 +459,23 @@ class StreamRunner:
         times = self.stats.time
         samples = _read_shard(url)
         key = None
+        whole = first == 0 and collect is None and not item.start  # the whole shard, from its start
         try:
             while True:
                 started = time.thread_time()
                 try:
                     index, raw = next(samples)
                 except StopIteration:
+                    if whole and key is None:  # an empty shard: said, never a silent 0 batches
+                        detail = "the shard holds no sample (an empty or unfinished tar)"
+                        self.reading.bad(SampleError("empty_shard", detail), url, None, url)
                     break
                 except Exception as exc:
-                    # any error of the shard (I/O, a cut tar) is counted, never classified as code
-                    detail = f"{type(exc).__name__}: {exc} (after key {key!r})"
-                    self.reading.bad(SampleError("unreadable_shard", detail), url, key, url)
+                    # any error of the shard (I/O, a cut tar) is counted, never classified as code; a cut
+                    # tar yields every whole sample first and names the one it cuts (reader.ShardCutError)
+                    lost = getattr(exc, "lost", None)
+                    detail = f"{type(exc).__name__}: {exc}" + ("" if lost else f" (after key {key!r})")
+                    self.reading.bad(SampleError("unreadable_shard", detail), url, lost or key, url)
                     break
                 finally:
                     times["read"] += time.thread_time() - started
