@@ -117,10 +117,11 @@ def stream_tar_samples(url: str) -> Iterator[dict[str, Any]]:
             except (tarfile.TarError, OSError, EOFError) as exc:
                 cut.append((name, exc))  # end the members: group_by_keys yields the sample it holds
 
-        held = None
+        held, last = None, None
         for sample in group_by_keys(members()):
             if held is not None:
                 yield held
+                last = held["__key__"]
             held = sample
         if cut:
             from webdataset.tariterators import base_plus_ext
@@ -129,19 +130,17 @@ def stream_tar_samples(url: str) -> Iterator[dict[str, Any]]:
             lost = base_plus_ext(name)[0] if name else None
             if held is not None and lost is not None and held["__key__"] != lost:
                 yield held  # whole: the cut fell inside a member of the next sample
-                after = held["__key__"]
-            else:  # the sample cut short, or (the cut in a member's header) perhaps: left out, named
-                after = None
-                if lost is None and held is not None:
-                    lost = held["__key__"]
+                last = held["__key__"]
+            elif lost is None and held is not None:  # the cut in a member's header: perhaps held's own
+                lost = held["__key__"]
             what = f"sample {lost!r} is cut short and left out" if lost else "no sample is cut"
             if name:
                 what += f" (member {name!r})"
             raise ShardCutError(
                 f"{url}: the shard breaks part-way ({type(exc).__name__}: {exc}); {what}; every sample before "
-                "it was read. A half-written or truncated tar: write it again.",
+                f"it was read (the last: {last!r}). A half-written or truncated tar: write it again.",
                 lost,
-                after,
+                last,
             ) from exc
         if held is not None:
             yield held
