@@ -24,7 +24,7 @@ from typing import Any
 
 from .._compat import fast_encode_plus
 from ..chat import ChatFormat, Conversation, Rendering, Template
-from .markers import _skeleton, _video_skeleton, _wraps
+from .markers import _skeleton, _substitute, _video_skeleton, _wraps
 from .render import Prompt, _check_placeholders, _placeholder, _render, _tokenize
 
 __all__ = ["Forecast", "expanded_length", "forecast_length", "forecast_rows"]
@@ -153,8 +153,7 @@ def _stage(
     if videos:
         video = rendering.video_placeholder
         stand_ins = _video_skeleton(how.spec, videos, video, how.processor, key)
-        pieces = row.text.split(video)
-        row.text = pieces[0] + "".join(s + piece for (s, _), piece in zip(stand_ins, pieces[1:]))
+        row.text = _substitute(row.text, video, [s for s, _ in stand_ins], how.processor, "video")
         row.videos = [(v.tokens, left, s.count(video)) for v, (s, left) in zip(videos, stand_ins)]
     own = how.keep and how.processor is None and not how.wraps.startswith("processor")
     if row.text == text and (own or not how.fast):
