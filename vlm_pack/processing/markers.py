@@ -266,6 +266,26 @@ def _processor_video_skeleton(processor: Any, videos: list[Any], placeholder: st
     return out
 
 
+def _replacement_skeleton(
+    spec: Any, sizes: Sequence[tuple[int, int]], counts: Sequence[int], placeholder: str, processor: Any
+) -> list[tuple[str, int]]:
+    """Per image: the processor's own replacement text for its size (``spec.replacement(width, height)``, a
+    spec that runs the installed processor: ``vlm_pack.vision.oracle``), runs of the image token collapsed
+    to one ``placeholder``, and the tokens that leaves out. The vision tokens in the text must be the spec's
+    count (InternalCheckError otherwise: the spec and its processor disagree, which no sample can fix)."""
+    tokens = [t for t in {getattr(processor, "image_token", None), placeholder} if t]
+    out = []
+    for (width, height), n in zip(sizes, counts):
+        stand_in, vision, runs = _collapse_runs(spec.replacement(width, height), tokens, placeholder)
+        if vision != n:
+            raise InternalCheckError(
+                f"{type(processor).__name__}: its replacement text for a {width}x{height} image holds {vision} "
+                f"image tokens, its spec counts {n}: report it with the processor's settings"
+            )
+        out.append((stand_in, vision - runs))
+    return out
+
+
 def _substitute(text: str, placeholder: str, stand_ins: Sequence[str], processor: Any = None, kind: str = "video") -> str:
     """``text`` with its i-th ``placeholder`` replaced by ``stand_ins[i]``.
 
