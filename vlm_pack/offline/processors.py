@@ -233,7 +233,15 @@ def _without_video(cls: type) -> type:
             return None
         return cls.check_argument_for_proper_class(self, argument_name, argument)
 
-    return type(cls.__name__, (cls,), {"check_argument_for_proper_class": check_argument_for_proper_class})
+    def get_attributes(_: type) -> list[str]:
+        # the parts it was built without are no attributes: save_pretrained would read `_auto_class` off None
+        return [name for name in cls.get_attributes() if name not in _OPTIONAL_PARTS]
+
+    return type(
+        cls.__name__,
+        (cls,),
+        {"check_argument_for_proper_class": check_argument_for_proper_class, "get_attributes": classmethod(get_attributes)},
+    )
 
 
 @contextlib.contextmanager

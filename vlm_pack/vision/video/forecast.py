@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...failures import InternalCheckError
@@ -74,6 +74,15 @@ class VideoForecast:
     """Qwen2-VL / Qwen2.5-VL: ``second_per_grid_ts`` entry (Qwen2.5-VL's processor passes it)."""
     num_patches: int | None = None
     """Vision-encoder patches before the merge (``pixel_values_videos`` rows) for Qwen-VL, else ``None``."""
+    metadata: Any = field(default=None, compare=False, repr=False)
+    """transformers' ``VideoMetadata`` as the processor is given it (``frames_indices`` = ``indices``): what
+    its own ``replace_video_token`` reads to write the text around the video's tokens; None where unknown."""
+
+    def processor_metadata(self) -> Any:
+        """A fresh copy of :attr:`metadata` (the processor writes into the one it receives), or None."""
+        if self.metadata is None:
+            return None
+        return replace(self.metadata, frames_indices=list(self.indices))
 
 
 def _video_processor(processor: Any) -> Any:
@@ -200,16 +209,18 @@ def _qwen(vp: Any, header: VideoHeader, s: dict[str, Any], qwen3: bool, glm: boo
         ),
         second_per_grid_t=None if qwen3 else tps / metadata.sampled_fps,
         num_patches=grid[0] * grid[1] * grid[2],
+        metadata=metadata,
     )
 
 
 def _per_frame(vp: Any, header: VideoHeader, s: dict[str, Any], per_frame: int, extra: int) -> VideoForecast:
-    indices, _ = _sample(vp, header, s)
+    indices, metadata = _sample(vp, header, s)
     return VideoForecast(
         indices=tuple(indices),
         grid_thw=None,
         frame_tokens=(per_frame,) * len(indices),
         tokens=per_frame * len(indices) + extra,
+        metadata=metadata,
     )
 
 
