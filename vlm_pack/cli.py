@@ -138,7 +138,7 @@ def _forecast(
         names = ", ".join(str(s) for s in sources[:3]) + (
             f" (+{len(sources) - 3} more)" if len(sources) > 3 else ""
         )
-        if not table.invalid:
+        if all(reason == "empty_shard" for reason in table.invalid_reasons):  # none, or empty shards only
             raise ValueError(f"no samples in {names}: they hold no records.")
         key, where, reason = table.invalid[0]
         raise ValueError(

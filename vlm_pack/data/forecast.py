@@ -24,7 +24,6 @@ budgets (consecutive failures, and the share of bad records, judged at the end o
 from __future__ import annotations
 
 import gc
-import io
 import multiprocessing
 import os
 import warnings
@@ -33,7 +32,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,6 +44,7 @@ from ..config import (
     check_choice,
 )
 from ..failures import FailurePolicy, Guard, SampleError, data_error, skip_reason
+from .images import image_sizes, refuse_large_image
 from .reader import video_headers
 from .records import Sample
 from .sources import Chunk, Source, chunk_samples, chunks, open_sources
@@ -154,82 +153,6 @@ class LengthTable:
             shuffle_seed=config.shuffle_seed,
             pad_to_multiple_of=config.pad_to_multiple_of,
         )
-
-
-def image_sizes(
-    sample: Sample,
-    *,
-    exif_transpose: bool = True,
-    verify: bool = False,
-    max_image_pixels: int | None = None,
-) -> list[tuple[int, int]]:
-    """``(width, height)`` of each image of ``sample`` as the processor will see it, from headers only.
-
-    An image whose header declares more than ``max_image_pixels`` is refused there, before any pixel is
-    decoded (:func:`refuse_large_image`). ``verify=True`` also decodes every image's pixels (catches a file
-    cut short after its header). Raises :class:`SampleError` naming the sample and image: ``"corrupt_image"``
-    for an unreadable one, ``"image_too_large"`` for one over the limit (or that Pillow refuses as a
-    decompression bomb).
-    """
-    from ..vision import image_size
-
-    sizes = []
-    for i, image in enumerate(sample.images):
-        if hasattr(image, "size") and not hasattr(image, "read"):  # a decoded PIL image: used as it is
-            sizes.append(tuple(image.size))
-            continue
-        name = f"{sample.label}, image {i}"
-        try:
-            size = image_size(image, exif_transpose=exif_transpose, name=name)
-        except ValueError as e:
-            raise SampleError("corrupt_image", str(e)) from None
-        refuse_large_image(name, size, max_image_pixels)
-        if verify:
-            _decode_fully(image, name)
-        sizes.append(size)
-    return sizes
-
-
-def refuse_large_image(name: str, size: tuple[int, int], limit: int | None) -> None:
-    """Raise ``SampleError("image_too_large")`` naming the image when its header's ``(width, height)`` has
-    more than ``limit`` pixels (``PackingConfig.max_image_pixels``; None: no cap): before decoding, at plan
-    time and at load time alike."""
-    width, height = size
-    if limit is None or width * height <= limit:
-        return
-    raise SampleError(
-        "image_too_large",
-        f"{name}: its header declares {width}x{height} = {width * height:,} pixels > max_image_pixels "
-        f"{limit:,}; refused before decoding (a decompression bomb or an oversized scan). Downscale it, or raise "
-        "PackingConfig.max_image_pixels (--max-image-pixels; None: no cap) if such images are expected.",
-    )
-
-
-def _decode_fully(image: Any, name: str) -> None:
-    """Decode every pixel of ``image`` (bytes, a path or a seekable binary file; left where it was); raises
-    ``SampleError`` naming the real cause: Pillow's decompression-bomb limit, or a truncated or corrupt file."""
-    from PIL import Image
-
-    try:
-        if hasattr(image, "read"):
-            at = image.tell()
-            data = image.read()
-            image.seek(at)
-        else:
-            data = image if isinstance(image, bytes) else Path(image).read_bytes()
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
-    except Image.DecompressionBombError as e:
-        raise SampleError(
-            "image_too_large",
-            f"{name}: Pillow refuses to decode it as a decompression bomb ({e}); not decoded. Downscale it, or "
-            "raise PIL.Image.MAX_IMAGE_PIXELS if such images are expected.",
-        ) from None
-    except (OSError, SyntaxError, ValueError) as e:
-        raise SampleError(
-            "corrupt_image",
-            f"{name}: the header reads but the pixels do not decode ({e}): the file is truncated or corrupt.",
-        ) from None
 
 
 @dataclass
@@ -564,6 +487,20 @@ def assemble_table(
     return _table(kept)
 
 
+def _num_proc(num_proc: Any, num_workers: Any) -> int:
+    """``num_proc``, checked; ``num_workers`` (its old name) in its place, with a ``DeprecationWarning``."""
+    if num_workers is not None:
+        warnings.warn(
+            "forecast_sources(num_workers=) is now num_proc= (the name datasets and PackedMapDataset use)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        num_proc = num_workers
+    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+        raise ValueError(f"num_proc must be a positive int, got {num_proc!r}")
+    return num_proc
+
+
 def forecast_sources(
     sources: Any | Sequence[Any],
     *,
@@ -607,42 +544,22 @@ def forecast_sources(
             and ``PackedMapDataset`` name them. ``num_workers=`` is its old name (a ``DeprecationWarning``).
         progress: a tqdm bar with total and ETA (``None``: only on a terminal).
         chunk_rows: records per chunk (parquet: whole row groups).
-        max_consecutive_failures: with ``on_error="skip"``, the failure budget of ``vlm_pack.failures``:
-            more invalid records than this in a row (source order) raise ``FailureBudgetError`` naming the
-            most common reason (default: ``PackingConfig``'s, ``DEFAULT_MAX_CONSECUTIVE_FAILURES``; None:
-            no limit, every invalid record is listed).
-        max_bad_fraction: with ``on_error="skip"``, the failure budget's share: more than this share of the
-            records seen being invalid raises ``FailureBudgetError`` naming the most common reason and its
-            fix (judged from the 100th record on and at the end; default ``PackingConfig``'s; None: no limit).
+        max_consecutive_failures, max_bad_fraction: with ``on_error="skip"``, the failure budget of
+            ``vlm_pack.failures``: more invalid records than this in a row (source order), or more than this
+            share of the records seen, raise ``FailureBudgetError`` naming the most common reason and its fix
+            (defaults: ``PackingConfig``'s; None: no limit, every invalid record is listed).
 
     Records with bad data are invalid (``on_error``; an unreadable video: ``corrupt_video``). An error of code
     (a ``template`` raising ``TypeError`` ..., a bug; a video without ``pip install "vlm-pack[video]"``)
     raises ``SampleCodeError`` naming the record."""
     from tqdm import tqdm
 
-    if num_workers is not None:
-        warnings.warn(
-            "forecast_sources(num_workers=) is now num_proc= (the name datasets and PackedMapDataset use)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        num_proc = num_workers
-    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
-        raise ValueError(f"num_proc must be a positive int, got {num_proc!r}")
+    num_proc = _num_proc(num_proc, num_workers)
     forecaster = make_forecaster(
-        sources,
-        tokenizer=tokenizer,
-        spec=spec,
-        family=family,
-        template=template,
-        preprocessor=preprocessor,
-        record_format=record_format,
-        image_root=image_root,
-        exif_transpose=exif_transpose,
-        verify=verify,
-        on_error=on_error,
-        max_image_pixels=max_image_pixels,
-    )
+        sources, tokenizer=tokenizer, spec=spec, family=family, template=template, preprocessor=preprocessor,
+        record_format=record_format, image_root=image_root, exif_transpose=exif_transpose, verify=verify,
+        on_error=on_error, max_image_pixels=max_image_pixels,
+    )  # fmt: skip
     opened = forecaster.sources
     totals = [s.num_rows for s in opened]
     total = None if None in totals else sum(t for t in totals if t is not None)

@@ -62,7 +62,7 @@ from ..failures import Failure, FailurePolicy, Guard, Skip, no_good_sample, tall
 from ..packing.steps import block_order
 from ..preprocessor import Preprocessor
 from .fingerprint import Unfingerprintable
-from .forecast import image_sizes
+from .images import image_sizes
 from .plan import (
     Plan,
     StalePlanError,

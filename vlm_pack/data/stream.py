@@ -39,7 +39,8 @@ from ..failures import (
 from ..packing import StreamPacker, padded_lengths
 from ..packing.window import StreamBalance, reserved_positions, window_order, window_schedule
 from ..processing import IMAGE_MARKER, Prompt
-from .forecast import refuse_large_image, video_forecasts, video_patches
+from .forecast import video_forecasts, video_patches
+from .images import refuse_large_image
 from .reader import read_header, stream_tar_samples
 from .state import Cursor, EpochProgress, PlanItem, StreamSnapshot, position, split_position
 from .stats import PHASES, BadSample, BadSampleWarning, PipelineStats
