@@ -188,6 +188,28 @@ def tensor_version(tensor: Any) -> int:
     return tensor._version
 
 
+#: The first transformers release whose processors report where they expanded each video
+#: (``return_text_replacement_offsets``), which processing a video sample needs (``processing/placement.py``).
+VIDEOS_SINCE = (5, 7)
+
+
+def videos_supported(version: str | None = None) -> bool:
+    """Whether the installed transformers (or ``version``) processes video samples: :data:`VIDEOS_SINCE` on."""
+    version = installed_transformers_version() if version is None else version
+    return version is not None and release(version)[:2] >= VIDEOS_SINCE
+
+
+def timm_tower_without_sdpa(version: str | None = None) -> str | None:
+    """Why a model whose vision tower is timm's (Gemma 3n's ``TimmWrapperModel``) cannot be built with sdpa
+    attention on the installed transformers (or ``version``), or None: before 5.18 (measured on 5.6.0) it raises
+    "TimmWrapperModel does not support an attention implementation through ...scaled_dot_product_attention";
+    5.18 on builds it."""
+    version = installed_transformers_version() if version is None else version
+    if version is not None and release(version)[:2] < (5, 18):
+        return f"transformers {version} builds a timm vision tower (TimmWrapperModel) with eager attention only"
+    return None
+
+
 def images_past_window(until: tuple[int, int] | None, version: str | None = None) -> bool:
     """Whether the installed transformers (or ``version``) is older than ``until`` (a family's
     ``images_past_window_until``): its sliding layers then let an image's tokens see their whole image past

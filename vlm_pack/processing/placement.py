@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .._compat import VIDEOS_SINCE
 from ..chat import Rendering
 from ..failures import InternalCheckError, SampleError
 from ..labels import IGNORE_INDEX
@@ -101,7 +102,7 @@ def _call_processor(
         if videos:
             raise InternalCheckError(
                 f"{kind.__name__} does not report where it expanded each video (text_replacement_offsets): "
-                "video samples need transformers >= 5.7"
+                f"video samples need transformers >= {'.'.join(map(str, VIDEOS_SINCE))}"
             )
     if _EDGE in rendering.text:
         raise SampleError(
