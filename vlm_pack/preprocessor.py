@@ -9,6 +9,11 @@ image processor and rows made with another would silently overflow or underfill 
     length, per_image = pre.forecast(conversation, [(640, 480)])   # header sizes only
     sample = pre.process([image], conversation)                    # len(sample["input_ids"]) == length
     collator = pre.collator(8192, model_config=model.config)             # PackingCollator for these parts
+
+Every loader (streaming, map-style, TRL's collator, the Energon encoder; Ray only forecasts, and its plans
+are loaded by the map-style dataset) runs the same sample contract: forecast -> process -> one length check,
+:meth:`Preprocessor.checked_length`, which measures a processed sample in this preprocessor's layout (a
+collapsed sample's placeholders count as the tokens they stand for) against the forecast it was packed on.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .chat import ChatFormat, Conversation, Template
-from .failures import SampleError
+from .failures import SampleError, forecast_mismatch
 from .families import canonical, lookup, names
 from .processing import length
 from .processing.length import Forecast
@@ -232,6 +237,29 @@ class Preprocessor:
         from .processing.sample import process_pack
 
         return process_pack(samples, keys=keys, prompts=prompts, **self._options())
+
+    def processed_length(self, sample: dict[str, Any]) -> int:
+        """The length a processed ``sample`` (:meth:`process`'s output) takes in a row, the length its
+        :meth:`forecast` predicts: ``len(input_ids)`` in the expanded layout; in the collapsed one each image
+        (video) placeholder counts as the ``tokens_per_image`` (``tokens_per_video_placeholder``) it stands for
+        (:func:`vlm_pack.processing.length.expanded_length`)."""
+        return length.expanded_length(
+            int(sample["input_ids"].shape[0]), sample.get("tokens_per_image"), self.layout,
+            sample.get("tokens_per_video_placeholder"),
+        )  # fmt: skip
+
+    def checked_length(self, sample: dict[str, Any], forecast: int, name: str) -> int:
+        """:meth:`processed_length` of ``sample``, checked against the ``forecast`` it was packed on: the one
+        forecast-vs-processed check of every loader.
+
+        Raises:
+            SampleError: reason ``forecast_mismatch`` naming the sample (``name``) when they differ: bad data,
+                left out and counted (``vlm_pack.failures.forecast_mismatch``), never packed at another length.
+        """
+        n = self.processed_length(sample)
+        if n != int(forecast):
+            raise forecast_mismatch(int(forecast), n, name)
+        return n
 
     def _options(self) -> dict[str, Any]:
         """The keyword arguments of :func:`process_sample` these parts stand for."""
