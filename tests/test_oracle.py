@@ -1,0 +1,170 @@
+"""The exact route (``vlm_pack.vision.oracle``) and the end of rules by resemblance (``vision_spec_from_processor``).
+
+The oracle of every test is the real transformers processor's ``__call__`` on a real Pillow image with content
+(not the blank canvas the exact route runs): its ``input_ids``. The exact route's text for each image, put in
+the prompt by the processor's own ``get_text_with_replacements`` and tokenized, must give those ids exactly,
+and its counts the embedding tokens in them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+from PIL import Image
+
+from vlm_pack import offline
+from vlm_pack.families import FAMILIES, owner
+from vlm_pack.vision import Qwen2VLSpec, vision_spec_from_processor
+from vlm_pack.vision.oracle import ProcessorSpec, exact_spec, memo_stats
+
+SIZES = [(640, 480), (300, 900), (37, 1200), (1200, 37), (64, 64)]
+SMALL_QWEN = {"size": {"shortest_edge": 3136, "longest_edge": 200704}}
+_PROCESSORS: dict[str, object] = {}
+
+
+def _processor(family: str):
+    if family not in _PROCESSORS:
+        _PROCESSORS[family] = offline.processor(family, **(SMALL_QWEN if family.startswith("qwen") else {}))
+    return _PROCESSORS[family]
+
+
+def _photo(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A real image with content (not a blank canvas): a gradient the image processor must really resize."""
+    image = Image.linear_gradient("L").resize((width, height)).convert("RGB")
+    return Image.merge("RGB", [band.point(lambda v, s=seed + i: (v * (3 + s)) % 256) for i, band in enumerate(image.split())])
+
+
+def _processed_ids(proc, text: str, images: list[Image.Image]) -> list[int]:
+    return [int(i) for i in proc(text=[text], images=[images])["input_ids"][0]]  # one sample, as process_sample
+
+
+def _exact_ids(proc, spec: ProcessorSpec, text: str, sizes: list[tuple[int, int]]) -> list[int]:
+    """The prompt with each placeholder replaced by the exact route's text (by the processor's own
+    replacement step), tokenized as the processor tokenizes."""
+    (expanded,), _ = proc.get_text_with_replacements([text], spec.sample_replacements(sizes))
+    return list(proc.tokenizer(expanded)["input_ids"])
+
+
+def _stand_in_length(proc, spec: ProcessorSpec, text: str, sizes: list[tuple[int, int]]) -> int:
+    """The forecast the generic route makes: runs collapsed to one token each, tokenized, plus what they left out."""
+    stand_ins = spec.stand_ins(sizes)
+    (collapsed,), _ = proc.get_text_with_replacements([text], [s for s, _ in stand_ins])
+    return len(proc.tokenizer(collapsed)["input_ids"]) + sum(left for _, left in stand_ins)
+
+
+# One family of each way a processor writes text around an image: none (LLaVA, Qwen: the template does),
+# start / end tokens (InternVL), tile markers and newlines (Idefics3), text that merges with the prompt
+# (Gemma 3), row breaks (Pixtral), counts that depend on the sample's other images (LLaVA-OneVision).
+EXACT_CASES = ["qwen2_vl", "llava", "internvl", "idefics3", "gemma3", "mistral3", "llava_onevision"]
+
+
+@pytest.mark.parametrize("family", EXACT_CASES)
+def test_the_exact_route_writes_what_the_processor_writes(family):
+    proc = _processor(family)
+    spec = exact_spec(proc)
+    token_id = proc.tokenizer.convert_tokens_to_ids(spec.image_token)
+    sizes = SIZES[:3] if family in ("idefics3", "llava_onevision") else SIZES  # the slowest processors
+    for i, (w, h) in enumerate(sizes):
+        text = f"Look: {proc.image_token} What is it?"
+        ids = _processed_ids(proc, text, [_photo(w, h, i)])
+        assert _exact_ids(proc, spec, text, [(w, h)]) == ids, (family, w, h)
+        assert spec.num_tokens(w, h) == ids.count(token_id), (family, w, h)
+        assert _stand_in_length(proc, spec, text, [(w, h)]) == len(ids), (family, w, h)
+    # two images in one sample, run together as __call__ runs them (OneVision counts them otherwise)
+    pair = [(640, 480), (300, 900)]
+    text = f"{proc.image_token} and {proc.image_token}?"
+    ids = _processed_ids(proc, text, [_photo(w, h, 7) for w, h in pair])
+    assert _exact_ids(proc, spec, text, pair) == ids
+    assert sum(spec.sample_tokens(pair)) == ids.count(token_id)
+    if family == "llava_onevision":
+        assert spec.sample_tokens(pair) != [spec.num_tokens(w, h) for w, h in pair]
+
+
+def test_the_exact_route_refuses_the_sizes_the_processor_refuses():
+    spec = exact_spec(_processor("qwen2_vl"))
+    with pytest.raises(ValueError, match=r"Qwen2VLProcessor refuses image\(s\) 603x2.*aspect ratio"):
+        spec.num_tokens(603, 2)
+    with pytest.raises(ValueError, match=r"image 1 \(603x2\)"):  # the batch path names the image
+        spec.num_tokens_batch([640, 603], [480, 2])
+    with pytest.raises(ValueError, match="positive"):
+        spec.num_tokens(0, 10)
+
+
+def test_the_memo_runs_each_size_once_per_settings():
+    memo_stats(reset=True)
+    proc = _processor("llava")
+    spec = exact_spec(proc)
+    counts = spec.num_tokens_batch([640, 640, 320, 640], [480, 480, 240, 480]).tolist()
+    assert counts[0] == counts[1] == counts[3]
+    again = exact_spec(proc)  # another spec of the same settings shares the memo
+    assert again.num_tokens(640, 480) == counts[0]
+    assert memo_stats()["misses"] == 2 and memo_stats()["hits"] >= 1
+    other = offline.processor("llava", crop_size={"height": 224, "width": 224}, size={"shortest_edge": 224})
+    assert exact_spec(other).settings != spec.settings  # other settings: other entries
+    assert exact_spec(other).num_tokens(640, 480) == 256
+
+
+# ------------------------------------------------------------------------------ no rule by resemblance
+
+
+def _marked(base):
+    """A processor class of a new model: Qwen2-VL's image processor and tokens, but it writes its own markers
+    around each image (as processors built on Qwen2VLProcessor do), so Qwen2-VL's rule would be wrong."""
+
+    class MarkedVLProcessor(base):
+        def replace_image_token(self, image_inputs, image_idx, **kwargs):
+            inner = super().replace_image_token(image_inputs, image_idx, **kwargs)
+            return f"<|vision_start|><|vision_start|>{inner}<|vision_end|>\n"
+
+    return MarkedVLProcessor
+
+
+def test_a_processor_that_writes_other_text_around_the_same_images_is_not_given_the_records_rule():
+    """Must show (issue 38): a processor subclass of Qwen2VLProcessor with the same image processor is not
+    forecast with Qwen2-VL's rule; it takes the exact route, whose forecast is its own processed length."""
+    qwen = _processor("qwen2_vl")
+    assert isinstance(vision_spec_from_processor(qwen), Qwen2VLSpec)  # the record's own class: fast rule
+    proc = _marked(type(qwen))(image_processor=qwen.image_processor, tokenizer=qwen.tokenizer, video_processor=None)
+    spec = vision_spec_from_processor(proc)
+    assert isinstance(spec, ProcessorSpec) and spec.family is None
+    assert spec.processor_class == "MarkedVLProcessor"
+    for i, (w, h) in enumerate(SIZES):
+        text = f"<|im_start|>user\n<|vision_start|>{proc.image_token}<|vision_end|>Hi<|im_end|>\n"
+        ids = _processed_ids(proc, text, [_photo(w, h, i)])
+        assert _exact_ids(proc, spec, text, [(w, h)]) == ids
+        assert _stand_in_length(proc, spec, text, [(w, h)]) == len(ids)
+        qwen_rule = vision_spec_from_processor(qwen)  # what resemblance gave: short by the markers and newline
+        assert len(ids) - (len(qwen.tokenizer(text)["input_ids"]) + qwen_rule.num_tokens(w, h) - 1) >= 4
+
+
+def test_a_class_named_like_a_records_outside_transformers_is_not_the_records():
+    qwen = _processor("qwen2_vl")
+    lookalike = type("Qwen2VLProcessor", (transformers.ProcessorMixin,), {})  # same name, not the class
+    assert owner("processors", lookalike.__name__) is FAMILIES["qwen2_vl"]
+    plain = lookalike.__new__(lookalike)
+    plain.image_processor, plain.tokenizer, plain.image_token = qwen.image_processor, qwen.tokenizer, "<|image_pad|>"
+    with pytest.raises(ValueError, match=r"no family record names processor 'Qwen2VLProcessor'.*replace_image_token"):
+        vision_spec_from_processor(plain)
+
+
+def test_a_processor_the_exact_route_cannot_run_is_refused_by_name():
+    qwen = _processor("qwen2_vl")
+    cls = type("NoTextProcessor", (transformers.ProcessorMixin,), {})  # writes its text in its own __call__
+    proc = cls.__new__(cls)
+    proc.image_processor, proc.tokenizer, proc.image_token = qwen.image_processor, qwen.tokenizer, "<|image_pad|>"
+    with pytest.raises(ValueError, match=r"'NoTextProcessor'.*does not implement replace_image_token.*Fast rules: Qwen2VLProcessor"):
+        vision_spec_from_processor(proc)
+
+
+def test_each_class_names_one_record_and_each_named_record_has_a_rule():
+    for record in FAMILIES.values():
+        for name in record.processors:
+            assert owner("processors", name) is record and record.vision is not None
+        for name in record.image_processors:
+            assert owner("image_processors", name) is record and record.processors
+    assert owner("processors", "Lfm3VlProcessor") is None  # new model types: the exact route
+
+
+def test_a_bare_image_processor_no_record_names_is_refused():
+    with pytest.raises(ValueError, match="bare SiglipImageProcessorPil does not say which model"):
+        vision_spec_from_processor(offline.image_processor("gemma3n"))
