@@ -168,3 +168,56 @@ def test_each_class_names_one_record_and_each_named_record_has_a_rule():
 def test_a_bare_image_processor_no_record_names_is_refused():
     with pytest.raises(ValueError, match="bare SiglipImageProcessorPil does not say which model"):
         vision_spec_from_processor(offline.image_processor("gemma3n"))
+
+
+# ------------------------------------------------------------------------------ fast rules check themselves
+
+
+def _coarse_qwen_processor():
+    """Qwen2-VL's own processor class around an image processor that resizes to whole 2x2-merged blocks of
+    twice the side (a user's subclass, as for coarser grids): Qwen2-VL's fast rule reads the same settings off
+    it and would forecast every image wrong; nothing is patched."""
+    qwen = _processor("qwen2_vl")
+
+    class CoarseQwen2VLImageProcessor(type(qwen.image_processor)):
+        def resize(self, image, size, resample, factor, **kwargs):
+            return super().resize(image, size, resample, factor * 2, **kwargs)
+
+    coarse = CoarseQwen2VLImageProcessor(**SMALL_QWEN)
+    return type(qwen)(image_processor=coarse, tokenizer=qwen.tokenizer, video_processor=None,
+                      chat_template=qwen.chat_template)  # fmt: skip
+
+
+def test_a_fast_rule_that_disagrees_with_the_installed_processor_stops_the_run_before_any_sample():
+    from vlm_pack import Preprocessor
+    from vlm_pack.vision.selfcheck import FastRuleMismatch
+
+    proc = _coarse_qwen_processor()
+    with pytest.raises(
+        FastRuleMismatch,
+        match=rf"family 'qwen2_vl' disagrees with Qwen2VLProcessor on transformers {transformers.__version__}: "
+        r"for a sample with image\(s\) 640x480 it forecasts \d+ tokens .* while the processor writes \d+ tokens.*"
+        r"spec=vlm_pack.vision.oracle.exact_spec\(processor\)",
+    ):
+        Preprocessor(processor=proc)
+    # the fix the error names: the exact route, whose forecast is the processed length
+    pre = Preprocessor(processor=proc, spec=exact_spec(proc))
+    conversation = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A gradient."}]},
+    ]
+    for i, (w, h) in enumerate(SIZES):
+        out = pre.process([_photo(w, h, i)], conversation)
+        assert pre.forecast(conversation, [(w, h)]) == (len(out["input_ids"]), out["tokens_per_image"].tolist())
+
+
+def test_the_records_own_processors_pass_their_check():
+    """The check itself: a record's processor as released passes (and is checked once per instance)."""
+    from vlm_pack import Preprocessor
+    from vlm_pack.vision import selfcheck
+
+    proc = offline.processor("llava", chat_template=offline.processor("llava").chat_template)
+    pre = Preprocessor(processor=proc, family="llava")
+    assert len(selfcheck._CHECKED[proc]) == 1
+    Preprocessor(processor=proc, family="llava")  # memoized: no second entry, no second run
+    assert len(selfcheck._CHECKED[proc]) == 1 and pre.spec.family == "llava"
