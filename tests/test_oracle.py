@@ -221,3 +221,53 @@ def test_the_records_own_processors_pass_their_check():
     assert len(selfcheck._CHECKED[proc]) == 1
     Preprocessor(processor=proc, family="llava")  # memoized: no second entry, no second run
     assert len(selfcheck._CHECKED[proc]) == 1 and pre.spec.family == "llava"
+
+
+# ------------------------------------------------------------------------------ processors without a record
+
+
+def test_a_model_type_without_a_record_is_forecast_and_processed_by_its_own_processor():
+    """LFM3-VL (transformers 5.25): Qwen2-VL's image processor and tokens under a processor class of its own.
+    Its forecast (the exact route) is its processed length, and the ids are its processor's."""
+    cls = getattr(transformers, "Lfm3VlProcessor", None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Lfm3VlProcessor (5.25 added it)")
+    from vlm_pack import Preprocessor
+    from vlm_pack.offline.processors import _without_video
+
+    qwen = _processor("qwen2_vl")
+    proc = _without_video(cls)(image_processor=qwen.image_processor, tokenizer=qwen.tokenizer, video_processor=None,
+                               chat_template=(offline.processor("qwen2_vl").chat_template or None))  # fmt: skip
+    pre = Preprocessor(processor=proc, family="qwen2_vl")  # the chat format only: the images are the processor's
+    assert isinstance(pre.spec, ProcessorSpec) and pre.spec.processor_class == "Lfm3VlProcessor"
+    conversation = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And?"}, {"type": "image"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Two gradients."}]},
+    ]
+    for i, pair in enumerate([[(640, 480), (37, 1200)], [(64, 64), (1200, 37)]]):
+        images = [_photo(w, h, i) for w, h in pair]
+        out = pre.process(images, conversation)
+        assert pre.forecast(conversation, pair) == (len(out["input_ids"]), out["tokens_per_image"].tolist())
+        text = pre.render(conversation, 2)
+        assert out["input_ids"].tolist() == _processed_ids(proc, text, images)
+
+
+def test_a_processor_that_writes_prompts_of_its_own_is_refused_when_processing():
+    """A processor that turns one prompt into several rows (task prompts of its own) would give a sample that
+    is not the user's text: refused by name, not cut to its first row."""
+    from vlm_pack import Preprocessor
+    from vlm_pack.failures import InternalCheckError
+
+    llava = _processor("llava")
+
+    class TaskPromptsProcessor(type(llava)):
+        def __call__(self, images=None, text=None, **kwargs):
+            tasks = [f"{t} {task}" for task in ("Caption.", "Detect.", "Read.") for t in text]
+            return super().__call__(images=images * 3, text=tasks, padding=True, **kwargs)
+
+    proc = TaskPromptsProcessor(image_processor=llava.image_processor, tokenizer=llava.tokenizer,
+                                patch_size=14, vision_feature_select_strategy="default")  # fmt: skip
+    pre = Preprocessor(processor=proc, family="llava")
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    with pytest.raises(InternalCheckError, match="TaskPromptsProcessor made 3 rows of one sample's prompt"):
+        pre.process([_photo(64, 48)], conversation)
