@@ -271,3 +271,36 @@ def test_a_processor_that_writes_prompts_of_its_own_is_refused_when_processing()
     conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
     with pytest.raises(InternalCheckError, match="TaskPromptsProcessor made 3 rows of one sample's prompt"):
         pre.process([_photo(64, 48)], conversation)
+
+
+# ------------------------------------------------------------------------------ videos
+
+
+@pytest.mark.torchvision
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl", "llava_onevision", "internvl", "glm4v"])
+def test_the_exact_route_writes_what_the_processor_writes_for_a_video(family):
+    """The processor's own sampling on the header's metadata, then its video step on blank frames of the
+    header's size: the text, tokens and grid it makes of the real decoded clip (processed as process_sample
+    hands it over: kept frames, metadata, sampling off)."""
+    pytest.importorskip("torchvision")
+    pytest.importorskip("av")
+    from vlm_pack.processing.videos import load_videos
+    from vlm_pack.testing.clips import encode_clip, processor_with_video
+    from vlm_pack.vision.video import read_video_header
+
+    proc = processor_with_video(family)
+    spec = exact_spec(proc)
+    for frames, (w, h), fps in [(40, (160, 96), 10), (9, (64, 120), 3)]:
+        clip = encode_clip(frames=frames, width=w, height=h, fps=fps)
+        header = read_video_header(clip)
+        decoded = load_videos([clip], proc, "k")
+        enc = proc(text=[f"Watch {proc.video_token} now"], return_text_replacement_offsets=True,
+                   **decoded.processor_kwargs())  # fmt: skip
+        (written,) = [o["replacement"] for o in enc["text_replacement_offsets"][0]]
+        assert spec.video_replacement(header) == written, (family, frames)
+        forecast = spec.video_forecast(header)
+        token, collapsed, left = spec.video_stand_in(header)
+        assert forecast.tokens == written.count(token) and left == forecast.tokens - collapsed.count(token)
+        assert forecast.indices == decoded[0].forecast.indices  # the sampling the decoder used
+        if "video_grid_thw" in enc:
+            assert forecast.grid_thw == tuple(int(x) for x in enc["video_grid_thw"][0])

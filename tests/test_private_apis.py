@@ -25,6 +25,7 @@ FOREIGN_PRIVATE = {
     "_compile_jinja_template", "_get_num_multimodal_tokens", "_set_model_specific_special_tokens",
     "_attn_implementation", "_from_config", "_encode_plus", "_fingerprint", "_total_train_tokens", "_metrics",
     "_tp_size", "_typed_storage", "_new_shared", "_version", "_process_images", "_merge_kwargs",
+    "_process_videos",
 }  # fmt: skip
 #: Reads still to route through _compat, by file: forecast.py belongs to the forecast rework (issue 32 item 2),
 #: which replaces ``getattr(cls, "_encode_plus", None) is not Fast._encode_plus`` with

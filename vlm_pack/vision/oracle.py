@@ -13,6 +13,11 @@ Each result is memoized by (the processor's settings, the sample's sizes): a dat
 same camera cost one run. A sample's images are run together, as the processor's ``__call__`` runs them
 (LLaVA-OneVision counts a multi-image sample's images otherwise than one alone).
 
+Videos likewise (:meth:`ProcessorSpec.video_forecast` / ``video_replacement`` / ``video_stand_in``): the
+processor's own frame sampling on the header's metadata, then its own video step on that many blank frames of
+the header's size (one frame in memory, the others views of it), memoized by settings, header and call-time
+``videos_kwargs``.
+
 The replacement text is exact by construction (it is the processor's own); ``stand_ins`` gives it with each
 run of the embedding token collapsed to one, and the tokens that leaves out, for a forecast that tokenizes
 the prompt with it (the runs themselves tokenize alone: they are special tokens).
@@ -23,12 +28,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .._compat import image_step_missing, process_images
+from .._compat import image_step_missing, process_images, process_videos, video_step_missing
 from .spec import VisionSpec, _check_size
+from .video.forecast import VideoForecast, sampled_frames
+from .video.header import VideoHeader
 
 __all__ = ["ProcessorSpec", "drives", "exact_spec"]
 
@@ -117,14 +125,14 @@ def _settings(processor: Any) -> str:
     """A fingerprint of everything the processor's image step reads: its class, its own plain attributes
     (image tokens, sequence lengths, strategies) and its image processor's configuration."""
     own = {k: v for k, v in vars(processor).items() if isinstance(v, str | int | float | bool | type(None))}
-    ip = processor.image_processor
     parts = [
         f"{type(processor).__module__}.{type(processor).__qualname__}",
         json.dumps(own, sort_keys=True, default=str),
-        f"{type(ip).__module__}.{type(ip).__qualname__}",
-        ip.to_json_string(),
         _embedding_token(processor),
     ]
+    for part in (processor.image_processor, getattr(processor, "video_processor", None)):
+        if part is not None:
+            parts += [f"{type(part).__module__}.{type(part).__qualname__}", part.to_json_string()]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()
 
 
@@ -223,6 +231,65 @@ class ProcessorSpec(VisionSpec):
 
     def tiles(self, width: int, height: int) -> int:
         return self._alone(width, height).tiles
+
+    # ------------------------------------------------------------------ videos
+    def _video(self, header: VideoHeader, videos_kwargs: dict[str, Any]) -> tuple[VideoForecast, _Image, str]:
+        """One video's forecast and the text the processor writes for it (memoized by settings, header and
+        call-time ``videos_kwargs``): the processor's own sampling on the header's metadata, then its own video
+        step on that many blank frames of the header's size (one frame held: the others are views of it)."""
+        why = video_step_missing(self.processor)
+        if why:
+            raise ValueError(f"{self.processor_class}: the exact route cannot forecast its videos: {why}")
+        key = (self.settings, "video", header, tuple(sorted(videos_kwargs.items())))
+        return _remember(key, lambda: self._run_video(header, videos_kwargs))  # type: ignore[no-any-return]
+
+    def _run_video(self, header: VideoHeader, videos_kwargs: dict[str, Any]) -> tuple[VideoForecast, _Image, str]:
+        import numpy as np
+
+        indices = sampled_frames(header, self.processor, **videos_kwargs)
+        if not indices:
+            raise ValueError(f"{self.processor_class}: frame sampling keeps no frame of a {header.frames}-frame clip")
+        metadata = header.metadata()
+        metadata.frames_indices = list(indices)
+        frame = np.zeros((1, header.height, header.width, 3), dtype=np.uint8)
+        frames = np.broadcast_to(frame, (len(indices), header.height, header.width, 3))
+        with warnings.catch_warnings():  # torch's note that it reads the shared blank frame without copying
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            out, (text,) = process_videos(self.processor, frames, metadata, **videos_kwargs)
+        # the embeddings are video tokens, or image tokens where the processor writes frames as images
+        token = str(self.processor.video_token) if self.processor.video_token in text else self.image_token
+        runs = re.compile(f"((?:{re.escape(token)})+)")
+        pieces = tuple(p.count(token) if i % 2 else p for i, p in enumerate(runs.split(text)))
+        grid = out.get("video_grid_thw")
+        grid_thw = tuple(int(x) for x in np.asarray(grid)[0]) if grid is not None else None
+        seconds = out.get("second_per_grid_ts")
+        image = _Image(pieces)
+        forecast = VideoForecast(
+            indices=tuple(int(i) for i in indices),
+            grid_thw=grid_thw,  # type: ignore[arg-type]
+            frame_tokens=tuple(p for p in pieces if isinstance(p, int)),
+            tokens=image.count,
+            second_per_grid_t=float(np.asarray(seconds).reshape(-1)[0]) if seconds is not None else None,
+            num_patches=int(np.prod(grid_thw)) if grid_thw is not None else None,
+        )
+        return forecast, image, token
+
+    def video_forecast(self, header: VideoHeader, **videos_kwargs: Any) -> VideoForecast:
+        """The video's kept frames, grid and tokens (``frame_tokens``: each run of its embedding tokens), as
+        the processor makes them of the decoded clip (``timestamps`` None: they are in the replacement text)."""
+        return self._video(header, videos_kwargs)[0]
+
+    def video_replacement(self, header: VideoHeader, **videos_kwargs: Any) -> str:
+        """The exact text the processor writes in place of the video's ``video_token``."""
+        _, image, token = self._video(header, videos_kwargs)
+        return image.text(token)
+
+    def video_stand_in(self, header: VideoHeader, **videos_kwargs: Any) -> tuple[str, str, int]:
+        """``(embedding token, text, left out)``: :meth:`video_replacement` with each run of the video's
+        embedding token (``video_token``, or the image token where the processor writes frames as images:
+        InternVL, GLM-4.1V) collapsed to one, and the tokens that leaves out (as :meth:`stand_ins`)."""
+        _, image, token = self._video(header, videos_kwargs)
+        return (token, *image.stand_in(token))
 
     def to_dict(self) -> dict[str, Any]:
         return {"family": None, "processor_class": self.processor_class, "settings": self.settings}
