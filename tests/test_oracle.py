@@ -8,6 +8,8 @@ and its counts the embedding tokens in them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import transformers
 from PIL import Image
@@ -304,3 +306,60 @@ def test_the_exact_route_writes_what_the_processor_writes_for_a_video(family):
         assert forecast.indices == decoded[0].forecast.indices  # the sampling the decoder used
         if "video_grid_thw" in enc:
             assert forecast.grid_thw == tuple(int(x) for x in enc["video_grid_thw"][0])
+
+
+def _tv_processor(family: str):
+    """The family's processor with its video processor and released chat template (torchvision)."""
+    from vlm_pack.testing.clips import processor_with_video
+
+    path = Path(__file__).parent / "templates" / f"{family}.jinja"
+    return processor_with_video(family, chat_template=path.read_text() if path.exists() else None)
+
+
+_QWEN3_VIDEO_WRAPPER = pytest.mark.xfail(
+    tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 25),
+    reason="transformers 5.25 collapses the template's <|vision_start|><|video_pad|><|vision_end|> (issue 38): the "
+    "Qwen3-VL video forecast's fix (length.py / markers.py) makes this pass; drop this mark with it",
+    strict=True,
+)
+
+
+@pytest.mark.torchvision
+@pytest.mark.parametrize(
+    "family",
+    ["qwen2_vl", "qwen2_5_vl", "llava_onevision", "internvl", "glm46v",
+     pytest.param("qwen3_vl", marks=_QWEN3_VIDEO_WRAPPER), pytest.param("qwen3_5", marks=_QWEN3_VIDEO_WRAPPER)],
+)  # fmt: skip
+def test_each_video_familys_processor_passes_its_start_up_check_on_the_installed_release(family):
+    """A release that changes a family's video text fails here, naming the family, the release and the clip."""
+    pytest.importorskip("torchvision")
+    from vlm_pack import Preprocessor
+    from vlm_pack.vision import selfcheck
+
+    proc = _tv_processor(family)
+    Preprocessor(processor=proc)
+    assert len(selfcheck._CHECKED[proc]) == 1
+
+
+@pytest.mark.torchvision
+def test_a_fast_video_rule_that_disagrees_with_the_installed_processor_stops_the_run():
+    """Qwen2-VL's processor class with a video processor that resizes to blocks twice as coarse (a user's
+    subclass): the images pass their check, the clips do not."""
+    pytest.importorskip("torchvision")
+    from vlm_pack import Preprocessor
+    from vlm_pack.vision.selfcheck import FastRuleMismatch
+
+    released = _tv_processor("qwen2_vl")
+
+    class CoarseQwen2VLVideoProcessor(type(released.video_processor)):
+        def resize(self, videos, size, resample, factor, **kwargs):
+            return super().resize(videos, size, resample, factor * 2, **kwargs)
+
+    proc = type(released)(image_processor=released.image_processor, tokenizer=released.tokenizer,
+                          video_processor=CoarseQwen2VLVideoProcessor(), chat_template=released.chat_template)  # fmt: skip
+    with pytest.raises(
+        FastRuleMismatch,
+        match=rf"family 'qwen2_vl' disagrees with Qwen2VLProcessor on transformers {transformers.__version__}: "
+        r"for a sample with video a 40-frame 160x96 clip at 10 fps it forecasts \d+ tokens \(per video \[\d+\]\)",
+    ):
+        Preprocessor(processor=proc)

@@ -9,7 +9,8 @@ and compares them with the exact route (``oracle.py``: the processor's own image
 its text put in the same rendered prompt by the processor's own ``get_text_with_replacements``)::
 
     sizes   640x480  333x1000  1280x720  64x64  1001x257  [640x480 + 333x1000]
-    each    forecast (fast rule) == exact route's length and per-image counts, else FastRuleMismatch
+    clips   40 frames 160x96 at 10 fps, 9 frames 64x120 at 3 fps (where the family processes videos)
+    each    forecast (fast rule) == exact route's length and per-image / per-video counts, else FastRuleMismatch
 
 A difference raises :class:`FastRuleMismatch` before any sample is read (chosen over a fallback with a warning:
 a warning scrolls past in a training log, while a plan made with another rule than the one the run then
@@ -25,7 +26,10 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from .._compat import video_step_missing
+from ..families import lookup
 from .oracle import drives, exact_spec
+from .video.header import VideoHeader
 
 __all__ = ["CHECK_SAMPLES", "FastRuleMismatch", "check_fast_rule"]
 
@@ -40,6 +44,13 @@ CHECK_SAMPLES: tuple[tuple[tuple[int, int], ...], ...] = (
     ((640, 480), (333, 1000)),
 )
 
+#: The clips (header facts: frames, rate, size) every fast video rule is checked on, where the processor has a
+#: video processor and the family's record processes videos: a short clip at 10 fps, a portrait one at 3 fps.
+CHECK_CLIPS: tuple[VideoHeader, ...] = (
+    VideoHeader(frames=40, fps=10.0, duration=4.0, width=160, height=96, how="header"),
+    VideoHeader(frames=9, fps=3.0, duration=3.0, width=64, height=120, how="header"),
+)
+
 _CHECKED: weakref.WeakKeyDictionary[Any, set[tuple[str, ...]]] = weakref.WeakKeyDictionary()
 
 
@@ -47,8 +58,8 @@ class FastRuleMismatch(ValueError):
     """A family's fast rule forecasts other lengths than the installed processor makes (see the module)."""
 
 
-def _conversation(num_images: int) -> list[dict[str, Any]]:
-    images = [{"type": "image"} for _ in range(num_images)]
+def _conversation(num_images: int, num_videos: int = 0) -> list[dict[str, Any]]:
+    images = [{"type": "image"} for _ in range(num_images)] + [{"type": "video"} for _ in range(num_videos)]
     return [
         {"role": "user", "content": [*images, {"type": "text", "text": "Describe the picture."}]},
         {"role": "assistant", "content": [{"type": "text", "text": "A quiet street at noon."}]},
@@ -88,23 +99,51 @@ def check_fast_rule(pre: Any) -> None:
     for sizes, got, want in zip(CHECK_SAMPLES, pre.forecast_rows(rows), wanted):
         forecast = got if isinstance(got, Exception) else (got.length, list(got.counts))
         if forecast != want:
-            raise _mismatch(spec.family, processor, sizes, forecast, want)
+            raise _mismatch(spec.family, processor, " + ".join(f"{w}x{h}" for w, h in sizes), forecast, want)
+    record = lookup(spec.family)
+    if record is not None and record.video_wraps and not video_step_missing(processor):
+        _check_clips(pre, exact)
     seen.add(key)
 
 
-def _mismatch(family: str, processor: Any, sizes: Any, forecast: Any, want: tuple[int, list[int]]) -> FastRuleMismatch:
+def _check_clips(pre: Any, exact: Any) -> None:
+    """:func:`check_fast_rule` for videos: each of :data:`CHECK_CLIPS` alone in a sample, the fast rule's
+    forecast (``forecast_video`` and the family's video text) against the processor's own video step."""
+    from ..processing.render import _render
+
+    conversation = _conversation(0, 1)
+    try:
+        rendering = _render(conversation, pre.tokenizer, pre.processor, pre.family, pre.template, 0,
+                            "selfcheck clip", spans=False, placeholder=pre._placeholder, num_videos=1)  # fmt: skip
+    except Exception:  # a template without videos: the forecast says so at a video sample
+        return
+    for i, header in enumerate(CHECK_CLIPS):
+        replaced = [exact.video_replacement(header)]
+        (text,), _ = pre.processor.get_text_with_replacements([rendering.text], [], replaced)
+        ids = pre.tokenizer(text, add_special_tokens=rendering.add_special_tokens)["input_ids"]
+        want = (len(ids), [exact.video_forecast(header).tokens])
+        (got,) = pre.forecast_rows([(conversation, [], f"selfcheck clip {i}", [header])])
+        forecast = got if isinstance(got, Exception) else (got.length, list(got.video_counts))
+        if forecast != want:
+            clip = f"a {header.frames}-frame {header.width}x{header.height} clip at {header.fps:g} fps"
+            raise _mismatch(pre.spec.family, pre.processor, clip, forecast, want, "video")
+
+
+def _mismatch(
+    family: str, processor: Any, shown: str, forecast: Any, want: tuple[int, list[int]], kind: str = "image"
+) -> FastRuleMismatch:
     import transformers
 
-    shown = " + ".join(f"{w}x{h}" for w, h in sizes)
+    what = "image(s)" if kind == "image" else "video"
     said = (
         f"raises {type(forecast).__name__}: {forecast}"
         if isinstance(forecast, Exception)
-        else f"forecasts {forecast[0]} tokens (per image {forecast[1]})"
+        else f"forecasts {forecast[0]} tokens (per {kind} {forecast[1]})"
     )
     return FastRuleMismatch(
         f"the fast rule of family {family!r} disagrees with {type(processor).__name__} on transformers "
-        f"{transformers.__version__}: for a sample with image(s) {shown} it {said}, while the processor writes "
-        f"{want[0]} tokens (per image {want[1]}). Nothing was packed. Fix: Preprocessor(processor=processor, "
+        f"{transformers.__version__}: for a sample with {what} {shown} it {said}, while the processor writes "
+        f"{want[0]} tokens (per {kind} {want[1]}). Nothing was packed. Fix: Preprocessor(processor=processor, "
         "spec=vlm_pack.vision.oracle.exact_spec(processor)) forecasts with the processor itself (exact, "
         "slower), or install a transformers release the rule is tested on (docs/versions.md); please report it."
     )
