@@ -363,3 +363,16 @@ def test_a_fast_video_rule_that_disagrees_with_the_installed_processor_stops_the
         r"for a sample with video a 40-frame 160x96 clip at 10 fps it forecasts \d+ tokens \(per video \[\d+\]\)",
     ):
         Preprocessor(processor=proc)
+
+
+def test_a_bare_image_processor_subclass_that_rewrites_its_parent_is_not_given_the_parents_rule():
+    base = type(offline.image_processor("qwen2_vl"))
+
+    class CoarseQwen2VLImageProcessor(base):
+        def resize(self, image, size, resample, factor, **kwargs):
+            return super().resize(image, size, resample, factor * 2, **kwargs)
+
+    with pytest.raises(ValueError, match=r"bare CoarseQwen2VLImageProcessor rewrites CoarseQwen2VLImageProcessor.resize"):
+        vision_spec_from_processor(CoarseQwen2VLImageProcessor(**SMALL_QWEN))
+    plain = type("MyQwen2VLImageProcessor", (base,), {"__doc__": "a subclass that changes nothing"})
+    assert isinstance(vision_spec_from_processor(plain(**SMALL_QWEN)), Qwen2VLSpec)

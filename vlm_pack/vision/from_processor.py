@@ -280,15 +280,15 @@ _WRITES_NO_TEXT = frozenset({"check_argument_for_proper_class"})
 
 
 def _rewritten(derived: tuple[type, ...]) -> list[str]:
-    """The methods (``"Class.name"``) that the classes ``derived`` (a processor class and its bases below
-    the record's class) define themselves, except those that write no text."""
+    """What (``"Class.name"``) the classes ``derived`` (a processor class and its bases below the record's
+    class) define themselves: methods and class attributes alike (a ``valid_processor_kwargs`` or a
+    ``return_mm_token_type_ids`` changes what the parent writes too), except those that write no text and
+    the metadata every class has (``__module__``, ``__doc__``, ...)."""
     out = []
     for cls in derived:
-        for name, value in vars(cls).items():
+        for name in vars(cls):
             dunder = name.startswith("__") and name.endswith("__") and name not in ("__init__", "__call__")
-            if dunder or name in _WRITES_NO_TEXT:
-                continue
-            if callable(value) or isinstance(value, property | staticmethod | classmethod):
+            if not dunder and name not in _WRITES_NO_TEXT:
                 out.append(f"{cls.__name__}.{name}")
     return out
 
@@ -304,13 +304,15 @@ def _processor_record(processor: Any) -> tuple[Family | None, list[str]]:
     return None, []
 
 
-def _image_processor_record(image_processor: Any) -> Family | None:
-    """The record naming the class of a bare ``image_processor`` (its ``Pil`` / ``Fast`` suffix dropped; a
-    subclass reads as its nearest transformers base class), or None."""
-    for cls in type(image_processor).__mro__:
+def _image_processor_record(image_processor: Any) -> tuple[Family | None, list[str]]:
+    """The record naming the class of a bare ``image_processor`` (its ``Pil`` / ``Fast`` suffix dropped) or
+    of its nearest transformers base class, and what the classes above that one rewrite (none: the record's
+    rule applies)."""
+    mro = type(image_processor).__mro__
+    for depth, cls in enumerate(mro):
         if cls.__module__.startswith("transformers."):
-            return owner("image_processors", _strip_backend(cls.__name__))
-    return None
+            return owner("image_processors", _strip_backend(cls.__name__)), _rewritten(mro[:depth])
+    return None, []
 
 
 def _supported() -> str:
@@ -365,9 +367,16 @@ def vision_spec_from_processor(obj: Any) -> VisionSpec:
             f"vision_spec_from_processor: {reason}. Fast rules: {_supported()}. Upgrade transformers (>= 5.18 "
             "runs any processor that implements replace_image_token), or give spec=vision_spec(family, ...)."
         )
-    record = _image_processor_record(obj)
-    if record is not None:
+    record, rewritten = _image_processor_record(obj)
+    if record is not None and not rewritten:
         return _read(record, obj, None)
+    if record is not None:
+        raise ValueError(
+            f"vision_spec_from_processor: a bare {type(obj).__name__} rewrites {', '.join(rewritten)}, so the "
+            f"{record.name} record's rule for its parent need not count its images: pass the full processor "
+            "around it (read by the processor's own image step where no record names it), or "
+            "spec=vision_spec(family, ...)."
+        )
     if type(obj).__module__.startswith("transformers.") and hasattr(obj, "preprocess"):
         raise ValueError(
             f"vision_spec_from_processor: a bare {type(obj).__name__} does not say which model's images it "
