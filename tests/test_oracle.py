@@ -316,20 +316,11 @@ def _tv_processor(family: str):
     return processor_with_video(family, chat_template=path.read_text() if path.exists() else None)
 
 
-_QWEN3_VIDEO_WRAPPER = pytest.mark.xfail(
-    tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 25),
-    reason="transformers 5.25 collapses the template's <|vision_start|><|video_pad|><|vision_end|> (issue 38): the "
-    "Qwen3-VL video forecast's fix (length.py / markers.py) makes this pass; drop this mark with it",
-    strict=True,
-)
-
-
 @pytest.mark.torchvision
 @pytest.mark.parametrize(
     "family",
-    ["qwen2_vl", "qwen2_5_vl", "llava_onevision", "internvl", "glm46v",
-     pytest.param("qwen3_vl", marks=_QWEN3_VIDEO_WRAPPER), pytest.param("qwen3_5", marks=_QWEN3_VIDEO_WRAPPER)],
-)  # fmt: skip
+    ["qwen2_vl", "qwen2_5_vl", "llava_onevision", "internvl", "glm46v", "qwen3_vl", "qwen3_5"],
+)
 def test_each_video_familys_processor_passes_its_start_up_check_on_the_installed_release(family):
     """A release that changes a family's video text fails here, naming the family, the release and the clip."""
     pytest.importorskip("torchvision")

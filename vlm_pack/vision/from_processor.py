@@ -275,8 +275,9 @@ _READERS: dict[str, Callable[[_Source], VisionSpec]] = {
 }
 
 #: Methods a subclass may define and still be its parent's processor: the constructor's check of the parts it
-#: is given writes no text (``vlm_pack.offline`` lets a processor be built without a video processor so).
-_WRITES_NO_TEXT = frozenset({"check_argument_for_proper_class"})
+#: is given and saving write no text (``vlm_pack.offline`` lets a processor be built, and saved, without a
+#: video processor so).
+_WRITES_NO_TEXT = frozenset({"check_argument_for_proper_class", "save_pretrained"})
 
 
 def _rewritten(derived: tuple[type, ...]) -> list[str]:
