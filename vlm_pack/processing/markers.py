@@ -269,14 +269,14 @@ def _processor_video_skeleton(processor: Any, videos: list[Any], placeholder: st
 def _replacement_skeleton(
     spec: Any, sizes: Sequence[tuple[int, int]], counts: Sequence[int], placeholder: str, processor: Any
 ) -> list[tuple[str, int]]:
-    """Per image: the processor's own replacement text for its size (``spec.replacement(width, height)``, a
-    spec that runs the installed processor: ``vlm_pack.vision.oracle``), runs of the image token collapsed
-    to one ``placeholder``, and the tokens that leaves out. The vision tokens in the text must be the spec's
-    count (InternalCheckError otherwise: the spec and its processor disagree, which no sample can fix)."""
+    """Per image: the processor's own replacement text for it in this sample (``spec.sample_replacements``, a
+    spec that runs the installed processor: ``vlm_pack.vision.oracle.ProcessorSpec``), runs of the image token
+    collapsed to one ``placeholder``, and the tokens that leaves out. The vision tokens in the text must be the
+    spec's count (InternalCheckError otherwise: the spec and its processor disagree, which no sample can fix)."""
     tokens = [t for t in {getattr(processor, "image_token", None), placeholder} if t]
     out = []
-    for (width, height), n in zip(sizes, counts):
-        stand_in, vision, runs = _collapse_runs(spec.replacement(width, height), tokens, placeholder)
+    for (width, height), n, text in zip(sizes, counts, spec.sample_replacements(sizes)):
+        stand_in, vision, runs = _collapse_runs(text, tokens, placeholder)
         if vision != n:
             raise InternalCheckError(
                 f"{type(processor).__name__}: its replacement text for a {width}x{height} image holds {vision} "
