@@ -104,3 +104,28 @@ def test_packed_map_dataset_packs_every_collapsed_sample_on_its_forecast(parts, 
         got = {samples[row][0]: n for info in infos for row, n in zip(info["rows"], info["lengths"])}
         assert all(info["left_out"] == [] for info in infos), layout
         assert got == expanded_lengths, layout
+
+
+def test_trl_collator_checks_each_sample_against_its_rows_forecast(parts, samples, expanded_lengths):
+    """TRL's rows carry each sample's forecast; the collator checks the processed sample with the same one
+    check (``Preprocessor.checked_length``) instead of collating a sample its pack was not planned for."""
+    pytest.importorskip("trl")
+    import json
+
+    from vlm_pack.failures import SampleError
+    from vlm_pack.integrations.trl import TRLPackingCollator
+
+    picked = [s for s in samples if s[1]][:2]
+    row = {
+        "keys": [key for key, _, _ in picked],
+        "conversations": [json.dumps(_conversation(q)) for _, _, q in picked],
+        "image_bytes": [images for _, images, _ in picked],
+        "video_bytes": [[] for _ in picked],
+        "lengths": [expanded_lengths[key] for key, _, _ in picked],
+    }
+    collator = TRLPackingCollator(CAPACITY, Preprocessor(*parts))
+    assert [len(s["input_ids"]) for s in collator.samples([row])] == row["lengths"]
+    stale = {**row, "lengths": [row["lengths"][0], row["lengths"][1] + 1]}  # a plan made for other data
+    with pytest.raises(SampleError, match=f"forecast {row['lengths'][1] + 1} != processed length") as raised:
+        collator([stale])
+    assert raised.value.reason == "forecast_mismatch" and picked[1][0] in str(raised.value)
