@@ -187,7 +187,22 @@ def processor_for_type(model_type: str) -> Any:
 
 # Per model type, what the generic shrink cannot guess: config keys (``text``, ``vision``, ``top``), the
 # processor's (``processor_kwargs``), its image processor's (``image_processor``), extra tokens.
-_OVERRIDES: dict[str, dict[str, Any]] = {}
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    # PaddlePaddle/PaddleOCR-VL: mRoPE sections of the released text config (16, 24, 24 of 64), shrunk
+    "paddleocr_vl": dict(text=dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0,
+                                                        mrope_section=[2, 3, 3]))),
+    # lmms-lab/LLaVA-OneVision-1.5: its tower embeds one frame per patch (temporal patch 1)
+    "llava_onevision1_5": dict(image_processor=dict(temporal_patch_size=1)),
+    # CohereLabs/aya-vision-8b: 364 px SigLIP crops (26 x 26 patches, pixel-shuffled by 2)
+    "aya_vision": dict(image_processor=dict(size={"height": 364, "width": 364}),
+                       processor_kwargs=dict(img_size=364)),
+    # llava-hf/LLaVA-NeXT-Video-7B-hf: CLIP 336 px, 14 px patches, CLS dropped
+    "llava_next_video": dict(processor_kwargs=dict(patch_size=14, vision_feature_select_strategy="default",
+                                                   num_additional_image_tokens=1)),
+    # google/paligemma-3b-pt-224: 224 px, 256 image tokens
+    "paligemma": dict(image_processor=dict(size={"height": 224, "width": 224}, image_seq_length=256),
+                      vision=dict(image_size=224)),
+}
 
 
 def _override(model_type: str, key: str) -> Any:
@@ -244,7 +259,7 @@ _CAPS = dict(
 )
 _VISION_SIZES = dict(
     hidden_size=32, intermediate_size=64, num_attention_heads=2, num_heads=2, embed_dim=32, head_dim=16,
-    num_key_value_heads=2, vision_output_dim=None, projection_dim=32,
+    num_key_value_heads=2, projection_dim=32,
 )
 
 
@@ -279,6 +294,10 @@ def _shrink_vision(vision: dict[str, Any], text_hidden: int, layers: int) -> Non
     for key in ("num_hidden_layers", "depth", "num_layers"):
         if isinstance(vision.get(key), int):
             vision[key] = layers
+    if isinstance(vision.get("layer_types"), list) and vision["layer_types"]:  # LFM3-VL's tower mixes convolutions
+        vision["layer_types"] = _shrink_layer_types(vision["layer_types"])
+        vision["num_hidden_layers"] = max(layers, len(vision["layer_types"]))
+        vision["layer_types"] = (vision["layer_types"] * layers)[: vision["num_hidden_layers"]]
     for key in ("out_hidden_size", "text_hidden_size"):
         if isinstance(vision.get(key), int):
             vision[key] = text_hidden
@@ -288,8 +307,21 @@ def _shrink_vision(vision: dict[str, Any], text_hidden: int, layers: int) -> Non
     if isinstance(vision.get("fullatt_block_indexes"), list):
         vision["fullatt_block_indexes"] = [layers - 1]
     if isinstance(vision.get("mlp_ratio"), (int, float)):
-        vision["mlp_ratio"] = 2
+        vision["mlp_ratio"] = type(vision["mlp_ratio"])(2)
     vision["initializer_range"] = _INIT
+
+
+def _fixed_size(image_processor: Any) -> int | None:
+    """The square side every image is resized (or cropped) to, where the image processor has one: the tower's
+    ``image_size`` of the released checkpoint (config defaults and processor defaults often differ)."""
+    crop = getattr(image_processor, "crop_size", None) if getattr(image_processor, "do_center_crop", False) else None
+    for size in (crop, getattr(image_processor, "size", None)):
+        if size is None:
+            continue
+        size = dict(size) if not isinstance(size, dict) else size
+        if size.get("height") and size.get("height") == size.get("width"):
+            return int(size["height"])
+    return None
 
 
 def _vision_layers(top: dict[str, Any]) -> int:
@@ -336,9 +368,12 @@ def tiny_config_for_type(model_type: str, processor: Any = None) -> Any:
     text = config[text_key] if text_key else config
     _shrink_text(text, vocab)
     hidden = text["hidden_size"]
+    side = _fixed_size(getattr(proc, "image_processor", None))
     for key, sub in config.items():
         if key != text_key and key.endswith("_config") and isinstance(sub, dict):
             _shrink_vision(sub, hidden, _vision_layers(config))
+            if side is not None and key == "vision_config" and isinstance(sub.get("image_size"), int):
+                sub["image_size"] = side
     if text_key:
         config["vocab_size"] = vocab if "vocab_size" in config else config.get("vocab_size")
         if config.get("vocab_size") is None:
