@@ -34,6 +34,7 @@ from .tokenizers import build_tokenizer
 __all__ = [
     "NotBuildable",
     "image_text_to_text_types",
+    "placeholder_for_type",
     "processor_for_type",
     "tiny_config_for_type",
     "tiny_model_for_type",
@@ -138,10 +139,32 @@ def _stand_in_tokenizer(model_type: str, extra: tuple[str, ...], roles: tuple[tu
     from .._compat import set_named_special_tokens
 
     tok = build_tokenizer("qwen2_vl")
+    tok.add_special_tokens({"bos_token": "<s>"})  # processors that prepend or look for one (Mllama)
     tok.add_tokens(list(extra), special_tokens=True)
     set_named_special_tokens(tok, dict(roles))
     tok.vlm_pack_family = None  # no vlm-pack record: the collator must not take Qwen's
     return tok
+
+
+def _llava_counts(model_type: str, cls: type) -> dict[str, Any]:
+    """LLaVA-style processors count image tokens from ``patch_size`` / ``vision_feature_select_strategy`` /
+    ``num_additional_image_tokens``, which their checkpoints' processor_config.json sets from the model config
+    (the constructor defaults are None): the same from the type's default config (a CLIP tower's CLS token
+    is the additional one)."""
+    from transformers import AutoConfig
+
+    params = inspect.signature(cls.__init__).parameters
+    if "patch_size" not in params or params["patch_size"].default is not None:
+        return {}
+    config = AutoConfig.for_model(model_type)
+    vision = getattr(config, "vision_config", None)
+    out: dict[str, Any] = {"patch_size": getattr(vision, "patch_size", None)}
+    strategy = getattr(config, "vision_feature_select_strategy", None)
+    if "vision_feature_select_strategy" in params and strategy is not None:
+        out["vision_feature_select_strategy"] = strategy
+    if "num_additional_image_tokens" in params:
+        out["num_additional_image_tokens"] = 1 if getattr(vision, "model_type", "") == "clip_vision_model" else 0
+    return out
 
 
 def processor_for_type(model_type: str) -> Any:
@@ -162,6 +185,7 @@ def processor_for_type(model_type: str) -> Any:
             kwargs[part] = tok
         else:
             kwargs[part] = None
+    kwargs.update(_llava_counts(model_type, cls))
     kwargs.update(_override(model_type, "processor_kwargs") or {})
     from .processors import _without_video
 
@@ -181,6 +205,15 @@ def processor_for_type(model_type: str) -> Any:
     return proc
 
 
+def placeholder_for_type(model_type: str, processor: Any) -> str:
+    """What a prompt writes for one image: the processor's ``image_token``, or the wrapped form its processor
+    insists on (``_OVERRIDES``' ``placeholder``, formatted with the processor's named tokens)."""
+    form = _override(model_type, "placeholder")
+    if form is None:
+        return str(processor.image_token)
+    return str(form.format(**_named_tokens(processor)))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # the config
 # ------------------------------------------------------------------------------------------------------------
@@ -191,6 +224,14 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # PaddlePaddle/PaddleOCR-VL: mRoPE sections of the released text config (16, 24, 24 of 64), shrunk
     "paddleocr_vl": dict(text=dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0,
                                                         mrope_section=[2, 3, 3]))),
+    # tencent/HunyuanOCR: its rotary base scaled by alpha, four xD-RoPE sections (16 each of 64), shrunk; its
+    # processor takes an image only as <|image_start|><|image_pad|><|image_end|> in the text
+    "hunyuan_vl": dict(text=dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, alpha=1000.0,
+                                                      mrope_section=[2, 2, 2, 2])),
+                       placeholder="{image_start_token}{image_token}{image_end_token}"),
+    # baidu/ERNIE-4.5-VL-28B-A3B: the model code's default sections (22, 22, 20 of 64), shrunk
+    "ernie4_5_vl_moe": dict(text=dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0,
+                                                           mrope_section=[3, 3, 2]))),
     # lmms-lab/LLaVA-OneVision-1.5: its tower embeds one frame per patch (temporal patch 1)
     "llava_onevision1_5": dict(image_processor=dict(temporal_patch_size=1)),
     # CohereLabs/aya-vision-8b: 364 px SigLIP crops (26 x 26 patches, pixel-shuffled by 2)
@@ -267,11 +308,14 @@ def _shrink_text(text: dict[str, Any], vocab: int) -> None:
     for key, value in _TEXT_SIZES.items():
         if isinstance(text.get(key), int):
             text[key] = value
+    if "head_dim" in text and text["head_dim"] is None:  # derived from the released width in the model code
+        text["head_dim"] = _TEXT_SIZES["head_dim"]
     for key, cap in _CAPS.items():
         if isinstance(text.get(key), int) and not isinstance(text.get(key), bool):
             text[key] = min(text[key], cap)
-    if isinstance(text.get("moe_num_experts"), list):
-        text["moe_num_experts"] = [4 for _ in text["moe_num_experts"]]
+    for key, value in (("moe_num_experts", 4), ("moe_intermediate_size", 32)):
+        if isinstance(text.get(key), list):
+            text[key] = [value for _ in text[key]]
     kinds = text.get("layer_types")
     if isinstance(kinds, list) and kinds:
         text["layer_types"] = _shrink_layer_types(kinds)
@@ -374,6 +418,9 @@ def tiny_config_for_type(model_type: str, processor: Any = None) -> Any:
             _shrink_vision(sub, hidden, _vision_layers(config))
             if side is not None and key == "vision_config" and isinstance(sub.get("image_size"), int):
                 sub["image_size"] = side
+            patch = getattr(getattr(proc, "image_processor", None), "patch_size", None)
+            if key == "vision_config" and isinstance(patch, int) and isinstance(sub.get("patch_size"), int):
+                sub["patch_size"] = patch  # the processor cuts the patches the tower embeds
     if text_key:
         config["vocab_size"] = vocab if "vocab_size" in config else config.get("vocab_size")
         if config.get("vocab_size") is None:

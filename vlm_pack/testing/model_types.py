@@ -76,9 +76,10 @@ def _picture(width: int, height: int, seed: int) -> Any:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def type_samples(processor: Any) -> list[dict[str, torch.Tensor]]:
-    """The three samples of :data:`_SAMPLES` through ``processor.__call__`` (one example each, ``[1, L]``)."""
-    placeholder = getattr(processor, "image_token", None)
+def type_samples(processor: Any, placeholder: str | None = None) -> list[dict[str, torch.Tensor]]:
+    """The three samples of :data:`_SAMPLES` through ``processor.__call__`` (one example each, ``[1, L]``);
+    ``placeholder``: what the text holds per image (default the processor's ``image_token``)."""
+    placeholder = placeholder or getattr(processor, "image_token", None)
     if not placeholder:
         raise ValueError(f"{type(processor).__name__} names no image_token to place images in the text")
     out = []
@@ -138,7 +139,7 @@ def certify_model_type(model_type: str, *, styles: tuple[str, ...] = ("sdpa", "e
     what fails is the certificate's ``reason``."""
     from .. import PackingCollator
     from ..model_types import RopeIndex, find_rope_index
-    from ..offline.model_types import NotBuildable, processor_for_type, tiny_model_for_type
+    from ..offline.model_types import NotBuildable, placeholder_for_type, processor_for_type, tiny_model_for_type
 
     cert = Certificate(model_type)
     try:
@@ -157,7 +158,7 @@ def certify_model_type(model_type: str, *, styles: tuple[str, ...] = ("sdpa", "e
     owner = find_rope_index(model)
     rope_index = RopeIndex(owner) if owner is not None else None
     try:
-        samples = type_samples(processor)
+        samples = type_samples(processor, placeholder_for_type(model_type, processor))
     except Exception as e:
         cert.reason = f"its processor does not process the samples: {type(e).__name__}: {_short(e)}"
         return cert
