@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_FAMILY",
     "FAMILIES",
+    "REFUSED",
     "VIDEO_WRAPS",
     "WRAPS",
     "Family",
@@ -443,6 +444,12 @@ _RECORDS = (
 
 #: Every family by canonical name, in registry order.
 FAMILIES: Mapping[str, Family] = MappingProxyType({record.name: record for record in _RECORDS})
+
+#: Model types without a record that vlm-pack refuses to pack, and why: measured on tiny genuine models of the
+#: installed transformers (``scripts/families_table.py``, ``docs/families.md``). Every other model type without
+#: a record takes the route of ``vlm_pack.model_types`` (the processor, the model's own rope index, restarted
+#: positions, transformers' packed masks); a collator built for one of these raises naming it.
+REFUSED: Mapping[str, str] = MappingProxyType({})
 
 #: The family assumed where none is given or found (vlm-pack's own chat format, the CLI, mRoPE helpers).
 DEFAULT_FAMILY = "qwen2_vl"
