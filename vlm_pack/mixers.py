@@ -63,12 +63,26 @@ KNOWN_MIXERS: dict[str, str] = {
     "Qwen3_5GatedDeltaNet": "gated_delta_net",
     "Qwen3_5MoeGatedDeltaNet": "gated_delta_net",
     "Qwen3NextGatedDeltaNet": "gated_delta_net",
+    "Qwen4ExpTextGatedDeltaNet": "gated_delta_net",
     "Lfm2ShortConv": "short_conv",
     "Lfm2MoeShortConv": "short_conv",
+    "Lfm3ShortConv": "short_conv",
+    "NemotronHMamba2Mixer": "mamba2",
+    "Glm5NextTextLinearAttention": "kimi_delta_attention",
+}
+#: Layers that mix tokens across packed samples and that vlm-pack cannot split per sample: refused by name.
+_REFUSED: dict[str, str] = {
+    "Glm5NextTextIndexer": "GLM-5-Next's indexed attention picks its keys over the whole row, across packed "
+    "samples (transformers 5.25; measured max |packed - alone| 4.9 on a tiny model, restarted positions)",
+    "Inkling2ShortConvolution": "Inkling2's short convolutions inside its attention blocks take a conv_mask and "
+    "dynamic inputs that vlm-pack does not split per sample",
+    "Inkling2DynamicShortConvolution": "Inkling2's dynamic short convolutions take per-token weights that "
+    "vlm-pack does not split per sample",
 }
 #: Class names of layers that mix tokens without attention (an unknown model's, to refuse, not to run).
 _MIXER_NAME = re.compile(
-    r"(Mamba2?|SSM|Mixer|DeltaNet|ShortConv|ShortConvolution|Recurrent|Rglru|RWKV|LinearAttention|Hyena)$",
+    r"(Mamba2?|SSM|Mixer|DeltaNet|ShortConv|ShortConvolution|Recurrent|Rglru|RWKV|LinearAttention|Hyena"
+    r"|NGramEmbedding)$",
     re.IGNORECASE,
 )
 _NOT_MIXER_NAME = re.compile(r"MLP|Expert|Router|Vision|Audio|Patch", re.IGNORECASE)
@@ -135,8 +149,8 @@ def _device(module: nn.Module) -> torch.device:
 def _describe(name: str, module: nn.Module, kind: str) -> TokenMixer:
     cls = type(module).__name__
     if kind == "unknown":
-        return TokenMixer(name, kind, "none", f"{cls}: an unknown layer that mixes tokens; vlm-pack cannot "
-                          "keep packed samples apart in it")
+        why = _REFUSED.get(cls, "an unknown layer that mixes tokens")
+        return TokenMixer(name, kind, "none", f"{cls}: {why}; vlm-pack cannot keep packed samples apart in it")
     if isinstance(module.__dict__.get("forward"), _IsolatedForward):
         if _device(module).type == "cuda" and mixer_kernels.kernel_forward(module) is not None:
             return TokenMixer(name, kind, "kernel", f"{cls}: the whole row through flash-linear-attention's "
@@ -162,7 +176,7 @@ def find_token_mixers(model: nn.Module) -> list[TokenMixer]:
         if any(name.startswith(t + ".") for t in taken):
             continue
         kind = KNOWN_MIXERS.get(type(module).__name__)
-        if kind is None and _unknown_mixer(sub_name, module):
+        if kind is None and (type(module).__name__ in _REFUSED or _unknown_mixer(sub_name, module)):
             kind = "unknown"
         if kind is not None:
             taken.append(name)
