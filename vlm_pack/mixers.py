@@ -405,7 +405,7 @@ class _IsolatedForward:
         segments = _segments(packing, batch, length, hidden_states.device)
         if segments.whole_rows:
             return forward(self.module, hidden_states, *args, **plain)
-        whole_row = mixer_kernels.kernel_forward(self.module) if hidden_states.is_cuda else None
+        whole_row = mixer_kernels.kernel_forward(self.module) if _kernel_device(hidden_states) else None
         if whole_row is not None:
             mask = plain.get("attention_mask", args[1] if len(args) > 1 else None)
             return whole_row(self.module, hidden_states, segments.cu, segments.cu_host, mask)
@@ -425,6 +425,11 @@ class _IsolatedForward:
             out = forward(self.module, part, *args, attention_mask=part_mask, **kwargs)
             outputs.append(out.flatten(0, 1)[keep])
         return torch.cat(outputs)[segments.inverse].reshape(batch, length, -1)
+
+
+def _kernel_device(hidden: torch.Tensor) -> bool:
+    """Whether flash-linear-attention's Triton kernels run where ``hidden`` is (CUDA)."""
+    return hidden.is_cuda
 
 
 def _plain(kwargs: dict) -> dict:
