@@ -249,10 +249,6 @@ def f(family, spec, style):
 CLASS_TABLES_PENDING = {
     "processing/layout.py": {"LlavaImageProcessor", "LlavaNextImageProcessor", "CLIPImageProcessor"},
     "processing/sample.py": {"Qwen2VLImageProcessorPil", "Glm4vImageProcessorPil"},
-    "vision/video/forecast.py": {
-        "Qwen3VLVideoProcessor", "Qwen2VLVideoProcessor", "LlavaOnevisionVideoProcessor", "InternVLVideoProcessor",
-        "Glm4vVideoProcessor", "Glm46VVideoProcessor",
-    },
 }  # fmt: skip
 _CLASS_NAME = re.compile(r"^(?!(Image|Video)Processor)[A-Z][A-Za-z0-9_]*Processor(Pil|Fast)?$")  # not a suffix
 

@@ -61,6 +61,7 @@ __all__ = [
     "names",
     "owner",
     "require",
+    "video_family",
 ]
 
 #: Who writes the tokens around each image's embeddings, and so how a forecast counts them.
@@ -490,6 +491,17 @@ def owner(kind: Literal["processors", "image_processors"], class_name: str) -> F
     one record at most), or None."""
     found = _BY_CLASS[kind].get(class_name)
     return FAMILIES[found] if found is not None else None
+
+
+def video_family(video_processor: Any) -> Family | None:
+    """The record whose ``video_processor`` names the class of ``video_processor`` (a transformers video
+    processor instance), or the nearest base class of it a record names; None where no record does. Records
+    sharing a video processor (Qwen2-VL and Qwen2.5-VL, Qwen3-VL and Qwen3.5) share its ``video_wraps``."""
+    for cls in type(video_processor).__mro__:
+        for record in _RECORDS:
+            if record.video_wraps and record.video_processor == cls.__name__:
+                return record
+    return None
 
 
 def canonical(name: str | None, *, strict: bool = True) -> str | None:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..failures import InternalCheckError, SampleError
-from ..families import FAMILIES, lookup
+from ..families import FAMILIES, lookup, video_family
 
 # its image tokens. Weak keys: a cache never keeps a tokenizer alive.
 _MARKER_EXTRAS: weakref.WeakKeyDictionary[Any, dict[tuple[int, str], int]] = weakref.WeakKeyDictionary()
@@ -120,8 +120,7 @@ def _video_family(spec: Any, processor: Any) -> Any:
     """The family record of ``spec``, else the one whose video processor ``processor`` carries; or None."""
     record = lookup(getattr(spec, "family", None) or getattr(processor, "vlm_pack_family", None))
     if record is None and processor is not None:
-        classes = {cls.__name__ for cls in type(getattr(processor, "video_processor", None)).__mro__}
-        record = next((f for f in FAMILIES.values() if f.video_wraps and f.video_processor in classes), None)
+        record = video_family(getattr(processor, "video_processor", None))
     return record
 
 
