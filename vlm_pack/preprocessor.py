@@ -45,7 +45,9 @@ class Preprocessor:
     checkpoint's own template, else the tokenizer's ``vlm_pack_family``, else the image processor's family);
     ``layout``: ``"expanded"`` (HF models) or ``"collapsed"`` (one placeholder per image, Megatron style;
     refused for a processor that writes markers between an image's tokens: ``vlm_pack.families``' ``collapsed``).
-    ``spec``: the vision spec forecasts use (default: read from the processor). A ``conversation`` is any
+    ``spec``: the vision spec forecasts use (default: read from the processor; a family's fast rule read so is
+    compared with the processor itself on a few sizes first, ``vlm_pack.vision.selfcheck``, and a difference
+    raises ``FastRuleMismatch`` naming the family, the transformers release and the size). A ``conversation`` is any
     format the readers take (``{"role", "content"}`` turns, LLaVA ``{"from", "value"}`` turns, a caption
     string): every method normalises it with :func:`vlm_pack.chat.normalise_conversation`, text as written.
 
@@ -77,7 +79,8 @@ class Preprocessor:
             raise ValueError("Preprocessor needs tokenizer= (with image_processor=) or processor=")
         if self.layout not in ("expanded", "collapsed"):
             raise ValueError(f"layout must be 'expanded' or 'collapsed', got {self.layout!r}")
-        if self.spec is None and (proc is not None or self.image_processor is not None):
+        read = self.spec is None and (proc is not None or self.image_processor is not None)
+        if read:
             source = proc if proc is not None else self.image_processor
             object.__setattr__(self, "spec", vision_spec_from_processor(source))
         if self.family is None:
@@ -92,6 +95,10 @@ class Preprocessor:
                 "row or tile markers between an image's tokens: use layout='expanded' (collapsed works for "
                 f"{', '.join(names('collapsed'))})"
             )
+        if read:  # a fast rule read off the processor: checked against the processor itself, once
+            from .vision.selfcheck import check_fast_rule
+
+            check_fast_rule(self)
 
     @classmethod
     def check(cls, obj: Any) -> Preprocessor:

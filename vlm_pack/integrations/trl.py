@@ -21,6 +21,8 @@ it is set up by hand. Four pieces do that::
   (TRL's own packing refuses a custom collator and vision data).
 - **loss, entropy, token accuracy**: TRL shifts labels inside each row; every packed sample's first label is
   -100, so no token is scored against the next sample's first token and all three are exact per token.
+- **token mixers** (Qwen3.5's gated delta-net, LFM2's short convolutions): :class:`PackedSFTTrainer` calls
+  ``vp.isolate_token_mixers`` on its model, so they run per sample (``vlm_pack.mixers``).
 - **num_tokens**: TRL logs ``position_ids.size(1)`` when there is no ``attention_mask``: for ``[4, R, T]`` mRoPE
   ids that is ``R`` (rows), for ``[R, T]`` ids ``T`` (padding included). The collator adds the real (expanded,
   unpadded) token count as ``num_real_tokens``; :class:`PackedSFTTrainer` pops it before the forward and replaces
@@ -54,6 +56,7 @@ from ..config import PackingConfig
 from ..data import BadSampleWarning, PackedMapDataset, Plan, Sample, SampleError, normalise_record
 from ..data.sources import chunk_samples, chunks, open_sources
 from ..labels import IGNORE_INDEX
+from ..mixers import isolate_token_mixers
 from ..padded_batch import pad_samples
 from ..preprocessor import Preprocessor
 
@@ -517,6 +520,9 @@ class PackedSFTTrainer(SFTTrainer):
             raise ValueError("PackedSFTTrainer needs args=packed_sft_config(output_dir, ...)")
         check_sft_config(train_args)
         super().__init__(*args, **kwargs)
+        # where vlm-pack meets the model: its token mixers run per sample (a no-op for attention-only models;
+        # raises, naming the layer, on a mixer vlm-pack does not know)
+        isolate_token_mixers(self.model)
 
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None

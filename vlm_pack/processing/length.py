@@ -17,7 +17,7 @@ Qwen3-VL's ``<t seconds><|vision_start|>P<|vision_end|>`` per temporal group, ea
 
 Where the installed processor can say it, the stand-in is its own text (``markers`` module docstring): a
 video's from ``replace_video_token`` on the forecast's grid and metadata, an image's from a spec that runs
-the processor (``spec.replacement``), each put into the prompt by the processor's ``get_text_with_replacements``,
+the processor (``spec.sample_replacements``), each put into the prompt by the processor's ``get_text_with_replacements``,
 so that a release that changes the text around vision tokens changes the forecast with it.
 """
 
@@ -148,7 +148,7 @@ def _stage(
     counts = [int(n) for n in how.spec.sample_tokens(sizes)] if sizes else []
     placeholder, text = rendering.placeholder, rendering.text
     row = _Row(index, key, rendering, counts, text, [n - 1 for n in counts], [1] * len(counts))
-    if sizes and hasattr(how.spec, "replacement"):  # the processor's own text (a spec without a fast rule)
+    if sizes and hasattr(how.spec, "sample_replacements"):  # the processor's own text (no fast rule: oracle.py)
         stand_ins = _replacement_skeleton(how.spec, sizes, counts, placeholder, how.processor)
         row.text = _substitute(text, placeholder, [s for s, _ in stand_ins], how.processor, "image")
         row.left = [left for _, left in stand_ins]

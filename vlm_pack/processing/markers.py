@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..failures import InternalCheckError, SampleError
-from ..families import FAMILIES, lookup
+from ..families import FAMILIES, lookup, video_family
 
 # its image tokens. Weak keys: a cache never keeps a tokenizer alive.
 _MARKER_EXTRAS: weakref.WeakKeyDictionary[Any, dict[tuple[int, str], int]] = weakref.WeakKeyDictionary()
@@ -120,8 +120,7 @@ def _video_family(spec: Any, processor: Any) -> Any:
     """The family record of ``spec``, else the one whose video processor ``processor`` carries; or None."""
     record = lookup(getattr(spec, "family", None) or getattr(processor, "vlm_pack_family", None))
     if record is None and processor is not None:
-        classes = {cls.__name__ for cls in type(getattr(processor, "video_processor", None)).__mro__}
-        record = next((f for f in FAMILIES.values() if f.video_wraps and f.video_processor in classes), None)
+        record = video_family(getattr(processor, "video_processor", None))
     return record
 
 
@@ -269,14 +268,14 @@ def _processor_video_skeleton(processor: Any, videos: list[Any], placeholder: st
 def _replacement_skeleton(
     spec: Any, sizes: Sequence[tuple[int, int]], counts: Sequence[int], placeholder: str, processor: Any
 ) -> list[tuple[str, int]]:
-    """Per image: the processor's own replacement text for its size (``spec.replacement(width, height)``, a
-    spec that runs the installed processor: ``vlm_pack.vision.oracle``), runs of the image token collapsed
-    to one ``placeholder``, and the tokens that leaves out. The vision tokens in the text must be the spec's
-    count (InternalCheckError otherwise: the spec and its processor disagree, which no sample can fix)."""
+    """Per image: the processor's own replacement text for it in this sample (``spec.sample_replacements``, a
+    spec that runs the installed processor: ``vlm_pack.vision.oracle.ProcessorSpec``), runs of the image token
+    collapsed to one ``placeholder``, and the tokens that leaves out. The vision tokens in the text must be the
+    spec's count (InternalCheckError otherwise: the spec and its processor disagree, which no sample can fix)."""
     tokens = [t for t in {getattr(processor, "image_token", None), placeholder} if t]
     out = []
-    for (width, height), n in zip(sizes, counts):
-        stand_in, vision, runs = _collapse_runs(spec.replacement(width, height), tokens, placeholder)
+    for (width, height), n, text in zip(sizes, counts, spec.sample_replacements(sizes)):
+        stand_in, vision, runs = _collapse_runs(text, tokens, placeholder)
         if vision != n:
             raise InternalCheckError(
                 f"{type(processor).__name__}: its replacement text for a {width}x{height} image holds {vision} "
