@@ -17,7 +17,9 @@ and packed/padded speed against the padding bound 1 / (1 - padding share) of the
 Shapes: ``qwen2_5_vl_3b`` is Qwen2.5-VL-3B-Instruct's config (text 2048 x 36 layers, 16 heads / 2 KV, MLP 11008;
 ViT 1280 x 32 blocks, MLP 3420); ``qwen3_5_2b`` approximates a ~2B Qwen3.5 (text 2048 x 24 layers, gated delta-net
 and attention 3:1, 8 heads / 2 KV of 256, delta-net 16 key / 16 value heads of 128, MLP 6144; ViT 1024 x 24): the
-released config.json was not reachable when this was written, so check it before quoting the shape. ``tiny_*``:
+released config.json was not reachable when this was written, so check it before quoting the shape. The vocabulary
+is the stand-in tokenizer's (about 1,000 ids, not 151k / 248k): the LM head and its logits are far smaller than
+the released models', so peak memory is the body's, not a full run's. ``tiny_*``:
 the same path at a tiny size (``tests/test_bench_at_size.py`` runs it on CPU).
 
     python benchmarks/bench_at_size.py --model qwen2_5_vl_3b --device cuda --capacity 16384 --checkpointing
