@@ -11,6 +11,11 @@ token. Prints the report; exits 1 when it fails.
     python examples/check_equivalence.py --video --family qwen2_5_vl   # video samples (needs the [video] extra)
     python examples/check_equivalence.py --video --family qwen3_5 --attn varlen   # videos + gated delta-net
     python examples/check_equivalence.py --video --family qwen3_vl --device cuda --dtype bfloat16 --attn varlen
+    .venv/bin/python examples/check_equivalence.py --model-type paddleocr_vl   # a model type without a record
+
+``--model-type TYPE`` certifies any image-text-to-text model type of the installed transformers on a tiny genuine
+model built from its config with its real processor (``vlm_pack.testing.certify_model_type``): each sample's
+log-probs in the packed row against the sample alone, sdpa and eager; exits 1 when not exact, saying why.
 
 With a real checkpoint, replace the offline pieces by ``AutoProcessor`` / ``AutoModelForImageTextToText``
 (fp32 for an exact check; see benchmarks/RESULTS.md for bf16 tolerances on GPU).
@@ -180,7 +185,19 @@ def main(argv: list[str] | None = None) -> int:
         help="samples with videos (PyAV-encoded clips, alone and with images) through the family's video "
         f"processor: {', '.join(VIDEO_SETTINGS)}; needs the [video] extra (PyAV, torchvision)",
     )
+    parser.add_argument(
+        "--model-type",
+        default=None,
+        help="certify this transformers model type (any of MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) on a tiny "
+        "genuine model of its config and its real processor: packed vs each sample alone, sdpa and eager",
+    )
     args = parser.parse_args(argv)
+    if args.model_type is not None:
+        from vlm_pack.testing.model_types import certify_model_type
+
+        certificate = certify_model_type(args.model_type)
+        print(certificate)
+        return 0 if certificate.exact else 1
     dtype = getattr(torch, args.dtype)
     args.capacity = args.capacity or (4096 if args.video else 512)
     if args.mistake == "positions" and args.family != "qwen2_vl" and not args.video:

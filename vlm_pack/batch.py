@@ -244,8 +244,8 @@ class PackedBatch:
     def _flat_positions(self) -> torch.Tensor:
         """``position_ids`` of the rows flattened into one: ``[1, R*T]`` or ``[4, 1, R*T]``."""
         flat = self.num_rows * self.row_length
-        if self.position_ids.dim() == 3:
-            return self.position_ids.reshape(4, 1, flat)
+        if self.position_ids.dim() == 3:  # 4 rows (Qwen-VL); 1 + k rows from a model's own rope index
+            return self.position_ids.reshape(self.position_ids.shape[0], 1, flat)
         return self.position_ids.reshape(1, flat)
 
     def _vision_inputs(self) -> dict[str, torch.Tensor]:
@@ -256,6 +256,11 @@ class PackedBatch:
         # Gemma 3 reads token_type_ids (its images' two-way attention); other models may refuse them.
         if self._two_way_images and "token_type_ids" in self.extra:
             out["token_type_ids"] = self.extra["token_type_ids"]
+        if self.family is not None and lookup(self.family) is None:
+            # A model type without a record (vlm_pack.model_types): everything its processor gave goes back in.
+            if self.mm_token_type_ids is not None:
+                out["mm_token_type_ids"] = self.mm_token_type_ids
+            out.update(self.extra)
         return out
 
     def attention_masks(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:

@@ -80,7 +80,7 @@ from .collate_samples import (
     split_fields,
 )
 from .collate_settings import CollatorSettings
-from .families import names
+from .families import lookup, names
 from .labels import IGNORE_INDEX
 from .packing.bins import round_up
 from .positions import MRopeOptions, packed_position_ids
@@ -163,6 +163,10 @@ class PackingCollator:
             samples) with ``max_rows=None`` (as many rows as needed) or ``N`` (at most ``N`` rows).
         return_style: None returns a :class:`PackedBatch`; a style of :data:`STYLES` returns
             ``batch.model_inputs(style)`` (use ``"sdpa"`` etc. as an HF ``Trainer`` ``data_collator``).
+        rope_index: for a model type without a record whose model computes multimodal RoPE, its own rope
+            index (``vlm_pack.model_types.RopeIndex(find_rope_index(model))``): each sample's rope rows are
+            computed alone under a text row of per-sample aranges (``vlm_pack.model_types``). A model type
+            ``vlm_pack.families.REFUSED`` names raises here.
 
     The model's facts (``family``, the token ids, ``spatial_merge_size`` ...) are read once into
     ``settings`` (:class:`~vlm_pack.collate_settings.CollatorSettings`: an explicit value, else the model's
@@ -195,6 +199,7 @@ class PackingCollator:
         max_samples_per_bin: int | None = None,
         max_rows: int | None = 1,
         return_style: str | None = None,
+        rope_index: Any = None,
     ) -> None:
         _check_arguments(capacity, layout, pad_to_multiple_of, strategy, return_style)
         if max_rows is not None and (type(max_rows) is not int or max_rows < 1):
@@ -220,6 +225,11 @@ class PackingCollator:
         self.max_samples_per_bin = max_samples_per_bin
         self.max_rows = max_rows
         self.return_style = return_style
+        if rope_index is not None and self.mrope:
+            raise ValueError(
+                f"rope_index= is for model types without a record; family {self.family!r} has its own mRoPE rule"
+            )
+        self.rope_index = rope_index
 
     @classmethod
     def from_config(cls, config: PackingConfig, *, max_rows: int | None = 1, **options: Any) -> PackingCollator:
@@ -282,7 +292,10 @@ class PackingCollator:
             types = is_image.long() + 2 * is_video.long()
         vision, token_extra, other_extra, metadata = split_fields(sample, tokens)
         check_patch_rows(vision, name)
-        if not self.mrope and ("image_grid_thw" in vision or "video_grid_thw" in vision):
+        # grids without mRoPE: a Qwen-VL sample under another family's record (or none); a model type without a
+        # record (vlm_pack.model_types) numbers its own (its rope index, or 1-D where its model says so)
+        unrecorded = self.family is not None and lookup(self.family) is None
+        if not self.mrope and not unrecorded and ("image_grid_thw" in vision or "video_grid_thw" in vision):
             raise ValueError(
                 f"{name} has image_grid_thw/video_grid_thw (a Qwen-VL sample) but the collator's family is "
                 f"{self.family!r}: pass model_config=model.config or family= one of {', '.join(names('mrope'))}; "
@@ -335,7 +348,7 @@ class PackingCollator:
         tpi = sample.get("tokens_per_image")
         tpi = torch.as_tensor(tpi, dtype=torch.long).reshape(-1) if tpi is not None else None
         n_images = num_images(vision, tpi)
-        grid = vision.get("image_grid_thw")
+        grid = vision.get("image_grid_thw") if self.mrope else None  # a record's merge rule; else the processor's
         if grid is not None:
             grid = grid.reshape(-1, 3)
             vision["image_grid_thw"] = grid
@@ -425,6 +438,8 @@ class PackingCollator:
             flat_ids, flat_types, plan, tokens_per_image, tokens_per_video
         )
         position_ids = self._positions(exp_ids, exp_types, cu_padded_exp, vision, shape, plan.order)
+        if self.rope_index is not None:
+            position_ids = self._rope_index_positions(ordered, exp_ids, exp_types, cu_padded_exp, position_ids, shape)
         seq_exp = (cu_exp[1:] - cu_exp[:-1]).to(torch.int32)
         return PackedBatch(
             input_ids=flat_ids.reshape(shape),
@@ -527,6 +542,24 @@ class PackingCollator:
         exp_types = torch.repeat_interleave(flat_types, repeats) if flat_types is not None else None
         return exp_ids, exp_types, cu_exp, cu_padded_exp
 
+    def _rope_index_positions(
+        self,
+        ordered: list[SampleParts],
+        exp_ids: torch.Tensor,
+        exp_types: torch.Tensor | None,
+        cu_padded_exp: torch.Tensor,
+        text: torch.Tensor,
+        shape: tuple[int, int],
+    ) -> torch.Tensor:
+        """``[1 + k, R, T]``: the per-sample aranges, then each sample's rows of the model's own rope index."""
+        from .model_types import rope_index_position_ids
+
+        if self.layout != "expanded":
+            raise ValueError("rope_index= needs layout='expanded' (the model's rope index numbers expanded tokens)")
+        flat_types = exp_types.reshape(-1) if exp_types is not None else None
+        inputs = _per_sample_inputs(ordered, flat_types, cu_padded_exp)
+        return rope_index_position_ids(self.rope_index, exp_ids.reshape(shape), cu_padded_exp, inputs, text)
+
     def _positions(
         self,
         exp_ids: torch.Tensor,
@@ -562,6 +595,20 @@ class PackingCollator:
         except ValueError as e:
             # positions number samples in packed order; name the caller's index instead.
             raise ValueError(_rename_samples(str(e), order)) from None
+
+
+def _per_sample_inputs(
+    ordered: list[SampleParts], types: torch.Tensor | None, cu_padded: torch.Tensor
+) -> list[dict[str, Any]]:
+    """Each packed sample's inputs to a rope-index function: its vision tensors and other tensors, and its
+    ``mm_token_type_ids`` over its padded span (padding is text)."""
+    out = []
+    for i, s in enumerate(ordered):
+        inputs: dict[str, Any] = {**s.other_extra, **s.vision}
+        if types is not None:
+            inputs["mm_token_type_ids"] = types[int(cu_padded[i]) : int(cu_padded[i + 1])]
+        out.append(inputs)
+    return out
 
 
 def _check_arguments(

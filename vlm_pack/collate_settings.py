@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .families import canonical, lookup, names
+from .model_types import check_not_refused
 from .positions import is_mrope_family
 
 __all__ = ["SOURCES", "CollatorSettings"]
@@ -92,6 +93,7 @@ class CollatorSettings:
             or canonical(_attr(model_config, "model_type"), strict=False)
             or canonical(_attr(places["tokenizer"], "vlm_pack_family"))
         )
+        check_not_refused(resolved)
         record = lookup(resolved)
         if record is not None and record.two_way_images and values["sliding_window"] is None:
             raise ValueError(

@@ -6,7 +6,7 @@ decoded) and forecasts the chunk's rows in one ``Preprocessor.forecast_rows`` ca
 its prompts tokenized in one batched call): the numbers of ``Preprocessor.forecast``, so the forecast equals
 ``len(process_sample(...)["input_ids"])``. A video's header is read from its container (PyAV; an MKV / WebM's
 packets demuxed, never decoded) and forecast once (``vision.video.forecast_video``), the forecast handed to
-the Preprocessor as it is. Results come back in source order, whatever ``num_workers``::
+the Preprocessor as it is. Results come back in source order, whatever ``num_proc``::
 
     main       open_sources ─ chunks ─┬──────────────────────────────────┬─ in order ─> LengthTable
     worker 0        chunk 0, 2, 4 ... │ read ─ normalise ─ image_size ─  │  + tqdm: total, rate, ETA
@@ -17,7 +17,8 @@ the Preprocessor as it is. Results come back in source order, whatever ``num_wor
 A record that cannot be read or forecast travels back as its :class:`SampleError` (classified in the worker by
 ``vlm_pack.failures.data_error``: an error of code raises there); the main process counts every chunk's
 outcomes in source order through the run's one :class:`~vlm_pack.failures.Guard` (``forecast_guard``): its
-budget of consecutive failures, its ``on_error``.
+budgets (consecutive failures, and the share of bad records, judged at the end of the run too), its
+``on_error``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import gc
 import io
 import multiprocessing
 import os
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
@@ -36,7 +38,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..config import DEFAULT_MAX_CONSECUTIVE_FAILURES, ON_ERROR, check_choice
+from ..config import (
+    DEFAULT_MAX_BAD_FRACTION,
+    DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    ON_ERROR,
+    check_choice,
+)
 from ..failures import FailurePolicy, Guard, SampleError, data_error, skip_reason
 from .reader import video_headers
 from .records import Sample
@@ -149,12 +157,19 @@ class LengthTable:
 
 
 def image_sizes(
-    sample: Sample, *, exif_transpose: bool = True, verify: bool = False
+    sample: Sample,
+    *,
+    exif_transpose: bool = True,
+    verify: bool = False,
+    max_image_pixels: int | None = None,
 ) -> list[tuple[int, int]]:
     """``(width, height)`` of each image of ``sample`` as the processor will see it, from headers only.
 
-    ``verify=True`` also decodes every image's pixels (catches a file cut short after its header).
-    Raises :class:`SampleError` (``"corrupt_image"``) naming the sample and image for an unreadable one.
+    An image whose header declares more than ``max_image_pixels`` is refused there, before any pixel is
+    decoded (:func:`refuse_large_image`). ``verify=True`` also decodes every image's pixels (catches a file
+    cut short after its header). Raises :class:`SampleError` naming the sample and image: ``"corrupt_image"``
+    for an unreadable one, ``"image_too_large"`` for one over the limit (or that Pillow refuses as a
+    decompression bomb).
     """
     from ..vision import image_size
 
@@ -165,16 +180,34 @@ def image_sizes(
             continue
         name = f"{sample.label}, image {i}"
         try:
-            sizes.append(image_size(image, exif_transpose=exif_transpose, name=name))
-            if verify:
-                _decode_fully(image, name)
+            size = image_size(image, exif_transpose=exif_transpose, name=name)
         except ValueError as e:
             raise SampleError("corrupt_image", str(e)) from None
+        refuse_large_image(name, size, max_image_pixels)
+        if verify:
+            _decode_fully(image, name)
+        sizes.append(size)
     return sizes
 
 
+def refuse_large_image(name: str, size: tuple[int, int], limit: int | None) -> None:
+    """Raise ``SampleError("image_too_large")`` naming the image when its header's ``(width, height)`` has
+    more than ``limit`` pixels (``PackingConfig.max_image_pixels``; None: no cap): before decoding, at plan
+    time and at load time alike."""
+    width, height = size
+    if limit is None or width * height <= limit:
+        return
+    raise SampleError(
+        "image_too_large",
+        f"{name}: its header declares {width}x{height} = {width * height:,} pixels > max_image_pixels "
+        f"{limit:,}; refused before decoding (a decompression bomb or an oversized scan). Downscale it, or raise "
+        "PackingConfig.max_image_pixels (--max-image-pixels; None: no cap) if such images are expected.",
+    )
+
+
 def _decode_fully(image: Any, name: str) -> None:
-    """Decode every pixel of ``image`` (bytes, a path or a seekable binary file; left where it was)."""
+    """Decode every pixel of ``image`` (bytes, a path or a seekable binary file; left where it was); raises
+    ``SampleError`` naming the real cause: Pillow's decompression-bomb limit, or a truncated or corrupt file."""
     from PIL import Image
 
     try:
@@ -186,9 +219,16 @@ def _decode_fully(image: Any, name: str) -> None:
             data = image if isinstance(image, bytes) else Path(image).read_bytes()
         with Image.open(io.BytesIO(data)) as im:
             im.load()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ValueError(
-            f"{name}: the header reads but the pixels do not decode ({e}): the file is truncated or corrupt."
+    except Image.DecompressionBombError as e:
+        raise SampleError(
+            "image_too_large",
+            f"{name}: Pillow refuses to decode it as a decompression bomb ({e}); not decoded. Downscale it, or "
+            "raise PIL.Image.MAX_IMAGE_PIXELS if such images are expected.",
+        ) from None
+    except (OSError, SyntaxError, ValueError) as e:
+        raise SampleError(
+            "corrupt_image",
+            f"{name}: the header reads but the pixels do not decode ({e}): the file is truncated or corrupt.",
         ) from None
 
 
@@ -202,6 +242,7 @@ class _Forecaster:
     exif_transpose: bool
     on_error: str
     verify: bool = False
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
 
 
 _WORKER: _Forecaster | None = None
@@ -280,7 +321,12 @@ def video_patches(videos: Sequence[Any]) -> int:
 
 def _read(f: _Forecaster, sample: Sample, ordinal: int, sizes: list[tuple[int, int]] | None = None) -> _Read:
     if sizes is None:
-        sizes = image_sizes(sample, exif_transpose=f.exif_transpose, verify=f.verify)
+        sizes = image_sizes(
+            sample, exif_transpose=f.exif_transpose, verify=f.verify, max_image_pixels=f.max_image_pixels
+        )
+    else:  # sized by the shard reader's headers: the same limit
+        for i, size in enumerate(sizes):
+            refuse_large_image(f"{sample.label}, image {i}", size, f.max_image_pixels)
     videos = video_forecasts(f.pre, sample_videos(sample))
     patches = sum(int(f.pre.spec.num_patches(w, h)) for w, h in sizes) + video_patches(videos)
     return _Read(ordinal, sample, sizes, patches, videos)
@@ -397,9 +443,15 @@ def _spend(guard: Guard, result: _ChunkResult) -> None:
         guard.bad(SampleError(reason, message), where if str(key) in where else f"{where} (key {key!r})", key, where)
 
 
-def forecast_guard(who: str, on_error: str = "skip", max_consecutive_failures: int | None = None) -> Guard:
+def forecast_guard(
+    who: str,
+    on_error: str = "skip",
+    max_consecutive_failures: int | None = None,
+    max_bad_fraction: float | None = None,
+) -> Guard:
     """The guarded stage a forecast run (``who``) counts its bad records in (``vlm_pack.failures``)."""
-    return FailurePolicy(who, on_error, max_consecutive_failures).stage("header-only forecast", "bad_text")
+    policy = FailurePolicy(who, on_error, max_consecutive_failures, max_bad_fraction=max_bad_fraction)
+    return policy.stage("header-only forecast", "bad_text")
 
 
 def _ordered_map(executor: Executor | None, items: Iterator[Chunk], window: int) -> Iterator[_ChunkResult]:
@@ -479,6 +531,7 @@ def make_forecaster(
     verify: bool = False,
     on_error: str = "skip",
     who: str = "forecast_sources",
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> _Forecaster:
     """The opened sources and checkpoint parts a worker forecasts :func:`forecast_chunk` with (the arguments
     of :func:`forecast_sources`)."""
@@ -489,20 +542,25 @@ def make_forecaster(
         raise TypeError(f"{who} needs spec= (or a preprocessor with an image processor)")
     check_choice("on_error", on_error, ON_ERROR)
     opened = open_sources(sources, image_root=image_root)
-    return _Forecaster(opened, pre, record_format, exif_transpose, on_error, verify)
+    return _Forecaster(opened, pre, record_format, exif_transpose, on_error, verify, max_image_pixels)
 
 
 def assemble_table(
-    results: Iterable[_ChunkResult], max_consecutive_failures: int | None, who: str, on_error: str = "skip"
+    results: Iterable[_ChunkResult],
+    max_consecutive_failures: int | None,
+    who: str,
+    on_error: str = "skip",
+    max_bad_fraction: float | None = DEFAULT_MAX_BAD_FRACTION,
 ) -> LengthTable:
     """The :class:`LengthTable` of chunk results given in source order, consumed as they come: the failure
     budget is spent in that order (raises ``FailureBudgetError`` where :func:`forecast_sources` would) and,
     with ``on_error="raise"``, the first bad sample raises, so an engine stops at the first bad chunks."""
-    guard = forecast_guard(who, on_error, max_consecutive_failures)
+    guard = forecast_guard(who, on_error, max_consecutive_failures, max_bad_fraction)
     kept = []
     for result in results:
         _spend(guard, result)
         kept.append(result)
+    guard.finish()
     return _table(kept)
 
 
@@ -519,10 +577,13 @@ def forecast_sources(
     exif_transpose: bool = True,
     verify: bool = False,
     on_error: str = "skip",
-    num_workers: int = 1,
+    num_proc: int = 1,
     progress: bool | None = None,
     chunk_rows: int = 1024,
     max_consecutive_failures: int | None = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    max_bad_fraction: float | None = DEFAULT_MAX_BAD_FRACTION,
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+    num_workers: int | None = None,
 ) -> LengthTable:
     """Forecast every record of ``sources`` (``datasets`` objects, parquet / JSON / JSONL files, shards,
     folders, globs: see ``sources.open_sources``) from text and image headers: a :class:`LengthTable`.
@@ -538,23 +599,36 @@ def forecast_sources(
         image_root: folder relative image paths resolve against (default: the source file's folder).
         exif_transpose: size images as ``ImageOps.exif_transpose`` shows them (as ``load_image`` does).
         verify: also decode every image's pixels (slower; catches files cut short after their header).
+        max_image_pixels: refuse an image whose header declares more pixels, before decoding, as
+            ``image_too_large`` (``PackingConfig``'s default; None: no cap).
         on_error: ``"skip"`` (default: listed in ``LengthTable.invalid`` with its reason) or ``"raise"`` (a
             ``SampleError`` naming where the record lives and its key); ``PackingConfig.on_error``'s values.
-        num_workers: processes reading and forecasting chunks (1: this process).
+        num_proc: processes reading and forecasting chunks (1: this process), as ``datasets``' ``map``
+            and ``PackedMapDataset`` name them. ``num_workers=`` is its old name (a ``DeprecationWarning``).
         progress: a tqdm bar with total and ETA (``None``: only on a terminal).
         chunk_rows: records per chunk (parquet: whole row groups).
         max_consecutive_failures: with ``on_error="skip"``, the failure budget of ``vlm_pack.failures``:
             more invalid records than this in a row (source order) raise ``FailureBudgetError`` naming the
             most common reason (default: ``PackingConfig``'s, ``DEFAULT_MAX_CONSECUTIVE_FAILURES``; None:
             no limit, every invalid record is listed).
+        max_bad_fraction: with ``on_error="skip"``, the failure budget's share: more than this share of the
+            records seen being invalid raises ``FailureBudgetError`` naming the most common reason and its
+            fix (judged from the 100th record on and at the end; default ``PackingConfig``'s; None: no limit).
 
     Records with bad data are invalid (``on_error``; an unreadable video: ``corrupt_video``). An error of code
     (a ``template`` raising ``TypeError`` ..., a bug; a video without ``pip install "vlm-pack[video]"``)
     raises ``SampleCodeError`` naming the record."""
     from tqdm import tqdm
 
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+    if num_workers is not None:
+        warnings.warn(
+            "forecast_sources(num_workers=) is now num_proc= (the name datasets and PackedMapDataset use)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        num_proc = num_workers
+    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+        raise ValueError(f"num_proc must be a positive int, got {num_proc!r}")
     forecaster = make_forecaster(
         sources,
         tokenizer=tokenizer,
@@ -567,21 +641,23 @@ def forecast_sources(
         exif_transpose=exif_transpose,
         verify=verify,
         on_error=on_error,
+        max_image_pixels=max_image_pixels,
     )
     opened = forecaster.sources
     totals = [s.num_rows for s in opened]
     total = None if None in totals else sum(t for t in totals if t is not None)
     disable = (not progress) if progress is not None else None
     results: list[_ChunkResult] = []
-    guard = forecast_guard("forecast_sources", on_error, max_consecutive_failures)
-    executor = _pool(num_workers, forecaster)
+    guard = forecast_guard("forecast_sources", on_error, max_consecutive_failures, max_bad_fraction)
+    executor = _pool(num_proc, forecaster)
     try:
         with tqdm(total=total, desc="forecast", unit=" samples", disable=disable, smoothing=0.1) as bar:
-            for result in _ordered_map(executor, chunks(opened, chunk_rows), window=4 * num_workers):
+            for result in _ordered_map(executor, chunks(opened, chunk_rows), window=4 * num_proc):
                 results.append(result)
                 _spend(guard, result)
                 bar.update(result.records)
     finally:
         if executor is not None:
             executor.shutdown(cancel_futures=True)
+    guard.finish()
     return _table(results)

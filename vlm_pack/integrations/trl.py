@@ -217,8 +217,7 @@ def _bins_in_order(plan: PackedMapDataset) -> tuple[list[tuple[int, ...]], list[
     """The dataset rows and forecast lengths of every pack of ``plan``, packs in the order of its epoch 0
     (shuffled by its seed), samples in data order inside each."""
     bins, lengths = [], []
-    for item in range(len(plan)):
-        b = plan.bin_of(item)[2]
+    for b in plan.bins_in_order().tolist():  # the epoch's order computed once: O(1) per pack
         rows, forecast = plan.rows_of(b), plan.lengths_of(b)
         order = np.argsort(rows, kind="stable")
         bins.append(tuple(rows[order].tolist()))
@@ -466,13 +465,22 @@ class TRLPackingCollator:
         self.packed = packed
 
     def samples(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, torch.Tensor]]:
-        """The processed samples of ``rows`` (``process_sample`` output), row by row."""
+        """The processed samples of ``rows`` (``process_sample`` output), row by row, each checked against the
+        forecast its pack was planned on (``Preprocessor.checked_length``; a mismatch raises ``SampleError``
+        ``forecast_mismatch`` naming the sample: a collator cannot leave a sample out of a planned row)."""
         out = []
         for row in rows:
-            videos_of = row.get("video_bytes") or [[]] * len(row["keys"])  # rows written before videos: none
-            for key, conv, images, videos in zip(row["keys"], row["conversations"], row["image_bytes"], videos_of):
+            n = len(row["keys"])
+            videos_of = row.get("video_bytes") or [[]] * n  # rows written before videos: none
+            lengths = row.get("lengths") or [None] * n
+            for key, conv, images, videos, forecast in zip(
+                row["keys"], row["conversations"], row["image_bytes"], videos_of, lengths
+            ):
                 media = {"videos": videos} if videos else {}  # an image-only sample is processed as before
-                out.append(self.preprocessor.process(images, json.loads(conv), key, **media))
+                sample = self.preprocessor.process(images, json.loads(conv), key, **media)
+                if forecast is not None:
+                    self.preprocessor.checked_length(sample, forecast, f"sample {key!r} of a packed_dataset row")
+                out.append(sample)
         return out
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,127 @@
+"""Regenerate the model-type table of docs/families.md for the installed transformers.
+
+Every model type ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` maps gets one row: a named record of
+``vlm_pack.families`` (its figures are the table above it), or the route for types without a record
+(``vlm_pack.model_types``) certified on a tiny genuine model (``vlm_pack.testing.certify_model_type``: packed
+vs each sample alone, sdpa and eager), or why not: refused (packing measured not exact: listed in
+``vlm_pack.families.REFUSED``, which collators refuse by name) or not certified here (what could not be built
+offline). Each type runs in its own process (a time and memory limit each), so one type cannot stop the sweep.
+
+    PYTHONPATH=. .venv/bin/python scripts/families_table.py            # all types, rewrites docs/families.md
+    PYTHONPATH=. .venv/bin/python scripts/families_table.py --only paddleocr_vl exaone4_5   # print rows only
+
+Run it in the venv with torchvision to certify the types whose image processor exists only as a torchvision
+class. The "forecast exact" column is the forecast side's (``vlm_pack.vision``): left for it to fill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "families.md"
+BEGIN, END = "<!-- model-types:begin (scripts/families_table.py) -->", "<!-- model-types:end -->"
+_ONE = """
+import json, logging, warnings
+warnings.filterwarnings("ignore"); logging.disable(logging.WARNING)
+from vlm_pack.testing.model_types import certify_model_type
+c = certify_model_type({model_type!r})
+print("CERT" + json.dumps(dict(exact=c.exact, errors=c.errors, positions=c.positions, mixers=c.mixers,
+                               reason=c.reason, built=c.built, tokens=c.tokens)))
+"""
+
+
+def certify(model_type: str, timeout: int, memory_kb: int) -> dict:
+    """One type certified in a child process; a crash, a timeout or the memory limit is its reason."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    limit = f"ulimit -v {memory_kb}; " if memory_kb else ""
+    command = f'{limit}exec "{sys.executable}" -c "$CODE"'
+    try:
+        done = subprocess.run(["bash", "-c", command], env=dict(env, CODE=_ONE.format(model_type=model_type)),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(exact=False, reason=f"not certified: the check ran past {timeout} s", built=False)
+    for line in done.stdout.splitlines():
+        if line.startswith("CERT"):
+            return json.loads(line[4:])
+    tail = " ".join((done.stderr or "").strip().splitlines()[-1:])[:160]
+    return dict(exact=False, reason=f"not certified: the check crashed ({tail or 'rc ' + str(done.returncode)})",
+                built=False)
+
+
+def row(model_type: str, cls: str, cert: dict | None, refused: dict[str, str]) -> str:
+    from vlm_pack.families import lookup
+
+    if lookup(model_type) is not None:
+        return f"| `{model_type}` | {cls} | named record | see the families table above | | |"
+    if model_type in refused:
+        return f"| `{model_type}` | {cls} | refused | {refused[model_type]} | | |"
+    assert cert is not None
+    errors = cert.get("errors") or {}
+    measured = " / ".join(f"{errors[s]:.7f}" for s in ("sdpa", "eager") if s in errors)
+    if cert.get("exact"):
+        mixers = f"; mixers isolated: {', '.join(cert['mixers'])}" if cert.get("mixers") else ""
+        return f"| `{model_type}` | {cls} | generic, certified | packed = alone {measured} (sdpa / eager); " \
+               f"positions: {cert.get('positions')}{mixers} | | |"
+    reason = (cert.get("reason") or "").replace("|", "/")
+    if errors:  # measured, not exact: must be in REFUSED
+        return f"| `{model_type}` | {cls} | refused (add to REFUSED) | {reason} | | |"
+    return f"| `{model_type}` | {cls} | not certified here | {reason} | | |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=None, help="certify these types and print their rows")
+    parser.add_argument("--timeout", type=int, default=180, help="seconds per type")
+    parser.add_argument("--memory-gb", type=float, default=8.0, help="address-space limit per type (0: none)")
+    args = parser.parse_args(argv)
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as TYPES
+
+    from vlm_pack.families import REFUSED, lookup
+
+    types = args.only if args.only else list(TYPES)
+    rows = []
+    counts: dict[str, int] = {}
+    for model_type in types:
+        needs_run = lookup(model_type) is None and model_type not in REFUSED
+        cert = certify(model_type, args.timeout, int(args.memory_gb * 1024 * 1024)) if needs_run else None
+        line = row(model_type, TYPES[model_type], cert, dict(REFUSED))
+        kind = line.split("|")[3].strip()
+        counts[kind] = counts.get(kind, 0) + 1
+        rows.append(line)
+        print(line, flush=True)
+    if args.only:
+        return 0
+    summary = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+    table = "\n".join([
+        BEGIN,
+        f"Every image-text-to-text model type of transformers {transformers.__version__} "
+        f"(`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, {len(types)} types): {summary}. Generated by "
+        "`scripts/families_table.py` (tiny genuine models on CPU, fp32, its real processor on Pillow images; "
+        "token_mult_prob_error, 1.0 = exact).",
+        "",
+        "| model type | model class | route | packed vs alone, or the reason | forecast exact | notes |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        END,
+    ])
+    text = DOC.read_text()
+    if BEGIN in text:
+        text = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: table, text, flags=re.S)
+    else:
+        text = text.rstrip("\n") + "\n\n## Every image-text-to-text model type\n\n" + table + "\n"
+    DOC.write_text(text)
+    print(f"wrote {DOC}: {summary}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""A route for model types vlm-pack has no record for: the model's own rules, applied per sample.
+
+A model type without a :class:`~vlm_pack.families.Family` record (``lookup(model_type) is None``) is packed
+from what transformers itself carries, never from a record it resembles:
+
+- **processing**: the model's own processor (its output keys travel with the sample; per-token ones such as
+  ``mm_token_type_ids`` are packed like ``input_ids``, the others joined in packed order);
+- **positions**: restarting at 0 in every sample (1-D), or, where the model computes multimodal RoPE, the
+  model's own rope-index function (``model.model.get_rope_index``) called on each sample alone, under a text
+  row of per-sample aranges (transformers finds the sample boundaries from that row)::
+
+      row 0           0 1 2 3 4 5 6 | 0 1 2 3          per-sample arange (packed detection)
+      rows 1..k       get_rope_index(sample 0) | get_rope_index(sample 1)       each sample alone
+
+- **masks**: transformers' own packed handling (no ``attention_mask``, ``use_cache=False``, positions that
+  restart: ``masking_utils.find_packed_sequence_indices``), which is exact where the model's attention is
+  causal text attention (REFERENCE section 2 / 7);
+- **token mixers** (layers that are not attention: ``vlm_pack.mixers.find_token_mixers``): known kinds
+  isolated (``isolate_token_mixers``), unknown ones refused.
+
+A type where that is measured not to be exact (two-way image attention, cross-attention, an unknown mixer) is
+refused by name (``vlm_pack.families.REFUSED``) when a collator is built for it. ``docs/families.md`` lists
+every image-text-to-text model type of the installed transformers with its route and measured error
+(``scripts/families_table.py``; ``examples/check_equivalence.py --model-type TYPE`` certifies one).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .families import REFUSED, canonical, lookup
+
+__all__ = ["RopeIndex", "check_not_refused", "find_rope_index", "rope_index_position_ids"]
+
+
+def check_not_refused(model_type: str | None) -> None:
+    """ValueError naming ``model_type`` and why, when vlm-pack refuses to pack it (``families.REFUSED``)."""
+    name = canonical(model_type, strict=False)
+    if name is None or lookup(name) is not None or name not in REFUSED:
+        return
+    raise ValueError(
+        f"vlm-pack does not pack model type {name!r}: {REFUSED[name]}. Train it unpacked (one sample per row), "
+        "or see docs/families.md for the model types that pack exactly"
+    )
+
+
+def _takes_input_ids(fn: Any) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "input_ids" in params
+
+
+def find_rope_index(model: Any) -> Any:
+    """The module of ``model`` whose ``get_rope_index(input_ids, ...)`` computes its multimodal RoPE (the model
+    itself or its ``model`` attribute), or None for a model with 1-D positions. Stubs that only raise (models
+    that inherit and disable it take no ``input_ids``) do not count."""
+    for owner in (model, getattr(model, "model", None)):
+        fn = getattr(owner, "get_rope_index", None) if owner is not None else None
+        if fn is not None and _takes_input_ids(fn):
+            return owner
+    return None
+
+
+class RopeIndex:
+    """The model's own rope-index function, callable per sample and picklable into DataLoader workers.
+
+    In the process that built it, it calls the live module's ``get_rope_index``; unpickled, it rebuilds that
+    module's class on the meta device from its config (no weights: the function reads only the config and
+    the inputs).
+    """
+
+    def __init__(self, owner: torch.nn.Module) -> None:
+        self._owner: Any = owner
+        self._cls = type(owner)
+        self._config = owner.config
+        self._params = set(inspect.signature(owner.get_rope_index).parameters)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_owner": None, "_cls": self._cls, "_config": self._config, "_params": self._params}
+
+    def _module(self) -> Any:
+        if self._owner is None:
+            with torch.device("meta"):
+                self._owner = self._cls(self._config)
+        return self._owner
+
+    def __call__(self, input_ids: torch.Tensor, inputs: Mapping[str, Any]) -> torch.Tensor:
+        """Rope rows ``[k, L]`` of one sample ``input_ids`` ``[L]``; ``inputs``: its other processor outputs
+        (``mm_token_type_ids`` ``[L]``, ``image_grid_thw`` ...), passed where the function takes them."""
+        kwargs: dict[str, Any] = {}
+        for name, value in inputs.items():
+            if name in self._params and value is not None:
+                kwargs[name] = value[None] if name in _PER_TOKEN and value.dim() == 1 else value
+        if "mm_token_type_ids" in self._params and "mm_token_type_ids" not in kwargs:
+            kwargs["mm_token_type_ids"] = torch.zeros_like(input_ids)[None]
+        if "attention_mask" in self._params:
+            kwargs["attention_mask"] = torch.ones_like(input_ids)[None]
+        out = self._module().get_rope_index(input_ids[None], **kwargs)
+        positions = out[0] if isinstance(out, tuple) else out
+        return positions[:, 0].to(torch.int64)
+
+
+_PER_TOKEN = ("mm_token_type_ids", "token_type_ids")
+
+
+def rope_index_position_ids(
+    rope_index: Callable[[torch.Tensor, Mapping[str, Any]], torch.Tensor],
+    input_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    per_sample: Sequence[Mapping[str, Any]],
+    text_positions: torch.Tensor,
+) -> torch.Tensor:
+    """Position ids ``[1 + k, R, T]``: the text row ``text_positions`` ``[R, T]`` (per-sample aranges), then the
+    ``k`` rope rows of each sample computed alone by ``rope_index`` on its padded span.
+
+    ``input_ids`` ``[R, T]``; ``cu_seqlens_padded`` ``[N + 1]`` offsets into the flattened rows (a row's tail
+    belongs to its last sample); ``per_sample[i]``: sample ``i``'s inputs (``mm_token_type_ids`` over its padded
+    span, its grids), in packed order.
+    """
+    flat = input_ids.reshape(-1)
+    cu = cu_seqlens_padded.tolist()
+    rows = []
+    for i, inputs in enumerate(per_sample):
+        start, end = int(cu[i]), int(cu[i + 1])
+        rows.append(rope_index(flat[start:end], inputs))
+    rope = torch.cat(rows, dim=1)
+    if rope.shape[1] != flat.numel():
+        raise ValueError(
+            f"the samples' rope positions cover {rope.shape[1]} tokens but the rows hold {flat.numel()}: "
+            "cu_seqlens_padded must cover every row to its end"
+        )
+    rope = rope.to(text_positions.device).reshape(-1, *input_ids.shape)
+    return torch.cat([text_positions.reshape(1, *input_ids.shape), rope])

@@ -1,0 +1,191 @@
+"""Certify a model type: each sample's log-probs in one packed row against the same sample alone.
+
+``certify_model_type("paddleocr_vl")`` builds the type's tiny genuine model and real processor offline
+(``vlm_pack.offline.tiny_model_for_type`` / ``processor_for_type``), processes three samples through the
+processor's own ``__call__`` on Pillow images (two images, one image, text only), packs them into one row with
+:class:`~vlm_pack.PackingCollator` (the route of ``vlm_pack.model_types`` for a type without a record) and
+compares, per sample, the next-token log-probs of the packed forward with those of the sample run alone (the
+processor's output as it is, the model computing its own positions)::
+
+    alone    model(**processor(sample_i))                          -> logp_i           i = 0, 1, 2
+    packed   model(**collator([s0, s1, s2]).model_inputs(style))   -> logp, sliced per sample
+    error    token_mult_prob_error(logp_i, packed slice)           1.0 = exact
+
+once per attention (``sdpa``, ``eager``). The :class:`Certificate` says exact, or why not (the measured error,
+an unknown token mixer, what could not be built).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .metric import next_token_logprobs, token_mult_prob_error
+
+__all__ = ["Certificate", "certify_model_type", "type_samples"]
+
+#: Three samples: images per sample and the text after them.
+_SAMPLES = (
+    (((96, 64), (64, 96)), "Compare the two pictures. The first is wide, the second is tall."),
+    (((80, 80),), "What is in the picture? A small square of colour."),
+    ((), "Write a haiku about training loss: it falls like the rain."),
+)
+TOLERANCE = 1.0001
+
+
+@dataclass
+class Certificate:
+    """What certifying one model type found. ``errors``: token_mult_prob_error per attention (1.0 exact);
+    ``reason``: why it is not certified (None when it is); ``positions``: ``"1-D"`` or the rope rows."""
+
+    model_type: str
+    positions: str = ""
+    mixers: list[str] = field(default_factory=list)
+    errors: dict[str, float] = field(default_factory=dict)
+    max_abs_diff: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+    reason: str | None = None
+    built: bool = False
+
+    @property
+    def exact(self) -> bool:
+        return (
+            self.reason is None
+            and bool(self.errors)
+            and all(math.isfinite(e) and e <= TOLERANCE for e in self.errors.values())
+        )
+
+    def __str__(self) -> str:
+        errors = ", ".join(f"{k} {v:.7f}" for k, v in self.errors.items()) or "none measured"
+        verdict = "EXACT" if self.exact else "NOT EXACT"
+        lines = [f"{self.model_type}: {verdict}: token_mult_prob_error {errors}"]
+        lines.append(f"  positions: {self.positions or 'n/a'}; token mixers: {', '.join(self.mixers) or 'none'}")
+        if self.reason:
+            lines.append(f"  reason: {self.reason}")
+        return "\n".join(lines)
+
+
+def _picture(width: int, height: int, seed: int) -> Any:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def type_samples(processor: Any, placeholder: str | None = None) -> list[dict[str, torch.Tensor]]:
+    """The three samples of :data:`_SAMPLES` through ``processor.__call__`` (one example each, ``[1, L]``);
+    ``placeholder``: what the text holds per image (default the processor's ``image_token``)."""
+    placeholder = placeholder or getattr(processor, "image_token", None)
+    if not placeholder:
+        raise ValueError(f"{type(processor).__name__} names no image_token to place images in the text")
+    out = []
+    for k, (sizes, text) in enumerate(_SAMPLES):
+        images = [_picture(w, h, seed=10 * k + j) for j, (w, h) in enumerate(sizes)]
+        # text between the images, as chat templates have it (two adjacent images would read as one run)
+        prompt = "".join(f"Picture {j + 1}: {placeholder}\n" for j in range(len(images))) + text
+        kwargs: dict[str, Any] = dict(text=[prompt], return_tensors="pt")
+        if images:
+            kwargs["images"] = [images]
+        try:
+            out.append(dict(processor(**kwargs)))
+        except Exception:
+            if images:
+                raise
+            # some processors take no text-only sample (PaliGemma): two samples with images remain
+    return out
+
+
+def _alone_logprobs(model: Any, sample: dict[str, Any]) -> torch.Tensor:
+    """``[L - 1]`` next-token log-probs of ``sample`` run alone, as the processor gave it."""
+    logits = model(**sample, use_cache=False).logits
+    return next_token_logprobs(logits, sample["input_ids"])[0, :-1]
+
+
+def _packed_logprobs(model: Any, batch: Any, style: str) -> torch.Tensor:
+    logits = model(**batch.model_inputs(style)).logits
+    return next_token_logprobs(logits.reshape(*batch.input_ids.shape, -1), batch.input_ids).reshape(-1)
+
+
+def _compare(alone: list[torch.Tensor], packed: torch.Tensor, batch: Any) -> tuple[float, float]:
+    starts = batch.cu_seqlens_padded[:-1].tolist()
+    lengths = batch.seq_lens.tolist()
+    a, b = [], []
+    for i, start, length in zip(batch.sample_index.tolist(), starts, lengths):
+        a.append(alone[i])
+        b.append(packed[start : start + length - 1])
+    a_all, b_all = torch.cat(a), torch.cat(b)
+    return float(token_mult_prob_error(a_all, b_all)), float((a_all - b_all).abs().max())
+
+
+def _mixers(model: Any) -> tuple[list[str], str | None]:
+    from ..mixers import find_token_mixers, isolate_token_mixers
+
+    found = find_token_mixers(model)
+    names = [f"{m.name.rsplit('.', 1)[-1]} ({m.kind})" for m in found]
+    unknown = [m for m in found if m.kind == "unknown"]
+    if unknown:
+        return names, f"a token mixer vlm-pack cannot isolate: {unknown[0].how}"
+    isolate_token_mixers(model)
+    return names, None
+
+
+@torch.no_grad()
+def certify_model_type(model_type: str, *, styles: tuple[str, ...] = ("sdpa", "eager"), seed: int = 0) -> Certificate:
+    """Build, process, pack and compare as the module docstring draws; never raises for the model type's sake:
+    what fails is the certificate's ``reason``."""
+    from .. import PackingCollator
+    from ..model_types import RopeIndex, find_rope_index
+    from ..offline.model_types import NotBuildable, placeholder_for_type, processor_for_type, tiny_model_for_type
+
+    cert = Certificate(model_type)
+    try:
+        processor = processor_for_type(model_type)
+        model = tiny_model_for_type(model_type, processor, seed=seed, attn_implementation=styles[0])
+    except NotBuildable as e:
+        cert.reason = str(e)
+        return cert
+    except Exception as e:  # the type's own code refused the shrunk config
+        cert.reason = f"the tiny model does not build: {type(e).__name__}: {_short(e)}"
+        return cert
+    cert.built = True
+    cert.mixers, cert.reason = _mixers(model)
+    if cert.reason:
+        return cert
+    owner = find_rope_index(model)
+    rope_index = RopeIndex(owner) if owner is not None else None
+    try:
+        samples = type_samples(processor, placeholder_for_type(model_type, processor))
+    except Exception as e:
+        cert.reason = f"its processor does not process the samples: {type(e).__name__}: {_short(e)}"
+        return cert
+    cert.tokens = sum(int(s["input_ids"].shape[-1]) for s in samples)
+    try:
+        collator = PackingCollator(cert.tokens, model_config=model.config, tokenizer=processor, rope_index=rope_index)
+        batch = collator(samples)
+    except Exception as e:
+        cert.reason = f"the collator refuses the samples: {type(e).__name__}: {_short(e)}"
+        return cert
+    rows = batch.position_ids.shape[0] - 1 if batch.position_ids.dim() == 3 else 0
+    cert.positions = f"model's rope index ({rows} rows) + text row" if rope_index is not None else "1-D, restarted"
+    for style in styles:
+        try:
+            model.set_attn_implementation(style)
+            alone = [_alone_logprobs(model, s) for s in samples]
+            packed = _packed_logprobs(model, batch, style)
+            cert.errors[style], cert.max_abs_diff[style] = _compare(alone, packed, batch)
+        except Exception as e:
+            cert.reason = f"{style}: the forward fails: {type(e).__name__}: {_short(e)}"
+            return cert
+    if not cert.exact:
+        worst = max(cert.errors.values())
+        cert.reason = f"packed != alone: token_mult_prob_error {worst:.4f} with transformers' own packed handling"
+    return cert
+
+
+def _short(error: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
