@@ -119,7 +119,7 @@ def test_readme_route_refuses_an_unisolated_qwen3_5_before_the_first_step(tmp_pa
     assert {m.isolation for m in find_token_mixers(model)} == {"none"}
     before = _weights(model)
     trainer, ds, _ = _readme_route(tmp_path, model)
-    assert "seq_idx" in ds[0].model_inputs("sdpa")  # the boundaries, and the marker an un-isolated mixer refuses
+    assert ds[0].num_samples >= 2
     with pytest.raises(ValueError, match=REFUSED):
         trainer.train()
     assert trainer.state.global_step == 0 and _unchanged(model, before)

@@ -1,4 +1,4 @@
-"""Token mixers that are not attention: sample boundaries reach them too.
+"""Token mixers that are not attention: sample boundaries reach them too, on every route, by default.
 
 Attention keeps packed samples apart through its mask or ``cu_seqlens``. Some layers mix tokens another way
 and carry one sample into the next unless told where samples start::
@@ -7,31 +7,51 @@ and carry one sample into the next unless told where samples start::
     short conv   b0 reads a1 a2                (kernel 4: the last 3 tokens)       leaks
     delta rule   b0 starts from a's state      (a recurrent state over the row)     leaks
 
-In transformers 5.24 (``models/qwen3_5/modeling_qwen3_5.py`` ``Qwen3_5GatedDeltaNet``,
-``models/lfm2/modeling_lfm2.py`` ``Lfm2ShortConv``; the MoE and Qwen3-Next variants are copies) the decoder
-layer hands these layers its ``**kwargs`` but not ``position_ids``; the layers read ``cu_seq_lens_q`` (delta
-rule) and ``seq_idx`` (causal conv) only through the flash-linear-attention / causal-conv1d kernels. The
-PyTorch fallbacks (``integrations/hub_kernels.py``) raise on ``cu_seqlens`` / ``seq_idx`` and leak silently
-without them: max |packed - alone| 0.37 (Qwen3.5, sdpa), 0.495 (LFM2).
+Known (``KNOWN_MIXERS``, transformers 5.25): gated delta-nets (Qwen3.5 / 3.6 and their MoE, Qwen3-Next,
+Qwen4-Exp, MiniCPM-V 4.6's ``qwen3_5_text``), short convolutions (LFM2, LFM2-MoE, LFM3), Mamba2 (Nemotron-H, the
+text model of ``nemotron_h_omni``), Kimi delta attention (GLM-5-Next). transformers hands these layers the decoder
+layer's ``**kwargs`` but not ``position_ids``; its PyTorch paths leak silently without boundaries (max |packed -
+alone| 0.37 Qwen3.5, 0.495 LFM2) and, from 5.24, refuse ``cu_seqlens`` / ``seq_idx`` ("can't keep packed
+sequences apart").
 
-``isolate_token_mixers(model)`` installs a boundary-respecting path in every known mixer: the layer runs
-on each sample segment alone (segments of similar length batched into one call, right-padded: the layers
-are causal, so the padding after a segment never reaches it), which is exact against each sample alone by
-construction::
+**Safe by default.** Every way vlm-pack hands rows to a model runs each mixer per sample or stops before the
+first optimizer step:
+
+    route                                           what keeps the samples apart
+    PackedSFTTrainer (TRL), use_varlen_attention    vlm-pack meets the model: it calls isolate_token_mixers
+    Trainer(data_collator=ds.trainer_collator()),   vlm-pack never sees the model: the rows of a family with
+    PackingCollator(return_style=...), Energon,     token mixers carry ``seq_idx`` (``PackedBatch.model_inputs``);
+    a loop on batch.model_inputs(style)             an isolated mixer reads its samples from it, an un-isolated
+                                                    transformers mixer refuses it at the first forward (5.24 on)
+    isolate_token_mixers(model) by hand             every route, any transformers release
+
+``isolate_token_mixers(model)`` installs a boundary-respecting path in every known mixer: the layer runs on each
+sample segment alone (segments of similar length batched into one call, right-padded: the layers are causal,
+so the padding after a segment never reaches it), which is exact against each sample alone by construction::
 
     hidden [B, T, H]  --gather-->  [n, L, H] per group  --layer-->  [n, L, H']  --scatter-->  [B, T, H']
 
-Boundaries come from ``cu_seq_lens_q`` in the layer's kwargs when present (flash-style ``[1, R*T]`` rows),
-else from the position ids the text model received (a forward pre-hook on the module owning the decoder
-layers; ``[B, T]``, Qwen's ``[4, B, T]`` with the text row first, or ``[3, B, T]`` where a sample starts at
-the token whose three rows are all 0). They are worked out once per forward (``boundaries.py`` caches),
-not per layer. Where the boundary-taking kernels are importable and the layer runs on CUDA with one row,
-the layer gets ``cu_seq_lens_q`` / ``seq_idx`` and runs whole (``isolation="kernel"``; untested here: no
-GPU, no flash-linear-attention in CI).
+Boundaries come from ``cu_seq_lens_q`` in the layer's kwargs (flash-style ``[1, R*T]`` rows), else ``seq_idx``
+(``[B, T]`` sample ordinals), else the position ids the text model received (a forward pre-hook on the module
+owning the decoder layers; ``[B, T]``, Qwen's ``[4, B, T]`` with the text row first, or ``[3, B, T]`` where a
+sample starts at the token whose three rows are all 0). They are worked out once per forward (``boundaries.py``
+caches), not per layer. On CUDA with flash-linear-attention's ``fla-core`` installed (``pip install
+'vlm-pack[kernels]'``), the layers with a recipe in ``mixer_kernels.py`` (Qwen3.5's delta-net, LFM2/LFM3's short
+conv) run the whole row once through its Triton kernels with the segments' ``cu_seqlens`` (``isolation=
+"kernel"``); the per-sample loop stays the exact path everywhere else.
 
-``find_token_mixers(model)`` lists every such layer, known ones by kind and unknown ones (a module holding
-an ``nn.Conv1d`` with kernel > 1, or a Mamba/SSM/recurrent class) with ``isolation="none"``, so a future
-model never passes silently: ``isolate_token_mixers`` raises on those before the first step.
+**Kept isolated.** The same pre-hook checks, before any layer of each forward runs, that every isolated mixer
+is still in place with vlm-pack's forward. transformers 5.25 loads models with ``use_kernels`` on and
+re-kernelizes them on ``model.train()`` / ``.eval()`` (``integrations/hub_kernels.py``): where no hub kernel
+exists for the device this pops the instance forward (measured on CPU: the isolation was gone after
+``model.train()``), and the guard puts it back; where a hub kernel replaces the layer's forward (e.g.
+``Qwen3_5GatedDeltaNet`` on some GPUs), or a layer was swapped for another module, the forward raises naming
+the layer and the fix.
+
+``find_token_mixers(model)`` lists every such layer, known ones by kind and unknown ones (a module holding an
+``nn.Conv1d`` with kernel > 1, a Mamba/SSM/recurrent class, or a layer vlm-pack knows it cannot split, such as
+Inkling2's short convolutions inside attention) with ``isolation="none"``, so a future model never passes
+silently: ``isolate_token_mixers`` raises on those before the first step, naming them.
 """
 
 from __future__ import annotations
