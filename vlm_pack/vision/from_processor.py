@@ -305,15 +305,15 @@ def _processor_record(processor: Any) -> tuple[Family | None, list[str]]:
     return None, []
 
 
-def _image_processor_record(image_processor: Any) -> tuple[Family | None, list[str]]:
-    """The record naming the class of a bare ``image_processor`` (its ``Pil`` / ``Fast`` suffix dropped) or
-    of its nearest transformers base class, and what the classes above that one rewrite (none: the record's
-    rule applies)."""
-    mro = type(image_processor).__mro__
-    for depth, cls in enumerate(mro):
+def _image_processor_record(image_processor: Any) -> Family | None:
+    """The record naming the class of a bare ``image_processor`` (its ``Pil`` / ``Fast`` suffix dropped) or of
+    its nearest transformers base class, or None. A bare subclass reads as its parent: it writes no text, and
+    where it counts otherwise than its parent the processed sample's count differs from its forecast, which
+    processing reports per sample (``forecast_mismatch``), unlike a processor's text, which nothing would."""
+    for cls in type(image_processor).__mro__:
         if cls.__module__.startswith("transformers."):
-            return owner("image_processors", _strip_backend(cls.__name__)), _rewritten(mro[:depth])
-    return None, []
+            return owner("image_processors", _strip_backend(cls.__name__))
+    return None
 
 
 def _supported() -> str:
@@ -368,16 +368,9 @@ def vision_spec_from_processor(obj: Any) -> VisionSpec:
             f"vision_spec_from_processor: {reason}. Fast rules: {_supported()}. Upgrade transformers (>= 5.18 "
             "runs any processor that implements replace_image_token), or give spec=vision_spec(family, ...)."
         )
-    record, rewritten = _image_processor_record(obj)
-    if record is not None and not rewritten:
-        return _read(record, obj, None)
+    record = _image_processor_record(obj)
     if record is not None:
-        raise ValueError(
-            f"vision_spec_from_processor: a bare {type(obj).__name__} rewrites {', '.join(rewritten)}, so the "
-            f"{record.name} record's rule for its parent need not count its images: pass the full processor "
-            "around it (read by the processor's own image step where no record names it), or "
-            "spec=vision_spec(family, ...)."
-        )
+        return _read(record, obj, None)
     if type(obj).__module__.startswith("transformers.") and hasattr(obj, "preprocess"):
         raise ValueError(
             f"vision_spec_from_processor: a bare {type(obj).__name__} does not say which model's images it "

@@ -25,6 +25,7 @@ the prompt with it (the runs themselves tokenize alone: they are special tokens)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -93,7 +94,8 @@ def _remember(key: tuple[Any, ...], make: Any) -> Any:
     _STATS["misses"] += 1
     value = make()
     if len(_MEMO) >= MEMO_SIZE:
-        del _MEMO[next(iter(_MEMO))]
+        with contextlib.suppress(KeyError, RuntimeError, StopIteration):  # another thread dropped it first
+            del _MEMO[next(iter(_MEMO))]
     _MEMO[key] = value
     return value
 
@@ -163,7 +165,7 @@ class ProcessorSpec(VisionSpec):
         canvases = [Image.new("RGB", size) for size in sizes]
         try:
             _, texts = process_images(self.processor, [canvases])  # one sample's images, as process_sample
-        except (ValueError, TypeError) as e:  # the processor refuses the size: as it would the image
+        except ValueError as e:  # the processor refuses the size, as it would the image (its bugs raise as they are)
             shown = ", ".join(f"{w}x{h}" for w, h in sizes)
             raise ValueError(f"{self.processor_class} refuses image(s) {shown}: {e}") from None
         if len(texts) != len(sizes):
