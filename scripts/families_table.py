@@ -33,7 +33,7 @@ warnings.filterwarnings("ignore"); logging.disable(logging.WARNING)
 from vlm_pack.testing.model_types import certify_model_type
 c = certify_model_type({model_type!r})
 print("CERT" + json.dumps(dict(exact=c.exact, errors=c.errors, positions=c.positions, mixers=c.mixers,
-                               reason=c.reason, built=c.built, tokens=c.tokens)))
+                               reason=c.reason, built=c.built, tokens=c.tokens, notes=c.notes)))
 """
 
 
@@ -67,8 +67,10 @@ def row(model_type: str, cls: str, cert: dict | None, refused: dict[str, str]) -
     measured = " / ".join(f"{errors[s]:.7f}" for s in ("sdpa", "eager") if s in errors)
     if cert.get("exact"):
         mixers = f"; mixers isolated: {', '.join(cert['mixers'])}" if cert.get("mixers") else ""
-        return f"| `{model_type}` | {cls} | generic, certified | packed = alone {measured} (sdpa / eager); " \
-               f"positions: {cert.get('positions')}{mixers} | | |"
+        styles = " / ".join(s for s in ("sdpa", "eager") if s in errors)
+        notes = "".join(f"; {note}" for note in cert.get("notes") or [])
+        return f"| `{model_type}` | {cls} | generic, certified | packed = alone {measured} ({styles}); " \
+               f"positions: {cert.get('positions')}{mixers}{notes} | | |"
     reason = (cert.get("reason") or "").replace("|", "/")
     if errors:  # measured, not exact: must be in REFUSED
         return f"| `{model_type}` | {cls} | refused (add to REFUSED) | {reason} | | |"

@@ -294,7 +294,7 @@ class PackingCollator:
         check_patch_rows(vision, name)
         # grids without mRoPE: a Qwen-VL sample under another family's record (or none); a model type without a
         # record (vlm_pack.model_types) numbers its own (its rope index, or 1-D where its model says so)
-        unrecorded = self.family is not None and lookup(self.family) is None
+        unrecorded = self._unrecorded
         if not self.mrope and not unrecorded and ("image_grid_thw" in vision or "video_grid_thw" in vision):
             raise ValueError(
                 f"{name} has image_grid_thw/video_grid_thw (a Qwen-VL sample) but the collator's family is "
@@ -310,7 +310,7 @@ class PackingCollator:
                 f"{name} has images but the collator knows no image_token_id: pass image_token_id=, "
                 "tokenizer= or model_config="
             )
-        if n_placeholders and not n_images:
+        if n_placeholders and not n_images and not unrecorded:  # its processor may name its images otherwise
             raise ValueError(
                 f"{name}: input_ids hold {n_placeholders} image token(s) but the sample has no images "
                 "(pixel_values / image_grid_thw): give the images or remove the placeholders"
@@ -336,6 +336,11 @@ class PackingCollator:
             tokens_per_video_placeholder=tpvp,
         )
 
+    @property
+    def _unrecorded(self) -> bool:
+        """A model type without a record (``vlm_pack.model_types``): its processor's output is the rule."""
+        return self.family is not None and lookup(self.family) is None
+
     @staticmethod
     def _marks(ids: torch.Tensor, token_id: int | None) -> torch.Tensor:
         """``ids == token_id`` (bool ``[L]``); all False when the collator knows no such token."""
@@ -359,7 +364,8 @@ class PackingCollator:
                     f"{grid.tolist()} / merge {self.spatial_merge_size}^2 = {grid_counts.tolist()}"
                 )
             tpi = grid_counts
-        if tpi is None and n_images and self.image_seq_length is not None and "image_sizes" not in vision:
+        if (tpi is None and n_images and self.image_seq_length is not None and "image_sizes" not in vision
+                and not self._unrecorded):  # LLaVA's rule; a type without a record counts by its processor
             tpi = torch.full((n_images,), self.image_seq_length, dtype=torch.long)
         return tpi, n_images
 

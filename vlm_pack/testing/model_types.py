@@ -49,6 +49,7 @@ class Certificate:
     tokens: int = 0
     reason: str | None = None
     built: bool = False
+    notes: list[str] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
@@ -65,6 +66,7 @@ class Certificate:
         lines.append(f"  positions: {self.positions or 'n/a'}; token mixers: {', '.join(self.mixers) or 'none'}")
         if self.reason:
             lines.append(f"  reason: {self.reason}")
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -91,7 +93,15 @@ def type_samples(processor: Any, placeholder: str | None = None) -> list[dict[st
         if images:
             kwargs["images"] = [images]
         try:
-            out.append(dict(processor(**kwargs)))
+            try:
+                processed = processor(**kwargs)
+            except ValueError:
+                if not images:
+                    raise
+                processed = processor(**dict(kwargs, images=images))  # processors that take no nesting (GOT-OCR2)
+            # fp32 throughout (some image processors return bf16 pixels, Llama 4's)
+            out.append({k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                        for k, v in processed.items()})
         except Exception:
             if images:
                 raise
@@ -139,12 +149,24 @@ def certify_model_type(model_type: str, *, styles: tuple[str, ...] = ("sdpa", "e
     what fails is the certificate's ``reason``."""
     from .. import PackingCollator
     from ..model_types import RopeIndex, find_rope_index
-    from ..offline.model_types import NotBuildable, placeholder_for_type, processor_for_type, tiny_model_for_type
+    from ..offline.model_types import (
+        NotBuildable,
+        placeholder_for_type,
+        processor_for_type,
+        tiny_model_for_type,
+    )
 
     cert = Certificate(model_type)
     try:
         processor = processor_for_type(model_type)
-        model = tiny_model_for_type(model_type, processor, seed=seed, attn_implementation=styles[0])
+        try:
+            model = tiny_model_for_type(model_type, processor, seed=seed, attn_implementation=styles[0])
+        except ValueError as e:
+            if "does not support an attention implementation" not in str(e) or len(styles) < 2:
+                raise
+            cert.notes.append(f"{styles[0]}: the model has no such attention")
+            styles = styles[1:]
+            model = tiny_model_for_type(model_type, processor, seed=seed, attn_implementation=styles[0])
     except NotBuildable as e:
         cert.reason = str(e)
         return cert
