@@ -58,8 +58,10 @@ def certify(model_type: str, timeout: int, memory_kb: int) -> dict:
 def row(model_type: str, cls: str, cert: dict | None, refused: dict[str, str]) -> str:
     from vlm_pack.families import lookup
 
-    if lookup(model_type) is not None:
-        return f"| `{model_type}` | {cls} | named record | see the families table above | | |"
+    record = lookup(model_type)
+    if record is not None:
+        alias = f" (`{record.name}`'s record, by alias)" if record.name != model_type else ""
+        return f"| `{model_type}` | {cls} | named record{alias} | see the families table above | | |"
     if model_type in refused:
         return f"| `{model_type}` | {cls} | refused | {refused[model_type]} | | |"
     assert cert is not None

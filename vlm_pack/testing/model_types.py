@@ -144,9 +144,12 @@ def _mixers(model: Any) -> tuple[list[str], str | None]:
 
 
 @torch.no_grad()
-def certify_model_type(model_type: str, *, styles: tuple[str, ...] = ("sdpa", "eager"), seed: int = 0) -> Certificate:
+def certify_model_type(
+    model_type: str, *, styles: tuple[str, ...] = ("sdpa", "eager"), seed: int = 0, restart_positions: bool = True
+) -> Certificate:
     """Build, process, pack and compare as the module docstring draws; never raises for the model type's sake:
-    what fails is the certificate's ``reason``."""
+    what fails is the certificate's ``reason``. ``restart_positions=False`` is the negative control: the text
+    row numbered across the whole row, so that transformers finds one sequence (the check must then fail)."""
     from .. import PackingCollator
     from ..model_types import RopeIndex, find_rope_index
     from ..offline.model_types import (
@@ -191,8 +194,16 @@ def certify_model_type(model_type: str, *, styles: tuple[str, ...] = ("sdpa", "e
     except Exception as e:
         cert.reason = f"the collator refuses the samples: {type(e).__name__}: {_short(e)}"
         return cert
+    if not restart_positions:
+        whole = torch.arange(batch.input_ids.shape[-1]).expand(batch.input_ids.shape)
+        if batch.position_ids.dim() == 3:
+            batch.position_ids[0] = whole
+        else:
+            batch.position_ids = whole.clone()
     rows = batch.position_ids.shape[0] - 1 if batch.position_ids.dim() == 3 else 0
     cert.positions = f"model's rope index ({rows} rows) + text row" if rope_index is not None else "1-D, restarted"
+    if not restart_positions:
+        cert.positions += " (text row NOT restarted: negative control)"
     for style in styles:
         try:
             model.set_attn_implementation(style)
