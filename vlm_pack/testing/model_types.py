@@ -150,7 +150,7 @@ def certify_model_type(
     """Build, process, pack and compare as the module docstring draws; never raises for the model type's sake:
     what fails is the certificate's ``reason``. ``restart_positions=False`` is the negative control: the text
     row numbered across the whole row, so that transformers finds one sequence (the check must then fail)."""
-    from .. import PackingCollator
+    from ..collate import PackingCollator
     from ..model_types import RopeIndex, find_rope_index
     from ..offline.model_types import (
         NotBuildable,
