@@ -104,7 +104,7 @@ def row(model_type: str, cls: str, cert: dict | None, refused: dict[str, str]) -
         return f"| `{model_type}` | {cls} | generic, certified | packed = alone {measured} ({styles}); " \
                f"positions: {cert.get('positions')}{mixers}{notes} | | |"
     reason = (cert.get("reason") or "").replace("|", "/")
-    if errors:  # measured, not exact: must be in REFUSED
+    if errors or reason.startswith("a token mixer vlm-pack cannot isolate"):  # must be in REFUSED
         return f"| `{model_type}` | {cls} | refused (add to REFUSED) | {reason} | | |"
     return f"| `{model_type}` | {cls} | not certified here | {reason} | | |"
 

@@ -118,3 +118,26 @@ def test_the_model_type_table_lists_every_image_text_to_text_type_of_the_install
             assert route in ("generic, certified", "not certified here") or route.startswith("named record"), line
     certified = [t for t, (line,) in rows.items() if "generic, certified" in line]
     assert len(certified) >= 20, certified
+
+
+def _example():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "examples" / "check_equivalence.py"
+    spec = importlib.util.spec_from_file_location("example_check_equivalence", path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_example_certifies_a_model_type_and_says_why_not(capsys):
+    """``examples/check_equivalence.py --model-type TYPE``: exit 0 and EXACT for a certified type; exit 1 with
+    the reason for one whose text model holds a mixer vlm-pack cannot isolate (LFM3-VL's short convolutions)."""
+    example = _example()
+    assert example.main(["--model-type", "exaone4_5"]) == 0
+    out = capsys.readouterr().out
+    assert "exaone4_5: EXACT" in out and "sdpa 1.0000" in out and "eager 1.0000" in out
+    assert example.main(["--model-type", "lfm3_vl"]) == 1
+    out = capsys.readouterr().out
+    assert "lfm3_vl: NOT EXACT" in out and "Lfm3ShortConv" in out and "cannot isolate" in out

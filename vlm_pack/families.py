@@ -407,6 +407,11 @@ REFUSED: Mapping[str, str] = MappingProxyType({
     # NemotronHMamba2Mixer: Mamba2 state carried across the row on transformers' PyTorch path
     "nemotron_h_omni": "its text model's Mamba2 layers (NemotronHMamba2Mixer) are a token mixer vlm-pack does not "
     "isolate: the state of one sample would carry into the next",
+    # Inkling2ShortConvolution (models/inkling2/modeling_inkling2.py, 5.25): short convolutions inside its attention blocks
+    "inkling2": "its attention blocks hold short convolutions (Inkling2ShortConvolution), a token mixer vlm-pack does not "
+    "isolate: each sample's last tokens would reach the next sample",
+    "inkling2_loop": "its attention blocks hold short convolutions (Inkling2ShortConvolution, as inkling2), a token mixer "
+    "vlm-pack does not isolate: each sample's last tokens would reach the next sample",
     # modeling_hunyuan_vl.py (5.25) reads the text row of 1 + 4 rows for packed detection, then checks the rows
     # it was given against its 4 RoPE axes and raises; with 4 rows there is no text row to find the samples by
     "hunyuan_vl": "transformers 5.25's HunYuanVL model refuses position ids with a text row beside its 4 xD-RoPE "
