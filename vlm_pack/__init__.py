@@ -18,7 +18,8 @@ The public API, stage by stage (README.md draws the picture): about thirty names
 More lives in the modules, imported by name: ``vlm_pack.processing`` (``process_sample``,
 ``forecast_length`` as functions), ``vlm_pack.remap`` (collapsed <-> expanded ``cu_seqlens`` for Megatron
 pipelines of your own), ``vlm_pack.context_parallel``, ``vlm_pack.loss``, ``vlm_pack.attention``,
-``vlm_pack.positions``, ``vlm_pack.routers`` (mixture-of-experts statistics and aux loss of real tokens). Opt-in modules, never loaded by ``import vlm_pack``: ``vlm_pack.testing`` (prove:
+``vlm_pack.positions``, ``vlm_pack.routers`` (mixture-of-experts statistics and aux loss of real tokens),
+``vlm_pack.model_types`` (model types without a record: the model's own rope index per sample, ``RopeIndex``). Opt-in modules, never loaded by ``import vlm_pack``: ``vlm_pack.testing`` (prove:
 ``check_packed_equivalence``, ``token_mult_prob_error``), ``vlm_pack.offline`` (stand-ins for hub
 checkpoints), ``vlm_pack.demo`` (demo data).
 

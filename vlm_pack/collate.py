@@ -57,7 +57,6 @@ Out comes a ``PackedBatch`` (``batch.py``). Rooms: ``collate_settings`` (the mod
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -69,24 +68,26 @@ from .collate_samples import (
     SampleParts,
     TokenFields,
     cat_counts,
-    check_images_beside_videos,
     check_video_tokens,
     collapsed_video_counts,
+    concat_vision,
     frames_as_images,
     keys_of,
     num_images,
     packed_extras,
     placeholder_counts,
+    rename_samples,
     split_fields,
 )
 from .collate_settings import CollatorSettings
-from .families import lookup, names
+from .families import names
 from .labels import IGNORE_INDEX
+from .model_types import rope_index_position_ids
 from .packing.bins import round_up
 from .positions import MRopeOptions, packed_position_ids
 from .processing import length as sample_length  # the one expanded length (and forecast)
 from .remap import remap_cu_seqlens_padded
-from .vision_inputs import check_patch_rows, join_vision
+from .vision_inputs import check_patch_rows
 
 if TYPE_CHECKING:
     from .config import PackingConfig
@@ -163,10 +164,7 @@ class PackingCollator:
             samples) with ``max_rows=None`` (as many rows as needed) or ``N`` (at most ``N`` rows).
         return_style: None returns a :class:`PackedBatch`; a style of :data:`STYLES` returns
             ``batch.model_inputs(style)`` (use ``"sdpa"`` etc. as an HF ``Trainer`` ``data_collator``).
-        rope_index: for a model type without a record whose model computes multimodal RoPE, its own rope
-            index (``vlm_pack.model_types.RopeIndex(find_rope_index(model))``): each sample's rope rows are
-            computed alone under a text row of per-sample aranges (``vlm_pack.model_types``). A model type
-            ``vlm_pack.families.REFUSED`` names raises here.
+        rope_index: a model type without a record, with mRoPE: its model's own (``vlm_pack.model_types``).
 
     The model's facts (``family``, the token ids, ``spatial_merge_size`` ...) are read once into
     ``settings`` (:class:`~vlm_pack.collate_settings.CollatorSettings`: an explicit value, else the model's
@@ -226,9 +224,7 @@ class PackingCollator:
         self.max_rows = max_rows
         self.return_style = return_style
         if rope_index is not None and self.mrope:
-            raise ValueError(
-                f"rope_index= is for model types without a record; family {self.family!r} has its own mRoPE rule"
-            )
+            raise ValueError(f"rope_index= is for model types without a record; {self.family!r} has its own mRoPE")
         self.rope_index = rope_index
 
     @classmethod
@@ -292,9 +288,7 @@ class PackingCollator:
             types = is_image.long() + 2 * is_video.long()
         vision, token_extra, other_extra, metadata = split_fields(sample, tokens)
         check_patch_rows(vision, name)
-        # grids without mRoPE: a Qwen-VL sample under another family's record (or none); a model type without a
-        # record (vlm_pack.model_types) numbers its own (its rope index, or 1-D where its model says so)
-        unrecorded = self.family is not None and lookup(self.family) is None
+        unrecorded = self.settings.unrecorded  # its processor's outputs are the rule (vlm_pack.model_types)
         if not self.mrope and not unrecorded and ("image_grid_thw" in vision or "video_grid_thw" in vision):
             raise ValueError(
                 f"{name} has image_grid_thw/video_grid_thw (a Qwen-VL sample) but the collator's family is "
@@ -310,7 +304,7 @@ class PackingCollator:
                 f"{name} has images but the collator knows no image_token_id: pass image_token_id=, "
                 "tokenizer= or model_config="
             )
-        if n_placeholders and not n_images:
+        if n_placeholders and not n_images and not unrecorded:  # its processor may name its images otherwise
             raise ValueError(
                 f"{name}: input_ids hold {n_placeholders} image token(s) but the sample has no images "
                 "(pixel_values / image_grid_thw): give the images or remove the placeholders"
@@ -347,7 +341,7 @@ class PackingCollator:
         """Embeddings per image (``[n]`` long, or None where the sample does not tell) and the image count."""
         tpi = sample.get("tokens_per_image")
         tpi = torch.as_tensor(tpi, dtype=torch.long).reshape(-1) if tpi is not None else None
-        n_images = num_images(vision, tpi)
+        n_images, unrecorded = num_images(vision, tpi), self.settings.unrecorded
         grid = vision.get("image_grid_thw") if self.mrope else None  # a record's merge rule; else the processor's
         if grid is not None:
             grid = grid.reshape(-1, 3)
@@ -359,7 +353,7 @@ class PackingCollator:
                     f"{grid.tolist()} / merge {self.spatial_merge_size}^2 = {grid_counts.tolist()}"
                 )
             tpi = grid_counts
-        if tpi is None and n_images and self.image_seq_length is not None and "image_sizes" not in vision:
+        if tpi is None and n_images and self.image_seq_length and "image_sizes" not in vision and not unrecorded:
             tpi = torch.full((n_images,), self.image_seq_length, dtype=torch.long)
         return tpi, n_images
 
@@ -430,7 +424,7 @@ class PackingCollator:
             flat_types = plan.scatter(
                 [s.types if s.types is not None else torch.zeros_like(s.ids) for s in ordered], 0
             )
-        vision = _concat_vision(ordered, self.family)
+        vision = concat_vision(ordered, self.family)
         tokens_per_image = cat_counts([s.tokens_per_image for s in ordered])
         tokens_per_video = cat_counts([s.tokens_per_video_placeholder for s in ordered])
         shape = (plan.num_rows, plan.row_length) if self.layout == "expanded" else (1, plan.total)
@@ -438,8 +432,10 @@ class PackingCollator:
             flat_ids, flat_types, plan, tokens_per_image, tokens_per_video
         )
         position_ids = self._positions(exp_ids, exp_types, cu_padded_exp, vision, shape, plan.order)
-        if self.rope_index is not None:
-            position_ids = self._rope_index_positions(ordered, exp_ids, exp_types, cu_padded_exp, position_ids, shape)
+        if self.rope_index is not None:  # a model type without a record: its own rope index, per sample
+            inputs = [{**s.other_extra, **s.vision} for s in ordered]
+            position_ids = rope_index_position_ids(self.rope_index, exp_ids.reshape(shape), cu_padded_exp, inputs,
+                                                   position_ids, exp_types, self.layout)
         seq_exp = (cu_exp[1:] - cu_exp[:-1]).to(torch.int32)
         return PackedBatch(
             input_ids=flat_ids.reshape(shape),
@@ -542,24 +538,6 @@ class PackingCollator:
         exp_types = torch.repeat_interleave(flat_types, repeats) if flat_types is not None else None
         return exp_ids, exp_types, cu_exp, cu_padded_exp
 
-    def _rope_index_positions(
-        self,
-        ordered: list[SampleParts],
-        exp_ids: torch.Tensor,
-        exp_types: torch.Tensor | None,
-        cu_padded_exp: torch.Tensor,
-        text: torch.Tensor,
-        shape: tuple[int, int],
-    ) -> torch.Tensor:
-        """``[1 + k, R, T]``: the per-sample aranges, then each sample's rows of the model's own rope index."""
-        from .model_types import rope_index_position_ids
-
-        if self.layout != "expanded":
-            raise ValueError("rope_index= needs layout='expanded' (the model's rope index numbers expanded tokens)")
-        flat_types = exp_types.reshape(-1) if exp_types is not None else None
-        inputs = _per_sample_inputs(ordered, flat_types, cu_padded_exp)
-        return rope_index_position_ids(self.rope_index, exp_ids.reshape(shape), cu_padded_exp, inputs, text)
-
     def _positions(
         self,
         exp_ids: torch.Tensor,
@@ -594,21 +572,7 @@ class PackingCollator:
             )
         except ValueError as e:
             # positions number samples in packed order; name the caller's index instead.
-            raise ValueError(_rename_samples(str(e), order)) from None
-
-
-def _per_sample_inputs(
-    ordered: list[SampleParts], types: torch.Tensor | None, cu_padded: torch.Tensor
-) -> list[dict[str, Any]]:
-    """Each packed sample's inputs to a rope-index function: its vision tensors and other tensors, and its
-    ``mm_token_type_ids`` over its padded span (padding is text)."""
-    out = []
-    for i, s in enumerate(ordered):
-        inputs: dict[str, Any] = {**s.other_extra, **s.vision}
-        if types is not None:
-            inputs["mm_token_type_ids"] = types[int(cu_padded[i]) : int(cu_padded[i + 1])]
-        out.append(inputs)
-    return out
+            raise ValueError(rename_samples(str(e), order)) from None
 
 
 def _check_arguments(
@@ -634,14 +598,3 @@ def _check_arguments(
         raise ValueError(f"return_style must be None or one of {STYLES}, got {return_style!r}")
     if return_style in HF_STYLES and layout != "expanded":
         raise ValueError(f"return_style={return_style!r} needs layout='expanded' (HF models expand nothing)")
-
-
-def _concat_vision(ordered: list[SampleParts], family: str | None) -> dict[str, torch.Tensor]:
-    """The samples' vision tensors joined in packed order as the model reads them (``vision_inputs``)."""
-    vision = join_vision([s.vision for s in ordered])
-    check_images_beside_videos(family, vision, ordered)
-    return vision
-
-
-def _rename_samples(message: str, order: list[int]) -> str:
-    return re.sub(r"sample (\d+)", lambda mt: f"sample {order[int(mt.group(1))]}", message)

@@ -9,6 +9,7 @@ tensors concatenated, other values kept as metadata).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ import torch
 
 from .batch import VISION_KEYS
 from .families import lookup
+from .vision_inputs import join_vision
 
 if TYPE_CHECKING:
     from .collate_rows import RowPlan
@@ -28,11 +30,13 @@ __all__ = [
     "check_images_beside_videos",
     "check_video_tokens",
     "collapsed_video_counts",
+    "concat_vision",
     "frames_as_images",
     "keys_of",
     "num_images",
     "packed_extras",
     "placeholder_counts",
+    "rename_samples",
     "split_fields",
 ]
 
@@ -326,3 +330,15 @@ def check_images_beside_videos(family: str | None, vision: Mapping[str, Any], pa
         f"({', '.join(images[:3])}) and videos ({', '.join(videos[:3])}): pack image samples and video samples "
         "in separate rows (two datasets, e.g. interleaved by the training loop), or drop one kind"
     )
+
+
+def concat_vision(ordered: list[SampleParts], family: str | None) -> dict[str, torch.Tensor]:
+    """The samples' vision tensors joined in packed order as the model reads them (``vision_inputs``)."""
+    vision = join_vision([s.vision for s in ordered])
+    check_images_beside_videos(family, vision, ordered)
+    return vision
+
+
+def rename_samples(message: str, order: list[int]) -> str:
+    """``message`` with every ``sample k`` (packed order) renamed to the caller's index ``order[k]``."""
+    return re.sub(r"sample (\d+)", lambda mt: f"sample {order[int(mt.group(1))]}", message)

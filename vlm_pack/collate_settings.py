@@ -111,6 +111,11 @@ class CollatorSettings:
         two_way = _two_way_layers(record, resolved, model_config, places["text_config"])
         return cls(family=resolved, two_way_layers=two_way, mrope=is_mrope_family(resolved), **values)
 
+    @property
+    def unrecorded(self) -> bool:
+        """A model type without a record (``vlm_pack.model_types``): its processor's outputs are the rule."""
+        return self.family is not None and lookup(self.family) is None
+
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

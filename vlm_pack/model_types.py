@@ -115,20 +115,26 @@ def rope_index_position_ids(
     cu_seqlens_padded: torch.Tensor,
     per_sample: Sequence[Mapping[str, Any]],
     text_positions: torch.Tensor,
+    mm_token_type_ids: torch.Tensor | None = None,
+    layout: str = "expanded",
 ) -> torch.Tensor:
     """Position ids ``[1 + k, R, T]``: the text row ``text_positions`` ``[R, T]`` (per-sample aranges), then the
     ``k`` rope rows of each sample computed alone by ``rope_index`` on its padded span.
 
     ``input_ids`` ``[R, T]``; ``cu_seqlens_padded`` ``[N + 1]`` offsets into the flattened rows (a row's tail
-    belongs to its last sample); ``per_sample[i]``: sample ``i``'s inputs (``mm_token_type_ids`` over its padded
-    span, its grids), in packed order.
+    belongs to its last sample); ``per_sample[i]``: sample ``i``'s other inputs (its grids ...), in packed order;
+    ``mm_token_type_ids`` (packed like ``input_ids``) is cut per sample span (padding is text, type 0).
     """
+    if layout != "expanded":
+        raise ValueError("rope_index= needs layout='expanded' (the model's rope index numbers expanded tokens)")
     flat = input_ids.reshape(-1)
+    types = mm_token_type_ids.reshape(-1) if mm_token_type_ids is not None else None
     cu = cu_seqlens_padded.tolist()
     rows = []
     for i, inputs in enumerate(per_sample):
         start, end = int(cu[i]), int(cu[i + 1])
-        rows.append(rope_index(flat[start:end], inputs))
+        own = dict(inputs) if types is None else {**inputs, "mm_token_type_ids": types[start:end]}
+        rows.append(rope_index(flat[start:end], own))
     rope = torch.cat(rows, dim=1)
     if rope.shape[1] != flat.numel():
         raise ValueError(

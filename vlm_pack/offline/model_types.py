@@ -74,6 +74,8 @@ def _image_processor(model_type: str) -> Any:
     from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
 
     classes = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or {}
+    if _override(model_type, "image_processor_class"):
+        classes = {"pil": _override(model_type, "image_processor_class")}
     for backend in ("pil", "torchvision"):
         name = classes.get(backend)
         if name is None:
@@ -109,6 +111,10 @@ def _processor_class(model_type: str) -> Any:
     name = _override(model_type, "processor_class") or PROCESSOR_MAPPING_NAMES.get(model_type)
     if name is None:
         raise NotBuildable("transformers maps no processor class to this model type (its checkpoints' remote code)")
+    if name == "PixtralProcessor":  # importable without torchvision (vlm_pack.offline.processors)
+        from .processors import _pixtral_processor_class
+
+        return _pixtral_processor_class()
     return _transformers_attr(name, model_type, "processor")
 
 
@@ -144,6 +150,22 @@ def _stand_in_tokenizer(model_type: str, extra: tuple[str, ...], roles: tuple[tu
     set_named_special_tokens(tok, dict(roles))
     tok.vlm_pack_family = None  # no vlm-pack record: the collator must not take Qwen's
     return tok
+
+
+def _video_processor(model_type: str) -> Any:
+    """The type's video processor with its defaults where torchvision loads (some processors read settings off
+    it even for images: MiniCPM-V 4.6's ``slice_mode``), else None."""
+    from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
+
+    name = VIDEO_PROCESSOR_MAPPING_NAMES.get(model_type)
+    if isinstance(name, dict):  # by backend
+        name = name.get("torchvision") or next(iter(name.values()), None)
+    if not name:
+        return None
+    try:
+        return _transformers_attr(name, model_type, "video processor")()
+    except Exception:  # torchvision absent: the image + text path
+        return None
 
 
 def _llava_counts(model_type: str, cls: type) -> dict[str, Any]:
@@ -183,6 +205,8 @@ def processor_for_type(model_type: str) -> Any:
             kwargs[part] = image_processor
         elif part == "tokenizer":
             kwargs[part] = tok
+        elif part == "video_processor":
+            kwargs[part] = _video_processor(model_type)
         else:
             kwargs[part] = None
     kwargs.update(_llava_counts(model_type, cls))
@@ -202,6 +226,8 @@ def processor_for_type(model_type: str) -> Any:
         tok = _stand_in_tokenizer(model_type, tuple(dict.fromkeys([*extra, *missing])), roles)
         kwargs["tokenizer"] = tok
         proc = built(**kwargs)
+    for name, value in (_override(model_type, "attributes") or {}).items():
+        setattr(proc, name, value)
     return proc
 
 
@@ -218,6 +244,8 @@ def placeholder_for_type(model_type: str, processor: Any) -> str:
 # the config
 # ------------------------------------------------------------------------------------------------------------
 
+# GLM-4.1V's rotary: half of each head, sections (8, 12, 12) of 32, shrunk to a 16-wide head
+_GLM_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1])
 # Per model type, what the generic shrink cannot guess: config keys (``text``, ``vision``, ``top``), the
 # processor's (``processor_kwargs``), its image processor's (``image_processor``), extra tokens.
 _OVERRIDES: dict[str, dict[str, Any]] = {
@@ -232,6 +260,21 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # baidu/ERNIE-4.5-VL-28B-A3B: the model code's default sections (22, 22, 20 of 64), shrunk
     "ernie4_5_vl_moe": dict(text=dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0,
                                                            mrope_section=[3, 3, 2]))),
+    # baidu/Qianfan-OCR: its prompts hold <image>, which the processor expands into its context tokens
+    "qianfan_ocr": dict(placeholder="<image>", image_processor=dict(size={"height": 448, "width": 448})),
+    # llava-hf/vip-llava-7b-hf: CLS dropped, as its projector does
+    "vipllava": dict(processor_kwargs=dict(vision_feature_select_strategy="default")),
+    # nvidia/Cosmos3-Edge: its model reads the token types its processor writes when asked
+    "cosmos3_edge": dict(attributes=dict(return_mm_token_type_ids=True)),
+    # allenai/Molmo2: the adapter reads two layers of the tower (the last two of the tiny one)
+    "molmo2": dict(sub=dict(adapter_config=dict(vision_feature_layer=[-1, -2]))),
+    # GLM-5-Next: as many key / value heads as query heads
+    "glm5_next": dict(text=dict(num_key_value_heads=4)),
+    # transformers maps no processor to GLM-OCR or GLM-GA; their models are GLM-4.1V's (modular), whose processor
+    # and image processor stand in here
+    "glm_ocr": dict(processor_class="Glm4vProcessor", image_processor_class="Glm4vImageProcessorPil",
+                    text=dict(rope_parameters=_GLM_ROPE)),
+    "glmga": dict(processor_class="Glm46VProcessor", text=dict(rope_parameters=_GLM_ROPE)),
     # lmms-lab/LLaVA-OneVision-1.5: its tower embeds one frame per patch (temporal patch 1)
     "llava_onevision1_5": dict(image_processor=dict(temporal_patch_size=1)),
     # CohereLabs/aya-vision-8b: 364 px SigLIP crops (26 x 26 patches, pixel-shuffled by 2)
@@ -305,6 +348,7 @@ _VISION_SIZES = dict(
 
 
 def _shrink_text(text: dict[str, Any], vocab: int) -> None:
+    released_layers = text.get("num_hidden_layers")
     for key, value in _TEXT_SIZES.items():
         if isinstance(text.get(key), int):
             text[key] = value
@@ -322,16 +366,35 @@ def _shrink_text(text: dict[str, Any], vocab: int) -> None:
         text["num_hidden_layers"] = len(text["layer_types"])
     elif "num_hidden_layers" in text:
         text["num_hidden_layers"] = _TEXT["layers"]
+    per_layer = [k for k, v in text.items() if isinstance(v, list) and k != "layer_types"
+                 and (k.endswith("_layer_types") or (released_layers and len(v) == released_layers))]
+    for key in per_layer:
+        text[key] = (text[key] * text["num_hidden_layers"])[: text["num_hidden_layers"]]  # MoE / dense per layer
     for key in ("mlp_only_layers", "full_attn_layers"):
         if isinstance(text.get(key), list):
             text[key] = [i for i in text[key] if i < text["num_hidden_layers"]]
     text["vocab_size"] = vocab
     text["initializer_range"] = _INIT
     text["use_cache"] = False
-    _shrink_rope(text, text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+    # multi-head latent attention rotates qk_rope_head_dim of each head; others the head (or a part of it)
+    rotary = text.get("qk_rope_head_dim") or text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    _shrink_rope(text, rotary)
+
+
+_WIDTH_KEY = re.compile(r"hidden|_dim$|_size$|width")
+
+
+def _same_widths(part: dict[str, Any], released: int, small: int) -> None:
+    """Other width keys of ``part`` that held the released width (``mm_hidden_size``, ``vit_hidden_size`` ...)."""
+    for key, value in list(part.items()):
+        if isinstance(value, int) and not isinstance(value, bool) and value == released and _WIDTH_KEY.search(key):
+            part[key] = small
 
 
 def _shrink_vision(vision: dict[str, Any], text_hidden: int, layers: int) -> None:
+    released = vision.get("hidden_size")
+    if isinstance(released, int) and released > _VISION_SIZES["hidden_size"]:
+        _same_widths(vision, released, _VISION_SIZES["hidden_size"])
     for key, value in _VISION_SIZES.items():
         if isinstance(vision.get(key), int):
             vision[key] = value
@@ -410,6 +473,8 @@ def tiny_config_for_type(model_type: str, processor: Any = None) -> Any:
     vocab = len(tok)
     text_key = "text_config" if isinstance(config.get("text_config"), dict) else None
     text = config[text_key] if text_key else config
+    released_widths = {k: v for k, v in (("text", text.get("hidden_size")),
+                                         ("vision", (config.get("vision_config") or {}).get("hidden_size")))}
     _shrink_text(text, vocab)
     hidden = text["hidden_size"]
     side = _fixed_size(getattr(proc, "image_processor", None))
@@ -421,7 +486,10 @@ def tiny_config_for_type(model_type: str, processor: Any = None) -> Any:
             patch = getattr(getattr(proc, "image_processor", None), "patch_size", None)
             if key == "vision_config" and isinstance(patch, int) and isinstance(sub.get("patch_size"), int):
                 sub["patch_size"] = patch  # the processor cuts the patches the tower embeds
-    if text_key:
+    if text_key:  # projector widths on the top-level config (mm_hidden_size ...)
+        for kind, small in (("vision", _VISION_SIZES["hidden_size"]), ("text", hidden)):
+            if isinstance(released_widths[kind], int) and released_widths[kind] > small:
+                _same_widths(config, released_widths[kind], small)
         config["vocab_size"] = vocab if "vocab_size" in config else config.get("vocab_size")
         if config.get("vocab_size") is None:
             config.pop("vocab_size")
@@ -434,6 +502,8 @@ def tiny_config_for_type(model_type: str, processor: Any = None) -> Any:
         text[key] = value
     for key, value in (_override(model_type, "vision") or {}).items():
         config["vision_config"][key] = value
+    for part, values in (_override(model_type, "sub") or {}).items():
+        config[part].update(values)
     config.pop("model_type", None)
     for key in ("transformers_version", "architectures", "_name_or_path"):
         config.pop(key, None)
@@ -461,4 +531,4 @@ def tiny_model_for_type(
         raise NotBuildable(f"{MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type]} does not import here")
     torch.manual_seed(seed)
     model = model_from_config(cls, config, attn_implementation=attn_implementation, dtype=torch.float32)
-    return model.eval()
+    return model.float().eval()  # parts a config pins to bf16 (Llama 4's) too

@@ -49,6 +49,7 @@ class Certificate:
     tokens: int = 0
     reason: str | None = None
     built: bool = False
+    notes: list[str] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
@@ -65,6 +66,7 @@ class Certificate:
         lines.append(f"  positions: {self.positions or 'n/a'}; token mixers: {', '.join(self.mixers) or 'none'}")
         if self.reason:
             lines.append(f"  reason: {self.reason}")
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -91,7 +93,15 @@ def type_samples(processor: Any, placeholder: str | None = None) -> list[dict[st
         if images:
             kwargs["images"] = [images]
         try:
-            out.append(dict(processor(**kwargs)))
+            try:
+                processed = processor(**kwargs)
+            except ValueError:
+                if not images:
+                    raise
+                processed = processor(**dict(kwargs, images=images))  # processors that take no nesting (GOT-OCR2)
+            # fp32 throughout (some image processors return bf16 pixels, Llama 4's)
+            out.append({k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                        for k, v in processed.items()})
         except Exception:
             if images:
                 raise
@@ -134,17 +144,32 @@ def _mixers(model: Any) -> tuple[list[str], str | None]:
 
 
 @torch.no_grad()
-def certify_model_type(model_type: str, *, styles: tuple[str, ...] = ("sdpa", "eager"), seed: int = 0) -> Certificate:
+def certify_model_type(
+    model_type: str, *, styles: tuple[str, ...] = ("sdpa", "eager"), seed: int = 0, restart_positions: bool = True
+) -> Certificate:
     """Build, process, pack and compare as the module docstring draws; never raises for the model type's sake:
-    what fails is the certificate's ``reason``."""
-    from .. import PackingCollator
+    what fails is the certificate's ``reason``. ``restart_positions=False`` is the negative control: the text
+    row numbered across the whole row, so that transformers finds one sequence (the check must then fail)."""
+    from ..collate import PackingCollator
     from ..model_types import RopeIndex, find_rope_index
-    from ..offline.model_types import NotBuildable, placeholder_for_type, processor_for_type, tiny_model_for_type
+    from ..offline.model_types import (
+        NotBuildable,
+        placeholder_for_type,
+        processor_for_type,
+        tiny_model_for_type,
+    )
 
     cert = Certificate(model_type)
     try:
         processor = processor_for_type(model_type)
-        model = tiny_model_for_type(model_type, processor, seed=seed, attn_implementation=styles[0])
+        try:
+            model = tiny_model_for_type(model_type, processor, seed=seed, attn_implementation=styles[0])
+        except ValueError as e:
+            if "does not support an attention implementation" not in str(e) or len(styles) < 2:
+                raise
+            cert.notes.append(f"{styles[0]}: the model has no such attention")
+            styles = styles[1:]
+            model = tiny_model_for_type(model_type, processor, seed=seed, attn_implementation=styles[0])
     except NotBuildable as e:
         cert.reason = str(e)
         return cert
@@ -169,8 +194,16 @@ def certify_model_type(model_type: str, *, styles: tuple[str, ...] = ("sdpa", "e
     except Exception as e:
         cert.reason = f"the collator refuses the samples: {type(e).__name__}: {_short(e)}"
         return cert
+    if not restart_positions:
+        whole = torch.arange(batch.input_ids.shape[-1]).expand(batch.input_ids.shape)
+        if batch.position_ids.dim() == 3:
+            batch.position_ids[0] = whole
+        else:
+            batch.position_ids = whole.clone()
     rows = batch.position_ids.shape[0] - 1 if batch.position_ids.dim() == 3 else 0
     cert.positions = f"model's rope index ({rows} rows) + text row" if rope_index is not None else "1-D, restarted"
+    if not restart_positions:
+        cert.positions += " (text row NOT restarted: negative control)"
     for style in styles:
         try:
             model.set_attn_implementation(style)

@@ -1,0 +1,143 @@
+"""Model types without a record (``vlm_pack.model_types``): packed = alone on tiny genuine models of the type's
+own config with its real processor, refused types refused by name, and docs/families.md covering every
+image-text-to-text model type of the installed transformers exactly once.
+
+The oracle is each sample run alone through the model as its processor gave it (the model computing its own
+positions, mRoPE included); the packed row is what ``PackingCollator`` makes of the processor's outputs. The
+full sweep is ``scripts/families_table.py`` (every type, a process each); here a representative subset: a 1-D
+type on the Qwen-VL image processor, a type whose model computes mRoPE (its own rope index per sample), and one
+with its own processor and a tiled image layout.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlm_pack import PackingCollator
+from vlm_pack.families import FAMILIES, REFUSED, lookup
+from vlm_pack.model_types import RopeIndex, find_rope_index
+from vlm_pack.offline.model_types import image_text_to_text_types, processor_for_type, tiny_model_for_type
+from vlm_pack.testing.model_types import TOLERANCE, certify_model_type, type_samples
+
+DOC = Path(__file__).parents[1] / "docs" / "families.md"
+
+
+@pytest.mark.parametrize("model_type", ["exaone4_5", "paddleocr_vl"])
+def test_a_model_type_without_a_record_packs_as_each_sample_alone(model_type):
+    """sdpa and eager: three samples (two images, one, none) in one row, each scored against itself alone."""
+    assert lookup(model_type) is None and model_type not in REFUSED
+    cert = certify_model_type(model_type)
+    assert cert.exact, str(cert)
+    assert set(cert.errors) == {"sdpa", "eager"} and all(e <= TOLERANCE for e in cert.errors.values())
+    assert cert.tokens > 100
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["idefics2", "ernie4_5_vl_moe", "video_llava", "glm_ocr"])
+def test_more_model_types_pack_as_each_sample_alone(model_type):
+    cert = certify_model_type(model_type)
+    assert cert.exact, str(cert)
+
+
+@pytest.mark.parametrize("model_type", ["exaone4_5", "paddleocr_vl"])
+def test_the_check_fails_when_the_positions_do_not_restart(model_type):
+    """The negative control: the text row numbered across the whole row makes transformers see one sequence,
+    so the samples attend to each other (1-D and mRoPE alike), and the certificate says so."""
+    cert = certify_model_type(model_type, restart_positions=False)
+    assert not cert.exact and min(cert.errors.values()) > 1.01, str(cert)
+    assert "packed != alone" in (cert.reason or "")
+
+
+def test_the_rope_index_is_the_models_own_per_sample_and_survives_a_worker():
+    """PaddleOCR-VL's packed rows: a text arange per sample, then the rows its model's get_rope_index gives each
+    sample alone; the RopeIndex pickled into a DataLoader worker (rebuilt on the meta device) gives the same."""
+    processor = processor_for_type("paddleocr_vl")
+    model = tiny_model_for_type("paddleocr_vl", processor)
+    owner = find_rope_index(model)
+    assert owner is not None
+    samples = type_samples(processor)
+    total = sum(s["input_ids"].shape[-1] for s in samples)
+    collator = PackingCollator(total + 7, model_config=model.config, tokenizer=processor, rope_index=RopeIndex(owner))
+    batch = collator(samples)
+    assert batch.position_ids.shape == (4, 1, total + 7)
+    starts = batch.cu_seqlens_padded.tolist()
+    for slot, k in enumerate(batch.sample_index.tolist()):
+        s = samples[k]
+        length = s["input_ids"].shape[-1]
+        got = batch.position_ids[:, 0, starts[slot] : starts[slot] + length]
+        own, _ = owner.get_rope_index(s["input_ids"], mm_token_type_ids=s["mm_token_type_ids"],
+                                      image_grid_thw=s.get("image_grid_thw"))
+        assert torch.equal(got[0], torch.arange(length))
+        assert torch.equal(got[1:], own[:, 0])
+    worker = pickle.loads(pickle.dumps(collator))
+    assert torch.equal(worker(samples).position_ids, batch.position_ids)
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_a_refused_model_type_is_refused_by_name_when_the_collator_is_built(model_type):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    with pytest.raises(ValueError, match=rf"does not pack model type '{model_type}': .*docs/families.md"):
+        PackingCollator(1024, model_config=config)
+    with pytest.raises(ValueError, match=rf"'{model_type}'"):
+        PackingCollator(1024, family=None, model_config=config, max_rows=None)
+
+
+def _table_rows() -> dict[str, list[str]]:
+    text = DOC.read_text()
+    begin = text.index("<!-- model-types:begin")
+    end = text.index("<!-- model-types:end -->")
+    rows: dict[str, list[str]] = {}
+    for line in text[begin:end].splitlines():
+        match = re.match(r"^\| `([^`]+)` \|", line)
+        if match:
+            rows.setdefault(match.group(1), []).append(line)
+    return rows
+
+
+def test_the_model_type_table_lists_every_image_text_to_text_type_of_the_installed_transformers_once():
+    rows = _table_rows()
+    installed = image_text_to_text_types()
+    assert sorted(rows) == sorted(installed), (
+        "docs/families.md's model-type table is for another transformers release: run scripts/families_table.py"
+    )
+    assert all(len(lines) == 1 for lines in rows.values()), [t for t, lines in rows.items() if len(lines) > 1]
+    for model_type, (line,) in rows.items():
+        route = line.split("|")[3].strip()
+        if model_type in FAMILIES:
+            assert route.startswith("named record"), line
+        elif model_type in REFUSED:
+            assert route == "refused", line
+        else:
+            assert route in ("generic, certified", "not certified here") or route.startswith("named record"), line
+    certified = [t for t, (line,) in rows.items() if "generic, certified" in line]
+    assert len(certified) >= 20, certified
+
+
+def _example():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "examples" / "check_equivalence.py"
+    spec = importlib.util.spec_from_file_location("example_check_equivalence", path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_example_certifies_a_model_type_and_says_why_not(capsys):
+    """``examples/check_equivalence.py --model-type TYPE``: exit 0 and EXACT for a certified type; exit 1 with
+    the reason for one whose text model holds a mixer vlm-pack cannot isolate (LFM3-VL's short convolutions)."""
+    example = _example()
+    assert example.main(["--model-type", "exaone4_5"]) == 0
+    out = capsys.readouterr().out
+    assert "exaone4_5: EXACT" in out and "sdpa 1.0000" in out and "eager 1.0000" in out
+    assert example.main(["--model-type", "lfm3_vl"]) == 1
+    out = capsys.readouterr().out
+    assert "lfm3_vl: NOT EXACT" in out and "Lfm3ShortConv" in out and "cannot isolate" in out
