@@ -89,6 +89,14 @@ def test_the_exact_route_writes_what_the_processor_writes(family):
 
 
 @EXACT
+@pytest.mark.torchvision
+def test_the_exact_route_writes_what_lfm2_vls_processor_writes():
+    """LFM2-VL's image step takes an argument its __call__ computes (``use_image_special_tokens``)."""
+    pytest.importorskip("torchvision")
+    test_the_exact_route_writes_what_the_processor_writes("lfm2_vl")
+
+
+@EXACT
 def test_the_exact_route_refuses_the_sizes_the_processor_refuses():
     spec = exact_spec(_processor("qwen2_vl"))
     with pytest.raises(ValueError, match=r"Qwen2VLProcessor refuses image\(s\) 603x2.*aspect ratio"):

@@ -145,8 +145,31 @@ def process_images(processor: Any, images: list[Any]) -> tuple[Any, list[str]]:
         tokenizer_init_kwargs=getattr(processor.tokenizer, "init_kwargs", {}),
         return_tensors="np",
     )
-    out, texts = processor._process_images(images, **merged["images_kwargs"])
+    step = processor._process_images
+    out, texts = step(images, **_step_arguments(step, merged, "images"), **merged["images_kwargs"])
     return out, [str(text) for text in texts]
+
+
+def _step_arguments(step: Any, merged: dict[str, Any], first: str) -> dict[str, Any]:
+    """The named arguments a processor's own step takes besides ``first`` and its modality kwargs, as its
+    ``__call__`` passes them from the merged kwargs (LFM2-VL's ``_process_images(images,
+    use_image_special_tokens, **kwargs)``, models/lfm2_vl/processing_lfm2_vl.py); a TypeError naming one that
+    the merged kwargs do not hold."""
+    import inspect
+
+    out = {}
+    for name, param in inspect.signature(step).parameters.items():
+        if name == first or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+            continue
+        for where in (merged, merged.get("text_kwargs", {}), merged.get(f"{first}_kwargs", {})):
+            if name in where:
+                out[name] = where[name]
+                break
+        else:
+            if param.default is param.empty:
+                raise TypeError(f"{type(step.__self__).__name__}'s own {first} step needs {name!r}, which only "
+                                "its __call__ computes")  # fmt: skip
+    return out
 
 
 def video_step_missing(processor: Any) -> str | None:
@@ -177,7 +200,9 @@ def process_videos(processor: Any, frames: Any, metadata: Any, **videos_kwargs: 
         **videos_kwargs,
     )
     kwargs = {**merged["videos_kwargs"], "do_sample_frames": False, "video_metadata": [metadata]}
-    out, texts = processor._process_videos([frames], **kwargs)
+    step = processor._process_videos
+    extra = {k: v for k, v in _step_arguments(step, merged, "videos").items() if k not in kwargs}
+    out, texts = step([frames], **extra, **kwargs)
     return out, [str(text) for text in texts]
 
 
