@@ -141,3 +141,16 @@ def test_the_example_certifies_a_model_type_and_says_why_not(capsys):
     assert example.main(["--model-type", "lfm3_vl"]) == 1
     out = capsys.readouterr().out
     assert "lfm3_vl: NOT EXACT" in out and "Lfm3ShortConv" in out and "cannot isolate" in out
+
+
+def test_a_model_type_whose_model_computes_mrope_needs_its_rope_index():
+    """Without ``rope_index=``, PaddleOCR-VL's rows would get 1-D ids (its images' mRoPE silently lost): refused,
+    naming the model's function; EXAONE 4.5 (image grids, but 1-D positions: its get_rope_index only raises)
+    and a record's own mRoPE family need none, and a record's family refuses one."""
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match=r"'paddleocr_vl' computes multimodal RoPE \(PaddleOCRVLModel.get_rope_index\)"):
+        PackingCollator(1024, model_config=AutoConfig.for_model("paddleocr_vl"))
+    PackingCollator(1024, model_config=AutoConfig.for_model("exaone4_5"))
+    with pytest.raises(ValueError, match="has its own mRoPE"):
+        PackingCollator(1024, family="qwen2_vl", rope_index=lambda ids, inputs: ids[None])
