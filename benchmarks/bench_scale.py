@@ -8,7 +8,7 @@ real JPEG/PNG bytes, content-part messages; ``--rows`` rows, written once into `
   one batched call per 1,024 rows as the forecast makes it: what any exact forecast must pay per row;
 - the same with the released Qwen2-VL Jinja chat template on the tokenizer (its own floor: the tokenizer on
   the prompts that template renders): what a checkpoint's parts cost, the template rendered per row;
-- ``forecast_sources(num_workers=1 | 2)``: rows/s and rows per CPU-second (this process and its joined
+- ``forecast_sources(num_proc=1 | 2)``: rows/s and rows per CPU-second (this process and its joined
   workers), so scaling shows even on a loaded machine;
 - ``vlm_pack.integrations.ray.forecast_ray`` with 1 and 2 workers on a local ``ray.init(num_cpus=2)``
   cluster (started once, untimed; each run includes its actors' start), checked equal to the local table;
@@ -205,7 +205,7 @@ def main() -> None:
     ]
     tables = {}
     for w in (1, 2):
-        t, c, table = best(lambda w=w: forecast_sources(str(path), preprocessor=pre, num_workers=w, progress=False))
+        t, c, table = best(lambda w=w: forecast_sources(str(path), preprocessor=pre, num_proc=w, progress=False))
         tables[w] = table
         n = len(table) + len(table.invalid)
         rows.append((f"forecast_sources, {w} process{'es' if w > 1 else ''}", n / t, n / c))

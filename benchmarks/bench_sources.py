@@ -10,7 +10,7 @@ Rows per second, all in the same run:
 - floor: ``datasets`` reading the same columns into Python rows, images left encoded
   (``Dataset.from_parquet`` once, untimed; then ``ds.iter(batch_size=1024)`` with ``Image(decode=False)``);
 - decode: ``datasets`` as most loaders use it, images decoded to PIL (on ``--decode-rows`` rows only);
-- vlm-pack ``forecast_sources(source, num_workers=N)`` for each N of ``--workers``, on the parquet file
+- vlm-pack ``forecast_sources(source, num_proc=N)`` for each N of ``--workers``, on the parquet file
   (streamed as Arrow batches to the workers) and on the ``Dataset`` above (workers read its memory-mapped
   rows themselves): read the rows, normalise each record, read each image's size from its header bytes,
   tokenize the conversation with the chat format (offline Qwen2-VL tokenizer, one batched call per chunk)
@@ -149,7 +149,7 @@ def main() -> None:
         for w in args.workers:
             t, c, table = timed(
                 lambda w=w, source=source: forecast_sources(
-                    source, tokenizer=tok, spec=spec, num_workers=w, progress=False
+                    source, tokenizer=tok, spec=spec, num_proc=w, progress=False
                 )
             )
             assert len(table) == n and not table.invalid

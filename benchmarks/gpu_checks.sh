@@ -51,3 +51,13 @@ for fam in qwen2_vl qwen2_5_vl qwen3_vl qwen3_5 llava_onevision; do
     step "video_$fam" 120 python3 examples/check_equivalence.py --video --family "$fam" --device cuda --dtype bfloat16 --attn varlen
 done
 step video_broken_qwen2_5_vl 120 python3 examples/check_equivalence.py --video --family qwen2_5_vl --device cuda --dtype bfloat16 --attn varlen --mistake positions
+# hybrid models (issue 40): the token mixers' kernel path (fla-core: pure Python + Triton, no compiled extension;
+# carry its wheel and einops' in .whl/ where the machine cannot reach the registry), then models of released
+# shapes, random-initialised, bf16, capacity 16384, images at real sizes: packed vs padded real tokens/s, their
+# ratio to the padding bound, peak memory, first-step loss equal (exit 1 otherwise); Qwen3.5 on the kernels vs
+# vlm-pack's per-sample loop. tests/test_bench_at_size.py runs the same script tiny on CPU.
+step pytest_mixer_kernels 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mixer_kernels.py
+step fla_import 60 python3 -c "import torch, fla; print('fla', fla.__version__, torch.cuda.get_device_name())"
+step at_size_qwen2_5_vl_3b 420 python3 benchmarks/bench_at_size.py --model qwen2_5_vl_3b --device cuda --capacity 16384 --checkpointing
+step at_size_qwen3_5_2b_kernel 420 python3 benchmarks/bench_at_size.py --model qwen3_5_2b --device cuda --capacity 16384 --checkpointing --mixers kernel
+step at_size_qwen3_5_2b_per_sample 420 python3 benchmarks/bench_at_size.py --model qwen3_5_2b --device cuda --capacity 16384 --checkpointing --mixers per_sample

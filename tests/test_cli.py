@@ -187,6 +187,29 @@ def test_jsonl_manifest_matches_shards(tmp_path, capsys):
     assert reports[0]["capacities"][0]["packed"] == reports[1]["capacities"][0]["packed"]
 
 
+def test_a_saved_offline_processor_is_a_processor_folder_for_the_cli(tmp_path, shards, capsys):
+    """The first hour (docs/your-data.md): the offline stand-in processor saved with save_pretrained (it raised
+    AttributeError on its missing video processor) is a folder `analyze --processor` reads, with the same
+    counts as the processor itself forecasts."""
+    from vlm_pack import Preprocessor
+    from vlm_pack.offline import processor
+
+    proc = processor("qwen2_vl", build_tokenizer("qwen2_vl"), size={"shortest_edge": 3136, "longest_edge": SMALL})
+    folder = tmp_path / "ckpt"
+    proc.save_pretrained(folder)
+    code, out, err = _run(capsys, ["analyze", str(shards[0]), "--processor", str(folder), "--json", "--no-plots",
+                                   "--out", str(tmp_path / "r")])  # fmt: skip
+    assert code == 0 and "stand-in" not in err, err
+    report = json.loads(out)
+    assert report["tokenizer"] == "exact" and report["vision_spec"]["max_pixels"] == SMALL
+    from vlm_pack.data import forecast_sources
+
+    table = forecast_sources(str(shards[0]), preprocessor=Preprocessor(processor=proc), progress=False)
+    assert report["dataset"]["samples"] == len(table.lengths)
+    dataset = report["dataset"]
+    assert dataset["text_tokens"] + dataset["vision_tokens"] == int(table.lengths.sum())
+
+
 def test_processor_folder_gives_the_same_as_family_flags(tmp_path, shards, capsys):
     folder = tmp_path / "ckpt"
     image_processor("qwen2_vl", size={"shortest_edge": 3136, "longest_edge": SMALL}).save_pretrained(folder)

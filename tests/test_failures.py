@@ -23,6 +23,7 @@ from vlm_pack.data.stats import BadSampleWarning
 from vlm_pack.failures import FailureBudgetError, InternalCheckError, SampleCodeError
 from vlm_pack.offline import build_tokenizer, image_processor
 from vlm_pack.preprocessor import Preprocessor
+from vlm_pack.vision import vision_spec_from_processor
 
 CAPACITY = 512
 
@@ -120,7 +121,9 @@ def test_stream_an_image_processor_bug_is_raised_and_its_refusals_counted(tmp_pa
         cls.__name__ = type(ip).__name__  # read as the processor it extends
         processor = type(ip).from_dict(ip.to_dict())
         processor.__class__ = cls
-        ds = PackedWebDataset(urls, Preprocessor(tok, processor), capacity=CAPACITY)
+        # a subclass that rewrites __call__ gets no record's rule by resemblance: the spec is given
+        pre = Preprocessor(tok, processor, spec=vision_spec_from_processor(ip))
+        ds = PackedWebDataset(urls, pre, capacity=CAPACITY)
         if cls is Buggy:
             with pytest.raises(SampleCodeError, match=r"shard .*shard-000000\.tar, sample 's0'.*AttributeError"):
                 _epoch(ds)
@@ -247,15 +250,16 @@ def test_stream_more_consecutive_bad_samples_than_the_limit_raise(tmp_path, qwen
     good = [_record(f"g{i}", None, f"caption {i}") for i in range(3)]
     records = [_record(f"bad{i:03d}", _GARBAGE) for i in range(101)] + good
     urls = _shards(tmp_path / "101", records)
+    share = {"max_bad_fraction": None}  # the run alone (97% bad: the share would stop it first, tests/test_bad_share.py)
     with pytest.raises(FailureBudgetError, match=r"101 bad samples in a row.*max_consecutive_failures=100") as err:
-        _epoch(_stream(urls, qwen))  # default limit: 100
+        _epoch(_stream(urls, qwen, **share))  # default limit: 100
     assert "corrupt_image (101)" in str(err.value) and "key 'bad000'" in str(err.value)
 
-    ds = _stream(urls, qwen, max_consecutive_failures=101)  # the limit is a knob
+    ds = _stream(urls, qwen, max_consecutive_failures=101, **share)  # the limit is a knob
     assert _keys(_epoch(ds)) == ["g0", "g1", "g2"] and ds.stats.reasons == {"corrupt_image": 101}
-    ds = _stream(_shards(tmp_path / "100", records[1:]), qwen)  # 100 in a row: within the default
+    ds = _stream(_shards(tmp_path / "100", records[1:]), qwen, **share)  # 100 in a row: within the default
     assert _keys(_epoch(ds)) == ["g0", "g1", "g2"] and ds.stats.reasons == {"corrupt_image": 100}
-    ds = _stream(urls, qwen, config=PackingConfig(capacity=CAPACITY, max_consecutive_failures=None))
+    ds = _stream(urls, qwen, config=PackingConfig(capacity=CAPACITY, max_consecutive_failures=None, **share))
     assert _keys(_epoch(ds)) == ["g0", "g1", "g2"]
 
 
@@ -339,14 +343,17 @@ def test_map_some_corrupt_images_are_left_out_with_the_reason_and_the_rest_train
     left_out = [tuple(x) for b in batches for x in plan_info(b)["left_out"]]
     assert rows == [0, 2, 3, 5]
     assert left_out == [(1, "decode_error")]  # the one the plan had: its pixels failed
-    assert [key for key, _, _ in packed.skipped] == ["4"]  # the unreadable header: left out of the plan
+    # the unreadable header, left out of the plan, then the row whose pixels failed at load: both reported
+    assert [(key, reason) for key, _, reason in packed.skipped][1:] == [("1", "decode_error")]
+    assert packed.skipped[0][0] == "4"
 
 
 def test_map_more_consecutive_bad_records_than_the_limit_raise(qwen):
     data = _dataset([_GARBAGE] * 101 + [None, None], texts=[f"q {i}" for i in range(103)])
     with pytest.raises(FailureBudgetError, match=r"101 bad samples in a row.*max_consecutive_failures=100"):
-        _map(data, qwen)
-    packed = _map(data, qwen, config=PackingConfig(capacity=CAPACITY, max_consecutive_failures=101))
+        _map(data, qwen, max_bad_fraction=None)  # the run alone: 98% bad, the share would stop it first
+    packed = _map(data, qwen, config=PackingConfig(capacity=CAPACITY, max_consecutive_failures=101,
+                                                   max_bad_fraction=None))
     assert len(packed.skipped) == 101 and packed.num_samples == 2
 
     # loading: the good (longest) sample first, then 2 truncated ones in a row: over a limit of 1

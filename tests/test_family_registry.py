@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from pathlib import Path
 from typing import get_args
 
@@ -238,3 +239,64 @@ def f(family, spec, style):
     found = _family_literals(source, _spellings())
     assert [line for line, _ in found] == [3, 3, 7, 7, 7]
     assert [what for _, what in found][:2] == ["qwen2_vl", "llava"]
+
+
+# ------------------------------------------------------------------------------ no processor-class table elsewhere
+
+#: Strings naming a transformers processor class outside the registry, still to move onto the records (issue 38
+#: item 5), by file: each a family rule keyed by a class name, which the records' ``processors`` /
+#: ``image_processors`` / ``video_processor`` fields replace. Drop an entry with its table.
+CLASS_TABLES_PENDING = {
+    "processing/layout.py": {"LlavaImageProcessor", "LlavaNextImageProcessor", "CLIPImageProcessor"},
+    "processing/sample.py": {"Qwen2VLImageProcessorPil", "Glm4vImageProcessorPil"},
+}  # fmt: skip
+_CLASS_NAME = re.compile(r"^(?!(Image|Video)Processor)[A-Z][A-Za-z0-9_]*Processor(Pil|Fast)?$")  # not a suffix
+
+
+def _class_literals(source: str) -> list[tuple[int, str]]:
+    """``(line, name)`` of each string literal (docstrings and other bare strings aside) that is a processor
+    class name (``...Processor``, ``...ImageProcessorPil``, ``...VideoProcessor``)."""
+    tree = ast.parse(source)
+    bare = {
+        id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+    }
+    return [
+        (n.lineno, n.value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in bare and _CLASS_NAME.match(n.value)
+    ]
+
+
+def test_no_module_keeps_a_processor_class_table_of_its_own():
+    """Which rule a processor gets is its record's (``Family.processors``): a class name written elsewhere is a
+    rule applied by a name the registry does not know of (the old ``_READERS`` picked Qwen's rule for every
+    processor holding a ``Qwen2VLImageProcessor``)."""
+    seen: dict[str, set[str]] = {}
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        if where == "families.py" or where.startswith("offline/"):  # the registry and the stand-ins
+            continue
+        for line, name in _class_literals(path.read_text(encoding="utf-8")):
+            if name in CLASS_TABLES_PENDING.get(where, ()):
+                seen.setdefault(where, set()).add(name)
+            else:
+                offenders.append(f"vlm_pack/{where}:{line}: {name}")
+    assert not offenders, (
+        "processor class names outside the registry: make them a field of vlm_pack.families.Family:\n"
+        + "\n".join(offenders)
+    )
+    assert seen == CLASS_TABLES_PENDING, f"CLASS_TABLES_PENDING lists names no longer written: {CLASS_TABLES_PENDING}"
+
+
+def test_the_class_table_check_finds_names_but_not_docstrings():
+    source = '''
+"""Reads Qwen2VLProcessor."""
+READERS = {"Qwen2VLImageProcessor": 1, "LlavaProcessor": 2}
+def f(p):
+    """For Gemma3ImageProcessorPil."""
+    return type(p).__name__ in ("Glm4vImageProcessorPil", "a Processor", "ProcessorSpec", "ImageProcessorPil")
+'''
+    assert [name for _, name in _class_literals(source)] == [
+        "Qwen2VLImageProcessor", "LlavaProcessor", "Glm4vImageProcessorPil",
+    ]  # fmt: skip

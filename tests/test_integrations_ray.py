@@ -172,6 +172,20 @@ def test_ray_forecast_raises_the_first_bad_sample_in_source_order(cluster, pre, 
 
 
 @pytest.mark.slow
+def test_ray_failure_budget_names_its_stage_once_as_the_local_forecast_does(cluster, pre, parquet):
+    """Issue 39: ``forecast_ray, header-only forecast: ...``, not ``forecast_ray (header-only forecast),
+    header-only forecast: ...``; the same message as one process gives, but for the run's name."""
+    from vlm_pack.failures import FailureBudgetError
+
+    with pytest.raises(FailureBudgetError) as single:
+        forecast_sources(parquet, preprocessor=pre, max_consecutive_failures=0, progress=False)
+    with pytest.raises(FailureBudgetError) as distributed:
+        forecast_ray(parquet, preprocessor=pre, max_consecutive_failures=0, num_proc=2)
+    assert str(distributed.value).startswith("forecast_ray, header-only forecast: 1 bad samples in a row")
+    assert str(distributed.value).replace("forecast_ray", "forecast_sources", 1) == str(single.value)
+
+
+@pytest.mark.slow
 def test_cli_analyze_engine_ray_writes_the_same_lengths(cluster, parquet, tmp_path, capsys):
     from vlm_pack.cli import main
 

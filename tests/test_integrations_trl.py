@@ -474,11 +474,13 @@ def test_a_saved_plan_trains_without_a_forecast_and_a_stale_one_is_refused(tmp_p
 
 @pytest.mark.slow
 def test_qwen3_5_trains_on_packed_rows_each_sample_once_first_loss_as_each_sample_alone(tmp_path):
-    """Qwen3.5 (gated delta-net + attention 3:1) through PackedSFTTrainer.train() on packed rows, its mixers
-    isolated per sample (``isolate_token_mixers``): every sample trained once, and the first step's loss is the
-    per-token loss of that row's samples each run alone through the same initial weights."""
+    """Qwen3.5 (gated delta-net + attention 3:1) through PackedSFTTrainer.train() on packed rows, with no call
+    to isolate its mixers (the trainer does, where vlm-pack meets the model): every sample trained once, and the
+    first step's loss is the per-token loss of that row's samples each run alone through the same initial
+    weights."""
     from vlm_pack import isolate_token_mixers
     from vlm_pack.data import write_shards
+    from vlm_pack.mixers import find_token_mixers
 
     pre = _family_preprocessor("qwen3_5")
     records = _records(6, seed=3, max_images=1)
@@ -489,10 +491,11 @@ def test_qwen3_5_trains_on_packed_rows_each_sample_once_first_loss_as_each_sampl
     def model():
         return tiny_model("qwen3_5", pre.tokenizer, num_layers=4, initializer_range=0.2, seed=0)
 
-    trained = isolate_token_mixers(model())
+    trained = model()
     collator = _Recording(TRLPackingCollator(400, pre, model_config=trained.config))
     trainer = PackedSFTTrainer(model=trained, args=_args(tmp_path, num_train_epochs=1, learning_rate=1e-3),
                                train_dataset=ds, data_collator=collator, processing_class=pre.tokenizer)
+    assert {m.isolation for m in find_token_mixers(trained)} == {"per_sample"}
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert sorted(collator.keys) == [r["key"] for r in records]  # each exactly once
@@ -510,11 +513,15 @@ def test_qwen3_5_trains_on_packed_rows_each_sample_once_first_loss_as_each_sampl
             total += float(alone(**inputs, labels=s["labels"][None], use_cache=False).loss) * n
             count += n
     assert abs(logs[0]["loss"] - total / count) < 5e-6, (logs[0]["loss"], total / count)
-    # Control: the same first row through the initial weights without isolated mixers (boundaries reach the
-    # attention layer only) leaks the first samples into the later ones: the loss moves (measured 6e-5).
+    # Control: the same first row through the initial weights without isolated mixers: transformers' fallback
+    # refuses the row's seq_idx; without it (boundaries reach the attention layer only) the first samples leak
+    # into the later ones: the loss moves (measured 6e-5).
     inputs = TRLPackingCollator(400, pre, model_config=trained.config)(collator.rows[:1])
     inputs.pop(NUM_TOKENS_KEY)
     with torch.no_grad():
-        leaking = float(model().eval()(**inputs, use_cache=False).loss)
+        with pytest.raises(ValueError, match="can't keep packed sequences apart"):
+            model().eval()(**inputs, use_cache=False)
         isolated = float(isolate_token_mixers(model()).eval()(**inputs, use_cache=False).loss)
+        inputs.pop("seq_idx")
+        leaking = float(model().eval()(**inputs, use_cache=False).loss)
     assert abs(isolated - total / count) < 5e-6 and abs(leaking - total / count) > 2e-5, (isolated, leaking)

@@ -272,3 +272,63 @@ def test_an_image_the_processor_gives_more_patches_than_its_mask_is_refused_nami
     collator = PackingCollator(4096, model_config=_model("sdpa", isolated=False).config, tokenizer=proc)
     with pytest.raises(ValueError, match=r"sample 1 \(key 'wide'\).*max_num_patches"):
         collator([_samples()[1], {**sample, "key": "wide"}])
+
+
+# ------------------------------------------------------------------------------ the README's route, no manual call
+
+
+def _readme_route(tmp_path, model):
+    """PackedMapDataset + Trainer(data_collator=ds.trainer_collator("sdpa")): LFM2-VL rows with images."""
+    import io
+
+    import datasets
+    import transformers
+
+    import vlm_pack as vp
+    from vlm_pack.data import PackedMapDataset, build_plan
+
+    def png(width, height, seed):
+        out = io.BytesIO()
+        _picture(width, height, seed).save(out, format="PNG")
+        return out.getvalue()
+
+    images = [[png(100, 75, 0)], [], [png(300, 200, 2)], []]
+    messages = [[{"role": "user", "content": "<image>" * len(images[k]) + _QUESTIONS[k % len(_QUESTIONS)]},
+                 {"role": "assistant", "content": _ANSWERS[k % len(_ANSWERS)]}] for k in range(4)]  # fmt: skip
+    data = datasets.Dataset.from_dict({"images": images, "messages": messages})
+    data = data.cast_column("images", datasets.List(datasets.Image()))
+    pre = vp.Preprocessor(processor=_processor())
+    config = vp.PackingConfig(capacity=1024)
+    ds = PackedMapDataset(data, pre, config, plan=build_plan(data, pre, config))
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), per_device_train_batch_size=1, train_sampling_strategy="sequential",
+        remove_unused_columns=False, max_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+        logging_steps=1, learning_rate=1e-2,
+    )  # fmt: skip
+    return transformers.Trainer(model, args, train_dataset=ds, data_collator=ds.trainer_collator("sdpa")), ds, data, pre
+
+
+def test_readme_route_refuses_unisolated_mixers_before_the_first_step_and_trains_exactly_once_isolated(tmp_path):
+    model = _model("sdpa", isolated=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer, ds, _, _ = _readme_route(tmp_path, model)
+    assert ds[0].num_samples >= 2
+    with pytest.raises(ValueError, match="can't keep packed sequences apart"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # the fix the refusal calls for: the first step's loss is each sample of the first pack alone
+    trainer, ds, data, pre = _readme_route(tmp_path, _model("sdpa", isolated=True))
+    trainer.train()
+    reference = _model("sdpa", isolated=False)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in ds[0].metadata["__row__"]:
+            record = data[int(row)]
+            s = pre.process(record["images"], record["messages"])
+            inputs = {k: v for k, v in s.items() if isinstance(v, torch.Tensor) and k != "labels"}
+            inputs["input_ids"] = inputs["input_ids"][None]
+            n = int((s["labels"][1:] != -100).sum())
+            total += float(reference(**inputs, labels=s["labels"][None], use_cache=False).loss) * n
+            count += n
+    assert abs(trainer.state.log_history[0]["loss"] - total / count) < 5e-6

@@ -318,18 +318,36 @@ def test_unknown_token_mixers_are_found_and_refused():
     assert mamba.backbone.layers[0].mixer.__dict__.get("forward") is None  # refused before touching anything
 
 
-@pytest.mark.parametrize("kernels", [False, True])
-def test_model_inputs_give_seq_idx_only_where_the_kernels_are(monkeypatch, kernels):
+def test_model_inputs_always_give_seq_idx_to_a_family_with_token_mixers(monkeypatch):
     record = dataclasses.replace(lookup("qwen2_vl"), token_mixers=("short_conv",))
     monkeypatch.setattr(batch_module, "lookup", lambda name: record)
-    monkeypatch.setattr(batch_module, "boundary_kernels", lambda kind: kernels)
     batch = _collator(2)(_samples())
     for style in ("sdpa", "eager", "flash_attention_2"):
         inputs = batch.model_inputs(style)
-        if not kernels:
-            assert "seq_idx" not in inputs  # the PyTorch fallbacks raise on it
-            continue
         seq_idx = inputs["seq_idx"]
         assert seq_idx.dtype == torch.int32 and seq_idx.shape == inputs["input_ids"].shape
         flat = seq_idx.flatten().tolist()  # rows (37, 53) and (29, 45 + 16 padding: its sample's)
         assert flat == [0] * 37 + [1] * 53 + [2] * 29 + [3] * 61
+    monkeypatch.setattr(batch_module, "lookup", lambda name: lookup("qwen2_vl"))
+    assert "seq_idx" not in batch.model_inputs("sdpa")  # attention-only families: no marker
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
+def test_isolated_mixers_take_their_samples_from_seq_idx_alone(name):
+    """The rows of a family with mixers carry seq_idx: with no position restarts to read (plain arange
+    positions) the isolated mixers still run per sample from it; an un-isolated model refuses it."""
+    samples = [s["input_ids"] for s in _samples()]
+    seq_idx = torch.cat([torch.full((len(s),), k, dtype=torch.int32) for k, s in enumerate(samples)])[None]
+    ids = torch.cat(samples)[None]
+    model = isolate_token_mixers(_model(name))
+    with torch.no_grad():
+        mixed = model(input_ids=ids, seq_idx=seq_idx, use_cache=False).logits[0]
+        plain = model(input_ids=ids, use_cache=False).logits[0]
+    # attention here sees one sequence (no restarts): only the first sample is its own alone
+    first = model(input_ids=samples[0][None], use_cache=False).logits[0]
+    n = len(samples[0])
+    torch.testing.assert_close(mixed[:n], first, rtol=1e-5, atol=1e-5)
+    # the mixers read seq_idx: the later samples differ from the run without it
+    assert (mixed[n:] - plain[n:]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="can't keep packed sequences apart"), torch.no_grad():
+        _model(name)(input_ids=ids, seq_idx=seq_idx, use_cache=False)

@@ -24,7 +24,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "vlm_pack"
 FOREIGN_PRIVATE = {
     "_compile_jinja_template", "_get_num_multimodal_tokens", "_set_model_specific_special_tokens",
     "_attn_implementation", "_from_config", "_encode_plus", "_fingerprint", "_total_train_tokens", "_metrics",
-    "_tp_size", "_typed_storage", "_new_shared", "_version",
+    "_tp_size", "_typed_storage", "_new_shared", "_version", "_process_images", "_merge_kwargs",
+    "_process_videos",
 }  # fmt: skip
 #: Reads still to route through _compat, by file: forecast.py belongs to the forecast rework (issue 32 item 2),
 #: which replaces ``getattr(cls, "_encode_plus", None) is not Fast._encode_plus`` with
@@ -72,6 +73,18 @@ def test_num_image_tokens_is_what_the_processor_expands():
     for (h, w), count in zip(sizes, counts, strict=True):
         ids = list(proc(text=[proc.image_token], images=[Image.new("RGB", (w, h))])["input_ids"][0])
         assert ids.count(image_id) == count > 0
+
+
+def test_process_images_is_the_image_step_of_the_processors_own_call():
+    """The text ``process_images`` gives per image is what ``__call__`` puts in place of its placeholder."""
+    proc = processor("llava_onevision")
+    why = _compat.image_step_missing(proc)
+    if why:
+        pytest.skip(why)
+    images = [Image.new("RGB", (64, 48), (1, 2, 3)), Image.new("RGB", (30, 90), (9, 8, 7))]
+    _, texts = _compat.process_images(proc, [images])
+    enc = proc(text=["<image> and <image>"], images=[images], return_text_replacement_offsets=True)
+    assert texts == [o["replacement"] for o in enc["text_replacement_offsets"][0]]
 
 
 def test_set_named_special_tokens_names_a_token_saved_with_the_tokenizer(tmp_path):

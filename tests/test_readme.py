@@ -43,6 +43,13 @@ def _needs(page: Path) -> list[str]:
     return [m.strip() for m in found.group(1).split(",")] if found else []
 
 
+def _skip_without_video_support() -> None:
+    from vlm_pack._compat import VIDEOS_SINCE, installed_transformers_version, videos_supported
+
+    if not videos_supported():
+        pytest.skip(f"video samples need transformers >= {VIDEOS_SINCE} (installed {installed_transformers_version()})")
+
+
 def _page_param(page: Path) -> object:
     return pytest.param(page, id=_name(page), marks=[pytest.mark.torchvision] if _needs(page) else [])
 
@@ -134,6 +141,8 @@ def parallel_run(page_runs):
 def test_every_page_runs_as_pasted(page, page_runs):
     for module in _needs(page):
         pytest.importorskip(module)
+    if page.name == "video.md":
+        _skip_without_video_support()
     after, outputs, _ = page_runs(_name(page))
     assert len(after) == len(outputs) == len(_runnable(page))
 
@@ -364,6 +373,7 @@ def test_the_video_page_forecasts_what_processing_and_decoding_give(page_runs):
     its header forecast, and the LLaVA-Video row's forecast is the length processing the clip gives."""
     av = pytest.importorskip("av")
     pytest.importorskip("torchvision")
+    _skip_without_video_support()
     after, outputs, _ = page_runs("docs/video.md")
     ns = after[0]
     with av.open(io.BytesIO(ns["clip"])) as container:

@@ -235,7 +235,7 @@ def test_forecast_in_two_processes_equals_one(model, data, oracle, tmp_path):
     path.write_text("".join(json.dumps(_sharegpt(s)) + "\n" for s in many))
     for source in (ds, [str(path)]):
         one = forecast_sources(source, tokenizer=tok, spec=spec, progress=False, chunk_rows=3)
-        two = forecast_sources(source, tokenizer=tok, spec=spec, progress=False, chunk_rows=3, num_workers=2)
+        two = forecast_sources(source, tokenizer=tok, spec=spec, progress=False, chunk_rows=3, num_proc=2)
         np.testing.assert_array_equal(two.lengths, np.tile(oracle[0], 5))
         np.testing.assert_array_equal(two.lengths, one.lengths)
         assert two.keys == one.keys and two.sources == one.sources
@@ -375,7 +375,7 @@ def test_parquet_row_groups_are_read_by_the_workers_not_shipped(model, data, ora
     pieces = list(chunks(open_sources(str(path))))
     assert [(c.start, c.stop, c.group, c.batch) for c in pieces] == [(i, i + 2, i // 2, None) for i in range(0, 12, 2)]
     one = forecast_sources(str(path), tokenizer=tok, spec=spec, progress=False)
-    two = forecast_sources(str(path), tokenizer=tok, spec=spec, progress=False, num_workers=2)
+    two = forecast_sources(str(path), tokenizer=tok, spec=spec, progress=False, num_proc=2)
     np.testing.assert_array_equal(one.lengths, np.tile(oracle[0], 3))
     np.testing.assert_array_equal(two.lengths, one.lengths)
     assert two.keys == one.keys and two.sources == one.sources

@@ -335,6 +335,56 @@ def test_a_video_stream_forecasts_from_headers_what_processing_gives(clips, qwen
 
 
 @pytest.mark.torchvision
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_qwen3_video_streams_pack_every_sample_at_the_processors_own_length(clips, family, tmp_path):
+    """Qwen3-VL / Qwen3.5 (frame sampling, ``<t seconds>`` per temporal group): a PackedWebDataset epoch packs
+    every video, video + image and image sample with no forecast mismatch, and each sample's span in its
+    pack is as long as the HF processor's own output for that sample alone (it samples the whole decoded
+    clip itself). transformers 5.25 drops the template's <|vision_start|>/<|vision_end|> around each video
+    (processing_qwen3_vl.py ``get_text_with_replacements``): 2 tokens per video fewer than 5.24, which the
+    forecast must follow on whichever release is installed (the matrix runs this on both)."""
+    import av
+
+    from vlm_pack.data.pipeline import PackedWebDataset
+    from vlm_pack.data.stream_meta import stream_info
+    from vlm_pack.preprocessor import Preprocessor
+    from vlm_pack.processing.render import _render
+    from vlm_pack.testing.clips import processor_with_video
+    from vlm_pack.vision.video import read_video_header
+
+    template = Path(__file__).parent / "templates" / f"{family}.jinja"  # Qwen3.5's checkpoint template
+    proc = processor_with_video(family, chat_template=template.read_text() if template.exists() else None,
+                                size={"shortest_edge": 4096, "longest_edge": 64 * 32 * 32})
+    pre = Preprocessor(processor=proc)
+    records = _video_records(clips, 10)
+    urls = write_shards(records, str(tmp_path / "q-%06d.tar"), maxcount=4)
+    ds = PackedWebDataset(urls, pre, capacity=CAPACITY, shuffle_seed=None)
+    spans = {}
+    for batch in ds:
+        info = stream_info(batch)
+        assert info["lengths"] == info["forecast"]
+        spans.update(zip(batch.metadata["__key__"], info["lengths"]))
+    assert ds.stats.forecast_mismatches == 0 and ds.stats.samples_bad == 0
+    assert sorted(spans) == [r["key"] for r in records]
+
+    def frames(data: bytes) -> np.ndarray:
+        with av.open(io.BytesIO(data)) as container:
+            return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+    for record in records:
+        from PIL import Image
+
+        videos = record.get("videos", [])
+        images = [Image.open(io.BytesIO(b)).convert("RGB") for b in record.get("images", [])]
+        text = _render(record["conversation"], proc.tokenizer, proc, None, None, len(images), record["key"],
+                       num_videos=len(videos)).text  # fmt: skip
+        own = proc(text=[text], images=images or None, videos=[frames(v) for v in videos] or None,
+                   video_metadata=[read_video_header(v).metadata() for v in videos] or None,
+                   do_sample_frames=True if videos else None, return_tensors="pt")  # fmt: skip
+        assert spans[record["key"]] == own["input_ids"].shape[1], record["key"]
+
+
+@pytest.mark.torchvision
 def test_a_video_stream_resumes_exactly_once_and_counts_a_corrupt_video(clips, qwen_video, tmp_path):
     """A shuffled stream of video samples with one corrupt clip, checkpointed after every batch: resumed
     from the middle (a new dataset, the state through JSON) it gives the packs left, so every good sample

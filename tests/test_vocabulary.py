@@ -75,7 +75,7 @@ def test_the_defaults_are_packing_configs_everywhere(parts, table):
     assert pack([1], 64).capacity == DEFAULTS.capacity and pack([1], DEFAULTS).bins == [[0]]
     # the functions' defaults are the config's
     for function, names in (
-        (forecast_sources, ("on_error", "max_consecutive_failures", "exif_transpose")),
+        (forecast_sources, ("on_error", "max_consecutive_failures", "max_bad_fraction", "exif_transpose")),
         (iter_samples, ("on_error",)),
     ):
         parameters = inspect.signature(function).parameters
@@ -84,7 +84,7 @@ def test_the_defaults_are_packing_configs_everywhere(parts, table):
     # the CLI's flags: one name each (PackingConfig's, dashed), its values and its defaults
     args = _cli("pack")
     for name in ("oversized", "on_error", "max_samples_per_bin", "vision_capacity", "vision_cost",
-                 "pad_to_multiple_of", "shuffle_seed", "max_consecutive_failures"):  # fmt: skip
+                 "pad_to_multiple_of", "shuffle_seed", "max_consecutive_failures", "max_bad_fraction"):  # fmt: skip
         assert getattr(args, name) == getattr(DEFAULTS, name), name
     # ... but an analysis counts too-long samples at each capacity rather than stopping at the first
     assert _cli("analyze").oversized == "skip" and _cli("analyze").on_error == DEFAULTS.on_error

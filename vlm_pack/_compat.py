@@ -120,6 +120,67 @@ def num_image_tokens(processor: Any, image_sizes: list[tuple[int, int]]) -> list
     return [int(n) for n in counts]
 
 
+def image_step_missing(processor: Any) -> str | None:
+    """Why :func:`process_images` cannot run ``processor`` (None where it can): transformers before 5.18 has
+    no ``ProcessorMixin._process_images``, and a processor class that leaves ``replace_image_token`` to
+    ``ProcessorMixin`` writes its image text in its own ``__call__``, which no other call reaches."""
+    from transformers import ProcessorMixin
+
+    if not hasattr(ProcessorMixin, "_process_images"):
+        import transformers
+
+        return f"transformers {transformers.__version__} has no ProcessorMixin._process_images (5.18 added it)"
+    if getattr(type(processor), "replace_image_token", None) is ProcessorMixin.replace_image_token:
+        return "its class does not implement replace_image_token (it writes its image text in its own __call__)"
+    return None
+
+
+def process_images(processor: Any, images: list[Any]) -> tuple[Any, list[str]]:
+    """``processor``'s own image step of its ``__call__`` (``ProcessorMixin._process_images`` with the
+    ``images_kwargs`` ``_merge_kwargs`` gives a call without arguments, transformers >= 5.18): the image
+    processor's outputs for ``images`` and the text written in place of each image. The first argument of
+    ``_merge_kwargs`` is positional on every release (5.18: required; 5.25: optional)."""
+    merged = processor._merge_kwargs(
+        processor.valid_processor_kwargs,
+        tokenizer_init_kwargs=getattr(processor.tokenizer, "init_kwargs", {}),
+        return_tensors="np",
+    )
+    out, texts = processor._process_images(images, **merged["images_kwargs"])
+    return out, [str(text) for text in texts]
+
+
+def video_step_missing(processor: Any) -> str | None:
+    """Why :func:`process_videos` cannot run ``processor`` (None where it can): as
+    :func:`image_step_missing`, for ``ProcessorMixin._process_videos`` and ``replace_video_token``."""
+    from transformers import ProcessorMixin
+
+    if not hasattr(ProcessorMixin, "_process_videos"):
+        import transformers
+
+        return f"transformers {transformers.__version__} has no ProcessorMixin._process_videos (5.18 added it)"
+    if getattr(processor, "video_processor", None) is None or not isinstance(getattr(processor, "video_token", None), str):
+        return "it has no video processor and video_token"
+    if getattr(type(processor), "replace_video_token", None) is ProcessorMixin.replace_video_token:
+        return "its class does not implement replace_video_token (it writes its video text in its own __call__)"
+    return None
+
+
+def process_videos(processor: Any, frames: Any, metadata: Any, **videos_kwargs: Any) -> tuple[Any, list[str]]:
+    """``processor``'s own video step of its ``__call__`` (``ProcessorMixin._process_videos``) on ONE video's
+    kept ``frames`` ``[T, H, W, 3]`` with its ``metadata`` (``frames_indices`` set) and sampling off, as
+    ``process_sample`` hands decoded videos over: the video processor's outputs and the text written in place
+    of the video. ``videos_kwargs``: call-time overrides, as given to the processor."""
+    merged = processor._merge_kwargs(
+        processor.valid_processor_kwargs,
+        tokenizer_init_kwargs=getattr(processor.tokenizer, "init_kwargs", {}),
+        return_tensors="np",
+        **videos_kwargs,
+    )
+    kwargs = {**merged["videos_kwargs"], "do_sample_frames": False, "video_metadata": [metadata]}
+    out, texts = processor._process_videos([frames], **kwargs)
+    return out, [str(text) for text in texts]
+
+
 def set_named_special_tokens(tokenizer: Any, tokens: dict[str, str]) -> None:
     """Give ``tokenizer`` named model-specific special tokens (``tok.image_token`` / ``tok.image_token_id``,
     saved to tokenizer_config.json) after its vocabulary is built
@@ -186,6 +247,28 @@ def tensor_version(tensor: Any) -> int:
     """``tensor``'s in-place version counter (``Tensor._version``): a per-forward cache keyed by a tensor's
     identity sees an in-place edit by it. torch has no public accessor."""
     return tensor._version
+
+
+#: The first transformers release whose processors report where they expanded each video
+#: (``return_text_replacement_offsets``), which processing a video sample needs (``processing/placement.py``).
+VIDEOS_SINCE = (5, 7)
+
+
+def videos_supported(version: str | None = None) -> bool:
+    """Whether the installed transformers (or ``version``) processes video samples: :data:`VIDEOS_SINCE` on."""
+    version = installed_transformers_version() if version is None else version
+    return version is not None and release(version)[:2] >= VIDEOS_SINCE
+
+
+def timm_tower_without_sdpa(version: str | None = None) -> str | None:
+    """Why a model whose vision tower is timm's (Gemma 3n's ``TimmWrapperModel``) cannot be built with sdpa
+    attention on the installed transformers (or ``version``), or None: before 5.18 (measured on 5.6.0) it raises
+    "TimmWrapperModel does not support an attention implementation through ...scaled_dot_product_attention";
+    5.18 on builds it."""
+    version = installed_transformers_version() if version is None else version
+    if version is not None and release(version)[:2] < (5, 18):
+        return f"transformers {version} builds a timm vision tower (TimmWrapperModel) with eager attention only"
+    return None
 
 
 def images_past_window(until: tuple[int, int] | None, version: str | None = None) -> bool:

@@ -21,13 +21,12 @@ the sample boundaries, a batch tells which samples it holds and in what order::
   ``packed_seq_params`` (``qkv_format="thd"``, expanded boundaries even in the collapsed layout).
 
 Families whose text model mixes tokens without attention (the record's ``token_mixers``: Qwen3.5's gated
-delta net, LFM2's short conv) also get ``seq_idx`` (``[R, T]`` / ``[1, R*T]`` int32, the sample of each
-token) in the HF styles, but only where the kernels that read it are installed (causal-conv1d, and for the
-delta net flash-linear-attention too): transformers' PyTorch fallbacks raise on ``seq_idx`` / ``cu_seqlens``,
-so on them the inputs stay as they are and ``isolate_token_mixers`` (``mixers.py``) keeps the boundaries.
-The flash styles' ``cu_seq_lens_q`` already reaches flash-linear-attention; the sdpa / eager styles do not
-add it (it would reach a VLM's vision tower through ``**kwargs``): there the delta rule's state needs
-``isolate_token_mixers`` too, which hands the kernel ``cu_seq_lens_q`` from the positions on one row.
+delta net, LFM2's short conv) always get ``seq_idx`` (``[R, T]`` / ``[1, R*T]`` int32, the sample of each
+token) in the HF styles: the boundaries and the marker of a packed row. A mixer isolated by
+``isolate_token_mixers`` (``mixers.py``) reads its samples from it; transformers' own layers hand it to their
+PyTorch fallback, which refuses it (5.24 on: "can't keep packed sequences apart") at the model's first
+forward, before any optimizer step, instead of carrying one sample into the next. (``cu_seq_lens_q`` is not
+added to the sdpa / eager styles: it would reach a VLM's vision tower through ``**kwargs``.)
 
 ``PackedSeqParams`` is Megatron-Core's class, imported only when asked for (the megatron style, or the
 name itself); where megatron-core is not installed it is a dataclass with the same fields.
@@ -46,7 +45,6 @@ from ._compat import check_experts_mask_mapping, images_past_window
 from .families import canonical, lookup
 from .labels import IGNORE_INDEX, roll_packed
 from .masks import TOKENS_KEY, MaskMapping, gemma3_attention_masks, real_tokens
-from .mixers import boundary_kernels
 from .positions import is_mrope_family
 from .vision_inputs import VISION_KEYS
 
@@ -314,8 +312,8 @@ class PackedBatch:
           with the expanded ``cu_seqlens_q/kv`` (real) and ``cu_seqlens_q/kv_padded``; vision tensors
           under their HF names.
 
-        Families with ``token_mixers`` get ``seq_idx`` in the HF styles only where the kernels reading it are
-        installed (never on transformers' PyTorch fallbacks, which raise on it): see the module docstring.
+        Families with ``token_mixers`` always get ``seq_idx`` in the HF styles (the samples' boundaries for
+        isolated mixers, refused by un-isolated ones): see the module docstring.
         """
         if style not in STYLES:
             raise ValueError(f"style must be one of {STYLES}, got {style!r}")
@@ -358,10 +356,9 @@ class PackedBatch:
         }
 
     def _mixer_inputs(self, flat: bool = False) -> dict[str, torch.Tensor]:
-        """``seq_idx`` for the family's boundary-taking mixer kernels, when every one is installed, else {}."""
+        """``seq_idx`` [R, T] (``[1, R*T]`` flat) int32 for a family with token mixers, else {}."""
         record = lookup(self.family)
-        kinds = record.token_mixers if record is not None else ()
-        if not kinds or not all(boundary_kernels(kind) for kind in kinds):
+        if record is None or not record.token_mixers:
             return {}
         tokens = torch.arange(self.num_rows * self.row_length, device=self.cu_seqlens_padded.device)
         bounds = self.cu_seqlens_padded[1:].to(tokens.dtype).contiguous()

@@ -56,6 +56,8 @@ def _packing_config(args: argparse.Namespace, capacity: int) -> Any:
         on_error=args.on_error,
         exif_transpose=not args.no_exif_transpose,
         max_consecutive_failures=args.max_consecutive_failures,
+        max_bad_fraction=args.max_bad_fraction,
+        max_image_pixels=args.max_image_pixels,
         shuffle_seed=getattr(args, "shuffle_seed", None),
     )
 
@@ -117,6 +119,8 @@ def _forecast(
         on_error=config.on_error,
         progress=False if args.no_progress else None,
         max_consecutive_failures=config.max_consecutive_failures,
+        max_bad_fraction=config.max_bad_fraction,
+        max_image_pixels=config.max_image_pixels,
     )
     try:
         if engine == "ray":
@@ -124,7 +128,7 @@ def _forecast(
 
             table = forecast_ray(list(sources), num_proc=args.workers, address=args.address, **options)
         else:
-            table = forecast_sources(list(sources), num_workers=args.workers or 1, **options)
+            table = forecast_sources(list(sources), num_proc=args.workers or 1, **options)
     except SampleError as e:
         raise ValueError(
             f"{e}\n  Fix the sample, or pass --on-error skip to leave such samples out (they are listed in the "
@@ -134,7 +138,7 @@ def _forecast(
         names = ", ".join(str(s) for s in sources[:3]) + (
             f" (+{len(sources) - 3} more)" if len(sources) > 3 else ""
         )
-        if not table.invalid:
+        if all(reason == "empty_shard" for reason in table.invalid_reasons):  # none, or empty shards only
             raise ValueError(f"no samples in {names}: they hold no records.")
         key, where, reason = table.invalid[0]
         raise ValueError(
@@ -423,6 +427,8 @@ def _plan_forecast(args: argparse.Namespace, ds: Any, root: Path | None, pre: An
         on_error=config.on_error,
         progress=False if args.no_progress else None,
         max_consecutive_failures=config.max_consecutive_failures,
+        max_bad_fraction=config.max_bad_fraction,
+        max_image_pixels=config.max_image_pixels,
     )
     if args.engine == "ray":
         from vlm_pack.integrations.ray import forecast_ray
@@ -431,7 +437,7 @@ def _plan_forecast(args: argparse.Namespace, ds: Any, root: Path | None, pre: An
     else:
         from vlm_pack.data.forecast import forecast_sources
 
-        table = forecast_sources(ds, num_workers=args.workers or 1, **options)
+        table = forecast_sources(ds, num_proc=args.workers or 1, **options)
     if args.lengths:
         from vlm_pack.data.lengths import write_lengths
 
@@ -440,15 +446,26 @@ def _plan_forecast(args: argparse.Namespace, ds: Any, root: Path | None, pre: An
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``vlm-pack``; returns the exit status (0 ok, 1 bad data or arguments, 2 usage)."""
+    """Run ``vlm-pack``; returns the exit status (0 ok, 1 bad data or arguments, 2 usage).
+
+    Systematically bad data (``FailureBudgetError``: a failure budget spent, ``--max-bad-fraction`` or
+    ``--max-consecutive-failures``) exits 1 too, its most common reason and fix on the last line."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     handler = {"analyze": _cmd_analyze, "pack": _cmd_pack, "plan": _cmd_plan, "demo": _cmd_demo}[args.command]
+    from vlm_pack.failures import FailureBudgetError
+
     try:
         return handler(args)
+    except FailureBudgetError as e:
+        if os.environ.get("VLM_PACK_DEBUG"):
+            raise
+        # the message ends with the most common reason and its fix: the line a user reads first
+        print(f"vlm-pack {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, TypeError, FileNotFoundError) as e:
         if os.environ.get("VLM_PACK_DEBUG"):
             raise

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from vlm_pack.config import ON_ERROR, OVERSIZED, VISION_COST, PackingConfig
+from vlm_pack.failures import MIN_SEEN_FOR_FRACTION
 from vlm_pack.families import DEFAULT_FAMILY, canonical, names
 
 __all__ = ["build_parser"]
@@ -26,6 +27,18 @@ _SOURCES_HELP = (
 
 def _budget(text: str) -> int | None:
     return None if text.strip().lower() == "none" else _positive_int(text)
+
+
+def _fraction(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1) (0.1: one in ten) or 'none', got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -129,7 +142,8 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         choices=ON_ERROR,
         default=_DEFAULTS.on_error,
         help="a sample that cannot be read or forecast: skip it and list it in the report (default; more "
-        "than --max-consecutive-failures in a row stop the run), or raise: stop at the first",
+        "than --max-consecutive-failures in a row, or more than --max-bad-fraction of those read, stop the "
+        "run), or raise: stop at the first",
     )
     d.add_argument(
         "--max-consecutive-failures",
@@ -138,6 +152,24 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"the failure budget: more unreadable samples than N in a row stop the run (default "
         f"{_DEFAULTS.max_consecutive_failures}; 'none': no limit)",
+    )
+    d.add_argument(
+        "--max-bad-fraction",
+        type=_fraction,
+        default=_DEFAULTS.max_bad_fraction,
+        metavar="F",
+        help=f"the failure budget's share: more unreadable samples than this share of those read (judged from "
+        f"the {MIN_SEEN_FOR_FRACTION}th on) stop the run, exit status 1, the most common reason and its fix "
+        f"last (default {_DEFAULTS.max_bad_fraction}; 'none': no limit)",
+    )
+    d.add_argument(
+        "--max-image-pixels",
+        type=_budget,
+        default=_DEFAULTS.max_image_pixels,
+        metavar="N",
+        help="refuse an image whose header declares more pixels than N, before decoding it (a decompression "
+        f"bomb, an oversized scan), listed as image_too_large (default {_DEFAULTS.max_image_pixels:,}, "
+        "Pillow's own limit; 'none': no cap)",
     )
     d.add_argument(
         "--verify",

@@ -31,6 +31,9 @@ DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 VISION_COST = ("patches", "images")
 #: Default ``max_consecutive_failures``: Megatron-Energon's default failure tolerance.
 DEFAULT_MAX_CONSECUTIVE_FAILURES = 100
+#: Default ``max_bad_fraction``: more than one bad sample in ten is not a few bad files, it is a wrong path or
+#: setting (judged once a stage has seen ``vlm_pack.failures.MIN_SEEN_FOR_FRACTION`` samples).
+DEFAULT_MAX_BAD_FRACTION = 0.1
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -62,6 +65,17 @@ def collator_options(who: str, collator_kwargs: dict[str, Any] | None) -> dict[s
             "with them and gives the collator the same values)"
         )
     return options
+
+
+def check_fraction(value: Any, name: str = "max_bad_fraction") -> float | None:
+    """``value`` as a share of bad samples in [0, 1), or None (no limit); else ``ValueError`` saying so."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) < 1.0:
+        raise ValueError(
+            f"{name} must be a share of bad samples in [0, 1) (0.1: one in ten) or None (no limit), got {value!r}"
+        )
+    return float(value)
 
 
 def _positive_int(value: Any, name: str, *, optional: bool = False) -> int | None:
@@ -102,6 +116,11 @@ class PackingConfig:
             row, in one stage (the forecast, or the processing of packed samples), raise
             ``FailureBudgetError`` instead of skipping on (None: no limit). An epoch in which no sample was
             good raises whatever this is.
+        max_bad_fraction: the failure budget's share (``vlm_pack.failures``): more than this share of the
+            samples a stage has seen being bad raises ``FailureBudgetError`` naming the most common reason and
+            its fix, good samples between bad ones notwithstanding. Judged once the stage has seen
+            ``vlm_pack.failures.MIN_SEEN_FOR_FRACTION`` (100) samples, after every sample and at the stage's
+            end (fewer say nothing of the data). In [0, 1); None: no limit.
     """
 
     capacity: int
@@ -119,6 +138,7 @@ class PackingConfig:
     exif_transpose: bool = True
     max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
     max_consecutive_failures: int | None = DEFAULT_MAX_CONSECUTIVE_FAILURES
+    max_bad_fraction: float | None = DEFAULT_MAX_BAD_FRACTION
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once
@@ -147,6 +167,7 @@ class PackingConfig:
         set_(self, "shuffle_buffer", _positive_int(self.shuffle_buffer, "shuffle_buffer"))
         check_choice("on_error", self.on_error, ON_ERROR)
         set_(self, "exif_transpose", bool(self.exif_transpose))
+        set_(self, "max_bad_fraction", check_fraction(self.max_bad_fraction))
 
     @property
     def fill_threshold(self) -> int:

@@ -18,10 +18,18 @@ processing the packed samples; streaming, map-style and forecast alike) hands th
           InternalCheckError: a ValueError of vlm-pack's own checks of its parts, settings or state (a
           tokenizer that splits the image placeholder, patch rows that disagree with their grids).
 
-A systematic failure stops the run instead of becoming an empty epoch (:class:`FailureBudget`, one per
-stage, as Megatron-Energon's failure tolerance): more than ``PackingConfig.max_consecutive_failures`` bad
-samples in a row, or an epoch in which no sample was good (:func:`no_good_sample`), raise
-:class:`FailureBudgetError` naming the most common reason and one sample of each reason.
+A systematic failure stops the run instead of becoming an empty epoch or a run on a sliver of the data
+(:class:`FailureBudget`, one per stage, as Megatron-Energon's failure tolerance), raising
+:class:`FailureBudgetError` naming the most common reason, one sample of each reason and, last, the most
+common reason's fix (:data:`FIXES`):
+
+- a run: more than ``PackingConfig.max_consecutive_failures`` bad samples in a row;
+- a share: more than ``PackingConfig.max_bad_fraction`` of the samples the stage has seen were bad. The share
+  is judged only once the stage has seen :data:`MIN_SEEN_FOR_FRACTION` samples (a few bad samples among the
+  first ones say nothing of the data), then after every sample, and at the end of the stage's run
+  (:meth:`Guard.finish`). Good samples between bad ones do not reset it: images missing under a forgotten
+  ``image_root`` with text-only rows between them stop the run instead of packing 4% of the data;
+- an epoch (a rank's share, a plan) in which no sample was good (:func:`no_good_sample`).
 
 Every stage runs through one loop (webdataset's ``handler=`` is the model): a run declares its policy once,
 ``FailurePolicy.of(who, config, report)`` (``on_error``, the budget's limit and where a skipped sample is
@@ -53,6 +61,8 @@ from typing import Any
 
 __all__ = [
     "BAD_REASONS",
+    "FIXES",
+    "MIN_SEEN_FOR_FRACTION",
     "REASONS",
     "Failure",
     "FailureBudget",
@@ -67,6 +77,7 @@ __all__ = [
     "data_error",
     "describe_failures",
     "example",
+    "fix_line",
     "forecast_mismatch",
     "no_good_sample",
     "skip_reason",
@@ -76,6 +87,7 @@ __all__ = [
 #: Why a sample (or a shard) was skipped: the reasons bad data is counted under.
 REASONS: dict[str, str] = {
     "unreadable_shard": "a shard that cannot be opened or read to its end (counted, not a sample)",
+    "empty_shard": "a shard that holds no sample (counted, not a sample)",
     "missing_text": "a record without a text it can be read from (it fits no record format)",
     "bad_text": "a text that does not parse, or that the chat template refuses",
     "corrupt_image": "an image whose header does not read, or that is missing",
@@ -89,6 +101,29 @@ REASONS: dict[str, str] = {
     "forecast_mismatch": "a processed length that differs from the forecast the plan was made on (left out)",
 }
 BAD_REASONS = tuple(REASONS)
+
+#: What to do about each reason when it is systematic (the last line of a :class:`FailureBudgetError`, and
+#: of ``vlm-pack``'s error).
+FIXES: dict[str, str] = {
+    "unreadable_shard": "check the shard paths and that every shard was written to its end",
+    "empty_shard": "write the shard again, or leave it out of the shard list",
+    "missing_text": "give the records a text field of one record format, or name it with record_format=",
+    "bad_text": "check the text field's format, the chat template, and record_format= (--format)",
+    "corrupt_image": "an image not found: relative image paths resolve against each source's folder, so give "
+    "image_root= (--image-root) the folder the images are under; an image whose header does not read: "
+    "re-encode or replace it",
+    "corrupt_video": "check the video paths (image_root= / --image-root) and pip install 'vlm-pack[video]'",
+    "image_too_large": "downscale such images, or raise max_image_pixels (--max-image-pixels; None: no cap)",
+    "placeholder_mismatch": "make the text's image placeholders match the sample's images",
+    "image_rejected": "check the image processor's size limits against the images",
+    "too_long": "raise capacity (--capacity), or cap the image processor's max_pixels",
+    "vision_too_large": "raise vision_capacity (--vision-capacity)",
+    "decode_error": "re-encode or replace the images that do not decode; analyze --verify lists them",
+    "forecast_mismatch": "rebuild the plan with the processor the run uses; if nothing changed, report it",
+}
+
+#: Samples a stage must have seen before the share of bad ones is judged (``max_bad_fraction``).
+MIN_SEEN_FOR_FRACTION = 100
 
 _MAX_DETAIL = 300  # characters of an exception message quoted in a budget error
 
@@ -203,12 +238,21 @@ _HINT = (
 )
 
 
+def fix_line(counts: Mapping[str, int]) -> str:
+    """``"most common reason: corrupt_image (144 of 150 bad); fix: ..."``: the last line of a budget error."""
+    if not counts:
+        return ""
+    reason = min(counts, key=lambda r: (-counts[r], r))
+    fix = FIXES.get(reason, "fix what the samples above show")
+    return f"most common reason: {reason} ({counts[reason]} of {sum(counts.values())} bad); fix: {fix}"
+
+
 def no_good_sample(what: str, counts: Mapping[str, int], examples: Mapping[str, str]) -> FailureBudgetError:
     """The error of an epoch (or a pack, a plan) in which no sample was good: ``counts`` per reason and an
     example sample per reason (:func:`describe_failures`)."""
     return FailureBudgetError(
         f"{what}: no sample was good, all {sum(counts.values())} were skipped as bad; "
-        f"{describe_failures(counts, examples)}.\n  {_HINT}"
+        f"{describe_failures(counts, examples)}.\n  {_HINT}\n  {fix_line(counts)}"
     )
 
 
@@ -232,42 +276,85 @@ def example(sample: str, detail: str) -> str:
 
 @dataclass
 class FailureBudget:
-    """Consecutive bad samples of one stage; :meth:`failure` raises once more than ``limit`` are in a row.
+    """The bad samples of one stage: :meth:`failure` raises once more than ``limit`` are in a row, and
+    :meth:`failure`, :meth:`success` or :meth:`finish` once more than ``max_bad_fraction`` of those seen are
+    bad (judged from the :data:`MIN_SEEN_FOR_FRACTION`-th sample seen on; the module docstring).
 
     One per stage (the forecast, the processing of packed samples), as each sees samples in its own
-    order: a good forecast resets the forecast's run, a processed sample the processing's. ``what`` names
-    the stage in the message; ``limit`` None: no limit.
+    order: a good forecast resets the forecast's run, a processed sample the processing's (the share is never
+    reset). ``what`` names the stage in the message; ``limit`` / ``max_bad_fraction`` None: no limit.
     """
 
     limit: int | None
     what: str
+    max_bad_fraction: float | None = None
     streak: int = 0
     counts: dict[str, int] = field(default_factory=dict)
     examples: dict[str, str] = field(default_factory=dict)
+    seen: int = 0  # samples the stage judged, good and bad
+    totals: dict[str, int] = field(default_factory=dict)  # every bad sample, per reason (never reset)
+    first: dict[str, str] = field(default_factory=dict)  # the first example of each reason (never reset)
+
+    @property
+    def bad(self) -> int:
+        """Bad samples the stage has seen."""
+        return sum(self.totals.values())
 
     def success(self) -> None:
-        """A good sample: the run of bad ones ends."""
+        """A good sample: the run of bad ones ends.
+
+        Raises:
+            FailureBudgetError: when more than ``max_bad_fraction`` of the samples seen are bad.
+        """
+        self.seen += 1
         if self.streak:
             self.streak = 0
             self.counts.clear()
             self.examples.clear()
+        if self.seen == MIN_SEEN_FOR_FRACTION:  # the share only falls on a good sample: judged once here
+            self._judge()
 
     def failure(self, reason: str, sample: str, detail: str) -> None:
         """A bad sample (``sample`` names it, ``detail`` says what was wrong).
 
         Raises:
-            FailureBudgetError: when more than ``limit`` bad samples came in a row.
+            FailureBudgetError: when more than ``limit`` bad samples came in a row, or more than
+                ``max_bad_fraction`` of the samples seen are bad.
         """
+        self.seen += 1
         self.streak += 1
+        quoted = example(sample, detail)
         self.counts[reason] = self.counts.get(reason, 0) + 1
-        self.examples.setdefault(reason, example(sample, detail))
+        self.examples.setdefault(reason, quoted)
+        self.totals[reason] = self.totals.get(reason, 0) + 1
+        self.first.setdefault(reason, quoted)
         if self.limit is not None and self.streak > self.limit:
             raise FailureBudgetError(
                 f"{self.what}: {self.streak} bad samples in a row, more than "
                 f"PackingConfig.max_consecutive_failures={self.limit}; "
                 f"{describe_failures(self.counts, self.examples)}.\n  {_HINT} If such runs are expected, raise "
-                "max_consecutive_failures (None: no limit)."
+                f"max_consecutive_failures (None: no limit).\n  {fix_line(self.counts)}"
             )
+        self._judge()
+
+    def finish(self) -> None:
+        """The end of the stage's run: the share of bad samples over all it has seen.
+
+        Raises:
+            FailureBudgetError: when more than ``max_bad_fraction`` of them were bad.
+        """
+        self._judge()
+
+    def _judge(self) -> None:
+        fraction = self.max_bad_fraction
+        if fraction is None or self.seen < MIN_SEEN_FOR_FRACTION or self.bad <= fraction * self.seen:
+            return
+        raise FailureBudgetError(
+            f"{self.what}: {self.bad} of {self.seen} samples seen were bad ({self.bad / self.seen:.1%}), more "
+            f"than PackingConfig.max_bad_fraction={fraction:g}; {describe_failures(self.totals, self.first)}.\n"
+            f"  {_HINT} If so much bad data is expected, raise max_bad_fraction (--max-bad-fraction; None: no "
+            f"limit).\n  {fix_line(self.totals)}"
+        )
 
 
 def data_error(exc: BaseException, default: str, sample: str, key: Any = None) -> SampleError:
@@ -318,22 +405,24 @@ class Skip:
 @dataclass(frozen=True)
 class FailurePolicy:
     """The failure policy of one run, declared once: ``on_error`` ("skip" or "raise"), the failure budget's
-    ``limit`` (``PackingConfig.max_consecutive_failures``; None: no limit) and ``report`` (called with each
-    :class:`Failure` skipped: the run's warning and stats). ``who`` names the run in budget errors."""
+    ``limit`` (``PackingConfig.max_consecutive_failures``; None: no limit) and ``max_bad_fraction``
+    (``PackingConfig``'s; None: no limit), and ``report`` (called with each :class:`Failure` skipped: the
+    run's warning and stats). ``who`` names the run in budget errors."""
 
     who: str
     on_error: str = "skip"
     limit: int | None = None
     report: Callable[[Failure], None] | None = None
+    max_bad_fraction: float | None = None
 
     @classmethod
     def of(cls, who: str, config: Any, report: Callable[[Failure], None] | None = None) -> FailurePolicy:
         """The policy ``config`` (a :class:`~vlm_pack.PackingConfig`) declares for the run ``who``."""
-        return cls(who, config.on_error, config.max_consecutive_failures, report)
+        return cls(who, config.on_error, config.max_consecutive_failures, report, config.max_bad_fraction)
 
     def stage(self, what: str, default: str) -> Guard:
         """A guarded stage of this run (``what`` names it; ``default``: the reason of a plain data error)."""
-        return Guard(self, FailureBudget(self.limit, f"{self.who}, {what}"), default)
+        return Guard(self, FailureBudget(self.limit, f"{self.who}, {what}", self.max_bad_fraction), default)
 
 
 @dataclass
@@ -378,3 +467,7 @@ class Guard:
     def good(self) -> None:
         """The sample passed the stage: the run of bad ones ends."""
         self.budget.success()
+
+    def finish(self) -> None:
+        """The stage's run is over: judge the share of bad samples over all it saw (:meth:`FailureBudget.finish`)."""
+        self.budget.finish()

@@ -59,7 +59,9 @@ __all__ = [
     "family",
     "lookup",
     "names",
+    "owner",
     "require",
+    "video_family",
 ]
 
 #: Who writes the tokens around each image's embeddings, and so how a forecast counts them.
@@ -146,6 +148,17 @@ class Family:
     video_wraps: str | None = None
     """Who writes the tokens around a video's embeddings, a key of :data:`VIDEO_WRAPS`; None: vlm-pack
     processes no video for this family (a video sample gets an error naming the families that do)."""
+    processors: tuple[str, ...] = ()
+    """The transformers processor classes whose text this record's ``vision`` rule reproduces: a processor of
+    one of them (or of a subclass that rewrites none of its methods) is forecast by the fast rule, read from
+    the instance's settings (``vision_spec_from_processor``) and checked against the processor itself when a
+    ``Preprocessor`` is built (``vlm_pack.vision.selfcheck``). Each class on one record: records that share
+    another's processor (Qwen3.5 uses ``Qwen3VLProcessor``) leave it empty. A processor of a class no record
+    names takes the exact route (``vlm_pack.vision.oracle``), never a record's rule by resemblance."""
+    image_processors: tuple[str, ...] = ()
+    """The image processor classes (``Pil`` / ``Fast`` suffix dropped) a bare instance of which, given without
+    its processor, is read with this record's rule. A bare image processor writes no text around an image, so
+    only its own counts matter; each class on one record, and a class no record names is refused."""
     experts: bool = False
     """Its text model routes tokens to experts and counts them in an auxiliary load-balancing loss that reads
     the 2-D ``attention_mask``, and whose text model takes a mask mapping: packed rows pass one (``real_tokens``
@@ -180,6 +193,8 @@ _RECORDS = (
         video_token="<|video_pad|>",
         video_processor="Qwen2VLVideoProcessor",
         video_wraps="template",
+        processors=("Qwen2VLProcessor",),
+        image_processors=("Qwen2VLImageProcessor",),
     ),
     # Qwen/Qwen2.5-VL-7B-Instruct
     Family(
@@ -192,6 +207,7 @@ _RECORDS = (
         video_token="<|video_pad|>",
         video_processor="Qwen2VLVideoProcessor",
         video_wraps="template",
+        processors=("Qwen2_5_VLProcessor",),
     ),
     # Qwen/Qwen3-VL-8B-Instruct (image and video preprocessor configs)
     Family(
@@ -204,6 +220,7 @@ _RECORDS = (
         video_token="<|video_pad|>",
         video_processor="Qwen3VLVideoProcessor",
         video_wraps="frames",
+        processors=("Qwen3VLProcessor",),
     ),
     Family(
         "qwen3_vl_moe",
@@ -255,6 +272,8 @@ _RECORDS = (
         video_token="<|video|>",
         video_processor="Glm4vVideoProcessor",
         video_wraps="timed_image_frames",
+        processors=("Glm4vProcessor",),
+        image_processors=("Glm4vImageProcessor",),
     ),
     # zai-org/GLM-4.5V: the GLM-4.1V processor and get_rope_index (glm4v_moe/modular_glm4v_moe.py) around a
     # mixture-of-experts text model (transformers >= 4.56). Not `experts`: its text model hands attention_mask to
@@ -284,10 +303,18 @@ _RECORDS = (
         video_token="<|video|>",
         video_processor="Glm46VVideoProcessor",
         video_wraps="timed_image_frames",
+        processors=("Glm46VProcessor",),
+        image_processors=("Glm46VImageProcessor",),
     ),
     # llava-hf/llava-1.5-7b-hf
     Family(
-        "llava", ("LLaVA-1.5",), vision=_rule("anyres.LlavaSpec"), image_token="<image>", chat_format="llava"
+        "llava",
+        ("LLaVA-1.5",),
+        vision=_rule("anyres.LlavaSpec"),
+        image_token="<image>",
+        chat_format="llava",
+        processors=("LlavaProcessor",),
+        image_processors=("LlavaImageProcessor", "CLIPImageProcessor"),
     ),
     # llava-hf/llava-v1.6-mistral-7b-hf
     Family(
@@ -296,6 +323,8 @@ _RECORDS = (
         vision=_rule("anyres.LlavaNextSpec"),
         image_token="<image>",
         chat_format="llava",
+        processors=("LlavaNextProcessor",),
+        image_processors=("LlavaNextImageProcessor",),
     ),
     # llava-hf/llava-onevision-qwen2-7b-ov-hf
     Family(
@@ -306,6 +335,8 @@ _RECORDS = (
         video_token="<video>",
         video_processor="LlavaOnevisionVideoProcessor",
         video_wraps="none",
+        processors=("LlavaOnevisionProcessor",),
+        image_processors=("LlavaOnevisionImageProcessor",),
     ),
     # OpenGVLab/InternVL3-8B-hf (also InternVL2 / 2.5: 448 px tiles, 1..12, thumbnail)
     Family(
@@ -317,6 +348,8 @@ _RECORDS = (
         video_token="<video>",
         video_processor="InternVLVideoProcessor",
         video_wraps="image_frames",
+        processors=("InternVLProcessor",),
+        image_processors=("GotOcr2ImageProcessor",),
     ),
     # HuggingFaceM4/Idefics3-8B-Llama3
     Family(
@@ -325,6 +358,8 @@ _RECORDS = (
         image_token="<image>",
         wraps="processor_markers",
         collapsed=False,
+        processors=("Idefics3Processor",),
+        image_processors=("Idefics3ImageProcessor",),
     ),
     # HuggingFaceTB/SmolVLM-Instruct
     Family(
@@ -339,6 +374,8 @@ _RECORDS = (
         image_token="<image>",
         wraps="processor_markers",
         collapsed=False,
+        processors=("SmolVLMProcessor",),
+        image_processors=("SmolVLMImageProcessor",),
     ),
     # LiquidAI/LFM2-VL-1.6B (transformers >= 5.0: Lfm2VlImageProcessor, a torchvision class); its text model
     # LFM2 mixes tokens in short-convolution layers besides attention
@@ -350,9 +387,18 @@ _RECORDS = (
         wraps="processor_markers",
         collapsed=False,
         token_mixers=("short_conv",),
+        processors=("Lfm2VlProcessor",),
+        image_processors=("Lfm2VlImageProcessor",),
     ),
     # google/gemma-3-4b-it (the template writes <start_of_image>, which the processor expands)
-    Family("gemma3", vision=_rule("tiles.Gemma3Spec"), wraps="processor_text", two_way_images=True),
+    Family(
+        "gemma3",
+        vision=_rule("tiles.Gemma3Spec"),
+        wraps="processor_text",
+        two_way_images=True,
+        processors=("Gemma3Processor",),
+        image_processors=("Gemma3ImageProcessor",),
+    ),
     # google/gemma-4-31B-it (transformers >= 5.5): images wrapped in <|image> <image|> by the processor; with
     # use_bidirectional_attention="vision" image tokens attend both ways on the sliding layers only
     Family(
@@ -366,6 +412,8 @@ _RECORDS = (
         two_way_switch=("use_bidirectional_attention", "vision"),
         images_past_window_until=(5, 13),
         collapsed=False,
+        processors=("Gemma4Processor",),
+        image_processors=("Gemma4ImageProcessor",),
     ),
     # google/gemma-3n-E4B-it (transformers >= 4.53): 256 tokens per image whatever its size, wrapped in
     # "\n\n<start_of_image>" ... "<end_of_image>\n\n" by the processor as Gemma 3's; image tokens attend causally
@@ -377,6 +425,7 @@ _RECORDS = (
         image_token="<image_soft_token>",
         wraps="processor_text",
         collapsed=False,
+        processors=("Gemma3nProcessor",),
     ),
     # mistralai/Mistral-Small-3.1-24B-Instruct-2503: a Pixtral tower (vision_spec_from_processor reads it)
     Family("mistral3", image_token="[IMG]", wraps="processor", collapsed=False),
@@ -387,6 +436,8 @@ _RECORDS = (
         image_token="[IMG]",
         wraps="processor",
         collapsed=False,
+        processors=("PixtralProcessor",),
+        image_processors=("PixtralImageProcessor",),
     ),
     # Megatron-LM LLaVA with CLIP ViT-L/14 @ 336 px
     Family("megatron", vision=_rule("megatron.MegatronSpec")),
@@ -441,6 +492,37 @@ def _by_squashed() -> dict[str, str]:
 
 
 _BY_SQUASHED = _by_squashed()
+
+
+def _by_class(kind: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for record in _RECORDS:
+        for name in getattr(record, kind):
+            taken = out.setdefault(name, record.name)
+            if taken != record.name:  # one class, one rule: a second record would be a guess between them
+                raise ValueError(f"{kind} class {name!r} of {record.name!r} is already {taken!r}'s")
+    return out
+
+
+_BY_CLASS = {kind: _by_class(kind) for kind in ("processors", "image_processors")}
+
+
+def owner(kind: Literal["processors", "image_processors"], class_name: str) -> Family | None:
+    """The record whose ``kind`` field names the transformers class ``class_name`` (each class is named by
+    one record at most), or None."""
+    found = _BY_CLASS[kind].get(class_name)
+    return FAMILIES[found] if found is not None else None
+
+
+def video_family(video_processor: Any) -> Family | None:
+    """The record whose ``video_processor`` names the class of ``video_processor`` (a transformers video
+    processor instance), or the nearest base class of it a record names; None where no record does. Records
+    sharing a video processor (Qwen2-VL and Qwen2.5-VL, Qwen3-VL and Qwen3.5) share its ``video_wraps``."""
+    for cls in type(video_processor).__mro__:
+        for record in _RECORDS:
+            if record.video_wraps and record.video_processor == cls.__name__:
+                return record
+    return None
 
 
 def canonical(name: str | None, *, strict: bool = True) -> str | None:

@@ -1,4 +1,4 @@
-"""Token mixers that are not attention: sample boundaries reach them too.
+"""Token mixers that are not attention: sample boundaries reach them too, on every route, by default.
 
 Attention keeps packed samples apart through its mask or ``cu_seqlens``. Some layers mix tokens another way
 and carry one sample into the next unless told where samples start::
@@ -7,51 +7,70 @@ and carry one sample into the next unless told where samples start::
     short conv   b0 reads a1 a2                (kernel 4: the last 3 tokens)       leaks
     delta rule   b0 starts from a's state      (a recurrent state over the row)     leaks
 
-In transformers 5.24 (``models/qwen3_5/modeling_qwen3_5.py`` ``Qwen3_5GatedDeltaNet``,
-``models/lfm2/modeling_lfm2.py`` ``Lfm2ShortConv``; the MoE and Qwen3-Next variants are copies) the decoder
-layer hands these layers its ``**kwargs`` but not ``position_ids``; the layers read ``cu_seq_lens_q`` (delta
-rule) and ``seq_idx`` (causal conv) only through the flash-linear-attention / causal-conv1d kernels. The
-PyTorch fallbacks (``integrations/hub_kernels.py``) raise on ``cu_seqlens`` / ``seq_idx`` and leak silently
-without them: max |packed - alone| 0.37 (Qwen3.5, sdpa), 0.495 (LFM2).
+Known (``KNOWN_MIXERS``, transformers 5.25): gated delta-nets (Qwen3.5 / 3.6 and their MoE, Qwen3-Next,
+Qwen4-Exp, MiniCPM-V 4.6's ``qwen3_5_text``), short convolutions (LFM2, LFM2-MoE, LFM3), Mamba2 (Nemotron-H, the
+text model of ``nemotron_h_omni``), Kimi delta attention (GLM-5-Next). transformers hands these layers the decoder
+layer's ``**kwargs`` but not ``position_ids``; its PyTorch paths leak silently without boundaries (max |packed -
+alone| 0.37 Qwen3.5, 0.495 LFM2) and, from 5.24, refuse ``cu_seqlens`` / ``seq_idx`` ("can't keep packed
+sequences apart").
 
-``isolate_token_mixers(model)`` installs a boundary-respecting path in every known mixer: the layer runs
-on each sample segment alone (segments of similar length batched into one call, right-padded: the layers
-are causal, so the padding after a segment never reaches it), which is exact against each sample alone by
-construction::
+**Safe by default.** Every way vlm-pack hands rows to a model runs each mixer per sample or stops before the
+first optimizer step:
+
+    route                                           what keeps the samples apart
+    PackedSFTTrainer (TRL), use_varlen_attention    vlm-pack meets the model: it calls isolate_token_mixers
+    Trainer(data_collator=ds.trainer_collator()),   vlm-pack never sees the model: the rows of a family with
+    PackingCollator(return_style=...), Energon,     token mixers carry ``seq_idx`` (``PackedBatch.model_inputs``);
+    a loop on batch.model_inputs(style)             an isolated mixer reads its samples from it, an un-isolated
+                                                    transformers mixer refuses it at the first forward (5.24 on)
+    isolate_token_mixers(model) by hand             every route, any transformers release
+
+``isolate_token_mixers(model)`` installs a boundary-respecting path in every known mixer: the layer runs on each
+sample segment alone (segments of similar length batched into one call, right-padded: the layers are causal,
+so the padding after a segment never reaches it), which is exact against each sample alone by construction::
 
     hidden [B, T, H]  --gather-->  [n, L, H] per group  --layer-->  [n, L, H']  --scatter-->  [B, T, H']
 
-Boundaries come from ``cu_seq_lens_q`` in the layer's kwargs when present (flash-style ``[1, R*T]`` rows),
-else from the position ids the text model received (a forward pre-hook on the module owning the decoder
-layers; ``[B, T]``, Qwen's ``[4, B, T]`` with the text row first, or ``[3, B, T]`` where a sample starts at
-the token whose three rows are all 0). They are worked out once per forward (``boundaries.py`` caches),
-not per layer. Where the boundary-taking kernels are importable and the layer runs on CUDA with one row,
-the layer gets ``cu_seq_lens_q`` / ``seq_idx`` and runs whole (``isolation="kernel"``; untested here: no
-GPU, no flash-linear-attention in CI).
+Boundaries come from ``cu_seq_lens_q`` in the layer's kwargs (flash-style ``[1, R*T]`` rows), else ``seq_idx``
+(``[B, T]`` sample ordinals), else the position ids the text model received (a forward pre-hook on the module
+owning the decoder layers; ``[B, T]``, Qwen's ``[4, B, T]`` with the text row first, or ``[3, B, T]`` where a
+sample starts at the token whose three rows are all 0). They are worked out once per forward (``boundaries.py``
+caches), not per layer. On CUDA with flash-linear-attention's ``fla-core`` installed (``pip install
+'vlm-pack[kernels]'``), the layers with a recipe in ``mixer_kernels.py`` (Qwen3.5's delta-net, LFM2/LFM3's short
+conv) run the whole row once through its Triton kernels with the segments' ``cu_seqlens`` (``isolation=
+"kernel"``); the per-sample loop stays the exact path everywhere else.
 
-``find_token_mixers(model)`` lists every such layer, known ones by kind and unknown ones (a module holding
-an ``nn.Conv1d`` with kernel > 1, or a Mamba/SSM/recurrent class) with ``isolation="none"``, so a future
-model never passes silently: ``isolate_token_mixers`` raises on those before the first step.
+**Kept isolated.** The same pre-hook checks, before any layer of each forward runs, that every isolated mixer
+is still in place with vlm-pack's forward. transformers 5.25 loads models with ``use_kernels`` on and
+re-kernelizes them on ``model.train()`` / ``.eval()`` (``integrations/hub_kernels.py``): where no hub kernel
+exists for the device this pops the instance forward (measured on CPU: the isolation was gone after
+``model.train()``), and the guard puts it back; where a hub kernel replaces the layer's forward (e.g.
+``Qwen3_5GatedDeltaNet`` on some GPUs), or a layer was swapped for another module, the forward raises naming
+the layer and the fix.
+
+``find_token_mixers(model)`` lists every such layer, known ones by kind and unknown ones (a module holding an
+``nn.Conv1d`` with kernel > 1, a Mamba/SSM/recurrent class, or a layer vlm-pack knows it cannot split, such as
+Inkling2's short convolutions inside attention) with ``isolation="none"``, so a future model never passes
+silently: ``isolate_token_mixers`` raises on those before the first step, naming them.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import inspect
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from . import mixer_kernels
 from .boundaries import IdentityCache, Packing, host_copy, packing_from_cu, packing_from_positions, to_device
 
 __all__ = [
     "KNOWN_MIXERS",
     "TokenMixer",
-    "boundary_kernels",
     "find_token_mixers",
     "isolate_token_mixers",
     "mixer_problems",
@@ -64,17 +83,26 @@ KNOWN_MIXERS: dict[str, str] = {
     "Qwen3_5GatedDeltaNet": "gated_delta_net",
     "Qwen3_5MoeGatedDeltaNet": "gated_delta_net",
     "Qwen3NextGatedDeltaNet": "gated_delta_net",
+    "Qwen4ExpTextGatedDeltaNet": "gated_delta_net",
     "Lfm2ShortConv": "short_conv",
     "Lfm2MoeShortConv": "short_conv",
+    "Lfm3ShortConv": "short_conv",
+    "NemotronHMamba2Mixer": "mamba2",
+    "Glm5NextTextLinearAttention": "kimi_delta_attention",
 }
-#: The importable modules each kind's boundary-taking kernels live in (transformers resolves them there).
-_KERNEL_MODULES = {
-    "gated_delta_net": ("fla.ops.gated_delta_rule", "causal_conv1d"),
-    "short_conv": ("causal_conv1d",),
+#: Layers that mix tokens across packed samples and that vlm-pack cannot split per sample: refused by name.
+_REFUSED: dict[str, str] = {
+    "Glm5NextTextIndexer": "GLM-5-Next's indexed attention picks its keys over the whole row, across packed "
+    "samples (transformers 5.25; measured max |packed - alone| 4.9 on a tiny model, restarted positions)",
+    "Inkling2ShortConvolution": "Inkling2's short convolutions inside its attention blocks take a conv_mask and "
+    "dynamic inputs that vlm-pack does not split per sample",
+    "Inkling2DynamicShortConvolution": "Inkling2's dynamic short convolutions take per-token weights that "
+    "vlm-pack does not split per sample",
 }
 #: Class names of layers that mix tokens without attention (an unknown model's, to refuse, not to run).
 _MIXER_NAME = re.compile(
-    r"(Mamba2?|SSM|Mixer|DeltaNet|ShortConv|ShortConvolution|Recurrent|Rglru|RWKV|LinearAttention|Hyena)$",
+    r"(Mamba2?|SSM|Mixer|DeltaNet|ShortConv|ShortConvolution|Recurrent|Rglru|RWKV|LinearAttention|Hyena"
+    r"|NGramEmbedding)$",
     re.IGNORECASE,
 )
 _NOT_MIXER_NAME = re.compile(r"MLP|Expert|Router|Vision|Audio|Patch", re.IGNORECASE)
@@ -106,18 +134,6 @@ class TokenMixer:
 # --------------------------------------------------------------------------------------------------------
 # finding them
 # --------------------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def boundary_kernels(kind: str) -> bool:
-    """Whether the kernels that take sample boundaries for ``kind`` import here (flash-linear-attention's
-    ``chunk_gated_delta_rule`` and causal-conv1d for the delta net, causal-conv1d for the short conv)."""
-    try:
-        for module in _KERNEL_MODULES.get(kind, ("",)):
-            importlib.import_module(module)
-    except Exception:  # absent or a broken build: the PyTorch path it is
-        return False
-    return kind in _KERNEL_MODULES
 
 
 def _text_scope(model: nn.Module) -> tuple[str, nn.Module]:
@@ -153,20 +169,16 @@ def _device(module: nn.Module) -> torch.device:
 def _describe(name: str, module: nn.Module, kind: str) -> TokenMixer:
     cls = type(module).__name__
     if kind == "unknown":
-        return TokenMixer(name, kind, "none", f"{cls}: an unknown layer that mixes tokens; vlm-pack cannot "
-                          "keep packed samples apart in it")
-    kernels = boundary_kernels(kind) and _device(module).type == "cuda"
+        why = _REFUSED.get(cls, "an unknown layer that mixes tokens")
+        return TokenMixer(name, kind, "none", f"{cls}: {why}; vlm-pack cannot keep packed samples apart in it")
     if isinstance(module.__dict__.get("forward"), _IsolatedForward):
-        if kernels:
-            return TokenMixer(name, kind, "kernel", f"{cls} with cu_seq_lens_q/seq_idx on one row, else run "
-                              "per sample segment")
+        if _device(module).type == "cuda" and mixer_kernels.kernel_forward(module) is not None:
+            return TokenMixer(name, kind, "kernel", f"{cls}: the whole row through flash-linear-attention's "
+                              "kernels with the samples' cu_seqlens")
         return TokenMixer(name, kind, "per_sample", f"{cls} run per sample segment (boundaries from "
-                          "cu_seq_lens_q, else the text model's position_ids)")
-    if kernels:
-        return TokenMixer(name, kind, "kernel", f"{cls} through transformers' kernels, only when the inputs "
-                          "carry cu_seq_lens_q and seq_idx")
-    return TokenMixer(name, kind, "none", f"{cls} on the PyTorch path: packed samples leak into each other "
-                      "(no boundaries reach it)")
+                          "cu_seq_lens_q or seq_idx, else the text model's position_ids)")
+    return TokenMixer(name, kind, "none", f"{cls} as transformers runs it: packed samples leak into each "
+                      "other, or its PyTorch fallback refuses the batch's seq_idx")
 
 
 def find_token_mixers(model: nn.Module) -> list[TokenMixer]:
@@ -184,7 +196,7 @@ def find_token_mixers(model: nn.Module) -> list[TokenMixer]:
         if any(name.startswith(t + ".") for t in taken):
             continue
         kind = KNOWN_MIXERS.get(type(module).__name__)
-        if kind is None and _unknown_mixer(sub_name, module):
+        if kind is None and (type(module).__name__ in _REFUSED or _unknown_mixer(sub_name, module)):
             kind = "unknown"
         if kind is not None:
             taken.append(name)
@@ -216,7 +228,8 @@ def mixer_problems(model: nn.Module, mixers: list[TokenMixer] | None = None) -> 
 
 
 class _Boundaries:
-    """Owned by one text model: the position ids of its current forward, captured by a pre-hook.
+    """Owned by one text model: the position ids of its current forward, captured by a pre-hook, and the
+    guard of its isolated mixers, checked by the same hook before any layer runs.
 
     Kept after the forward so that gradient checkpointing's recompute (in backward) sees the same ones;
     a later forward replaces them.
@@ -226,25 +239,94 @@ class _Boundaries:
         params = list(inspect.signature(owner.forward).parameters)
         self.position_index = params.index("position_ids") if "position_ids" in params else None
         self.position_ids: torch.Tensor | None = None
+        self.guards: list[_Guard] = []
         self.handle = owner.register_forward_pre_hook(self.capture, with_kwargs=True)
 
     def capture(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for guard in self.guards:
+            guard.check()
         pos = kwargs.get("position_ids")
         if pos is None and self.position_index is not None and len(args) > self.position_index:
             pos = args[self.position_index]
         self.position_ids = pos if isinstance(pos, torch.Tensor) else None
 
 
+@dataclass
+class _Guard:
+    """One isolated mixer as installed: ``parent.<attr>`` is ``module`` and its ``forward`` is ``installed``.
+
+    transformers (5.25, ``integrations/hub_kernels.py``) re-kernelizes a model loaded with
+    ``from_pretrained`` (``use_kernels`` on by default) whenever ``model.train()`` / ``.eval()`` changes its
+    mode: on a device with no hub kernel it pops the instance ``forward`` (the class's own returns, and
+    with it the leak), on one with a kernel it installs the kernel layer's ``forward`` (which keeps no
+    boundaries either). ``check`` re-installs over the class's own forward (the same computation, per sample)
+    and refuses anything else by name, before the first layer of the forward runs."""
+
+    name: str
+    parent: nn.Module
+    attr: str
+    module: nn.Module
+    installed: Any
+
+    def check(self) -> None:
+        current = self.parent._modules.get(self.attr)
+        if current is not self.module:
+            raise RuntimeError(
+                f"token mixer {self.name} was replaced after vp.isolate_token_mixers(model) (now "
+                f"{type(current).__name__}): the new layer keeps no sample boundaries; call "
+                "vp.isolate_token_mixers(model) again after replacing layers"
+            )
+        forward = self.module.__dict__.get("forward")
+        if forward is self.installed:
+            return
+        if forward is None:  # transformers' kernelize reverted to the class's forward: isolate it again
+            self.module.forward = self.installed
+            return
+        origin = getattr(getattr(forward, "__func__", forward), "__qualname__", type(forward).__name__)
+        raise RuntimeError(
+            f"token mixer {self.name} ({type(self.module).__name__}) had its forward replaced by {origin} after "
+            "vp.isolate_token_mixers(model) (transformers' hub kernels do this on model.train() / .eval() and "
+            "kernelize()): it would run the packed row whole and carry one sample into the next. Load the "
+            "model with use_kernels=False (or call model.set_use_kernels(False)), then "
+            "vp.isolate_token_mixers(model) again"
+        )
+
+
+def packing_from_seq_idx(seq_idx: torch.Tensor, device: torch.device) -> Packing:
+    """``seq_idx`` [B, T] (the sample ordinal of every token, ``PackedBatch.model_inputs``' marker) -> the
+    samples' ``cu`` over the B*T tokens, read from its host copy once per forward (cached)::
+
+        seq_idx [[0 0 0 1 1 2 2]]  ->  cu [0 3 5 7]
+    """
+    key = (tuple(seq_idx.shape), device)
+    cached = _SEQ_IDX.get(seq_idx, key)
+    if cached is not None:
+        return cached
+    flat = host_copy(seq_idx).reshape(-1).to(torch.int64)
+    starts = (flat[1:] != flat[:-1]).nonzero().flatten() + 1
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), starts, torch.tensor([flat.numel()])]).to(torch.int32)
+    lengths = cu[1:] - cu[:-1]
+    packing = Packing(to_device(cu, device), int(lengths.max()) if lengths.numel() else 0, None)
+    return _SEQ_IDX.put(seq_idx, key, packing)
+
+
+_SEQ_IDX = IdentityCache()
 _SEGMENTS = IdentityCache()
 
 
 def _packing(state: _Boundaries | None, hidden: torch.Tensor, kwargs: dict) -> Packing | None:
-    """Where the samples of ``hidden`` [B, T, H] lie, or None when nothing says (one sample per row)."""
+    """Where the samples of ``hidden`` [B, T, H] lie, or None when nothing says (one sample per row).
+
+    In order: ``cu_seq_lens_q`` (flash-style rows), ``seq_idx`` [B, T] (every HF style of a family with
+    token mixers), the position ids the text model received."""
     batch, length = hidden.shape[:2]
     cu = kwargs.get("cu_seq_lens_q")
     if isinstance(cu, torch.Tensor):
         return packing_from_cu(cu, kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_q"), batch * length,
                                hidden.device)
+    seq_idx = kwargs.get("seq_idx")
+    if isinstance(seq_idx, torch.Tensor) and seq_idx.numel() == batch * length:
+        return packing_from_seq_idx(seq_idx, hidden.device)
     pos = None if state is None else state.position_ids
     if pos is None:
         return None
@@ -259,6 +341,8 @@ class _Segments(NamedTuple):
     groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
     inverse: torch.Tensor  # [B*T] long: where each token's output sits in the groups' concatenated outputs
     whole_rows: bool  # every row is one segment: run the layer as it is
+    cu: torch.Tensor  # [S+1] int64 on the device: the segments over the flattened B*T tokens (kernels)
+    cu_host: torch.Tensor  # the same on the host (the kernels take it too, to skip a device-to-host copy)
 
 
 def _group(lengths: list[int], slack: float = 1.5) -> list[list[int]]:
@@ -300,7 +384,9 @@ def _segments(packing: Packing, batch: int, length: int, device: torch.device) -
         groups.append((to_device(index, device), to_device(valid, device), to_device(keep, device)))
     inverse = torch.empty(batch * length, dtype=torch.long)
     inverse[torch.cat(order)] = torch.arange(batch * length)
-    out = _Segments(tuple(groups), to_device(inverse, device), len(starts) == batch)
+    cu_host = torch.tensor([*starts, batch * length], dtype=torch.int64)
+    whole = len(starts) == batch
+    out = _Segments(tuple(groups), to_device(inverse, device), whole, to_device(cu_host, device), cu_host)
     return _SEGMENTS.put(packing.cu, key, out)
 
 
@@ -317,7 +403,8 @@ def _seq_idx(packing: Packing, batch: int, length: int) -> torch.Tensor:
 
 
 class _IsolatedForward:
-    """Instance ``forward`` of an isolated mixer: the class's own forward, per sample segment.
+    """Instance ``forward`` of an isolated mixer: the class's own forward per sample segment, or the whole
+    row through flash-linear-attention's kernels with the segments' ``cu_seqlens`` (``mixer_kernels.py``).
 
     Lives in the module's ``__dict__`` (not its state_dict): parameters and buffers are untouched.
     """
@@ -329,18 +416,19 @@ class _IsolatedForward:
         forward = type(self.module).forward
         cache = kwargs.get("cache", kwargs.get("past_key_values", args[0] if args else None))
         if cache is not None or hidden_states.dim() != 3:  # decoding: one sample, its own state
-            return forward(self.module, hidden_states, *args, **kwargs)
+            return forward(self.module, hidden_states, *args, **_plain(kwargs))
         packing = _packing(self.state, hidden_states, kwargs)
-        plain = {k: v for k, v in kwargs.items() if k not in _BOUNDARY_KWARGS}
+        plain = _plain(kwargs)
         if packing is None:
             return forward(self.module, hidden_states, *args, **plain)
         batch, length = hidden_states.shape[:2]
-        if batch == 1 and hidden_states.is_cuda and boundary_kernels(self.kind):
-            plain.update(cu_seq_lens_q=packing.cu, seq_idx=_seq_idx(packing, batch, length))
-            return forward(self.module, hidden_states, *args, **plain)
         segments = _segments(packing, batch, length, hidden_states.device)
         if segments.whole_rows:
             return forward(self.module, hidden_states, *args, **plain)
+        whole_row = mixer_kernels.kernel_forward(self.module) if _kernel_device(hidden_states) else None
+        if whole_row is not None:
+            mask = plain.get("attention_mask", args[1] if len(args) > 1 else None)
+            return whole_row(self.module, hidden_states, segments.cu, segments.cu_host, mask)
         return self._per_segment(forward, hidden_states, segments, args, plain)
 
     def _per_segment(self, forward, hidden: torch.Tensor, segments: _Segments, args: tuple, kwargs: dict):
@@ -357,6 +445,16 @@ class _IsolatedForward:
             out = forward(self.module, part, *args, attention_mask=part_mask, **kwargs)
             outputs.append(out.flatten(0, 1)[keep])
         return torch.cat(outputs)[segments.inverse].reshape(batch, length, -1)
+
+
+def _kernel_device(hidden: torch.Tensor) -> bool:
+    """Whether flash-linear-attention's Triton kernels run where ``hidden`` is (CUDA)."""
+    return hidden.is_cuda
+
+
+def _plain(kwargs: dict) -> dict:
+    """The kwargs without boundaries: transformers' PyTorch fallbacks refuse ``cu_seqlens`` / ``seq_idx``."""
+    return {k: v for k, v in kwargs.items() if k not in _BOUNDARY_KWARGS}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -387,22 +485,22 @@ def isolate_token_mixers(model: nn.Module) -> nn.Module:
     unknown = [m for m in mixers if m.kind == "unknown"]
     if unknown:
         raise ValueError("; ".join(mixer_problems(model, unknown)))
-    # one _Boundaries per text model, shared by its mixers: found through the mixers already isolated (a second
-    # call), never stored on the model's modules
-    states: dict[nn.Module, _Boundaries] = {}
-    pending = []
     for mixer in mixers:
         module, owner = model.get_submodule(mixer.name), _owner(model, mixer.name)
-        installed = module.__dict__.get("forward")
-        if isinstance(installed, _IsolatedForward):
-            states.setdefault(owner, installed.state)
-        else:
-            pending.append((module, mixer.kind, owner))
-    for module, kind, owner in pending:
-        if owner not in states:
-            states[owner] = _Boundaries(owner)
-        module.forward = _IsolatedForward(module, kind, states[owner])
+        state = _STATES.get(owner)
+        if state is None:  # one per text model, shared by its mixers (held here, never on the model's modules)
+            state = _STATES[owner] = _Boundaries(owner)
+        if isinstance(module.__dict__.get("forward"), _IsolatedForward):
+            continue
+        installed = _IsolatedForward(module, mixer.kind, state)
+        module.forward = installed
+        parent_name, _, attr = mixer.name.rpartition(".")
+        guard = _Guard(mixer.name, model.get_submodule(parent_name), attr, module, installed)
+        state.guards = [g for g in state.guards if g.name != mixer.name] + [guard]
     return model
+
+
+_STATES: weakref.WeakKeyDictionary[nn.Module, _Boundaries] = weakref.WeakKeyDictionary()
 
 
 def summarize(mixers: list[TokenMixer]) -> list[str]:

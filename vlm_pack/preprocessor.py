@@ -9,6 +9,11 @@ image processor and rows made with another would silently overflow or underfill 
     length, per_image = pre.forecast(conversation, [(640, 480)])   # header sizes only
     sample = pre.process([image], conversation)                    # len(sample["input_ids"]) == length
     collator = pre.collator(8192, model_config=model.config)             # PackingCollator for these parts
+
+Every loader (streaming, map-style, TRL's collator, the Energon encoder; Ray only forecasts, and its plans
+are loaded by the map-style dataset) runs the same sample contract: forecast -> process -> one length check,
+:meth:`Preprocessor.checked_length`, which measures a processed sample in this preprocessor's layout (a
+collapsed sample's placeholders count as the tokens they stand for) against the forecast it was packed on.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .chat import ChatFormat, Conversation, Template
-from .failures import SampleError
+from .failures import SampleError, forecast_mismatch
 from .families import canonical, lookup, names
 from .processing import length
 from .processing.length import Forecast
@@ -40,7 +45,9 @@ class Preprocessor:
     checkpoint's own template, else the tokenizer's ``vlm_pack_family``, else the image processor's family);
     ``layout``: ``"expanded"`` (HF models) or ``"collapsed"`` (one placeholder per image, Megatron style;
     refused for a processor that writes markers between an image's tokens: ``vlm_pack.families``' ``collapsed``).
-    ``spec``: the vision spec forecasts use (default: read from the processor). A ``conversation`` is any
+    ``spec``: the vision spec forecasts use (default: read from the processor; a family's fast rule read so is
+    compared with the processor itself on a few sizes first, ``vlm_pack.vision.selfcheck``, and a difference
+    raises ``FastRuleMismatch`` naming the family, the transformers release and the size). A ``conversation`` is any
     format the readers take (``{"role", "content"}`` turns, LLaVA ``{"from", "value"}`` turns, a caption
     string): every method normalises it with :func:`vlm_pack.chat.normalise_conversation`, text as written.
 
@@ -72,7 +79,8 @@ class Preprocessor:
             raise ValueError("Preprocessor needs tokenizer= (with image_processor=) or processor=")
         if self.layout not in ("expanded", "collapsed"):
             raise ValueError(f"layout must be 'expanded' or 'collapsed', got {self.layout!r}")
-        if self.spec is None and (proc is not None or self.image_processor is not None):
+        read = self.spec is None and (proc is not None or self.image_processor is not None)
+        if read:
             source = proc if proc is not None else self.image_processor
             object.__setattr__(self, "spec", vision_spec_from_processor(source))
         if self.family is None:
@@ -87,6 +95,10 @@ class Preprocessor:
                 "row or tile markers between an image's tokens: use layout='expanded' (collapsed works for "
                 f"{', '.join(names('collapsed'))})"
             )
+        if read:  # a fast rule read off the processor: checked against the processor itself, once
+            from .vision.selfcheck import check_fast_rule
+
+            check_fast_rule(self)
 
     @classmethod
     def check(cls, obj: Any) -> Preprocessor:
@@ -232,6 +244,29 @@ class Preprocessor:
         from .processing.sample import process_pack
 
         return process_pack(samples, keys=keys, prompts=prompts, **self._options())
+
+    def processed_length(self, sample: dict[str, Any]) -> int:
+        """The length a processed ``sample`` (:meth:`process`'s output) takes in a row, the length its
+        :meth:`forecast` predicts: ``len(input_ids)`` in the expanded layout; in the collapsed one each image
+        (video) placeholder counts as the ``tokens_per_image`` (``tokens_per_video_placeholder``) it stands for
+        (:func:`vlm_pack.processing.length.expanded_length`)."""
+        return length.expanded_length(
+            int(sample["input_ids"].shape[0]), sample.get("tokens_per_image"), self.layout,
+            sample.get("tokens_per_video_placeholder"),
+        )  # fmt: skip
+
+    def checked_length(self, sample: dict[str, Any], forecast: int, name: str) -> int:
+        """:meth:`processed_length` of ``sample``, checked against the ``forecast`` it was packed on: the one
+        forecast-vs-processed check of every loader.
+
+        Raises:
+            SampleError: reason ``forecast_mismatch`` naming the sample (``name``) when they differ: bad data,
+                left out and counted (``vlm_pack.failures.forecast_mismatch``), never packed at another length.
+        """
+        n = self.processed_length(sample)
+        if n != int(forecast):
+            raise forecast_mismatch(int(forecast), n, name)
+        return n
 
     def _options(self) -> dict[str, Any]:
         """The keyword arguments of :func:`process_sample` these parts stand for."""

@@ -19,7 +19,7 @@
   sharegpt, messages, caption) -> ``Sample``;
 - :mod:`vlm_pack.data.sources`: readers of ``datasets`` objects, ``save_to_disk`` folders, parquet, JSON,
   JSONL and shards, cut into chunks (``open_sources``, ``iter_samples``);
-- :mod:`vlm_pack.data.forecast`: ``forecast_sources`` (header-only, ``num_workers`` processes) ->
+- :mod:`vlm_pack.data.forecast`: ``forecast_sources`` (header-only, ``num_proc`` processes) ->
   ``LengthTable``;
 - :mod:`vlm_pack.data.fingerprint`: ``fingerprint`` (everything in a ``Preprocessor`` that changes a token)
   and ``changed_parts`` (what differs between two);

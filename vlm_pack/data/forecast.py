@@ -6,7 +6,7 @@ decoded) and forecasts the chunk's rows in one ``Preprocessor.forecast_rows`` ca
 its prompts tokenized in one batched call): the numbers of ``Preprocessor.forecast``, so the forecast equals
 ``len(process_sample(...)["input_ids"])``. A video's header is read from its container (PyAV; an MKV / WebM's
 packets demuxed, never decoded) and forecast once (``vision.video.forecast_video``), the forecast handed to
-the Preprocessor as it is. Results come back in source order, whatever ``num_workers``::
+the Preprocessor as it is. Results come back in source order, whatever ``num_proc``::
 
     main       open_sources ─ chunks ─┬──────────────────────────────────┬─ in order ─> LengthTable
     worker 0        chunk 0, 2, 4 ... │ read ─ normalise ─ image_size ─  │  + tqdm: total, rate, ETA
@@ -17,27 +17,34 @@ the Preprocessor as it is. Results come back in source order, whatever ``num_wor
 A record that cannot be read or forecast travels back as its :class:`SampleError` (classified in the worker by
 ``vlm_pack.failures.data_error``: an error of code raises there); the main process counts every chunk's
 outcomes in source order through the run's one :class:`~vlm_pack.failures.Guard` (``forecast_guard``): its
-budget of consecutive failures, its ``on_error``.
+budgets (consecutive failures, and the share of bad records, judged at the end of the run too), its
+``on_error``.
 """
 
 from __future__ import annotations
 
 import gc
-import io
 import multiprocessing
 import os
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..config import DEFAULT_MAX_CONSECUTIVE_FAILURES, ON_ERROR, check_choice
+from ..config import (
+    DEFAULT_MAX_BAD_FRACTION,
+    DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    ON_ERROR,
+    check_choice,
+)
 from ..failures import FailurePolicy, Guard, SampleError, data_error, skip_reason
+from .images import image_sizes, refuse_large_image
 from .reader import video_headers
 from .records import Sample
 from .sources import Chunk, Source, chunk_samples, chunks, open_sources
@@ -148,50 +155,6 @@ class LengthTable:
         )
 
 
-def image_sizes(
-    sample: Sample, *, exif_transpose: bool = True, verify: bool = False
-) -> list[tuple[int, int]]:
-    """``(width, height)`` of each image of ``sample`` as the processor will see it, from headers only.
-
-    ``verify=True`` also decodes every image's pixels (catches a file cut short after its header).
-    Raises :class:`SampleError` (``"corrupt_image"``) naming the sample and image for an unreadable one.
-    """
-    from ..vision import image_size
-
-    sizes = []
-    for i, image in enumerate(sample.images):
-        if hasattr(image, "size") and not hasattr(image, "read"):  # a decoded PIL image: used as it is
-            sizes.append(tuple(image.size))
-            continue
-        name = f"{sample.label}, image {i}"
-        try:
-            sizes.append(image_size(image, exif_transpose=exif_transpose, name=name))
-            if verify:
-                _decode_fully(image, name)
-        except ValueError as e:
-            raise SampleError("corrupt_image", str(e)) from None
-    return sizes
-
-
-def _decode_fully(image: Any, name: str) -> None:
-    """Decode every pixel of ``image`` (bytes, a path or a seekable binary file; left where it was)."""
-    from PIL import Image
-
-    try:
-        if hasattr(image, "read"):
-            at = image.tell()
-            data = image.read()
-            image.seek(at)
-        else:
-            data = image if isinstance(image, bytes) else Path(image).read_bytes()
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ValueError(
-            f"{name}: the header reads but the pixels do not decode ({e}): the file is truncated or corrupt."
-        ) from None
-
-
 @dataclass
 class _Forecaster:
     """What every worker needs, set once per process (``_init``)."""
@@ -202,6 +165,7 @@ class _Forecaster:
     exif_transpose: bool
     on_error: str
     verify: bool = False
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
 
 
 _WORKER: _Forecaster | None = None
@@ -280,7 +244,12 @@ def video_patches(videos: Sequence[Any]) -> int:
 
 def _read(f: _Forecaster, sample: Sample, ordinal: int, sizes: list[tuple[int, int]] | None = None) -> _Read:
     if sizes is None:
-        sizes = image_sizes(sample, exif_transpose=f.exif_transpose, verify=f.verify)
+        sizes = image_sizes(
+            sample, exif_transpose=f.exif_transpose, verify=f.verify, max_image_pixels=f.max_image_pixels
+        )
+    else:  # sized by the shard reader's headers: the same limit
+        for i, size in enumerate(sizes):
+            refuse_large_image(f"{sample.label}, image {i}", size, f.max_image_pixels)
     videos = video_forecasts(f.pre, sample_videos(sample))
     patches = sum(int(f.pre.spec.num_patches(w, h)) for w, h in sizes) + video_patches(videos)
     return _Read(ordinal, sample, sizes, patches, videos)
@@ -397,9 +366,15 @@ def _spend(guard: Guard, result: _ChunkResult) -> None:
         guard.bad(SampleError(reason, message), where if str(key) in where else f"{where} (key {key!r})", key, where)
 
 
-def forecast_guard(who: str, on_error: str = "skip", max_consecutive_failures: int | None = None) -> Guard:
+def forecast_guard(
+    who: str,
+    on_error: str = "skip",
+    max_consecutive_failures: int | None = None,
+    max_bad_fraction: float | None = None,
+) -> Guard:
     """The guarded stage a forecast run (``who``) counts its bad records in (``vlm_pack.failures``)."""
-    return FailurePolicy(who, on_error, max_consecutive_failures).stage("header-only forecast", "bad_text")
+    policy = FailurePolicy(who, on_error, max_consecutive_failures, max_bad_fraction=max_bad_fraction)
+    return policy.stage("header-only forecast", "bad_text")
 
 
 def _ordered_map(executor: Executor | None, items: Iterator[Chunk], window: int) -> Iterator[_ChunkResult]:
@@ -479,6 +454,7 @@ def make_forecaster(
     verify: bool = False,
     on_error: str = "skip",
     who: str = "forecast_sources",
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> _Forecaster:
     """The opened sources and checkpoint parts a worker forecasts :func:`forecast_chunk` with (the arguments
     of :func:`forecast_sources`)."""
@@ -489,21 +465,40 @@ def make_forecaster(
         raise TypeError(f"{who} needs spec= (or a preprocessor with an image processor)")
     check_choice("on_error", on_error, ON_ERROR)
     opened = open_sources(sources, image_root=image_root)
-    return _Forecaster(opened, pre, record_format, exif_transpose, on_error, verify)
+    return _Forecaster(opened, pre, record_format, exif_transpose, on_error, verify, max_image_pixels)
 
 
 def assemble_table(
-    results: Iterable[_ChunkResult], max_consecutive_failures: int | None, who: str, on_error: str = "skip"
+    results: Iterable[_ChunkResult],
+    max_consecutive_failures: int | None,
+    who: str,
+    on_error: str = "skip",
+    max_bad_fraction: float | None = DEFAULT_MAX_BAD_FRACTION,
 ) -> LengthTable:
     """The :class:`LengthTable` of chunk results given in source order, consumed as they come: the failure
     budget is spent in that order (raises ``FailureBudgetError`` where :func:`forecast_sources` would) and,
     with ``on_error="raise"``, the first bad sample raises, so an engine stops at the first bad chunks."""
-    guard = forecast_guard(who, on_error, max_consecutive_failures)
+    guard = forecast_guard(who, on_error, max_consecutive_failures, max_bad_fraction)
     kept = []
     for result in results:
         _spend(guard, result)
         kept.append(result)
+    guard.finish()
     return _table(kept)
+
+
+def _num_proc(num_proc: Any, num_workers: Any) -> int:
+    """``num_proc``, checked; ``num_workers`` (its old name) in its place, with a ``DeprecationWarning``."""
+    if num_workers is not None:
+        warnings.warn(
+            "forecast_sources(num_workers=) is now num_proc= (the name datasets and PackedMapDataset use)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        num_proc = num_workers
+    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+        raise ValueError(f"num_proc must be a positive int, got {num_proc!r}")
+    return num_proc
 
 
 def forecast_sources(
@@ -519,10 +514,13 @@ def forecast_sources(
     exif_transpose: bool = True,
     verify: bool = False,
     on_error: str = "skip",
-    num_workers: int = 1,
+    num_proc: int = 1,
     progress: bool | None = None,
     chunk_rows: int = 1024,
     max_consecutive_failures: int | None = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    max_bad_fraction: float | None = DEFAULT_MAX_BAD_FRACTION,
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+    num_workers: int | None = None,
 ) -> LengthTable:
     """Forecast every record of ``sources`` (``datasets`` objects, parquet / JSON / JSONL files, shards,
     folders, globs: see ``sources.open_sources``) from text and image headers: a :class:`LengthTable`.
@@ -538,50 +536,45 @@ def forecast_sources(
         image_root: folder relative image paths resolve against (default: the source file's folder).
         exif_transpose: size images as ``ImageOps.exif_transpose`` shows them (as ``load_image`` does).
         verify: also decode every image's pixels (slower; catches files cut short after their header).
+        max_image_pixels: refuse an image whose header declares more pixels, before decoding, as
+            ``image_too_large`` (``PackingConfig``'s default; None: no cap).
         on_error: ``"skip"`` (default: listed in ``LengthTable.invalid`` with its reason) or ``"raise"`` (a
             ``SampleError`` naming where the record lives and its key); ``PackingConfig.on_error``'s values.
-        num_workers: processes reading and forecasting chunks (1: this process).
+        num_proc: processes reading and forecasting chunks (1: this process), as ``datasets``' ``map``
+            and ``PackedMapDataset`` name them. ``num_workers=`` is its old name (a ``DeprecationWarning``).
         progress: a tqdm bar with total and ETA (``None``: only on a terminal).
         chunk_rows: records per chunk (parquet: whole row groups).
-        max_consecutive_failures: with ``on_error="skip"``, the failure budget of ``vlm_pack.failures``:
-            more invalid records than this in a row (source order) raise ``FailureBudgetError`` naming the
-            most common reason (default: ``PackingConfig``'s, ``DEFAULT_MAX_CONSECUTIVE_FAILURES``; None:
-            no limit, every invalid record is listed).
+        max_consecutive_failures, max_bad_fraction: with ``on_error="skip"``, the failure budget of
+            ``vlm_pack.failures``: more invalid records than this in a row (source order), or more than this
+            share of the records seen, raise ``FailureBudgetError`` naming the most common reason and its fix
+            (defaults: ``PackingConfig``'s; None: no limit, every invalid record is listed).
 
     Records with bad data are invalid (``on_error``; an unreadable video: ``corrupt_video``). An error of code
     (a ``template`` raising ``TypeError`` ..., a bug; a video without ``pip install "vlm-pack[video]"``)
     raises ``SampleCodeError`` naming the record."""
     from tqdm import tqdm
 
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+    num_proc = _num_proc(num_proc, num_workers)
     forecaster = make_forecaster(
-        sources,
-        tokenizer=tokenizer,
-        spec=spec,
-        family=family,
-        template=template,
-        preprocessor=preprocessor,
-        record_format=record_format,
-        image_root=image_root,
-        exif_transpose=exif_transpose,
-        verify=verify,
-        on_error=on_error,
-    )
+        sources, tokenizer=tokenizer, spec=spec, family=family, template=template, preprocessor=preprocessor,
+        record_format=record_format, image_root=image_root, exif_transpose=exif_transpose, verify=verify,
+        on_error=on_error, max_image_pixels=max_image_pixels,
+    )  # fmt: skip
     opened = forecaster.sources
     totals = [s.num_rows for s in opened]
     total = None if None in totals else sum(t for t in totals if t is not None)
     disable = (not progress) if progress is not None else None
     results: list[_ChunkResult] = []
-    guard = forecast_guard("forecast_sources", on_error, max_consecutive_failures)
-    executor = _pool(num_workers, forecaster)
+    guard = forecast_guard("forecast_sources", on_error, max_consecutive_failures, max_bad_fraction)
+    executor = _pool(num_proc, forecaster)
     try:
         with tqdm(total=total, desc="forecast", unit=" samples", disable=disable, smoothing=0.1) as bar:
-            for result in _ordered_map(executor, chunks(opened, chunk_rows), window=4 * num_workers):
+            for result in _ordered_map(executor, chunks(opened, chunk_rows), window=4 * num_proc):
                 results.append(result)
                 _spend(guard, result)
                 bar.update(result.records)
     finally:
         if executor is not None:
             executor.shutdown(cancel_futures=True)
+    guard.finish()
     return _table(results)

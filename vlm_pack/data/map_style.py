@@ -58,10 +58,11 @@ import numpy as np
 import torch
 
 from ..config import PackingConfig, collator_options
-from ..failures import Failure, FailurePolicy, Guard, Skip, forecast_mismatch, no_good_sample, tally
+from ..failures import Failure, FailurePolicy, Guard, Skip, no_good_sample, tally
 from ..packing.steps import block_order
 from ..preprocessor import Preprocessor
 from .fingerprint import Unfingerprintable
+from .images import image_sizes
 from .plan import (
     Plan,
     StalePlanError,
@@ -86,8 +87,9 @@ def plan_info(batch: Any) -> dict[str, Any] | None:
     """The plan metadata a :class:`PackedMapDataset` batch carries (None for other batches): ``epoch``,
     ``rank``, ``step``, ``index`` (the item), ``bin`` (its pack in the plan), ``rows`` (dataset rows,
     in the pack's order; a row that failed to load under ``on_error="skip"`` is missing, with a
-    ``BadSampleWarning``), ``left_out`` (``[row, reason]`` of those rows), ``lengths`` (processed) and
-    ``plan`` (the plan's digest)."""
+    ``BadSampleWarning``), ``left_out`` (``[row, reason]`` of those rows), ``lengths`` (processed, in the
+    layout's row length), ``plan`` (the plan's digest) and ``stand_in_for`` (the bin this pack stands in for
+    when none of that one's samples loaded, else None: ``PackedMapDataset.__getitem__``)."""
     metadata = getattr(batch, "metadata", None)
     if isinstance(metadata, Mapping) and _META in metadata:
         return metadata[_META]
@@ -273,7 +275,17 @@ class PackedMapDataset(torch.utils.data.Dataset):
 
     def order(self, epoch: int) -> np.ndarray:
         """int64 ``[steps]``: which of a rank's packs comes at each micro-step of ``epoch``: whole optimizer
-        steps (``plan.grad_accum`` micro-steps each) shuffled, a partial last one last."""
+        steps (``plan.grad_accum`` micro-steps each) shuffled, a partial last one last. Computed once per epoch
+        (the last epoch's is kept), so an item costs O(1) however many packs the plan holds."""
+        cached = self.__dict__.get("_order")
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
+        order = self._compute_order(epoch)
+        order.setflags(write=False)  # shared by every item of the epoch
+        self.__dict__["_order"] = (epoch, order)
+        return order
+
+    def _compute_order(self, epoch: int) -> np.ndarray:
         seed = self.config.shuffle_seed
         if seed is None:
             return np.arange(self.steps, dtype=np.int64)
@@ -286,7 +298,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         return micro[micro < self.steps].astype(np.int64)  # the partial step is last: only its tail goes
 
     def bin_of(self, index: int, epoch: int | None = None) -> tuple[int, int, int]:
-        """``(rank, step, bin)`` of item ``index`` in ``epoch`` (default: the current one)."""
+        """``(rank, step, bin)`` of item ``index`` in ``epoch`` (default: the current one); O(1)."""
         if not 0 <= index < len(self):
             raise IndexError(f"pack index {index} out of range for {len(self)} packs")
         rank, step = (
@@ -294,6 +306,15 @@ class PackedMapDataset(torch.utils.data.Dataset):
         )
         epoch = self.epoch if epoch is None else epoch
         return rank, step, int(self._rank_bins[rank, self.order(epoch)[step]])
+
+    def bins_in_order(self, epoch: int | None = None) -> np.ndarray:
+        """int64 ``[len(self)]``: the plan's bin of every item of ``epoch`` (default: the current one), item
+        order (``bin_of(i)[2]`` of each ``i``, in one vectorised step)."""
+        epoch = self.epoch if epoch is None else epoch
+        order = self.order(epoch)
+        if self.rank is not None:
+            return np.asarray(self._rank_bins[self.rank, order], dtype=np.int64)
+        return np.asarray(self._rank_bins[:, order].T.reshape(-1), dtype=np.int64)  # item s*W + r
 
     def rows_of(self, bin_index: int) -> np.ndarray:
         """int64: the dataset rows of pack ``bin_index`` of the plan."""
@@ -304,8 +325,59 @@ class PackedMapDataset(torch.utils.data.Dataset):
         return self._forecast[self._bin_ptr[bin_index] : self._bin_ptr[bin_index + 1]]
 
     def __getitem__(self, item: int | tuple[int, int]) -> Any:
+        """The pack of item ``item`` (an index, or ``(epoch, index)``) as a one-row ``PackedBatch``.
+
+        A sample that fails to load is left out of its pack (``plan_info``'s ``left_out``, ``skipped``). A
+        pack none of whose samples loads *gives way*: the item is the rank's next pack in the epoch's order
+        whose samples load (after the last, the first), trained a second time this epoch in its place, so that
+        every rank still yields ``steps`` packs in lock-step and each step's packs stay the same rank's. Its
+        ``plan_info`` says so: ``stand_in_for`` is the bin that gave way (None otherwise), whose rows are all in
+        ``left_out``; counting the ``rows`` of the items whose ``stand_in_for`` is None counts each sample
+        packed once. A rank none of whose packs loads raises ``FailureBudgetError`` (systematic).
+        """
         epoch, index = item if isinstance(item, tuple) else (self.epoch, item)
-        rank, step, b = self.bin_of(int(index), int(epoch))
+        epoch = int(epoch)
+        rank, step, b = self.bin_of(int(index), epoch)
+        processed, kept, failed = self._load_pack(b)
+        left_out = [[row, reason] for row, (reason, _) in failed.items()]
+        stand_in_for = None
+        if not processed:
+            stand_in_for, all_failed = b, failed
+            order = self.order(epoch)
+            for ahead in range(1, self.steps):
+                b = int(self._rank_bins[rank, order[(step + ahead) % self.steps]])
+                processed, kept, failed = self._load_pack(b)
+                if processed:
+                    break
+                all_failed.update(failed)
+            else:
+                raise no_good_sample(f"PackedMapDataset rank {rank} (every pack of the epoch)", *tally(all_failed.values()))
+            warnings.warn(
+                f"vlm-pack: PackedMapDataset pack {stand_in_for} (rank {rank}, step {step}) has no sample that "
+                f"loads ({len(left_out)} left out, reported); pack {b} stands in for it, trained a second time "
+                "this epoch so that every rank keeps its steps",
+                BadSampleWarning,
+                stacklevel=2,
+            )
+        self._note_left_out(left_out)
+        batch = self._collator(processed)
+        info = {
+            "epoch": epoch,
+            "rank": rank,
+            "step": step,
+            "index": int(index),
+            "bin": b,
+            "rows": kept,
+            "left_out": left_out,
+            "lengths": [self.preprocessor.processed_length(p) for p in processed],
+            "plan": self.plan_digest,
+            "stand_in_for": stand_in_for,
+        }
+        batch.metadata[_META] = info  # a dataclass field: survives .to(device) and pin_memory()
+        return batch
+
+    def _load_pack(self, b: int) -> tuple[list[dict[str, Any]], list[int], dict[int, tuple[str, str]]]:
+        """Each sample of bin ``b`` loaded: ``(processed, their rows, {row: (reason, example)} left out)``."""
         rows = self.rows_of(b)
         forecast = self._forecast[self._bin_ptr[b] : self._bin_ptr[b + 1]]
         processed, kept, failed = [], [], {}
@@ -316,22 +388,20 @@ class PackedMapDataset(torch.utils.data.Dataset):
             else:
                 processed.append(out)
                 kept.append(row)
-        if not processed:
-            raise no_good_sample(f"PackedMapDataset pack {b} (rows {rows.tolist()})", *tally(failed.values()))
-        batch = self._collator(processed)
-        info = {
-            "epoch": int(epoch),
-            "rank": rank,
-            "step": step,
-            "index": int(index),
-            "bin": b,
-            "rows": kept,
-            "left_out": [[row, reason] for row, (reason, _) in failed.items()],
-            "lengths": [int(p["input_ids"].shape[0]) for p in processed],
-            "plan": self.plan_digest,
-        }
-        batch.metadata[_META] = info  # a dataclass field: survives .to(device) and pin_memory()
-        return batch
+        return processed, kept, failed
+
+    def _note_left_out(self, left_out: list[list[Any]]) -> None:
+        """Add rows left out at load time to ``skipped`` (once each: a row fails the same way each epoch).
+
+        In this process: the main one with ``num_workers=0``; with workers ``PackedSampler.observe`` adds them
+        from the batch's ``plan_info`` in the main process."""
+        if not left_out:
+            return
+        noted = self.__dict__.setdefault("_noted", set())
+        for row, reason in left_out:
+            if int(row) not in noted:
+                noted.add(int(row))
+                self.skipped.append((str(row), f"dataset[{row}]", reason))
 
     @property
     def _loading(self) -> Guard:
@@ -358,12 +428,12 @@ class PackedMapDataset(torch.utils.data.Dataset):
         sample = normalise_record(
             record, record_format=self.record_format, key=str(row), where=f"dataset[{row}]", image_root=self.image_root
         )
+        if self.config.max_image_pixels is not None:  # refused from its header, never decoded (as at plan time)
+            image_sizes(sample, exif_transpose=self.config.exif_transpose, max_image_pixels=self.config.max_image_pixels)
         images = [im if not isinstance(im, str) else Path(im) for im in sample.images]
         media = {"videos": list(sample.videos)} if sample.videos else {}  # image-only: processed as before
         out = self.preprocessor.process(images, sample.conversation, sample.key, **media)
-        n = int(out["input_ids"].shape[0])
-        if n != forecast:
-            raise forecast_mismatch(forecast, n, sample.label)
+        self.preprocessor.checked_length(out, forecast, sample.label)  # the forecast it was packed on
         out["__key__"], out["__row__"] = sample.key, row
         return out
 
@@ -374,6 +444,7 @@ class PackedMapDataset(torch.utils.data.Dataset):
         state = dict(self.__dict__)
         state["_arrow"] = None  # reopened lazily in each DataLoader worker
         state.pop("_guard", None)  # each worker counts its own run of bad samples
+        state.pop("_order", None)  # recomputed once per epoch in each worker
         return state
 
     def trainer_collator(self, style: str = "sdpa") -> Callable[[Sequence[Any]], dict[str, Any]]:
@@ -464,10 +535,12 @@ class PackedSampler(torch.utils.data.Sampler):
             yield epoch, index
 
     def observe(self, batch: Any) -> Any:
-        """Record that ``batch`` was consumed; returns it."""
+        """Record that ``batch`` was consumed (and its rows left out at load time in ``dataset.skipped``);
+        returns it."""
         info = plan_info(batch)
         if info is None:
             raise ValueError("observe() takes batches of a PackedMapDataset (they carry plan metadata)")
+        self.dataset._note_left_out(info["left_out"])
         if info["epoch"] == self.epoch:
             self._next = max(self._next, info["index"] + 1)
         return batch

@@ -65,7 +65,7 @@ rest of it as the uninterrupted run would.
 Bad data is never silent, and a bug never becomes an empty epoch (the one failure policy of
 :mod:`vlm_pack.failures`): each bad sample or shard is skipped with a :class:`BadSampleWarning` naming shard
 and key and counted by reason in :attr:`PackedWebDataset.stats` (``on_error="raise"`` raises instead).
-Reasons: ``unreadable_shard``, ``missing_text``, ``bad_text``, ``corrupt_image`` (header), ``corrupt_video``
+Reasons: ``unreadable_shard`` (a cut tar names the sample it cuts), ``empty_shard``, ``missing_text``, ``bad_text``, ``corrupt_image`` (header), ``corrupt_video``
 (a video member whose container does not open or read: header only, no frame decoded; ``KEY.mp4``,
 ``KEY.0.webm`` ... members are a sample's videos, forecast from their headers as images are),
 ``image_too_large`` (header over ``max_image_pixels``, refused before decoding), ``placeholder_mismatch``,

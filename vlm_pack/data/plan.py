@@ -268,9 +268,11 @@ def make_plan(
         image_root=image_root,
         exif_transpose=cfg.exif_transpose,
         on_error=cfg.on_error,
-        num_workers=num_proc,
+        num_proc=num_proc,
         progress=progress,
         max_consecutive_failures=cfg.max_consecutive_failures,
+        max_bad_fraction=cfg.max_bad_fraction,
+        max_image_pixels=cfg.max_image_pixels,
     )
     return plan_of_table(table, cfg, key, world_size=world_size, strategy=strategy, balance=balance)
 

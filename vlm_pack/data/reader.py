@@ -35,7 +35,7 @@ from ..failures import SampleCodeError
 from ..vision import image_size
 from .shards import SampleError, image_fields, parse_text, video_fields
 
-__all__ = ["SampleHeader", "lazy_tar_samples", "read_header", "stream_tar_samples", "video_headers"]
+__all__ = ["SampleHeader", "ShardCutError", "lazy_tar_samples", "read_header", "stream_tar_samples", "video_headers"]
 
 #: Fields read whole by ``lazy_tar_samples`` (the text); every other member stays an unread file object.
 TEXT_FIELDS = ("json", "txt")
@@ -78,26 +78,79 @@ def video_headers(videos: Sequence[Any], names: Sequence[str], key: Any = None) 
     return headers
 
 
+class ShardCutError(OSError):
+    """A shard that ends (or breaks) in the middle: ``lost`` is the key of the sample it cut short (None when
+    the cut fell between samples, or the member's name could not be read), ``after`` the last sample read
+    whole. Every sample before the cut was yielded first (:func:`stream_tar_samples`)."""
+
+    def __init__(self, message: str, lost: str | None = None, after: str | None = None) -> None:
+        super().__init__(message)
+        self.lost, self.after = lost, after
+
+
 def stream_tar_samples(url: str) -> Iterator[dict[str, Any]]:
     """Samples of one shard, every field as ``bytes``, read front to back through ``webdataset.gopen``.
 
-    Any URL webdataset opens (local path, ``pipe:``, ``http(s)://``...). Errors of the shard (unreadable,
-    truncated, a duplicate field in one sample) propagate as raised by webdataset.
+    Any URL webdataset opens (local path, ``pipe:``, ``http(s)://``...); members grouped into samples as
+    webdataset's ``tar_file_iterator`` and ``group_by_keys`` do. A shard that breaks part-way (a half-written
+    tar, an I/O error) yields every sample it holds whole before the break, then raises
+    :class:`ShardCutError` naming the sample the cut left incomplete (``lost``): none is lost unnamed. Other
+    errors (unreadable, a duplicate field in one sample) propagate as raised by webdataset.
     """
     import webdataset as wds
-    from webdataset.tariterators import group_by_keys, tar_file_iterator
+    from webdataset.tariterators import group_by_keys
 
     stream = wds.gopen(url, "rb")
+    cut: list[tuple[str | None, BaseException]] = []  # (the member being read, what broke)
     try:
 
         def members() -> Iterator[dict[str, Any]]:
-            for member in tar_file_iterator(stream):
-                member["__url__"] = url
-                yield member
+            name = None
+            try:
+                tar = tarfile.open(fileobj=stream, mode="r|*")  # noqa: SIM115 - the stream is closed below
+                for info in tar:
+                    name = info.name
+                    if info.isreg() and not _SKIP_META.match(name) and not _is_meta(name):
+                        yield {"fname": name, "data": tar.extractfile(info).read(), "__url__": url}  # type: ignore[union-attr]
+                    tar.members = []  # a streamed tar keeps no index
+                    name = None
+            except (tarfile.TarError, OSError, EOFError) as exc:
+                cut.append((name, exc))  # end the members: group_by_keys yields the sample it holds
 
-        yield from group_by_keys(members())
+        held, last = None, None
+        for sample in group_by_keys(members()):
+            if held is not None:
+                yield held
+                last = held["__key__"]
+            held = sample
+        if cut:
+            from webdataset.tariterators import base_plus_ext
+
+            name, exc = cut[0]
+            lost = base_plus_ext(name)[0] if name else None
+            if held is not None and lost is not None and held["__key__"] != lost:
+                yield held  # whole: the cut fell inside a member of the next sample
+                last = held["__key__"]
+            elif lost is None and held is not None:  # the cut in a member's header: perhaps held's own
+                lost = held["__key__"]
+            what = f"sample {lost!r} is cut short and left out" if lost else "no sample is cut"
+            if name:
+                what += f" (member {name!r})"
+            raise ShardCutError(
+                f"{url}: the shard breaks part-way ({type(exc).__name__}: {exc}); {what}; every sample before "
+                f"it was read (the last: {last!r}). A half-written or truncated tar: write it again.",
+                lost,
+                last,
+            ) from exc
+        if held is not None:
+            yield held
     finally:
         stream.close()
+
+
+def _is_meta(name: str) -> bool:
+    """webdataset's ``tar_file_iterator`` skips top-level ``__...__`` metadata members."""
+    return "/" not in name and name.startswith("__") and name.endswith("__")
 
 
 def lazy_tar_samples(tar: tarfile.TarFile, url: str) -> Iterator[dict[str, Any]]:

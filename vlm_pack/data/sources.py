@@ -1,7 +1,7 @@
 """Read records where users keep them: HF ``datasets``, parquet, LLaVA / ShareGPT JSON, JSONL, WebDataset.
 
 Every source is cut into *chunks* a worker process reads (a range of a dataset's rows or of a JSONL file's
-bytes, a shard; parquet batches, JSON slices shipped to it), so a forecast runs over ``num_workers``
+bytes, a shard; parquet batches, JSON slices shipped to it), so a forecast runs over ``num_proc``
 processes and still yields the records in source order::
 
     sources ──> open_sources() ──> Source ──> chunks() ──> read_chunk() ──> (where, key, record) ──>
@@ -390,6 +390,8 @@ def _tar_records(path: Path) -> Iterator[tuple[str, str, Any]]:
                 raise ValueError(f"{where}: corrupt tar shard: {at} ({detail}).") from None
             key = sample["__key__"]
             yield where, key, sample
+        if key is None:  # an empty shard: listed with the records left out, never a silent nothing
+            yield where, Path(where).name, SampleError("empty_shard", f"{where}: the shard holds no sample.")
 
 
 def chunk_samples(

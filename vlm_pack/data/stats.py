@@ -28,6 +28,10 @@ OWN_PHASES = ("forecast", "pack", "collate", "state")
 MAX_BAD_IN_SUM = 1000
 
 
+#: Reasons counted per shard, not per sample.
+SHARD_REASONS = ("unreadable_shard", "empty_shard")
+
+
 class BadSampleWarning(UserWarning):
     """A sample or shard was skipped; the message names the shard, the key and the reason."""
 
@@ -97,7 +101,7 @@ class PipelineStats:
 
     def count_bad(self, bad: BadSample, max_examples: int) -> None:
         """Count ``bad`` under its reason (a shard error is not a sample) and keep it as an example."""
-        if bad.reason != "unreadable_shard":
+        if bad.reason not in SHARD_REASONS:
             self.samples_bad += 1
         self.reasons[bad.reason] = self.reasons.get(bad.reason, 0) + 1
         self.first_bad.setdefault(bad.reason, bad)

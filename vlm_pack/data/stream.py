@@ -35,12 +35,12 @@ from ..failures import (
     SampleCodeError,
     SampleError,
     Skip,
-    forecast_mismatch,
 )
 from ..packing import StreamPacker, padded_lengths
 from ..packing.window import StreamBalance, reserved_positions, window_order, window_schedule
 from ..processing import IMAGE_MARKER, Prompt
 from .forecast import video_forecasts, video_patches
+from .images import refuse_large_image
 from .reader import read_header, stream_tar_samples
 from .state import Cursor, EpochProgress, PlanItem, StreamSnapshot, position, split_position
 from .stats import PHASES, BadSample, BadSampleWarning, PipelineStats
@@ -200,16 +200,8 @@ class StreamRunner:
 
     # -- per sample: header-only forecast
     def _check_images(self, names: list[str], sizes: list[tuple[int, int]]) -> None:
-        limit = self.config.max_image_pixels
         for (width, height), name in zip(sizes, names):
-            if limit is not None and width * height > limit:
-                raise SampleError(
-                    "image_too_large",
-                    f"{name}: its header declares {width}x{height} = {width * height:,} pixels > "
-                    f"max_image_pixels {limit:,}; refused before decoding (a decompression bomb or an "
-                    "oversized scan). Downscale it in the shard, or raise PackingConfig.max_image_pixels "
-                    "(None: no cap) if such images are expected.",
-                )
+            refuse_large_image(name, (width, height), self.config.max_image_pixels)
             try:
                 self.work.preprocessor.spec.num_tokens(width, height)
             except ValueError as exc:
@@ -320,7 +312,7 @@ class StreamRunner:
         self.stats.time["pack"] += time.thread_time() - started
 
     # -- collation
-    def _process(self, samples: list[_Sample]) -> list[dict[str, Any] | None]:
+    def _process(self, samples: list[_Sample]) -> list[tuple[dict[str, Any], int] | None]:
         """``process_sample`` of a bin's samples (timed as "preprocess"); None for each bad one (counted).
 
         ``process_pack`` writes the bin's ``pixel_values`` once (one image-processor call where that is
@@ -339,29 +331,31 @@ class StreamRunner:
         self.stats.time["preprocess"] += time.thread_time() - started
         return [self._checked(sample, out) for sample, out in zip(samples, outs)]
 
-    def _checked(self, sample: _Sample, out: dict[str, Any] | SampleError) -> dict[str, Any] | None:
-        """``out`` of ``sample``, or None after reporting it bad: its processing failed, or its processed
-        length is not its forecast (``vlm_pack.failures.forecast_mismatch``: the bin was packed on it)."""
+    def _checked(self, sample: _Sample, out: dict[str, Any] | SampleError) -> tuple[dict[str, Any], int] | None:
+        """``(out, its length in a row)`` of ``sample``, or None after reporting it bad: its processing failed,
+        or its processed length is not its forecast (``Preprocessor.checked_length``: the bin was packed on it)."""
         label = self._label(sample.url, sample.key)
-        if not isinstance(out, SampleError) and int(out["input_ids"].shape[0]) != sample.length:
-            self.stats.forecast_mismatches += 1
-            out = forecast_mismatch(sample.length, int(out["input_ids"].shape[0]), label)
-        if isinstance(out, SampleError):
-            self.processing.bad(out, label, sample.key, sample.url)
-            return None
-        return out
+        if not isinstance(out, SampleError):
+            try:
+                return out, self.work.preprocessor.checked_length(out, sample.length, label)
+            except SampleError as mismatch:
+                self.stats.forecast_mismatches += 1
+                out = mismatch
+        self.processing.bad(out, label, sample.key, sample.url)
+        return None
 
     def _make_batch(self, positions: list[int]) -> Any:
         processed, picked, lengths = [], [], []
         samples = [self.samples.pop(pos) for pos in positions]
-        for sample, out in zip(samples, self._process(samples)):
-            if out is None:
+        for sample, checked in zip(samples, self._process(samples)):
+            if checked is None:
                 continue
+            out, length = checked
             out["__key__"] = sample.key
             out["__url__"] = sample.url
             processed.append(out)
             picked.append(sample)
-            lengths.append(int(out["input_ids"].shape[0]))
+            lengths.append(length)
         if not processed:
             return None
         self.processing.good()
@@ -454,7 +448,8 @@ class StreamRunner:
     ) -> Iterator[tuple[int, dict[str, Any]]]:
         """Samples of a plan item with index >= ``first`` (or only those in ``collect``), timing the reads.
 
-        Shard errors are reported as ``unreadable_shard`` and end the item.
+        Shard errors are reported as ``unreadable_shard`` (keyed by the sample a cut tar left incomplete) and end
+        the item; a shard read whole that holds no sample as ``empty_shard``.
         """
         url = self.work.urls[item.shard]
         wanted = set(item.pending) if collect is None else collect
@@ -465,17 +460,23 @@ class StreamRunner:
         times = self.stats.time
         samples = _read_shard(url)
         key = None
+        whole = first == 0 and collect is None and not item.start  # the whole shard, from its start
         try:
             while True:
                 started = time.thread_time()
                 try:
                     index, raw = next(samples)
                 except StopIteration:
+                    if whole and key is None:  # an empty shard: said, never a silent 0 batches
+                        detail = "the shard holds no sample (an empty or unfinished tar)"
+                        self.reading.bad(SampleError("empty_shard", detail), url, None, url)
                     break
                 except Exception as exc:
-                    # any error of the shard (I/O, a cut tar) is counted, never classified as code
-                    detail = f"{type(exc).__name__}: {exc} (after key {key!r})"
-                    self.reading.bad(SampleError("unreadable_shard", detail), url, key, url)
+                    # any error of the shard (I/O, a cut tar) is counted, never classified as code; a cut
+                    # tar yields every whole sample first and names the one it cuts (reader.ShardCutError)
+                    lost = getattr(exc, "lost", None)
+                    detail = f"{type(exc).__name__}: {exc}" + ("" if lost else f" (after key {key!r})")
+                    self.reading.bad(SampleError("unreadable_shard", detail), url, lost or key, url)
                     break
                 finally:
                     times["read"] += time.thread_time() - started
@@ -546,6 +547,7 @@ class StreamRunner:
             self._restore(self.snapshot)
             yield from self._drain()
         yield from self._read_all()
+        self.forecasting.finish()  # the share of bad samples over the whole stream (vlm_pack.failures)
         self._flush()
         self.flushed = True
         yield from self._drain(final=True)
@@ -575,6 +577,7 @@ class StreamRunner:
                 if held is not None:
                     yield held
                 held = batch
+        self.processing.finish()
         if held is None:
             yield StreamEnd(self._meta([], [], done=True))
             return

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..failures import no_good_sample
 from .state import EpochProgress, PipelineState, fresh_plan, remaining_plan
-from .stats import PipelineStats
+from .stats import SHARD_REASONS, PipelineStats
 
 __all__ = ["StreamTracker"]
 
@@ -248,7 +248,7 @@ class StreamTracker:
         stats = self.epoch_stats()
         failed = [bad for bad in stats.bad if bad.reason == "unreadable_shard"]
         if stats.samples_bad and not stats.samples_packed and not stats.samples_dropped:
-            counts = {r: n for r, n in stats.reasons.items() if r != "unreadable_shard"}
+            counts = {r: n for r, n in stats.reasons.items() if r not in SHARD_REASONS}
             examples = {r: b.example for r, b in stats.first_bad.items()}
             raise no_good_sample(f"PackedWebDataset epoch {self.epoch}", counts, examples)
         if stats.samples_read or not failed:

@@ -96,11 +96,9 @@ from ..failures import (
     SampleCodeError,
     SampleError,
     Skip,
-    forecast_mismatch,
 )
 from ..packing import pack, padded_lengths
 from ..preprocessor import Preprocessor
-from ..processing import length as sample_length  # the one expanded length (and forecast)
 
 __all__ = ["FatalPackingError", "PackedVLMSample", "VLMPackingTaskEncoder", "VLMSample", "packed_train_dataset"]
 
@@ -318,12 +316,10 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         p = self.processing.call(process, sample.images, sample.conversation, key, sample=label, key=key)
         if isinstance(p, Skip):
             return _why(p)
-        n = sample_length.expanded_length(
-            len(p["input_ids"]), p.get("tokens_per_image"), self.preprocessor.layout,
-            p.get("tokens_per_video_placeholder"),
-        )  # fmt: skip
-        if n != sample.length:
-            return _why(self.processing.bad(forecast_mismatch(sample.length, n, label), label, key))
+        try:
+            self.preprocessor.checked_length(p, sample.length, label)
+        except SampleError as mismatch:  # bad data: left out, counted, reported on its pack
+            return _why(self.processing.bad(mismatch, label, key))
         self.processing.good()
         p["__key__"] = key  # batch.metadata["__key__"] in packed order
         return p

@@ -30,7 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..config import DEFAULT_MAX_CONSECUTIVE_FAILURES, PackingConfig
+from ..config import (
+    DEFAULT_MAX_BAD_FRACTION,
+    DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    PackingConfig,
+)
 from ..data.forecast import LengthTable, assemble_table, forecast_chunk, make_forecaster
 from ..data.sources import Chunk, Source, chunks
 
@@ -150,6 +155,8 @@ def forecast_ray(
     max_consecutive_failures: int | None = DEFAULT_MAX_CONSECUTIVE_FAILURES,
     address: str | None = None,
     progress: bool | None = None,
+    max_bad_fraction: float | None = DEFAULT_MAX_BAD_FRACTION,
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> LengthTable:
     """:func:`vlm_pack.data.forecast_sources` of ``sources`` (parquet, JSON / JSONL, WebDataset shards, a
     ``datasets`` dataset from the hub or ``save_to_disk``...) run as a Ray Data ``map_batches`` over
@@ -181,6 +188,7 @@ def forecast_ray(
         verify=verify,
         on_error=on_error,
         who="forecast_ray",
+        max_image_pixels=max_image_pixels,
     )
     pieces = ray_chunks(forecaster.sources, chunk_rows)
     # workers skip and report; the driver raises the first failure in source order, whichever worker found it,
@@ -195,7 +203,8 @@ def forecast_ray(
     ray, started = _connect(address)
     results = _map(ray, shipped, pieces, num_proc, progress)
     try:
-        return assemble_table(results, max_consecutive_failures, "forecast_ray (header-only forecast)", on_error=on_error)
+        # "forecast_ray": the guard adds its stage ("header-only forecast"), as forecast_sources' does
+        return assemble_table(results, max_consecutive_failures, "forecast_ray", on_error, max_bad_fraction)
     finally:
         results.close()  # a map stopped early shuts its executor down now, while Ray is still up
         if started:
@@ -282,6 +291,8 @@ def build_plan_ray(
         on_error=config.on_error,
         num_proc=num_proc,
         max_consecutive_failures=config.max_consecutive_failures,
+        max_bad_fraction=config.max_bad_fraction,
+        max_image_pixels=config.max_image_pixels,
         address=address,
         progress=progress,
     )

@@ -21,6 +21,8 @@ it is set up by hand. Four pieces do that::
   (TRL's own packing refuses a custom collator and vision data).
 - **loss, entropy, token accuracy**: TRL shifts labels inside each row; every packed sample's first label is
   -100, so no token is scored against the next sample's first token and all three are exact per token.
+- **token mixers** (Qwen3.5's gated delta-net, LFM2's short convolutions): :class:`PackedSFTTrainer` calls
+  ``vp.isolate_token_mixers`` on its model, so they run per sample (``vlm_pack.mixers``).
 - **num_tokens**: TRL logs ``position_ids.size(1)`` when there is no ``attention_mask``: for ``[4, R, T]`` mRoPE
   ids that is ``R`` (rows), for ``[R, T]`` ids ``T`` (padding included). The collator adds the real (expanded,
   unpadded) token count as ``num_real_tokens``; :class:`PackedSFTTrainer` pops it before the forward and replaces
@@ -54,6 +56,7 @@ from ..config import PackingConfig
 from ..data import BadSampleWarning, PackedMapDataset, Plan, Sample, SampleError, normalise_record
 from ..data.sources import chunk_samples, chunks, open_sources
 from ..labels import IGNORE_INDEX
+from ..mixers import isolate_token_mixers
 from ..padded_batch import pad_samples
 from ..preprocessor import Preprocessor
 
@@ -214,8 +217,7 @@ def _bins_in_order(plan: PackedMapDataset) -> tuple[list[tuple[int, ...]], list[
     """The dataset rows and forecast lengths of every pack of ``plan``, packs in the order of its epoch 0
     (shuffled by its seed), samples in data order inside each."""
     bins, lengths = [], []
-    for item in range(len(plan)):
-        b = plan.bin_of(item)[2]
+    for b in plan.bins_in_order().tolist():  # the epoch's order computed once: O(1) per pack
         rows, forecast = plan.rows_of(b), plan.lengths_of(b)
         order = np.argsort(rows, kind="stable")
         bins.append(tuple(rows[order].tolist()))
@@ -463,13 +465,22 @@ class TRLPackingCollator:
         self.packed = packed
 
     def samples(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, torch.Tensor]]:
-        """The processed samples of ``rows`` (``process_sample`` output), row by row."""
+        """The processed samples of ``rows`` (``process_sample`` output), row by row, each checked against the
+        forecast its pack was planned on (``Preprocessor.checked_length``; a mismatch raises ``SampleError``
+        ``forecast_mismatch`` naming the sample: a collator cannot leave a sample out of a planned row)."""
         out = []
         for row in rows:
-            videos_of = row.get("video_bytes") or [[]] * len(row["keys"])  # rows written before videos: none
-            for key, conv, images, videos in zip(row["keys"], row["conversations"], row["image_bytes"], videos_of):
+            n = len(row["keys"])
+            videos_of = row.get("video_bytes") or [[]] * n  # rows written before videos: none
+            lengths = row.get("lengths") or [None] * n
+            for key, conv, images, videos, forecast in zip(
+                row["keys"], row["conversations"], row["image_bytes"], videos_of, lengths
+            ):
                 media = {"videos": videos} if videos else {}  # an image-only sample is processed as before
-                out.append(self.preprocessor.process(images, json.loads(conv), key, **media))
+                sample = self.preprocessor.process(images, json.loads(conv), key, **media)
+                if forecast is not None:
+                    self.preprocessor.checked_length(sample, forecast, f"sample {key!r} of a packed_dataset row")
+                out.append(sample)
         return out
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -509,6 +520,9 @@ class PackedSFTTrainer(SFTTrainer):
             raise ValueError("PackedSFTTrainer needs args=packed_sft_config(output_dir, ...)")
         check_sft_config(train_args)
         super().__init__(*args, **kwargs)
+        # where vlm-pack meets the model: its token mixers run per sample (a no-op for attention-only models;
+        # raises, naming the layer, on a mixer vlm-pack does not know)
+        isolate_token_mixers(self.model)
 
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None

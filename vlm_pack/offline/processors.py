@@ -233,7 +233,21 @@ def _without_video(cls: type) -> type:
             return None
         return cls.check_argument_for_proper_class(self, argument_name, argument)
 
-    return type(cls.__name__, (cls,), {"check_argument_for_proper_class": check_argument_for_proper_class})
+    def save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # The parts it was built without are no attributes while it saves: transformers reads `_auto_class` off
+        # each one. Only here: transformers 5.6's __init__ checks its keyword arguments against get_attributes.
+        sub = type(self)
+        sub.get_attributes = classmethod(lambda _: [n for n in cls.get_attributes() if getattr(self, n, None) is not None])
+        try:
+            return cls.save_pretrained(self, *args, **kwargs)
+        finally:
+            del sub.get_attributes
+
+    return type(
+        cls.__name__,
+        (cls,),
+        {"check_argument_for_proper_class": check_argument_for_proper_class, "save_pretrained": save_pretrained},
+    )
 
 
 @contextlib.contextmanager

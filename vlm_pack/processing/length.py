@@ -14,6 +14,11 @@ expanded length from :func:`expanded_length`: the collator and the Energon encod
 A row's videos (``VideoHeader`` or ``VideoForecast`` of ``vlm_pack.vision.video``: the frames the processor
 keeps, its grid and timestamps) stand in the same way (``markers._video_skeleton``): their placeholder, or
 Qwen3-VL's ``<t seconds><|vision_start|>P<|vision_end|>`` per temporal group, each P one frame's tokens.
+
+Where the installed processor can say it, the stand-in is its own text (``markers`` module docstring): a
+video's from ``replace_video_token`` on the forecast's grid and metadata, an image's from a spec that runs
+the processor (``spec.sample_replacements``), each put into the prompt by the processor's ``get_text_with_replacements``,
+so that a release that changes the text around vision tokens changes the forecast with it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 from .._compat import fast_encode_plus
 from ..chat import ChatFormat, Conversation, Rendering, Template
-from .markers import _skeleton, _video_skeleton, _wraps
+from .markers import _replacement_skeleton, _skeleton, _substitute, _video_skeleton, _wraps
 from .render import Prompt, _check_placeholders, _placeholder, _render, _tokenize
 
 __all__ = ["Forecast", "expanded_length", "forecast_length", "forecast_rows"]
@@ -143,7 +148,12 @@ def _stage(
     counts = [int(n) for n in how.spec.sample_tokens(sizes)] if sizes else []
     placeholder, text = rendering.placeholder, rendering.text
     row = _Row(index, key, rendering, counts, text, [n - 1 for n in counts], [1] * len(counts))
-    if how.wraps.startswith("processor") and sizes:
+    if sizes and hasattr(how.spec, "sample_replacements"):  # the processor's own text (no fast rule: oracle.py)
+        stand_ins = _replacement_skeleton(how.spec, sizes, counts, placeholder, how.processor)
+        row.text = _substitute(text, placeholder, [s for s, _ in stand_ins], how.processor, "image")
+        row.left = [left for _, left in stand_ins]
+        row.placeholders = [s.count(placeholder) for s, _ in stand_ins]
+    elif how.wraps.startswith("processor") and sizes:
         stand_ins = _skeleton(how.spec, how.wraps, sizes, counts, placeholder, how.tokenizer, how.processor)
         if any(stand_in != placeholder for stand_in, _ in stand_ins):
             pieces = text.split(placeholder)
@@ -153,8 +163,7 @@ def _stage(
     if videos:
         video = rendering.video_placeholder
         stand_ins = _video_skeleton(how.spec, videos, video, how.processor, key)
-        pieces = row.text.split(video)
-        row.text = pieces[0] + "".join(s + piece for (s, _), piece in zip(stand_ins, pieces[1:]))
+        row.text = _substitute(row.text, video, [s for s, _ in stand_ins], how.processor, "video")
         row.videos = [(v.tokens, left, s.count(video)) for v, (s, left) in zip(videos, stand_ins)]
     own = how.keep and how.processor is None and not how.wraps.startswith("processor")
     if row.text == text and (own or not how.fast):

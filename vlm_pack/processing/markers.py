@@ -1,14 +1,31 @@
 """The tokens a processor writes around each image: who writes them (``vlm_pack.families.WRAPS``), how many
 (Idefics3 / SmolVLM / LFM2-VL tile markers counted through the tokenizer), and the text that stands in for an
-image's expansion when a prompt's expanded length is forecast without writing the expansion out."""
+image's expansion when a prompt's expanded length is forecast without writing the expansion out.
+
+Where the installed processor has transformers' replacement API (``replace_image_token`` /
+``replace_video_token`` / ``get_text_with_replacements``, 5.18+), the text around the vision tokens is the
+processor's own, written from inputs synthesised from the forecast (grid, metadata, frame count), with each
+run of vision tokens collapsed to one placeholder (:func:`_collapse_runs`)::
+
+    replace_video_token  <0.5 seconds><|vision_start|> V V V V <|vision_end|><1.5 seconds><|vision_start|> V ...
+    stand-in             <0.5 seconds><|vision_start|> V <|vision_end|><1.5 seconds><|vision_start|> V ...
+                         (3 tokens left out per group)
+
+and the processor's own ``get_text_with_replacements`` puts the stand-ins into the rendered prompt, so that
+what a release does to the template's text around a placeholder is what is counted (transformers 5.25's
+Qwen3-VL drops the template's ``<|vision_start|>``/``<|vision_end|>`` around a video). The hand-written
+rules below serve releases without that API.
+"""
 
 from __future__ import annotations
 
+import re
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from ..failures import InternalCheckError, SampleError
-from ..families import FAMILIES, lookup
+from ..families import FAMILIES, lookup, video_family
 
 # its image tokens. Weak keys: a cache never keeps a tokenizer alive.
 _MARKER_EXTRAS: weakref.WeakKeyDictionary[Any, dict[tuple[int, str], int]] = weakref.WeakKeyDictionary()
@@ -103,8 +120,7 @@ def _video_family(spec: Any, processor: Any) -> Any:
     """The family record of ``spec``, else the one whose video processor ``processor`` carries; or None."""
     record = lookup(getattr(spec, "family", None) or getattr(processor, "vlm_pack_family", None))
     if record is None and processor is not None:
-        classes = {cls.__name__ for cls in type(getattr(processor, "video_processor", None)).__mro__}
-        record = next((f for f in FAMILIES.values() if f.video_wraps and f.video_processor in classes), None)
+        record = video_family(getattr(processor, "video_processor", None))
     return record
 
 
@@ -153,6 +169,10 @@ def _video_skeleton(
     record = _video_record(spec, processor)
     if record.video_wraps == "image_frames":
         _check_frame_counts(videos, key)
+    own = _processor_video_skeleton(processor, videos, placeholder)
+    if own is not None:
+        return own
+    if record.video_wraps == "image_frames":
         start, end = processor.start_image_token, processor.end_image_token
         out = []
         for v in videos:
@@ -173,3 +193,110 @@ def _video_skeleton(
         text = "".join(f"<{t:.1f} seconds>{start}{placeholder}{end}" for t in v.timestamps)
         out.append((text, v.tokens - len(v.timestamps)))
     return out
+
+
+def _own_method(processor: Any, name: str) -> bool:
+    """``processor``'s class implements ``name`` itself: not absent (transformers < 5.18) and not
+    ``ProcessorMixin``'s stub, which raises NotImplementedError."""
+    method = getattr(type(processor), name, None)
+    if method is None:
+        return False
+    from transformers import ProcessorMixin
+
+    return method is not getattr(ProcessorMixin, name, None)
+
+
+def _collapse_runs(text: str, tokens: Sequence[str], placeholder: str) -> tuple[str, int, int]:
+    """``text`` with each run of ``tokens`` (a processor's vision tokens) written as one ``placeholder``.
+
+    Returns ``(stand_in, vision, runs)``: the stand-in text, the vision tokens ``text`` holds and the number
+    of runs (placeholders in the stand-in); the stand-in leaves ``vision - runs`` tokens out.
+    ``"<a>VVV<b>VV"`` -> ``("<a>P<b>P", 5, 2)``. Every vision token is one special token, so collapsing a run
+    never changes how the text next to it tokenizes.
+    """
+    one = "|".join(re.escape(t) for t in sorted(set(tokens), key=len, reverse=True))
+    vision = runs = 0
+
+    def collapse(match: re.Match[str]) -> str:
+        nonlocal vision, runs
+        vision += len(re.findall(one, match.group()))
+        runs += 1
+        return placeholder
+
+    stand_in = re.sub(f"(?:{one})+", collapse, text)
+    return stand_in, vision, runs
+
+
+def _video_inputs(forecast: Any) -> dict[str, Any]:
+    """What ``replace_video_token`` reads of a processed video, synthesised from its ``VideoForecast``: the
+    grid, the metadata and frames without pixels (per-frame processors read only their count)."""
+    import numpy as np
+
+    inputs: dict[str, Any] = {
+        "pixel_values_videos": [np.empty((len(forecast.indices), 0), dtype=np.uint8)],
+        "video_metadata": [forecast.processor_metadata()],
+    }
+    if forecast.grid_thw is not None:
+        inputs["video_grid_thw"] = np.asarray([forecast.grid_thw], dtype=np.int64)
+    return inputs
+
+
+def _processor_video_skeleton(processor: Any, videos: list[Any], placeholder: str) -> list[tuple[str, int]] | None:
+    """:func:`_video_skeleton` from the processor's own ``replace_video_token``; None where the processor has
+    none (transformers < 5.18) or a forecast carries no metadata.
+
+    The vision tokens the processor's text holds must be the forecast's: a difference means vlm-pack's video
+    rule and the installed release disagree, which no sample can fix (InternalCheckError)."""
+    if not _own_method(processor, "replace_video_token") or any(v.metadata is None for v in videos):
+        return None
+    tokens = [t for t in (getattr(processor, "video_token", None), getattr(processor, "image_token", None)) if t]
+    out = []
+    for v in videos:
+        stand_in, vision, runs = _collapse_runs(processor.replace_video_token(_video_inputs(v), 0), tokens, placeholder)
+        if vision != v.tokens:
+            import transformers
+
+            raise InternalCheckError(
+                f"{type(processor).__name__} (transformers {transformers.__version__}) writes {vision} vision tokens "
+                f"for a video of {len(v.indices)} kept frames (grid {v.grid_thw}), vlm-pack's video rule forecast "
+                f"{v.tokens}: report it with the processor's settings"
+            )
+        out.append((stand_in, vision - runs))
+    return out
+
+
+def _replacement_skeleton(
+    spec: Any, sizes: Sequence[tuple[int, int]], counts: Sequence[int], placeholder: str, processor: Any
+) -> list[tuple[str, int]]:
+    """Per image: the processor's own replacement text for it in this sample (``spec.sample_replacements``, a
+    spec that runs the installed processor: ``vlm_pack.vision.oracle.ProcessorSpec``), runs of the image token
+    collapsed to one ``placeholder``, and the tokens that leaves out. The vision tokens in the text must be the
+    spec's count (InternalCheckError otherwise: the spec and its processor disagree, which no sample can fix)."""
+    tokens = [t for t in {getattr(processor, "image_token", None), placeholder} if t]
+    out = []
+    for (width, height), n, text in zip(sizes, counts, spec.sample_replacements(sizes)):
+        stand_in, vision, runs = _collapse_runs(text, tokens, placeholder)
+        if vision != n:
+            raise InternalCheckError(
+                f"{type(processor).__name__}: its replacement text for a {width}x{height} image holds {vision} "
+                f"image tokens, its spec counts {n}: report it with the processor's settings"
+            )
+        out.append((stand_in, vision - runs))
+    return out
+
+
+def _substitute(text: str, placeholder: str, stand_ins: Sequence[str], processor: Any = None, kind: str = "video") -> str:
+    """``text`` with its i-th ``placeholder`` replaced by ``stand_ins[i]``.
+
+    By the processor's own ``get_text_with_replacements`` where it has one and ``placeholder`` is its
+    ``{kind}_token``: what the installed release does to the template's text around a placeholder is then
+    counted (5.25's Qwen3-VL collapses ``<|vision_start|><|video_pad|><|vision_end|>`` into the video token).
+    Elsewhere each placeholder in turn."""
+    if processor is not None and getattr(processor, f"{kind}_token", None) == placeholder and hasattr(
+        processor, "get_text_with_replacements"
+    ):
+        (out,), (offsets,) = processor.get_text_with_replacements([text], **{f"{kind}s_replacements": list(stand_ins)})
+        if len(offsets) == len(stand_ins):
+            return str(out)
+    pieces = text.split(placeholder)
+    return pieces[0] + "".join(s + piece for s, piece in zip(stand_ins, pieces[1:]))

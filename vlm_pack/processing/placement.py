@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .._compat import VIDEOS_SINCE
 from ..chat import Rendering
 from ..failures import InternalCheckError, SampleError
 from ..labels import IGNORE_INDEX
@@ -101,7 +102,7 @@ def _call_processor(
         if videos:
             raise InternalCheckError(
                 f"{kind.__name__} does not report where it expanded each video (text_replacement_offsets): "
-                "video samples need transformers >= 5.7"
+                f"video samples need transformers >= {'.'.join(map(str, VIDEOS_SINCE))}"
             )
     if _EDGE in rendering.text:
         raise SampleError(
@@ -128,6 +129,13 @@ def _with_processor(
     """The processor's expansion and tokenization of the rendered prompt, with labels and the embeddings of
     each image (``tokens_per_image``) and video (``tokens_per_video``)."""
     enc, replaced = _call_processor(processor, rendering, images, videos)
+    if len(enc["input_ids"]) != 1:  # a processor that writes prompts of its own: the user's text is not kept
+        raise InternalCheckError(
+            f"{type(processor).__name__} made {len(enc['input_ids'])} rows of one sample's prompt (it writes "
+            "prompts of its own around the text it is given), so the sample would not be the user's text: "
+            "vlm-pack packs processors that expand one prompt into one row; process this model's samples "
+            "yourself and pack their input_ids"
+        )
     ids = enc["input_ids"][0]
     offsets = enc["offset_mapping"][0].long()
     media = torch.tensor([r[1:] for r in replaced], dtype=torch.long).reshape(-1, 3)  # [n, (end, start', end')]

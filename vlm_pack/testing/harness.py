@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..labels import IGNORE_INDEX
-from ..mixers import TokenMixer, summarize
+from ..mixers import TokenMixer, find_token_mixers, summarize
 from ..padded_batch import TOKEN_KEYS, pad_samples
 from .metric import next_token_logprobs, token_mult_prob_error
 from .packed_run import _packed_batch, _run_packed
@@ -69,6 +69,10 @@ def default_packed_forward(
 
     def forward(model: Any, batch: Any) -> torch.Tensor:
         kwargs = dict(batch.model_inputs(style))
+        if "seq_idx" in kwargs and _leaking_mixers(model):
+            # transformers' fallback would refuse the marker; without it the leak is measured, and the report
+            # names the layer (mixer_problems)
+            kwargs.pop("seq_idx")
         if use_cache is None:
             kwargs.pop("use_cache", None)
         else:
@@ -78,6 +82,11 @@ def default_packed_forward(
         return logits.reshape(*batch.input_ids.shape, logits.shape[-1])
 
     return forward
+
+
+def _leaking_mixers(model: Any) -> bool:
+    """Whether ``model`` holds a token mixer that keeps no sample boundaries (not isolated)."""
+    return isinstance(model, torch.nn.Module) and any(m.isolation == "none" for m in find_token_mixers(model))
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -44,7 +44,10 @@ Where things live (one file per rule; every name below is importable from ``vlm_
 - ``patch_budget.py``: Gemma 4 (aspect kept, whole pooled patches within a token budget);
 - ``megatron.py``: Megatron-LM / NeMo LLaVA (fixed embeddings per tile);
 - ``families.py``: :func:`vision_spec`, a family's spec by name (which rule each family has: ``vlm_pack.families``);
-- ``from_processor.py``: :func:`vision_spec_from_processor`, one reader per HF image processor class;
+- ``from_processor.py``: :func:`vision_spec_from_processor`: a record's fast rule for the processor classes it
+  names (one reader per rule), the exact route for any other processor, refusal by name otherwise;
+- ``oracle.py``: :class:`ProcessorSpec`, the exact route: the processor's own image step on blank canvases of
+  the header's size (memoized by settings and sizes), for any processor with ``replace_image_token``;
 - ``headers.py``: :func:`image_size`, header-only sizes of JPEG / PNG / GIF / WebP (others via Pillow);
 - ``video/``: :func:`read_video_header` (a video's exact frame count, rate and size without decoding) and
   :func:`forecast_video` (its tokens in the family's video processor: Qwen-VL, LLaVA-OneVision, InternVL).
@@ -57,6 +60,7 @@ from .families import vision_spec
 from .from_processor import vision_spec_from_processor
 from .headers import ImageSource, image_size
 from .megatron import MegatronSpec
+from .oracle import ProcessorSpec
 from .patch_budget import Gemma4Spec
 from .pixtral import PixtralSpec
 from .smart_resize import Glm4vSpec, Qwen2VLSpec, Qwen3VLSpec, smart_resize
@@ -78,6 +82,7 @@ __all__ = [
     "LlavaSpec",
     "MegatronSpec",
     "PixtralSpec",
+    "ProcessorSpec",
     "Qwen2VLSpec",
     "Qwen3VLSpec",
     "VideoForecast",

@@ -1,22 +1,29 @@
 """Specs from live Hugging Face processors: :func:`vision_spec_from_processor`.
 
-One reader per image-processor class (``_READERS``) turns the parameters the processor stores into the
-family's spec, so the forecast matches the checkpoint the processor was loaded from.
+Which rule a processor gets is its class's, never a resemblance's::
+
+    processor of a class a record names (Family.processors)      the record's fast rule, its settings read by
+      or a subclass of one that rewrites none of its methods      the reader of that rule (_READERS)
+    any other processor (a new model type; a subclass that       the exact route: the processor's own image
+      rewrites how its parent writes text)                        step on blank canvases (oracle.py)
+    bare image processor of a class one record names              that record's rule (it writes no text)
+      (Family.image_processors)
+    anything else                                                 refused by name, with the fix
+
+One reader per vision rule (``_READERS``, keyed by the rule's ``"module.Class"``) turns the parameters the
+processor stores into the record's spec, so the forecast matches the checkpoint the processor was loaded from.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any, NamedTuple
 
-from ..families import names
-from .anyres import LlavaNextSpec, LlavaOnevisionSpec, LlavaSpec
-from .families import vision_spec
-from .patch_budget import Gemma4Spec
-from .pixtral import PixtralSpec
-from .smart_resize import Glm4vSpec, Qwen2VLSpec, Qwen3VLSpec
+from ..families import FAMILIES, Family, owner
+from .oracle import drives, exact_spec
 from .spec import VisionSpec
-from .tiles import Gemma3nSpec, Gemma3Spec, Idefics3Spec, InternVLSpec, Lfm2VlSpec
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -71,31 +78,24 @@ def _qwen_video_kwargs(video: Any) -> dict[str, Any]:
     return out
 
 
-_SUPPORTED_PROCESSORS = (
-    "Qwen2VLImageProcessor[Pil] (Qwen2VLProcessor, Qwen2_5_VLProcessor, Qwen3VLProcessor)",
-    "Glm4vImageProcessor[Pil] (Glm4vProcessor: GLM-4.1V, GLM-4.5V)",
-    "Glm46VImageProcessor[Pil] (Glm46VProcessor)",
-    "LlavaImageProcessor[Pil] / CLIPImageProcessor (LlavaProcessor)",
-    "LlavaNextImageProcessor[Pil] (LlavaNextProcessor)",
-    "LlavaOnevisionImageProcessor[Pil] (LlavaOnevisionProcessor)",
-    "GotOcr2ImageProcessor[Pil] (InternVLProcessor)",
-    "Idefics3ImageProcessor[Pil] (Idefics3Processor)",
-    "SmolVLMImageProcessor[Pil] (SmolVLMProcessor)",
-    "Gemma3ImageProcessor[Pil] (Gemma3Processor)",
-    "Lfm2VlImageProcessor (Lfm2VlProcessor; torchvision)",
-    "Gemma4ImageProcessor[Pil] (Gemma4Processor)",
-    "SiglipImageProcessor[Pil] (Gemma3nProcessor only)",
-    "PixtralImageProcessor[Pil] (PixtralProcessor)",
-)
-
-
 class _Source(NamedTuple):
-    """What a reader sees: the image processor, the full processor (or None) and their class names."""
+    """What a reader sees: the image processor, the full processor (or None) and the record whose rule it
+    builds (``record.vision``, with the released checkpoint's defaults under what the instance stores)."""
 
     ip: Any
     processor: Any
-    ip_name: str  # image processor class, backend suffix (Pil / Fast) stripped
-    proc_name: str  # processor class, "" for a bare image processor
+    record: Family
+
+    def build(self, **kwargs: Any) -> VisionSpec:
+        assert self.record.vision is not None  # only records with a rule name processor classes
+        return self.record.vision(**kwargs)
+
+    def rule_fields(self) -> set[str]:
+        """The parameters the record's spec class takes."""
+        assert self.record.vision is not None
+        module, _, name = self.record.vision.path.rpartition(".")
+        cls = getattr(importlib.import_module(f"{__package__}.{module}"), name)
+        return {f.name for f in fields(cls)}
 
 
 def _read_qwen(src: _Source) -> VisionSpec:
@@ -107,24 +107,16 @@ def _read_qwen(src: _Source) -> VisionSpec:
         min_pixels=int(_get(size, "shortest_edge")),
         max_pixels=int(_get(size, "longest_edge")),
     )
-    if src.ip_name == "Glm46VImageProcessor":
-        return Glm4vSpec(**kwargs, variant="glm46v")
-    if src.ip_name == "Glm4vImageProcessor":  # GLM-4.1V and GLM-4.5V share the processor classes
-        return Glm4vSpec(**kwargs)
     kwargs.update(_qwen_video_kwargs(getattr(src.processor, "video_processor", None)))
-    if src.proc_name.startswith("Qwen3VL") or (not src.proc_name and kwargs["patch_size"] == 16):
-        return Qwen3VLSpec(**kwargs)
-    if src.proc_name.startswith("Qwen2_5"):
-        kwargs["variant"] = "qwen2_5_vl"
-    return Qwen2VLSpec(
-        **{k: v for k, v in kwargs.items() if k not in ("cap_pixels_per_frame", "max_video_tokens")}
-    )
+    takes = src.rule_fields()  # Qwen2-VL's rule has no per-frame cap; GLM's reads no video settings here
+    return src.build(**{k: v for k, v in kwargs.items() if k in takes})
 
 
 def _read_llava(src: _Source) -> VisionSpec:
     ip, processor = src.ip, src.processor
     crop = _get(ip, "crop_size") if _get(ip, "do_center_crop", False) else _get(ip, "size")
-    if src.ip_name != "LlavaNextImageProcessor" and _get(crop, "height") is None:
+    anyres = "image_grid_pinpoints" in src.rule_fields()
+    if not anyres and _get(crop, "height") is None:
         # Without the center crop, a shortest_edge resize keeps the aspect ratio: a per-image count
         # the released LLaVA processors never produce.
         raise ValueError(
@@ -139,9 +131,9 @@ def _read_llava(src: _Source) -> VisionSpec:
             num_additional_image_tokens=int(_get(processor, "num_additional_image_tokens", 0)),
             vision_feature_select_strategy=_get(processor, "vision_feature_select_strategy") or "full",
         )
-    if src.ip_name == "LlavaNextImageProcessor":
-        return LlavaNextSpec(image_grid_pinpoints=_get(ip, "image_grid_pinpoints"), **kwargs)
-    return LlavaSpec(**kwargs)
+    if anyres:
+        return src.build(image_grid_pinpoints=_get(ip, "image_grid_pinpoints"), **kwargs)
+    return src.build(**kwargs)
 
 
 def _read_onevision(src: _Source) -> VisionSpec:
@@ -155,7 +147,7 @@ def _read_onevision(src: _Source) -> VisionSpec:
             vision_aspect_ratio=_get(processor, "vision_aspect_ratio", "anyres_max_9"),
             vision_feature_select_strategy=_get(processor, "vision_feature_select_strategy") or "full",
         )
-    return LlavaOnevisionSpec(**kwargs)
+    return src.build(**kwargs)
 
 
 def _read_internvl(src: _Source) -> VisionSpec:
@@ -168,27 +160,24 @@ def _read_internvl(src: _Source) -> VisionSpec:
     )
     if src.processor is not None:
         kwargs["image_seq_length"] = int(_get(src.processor, "image_seq_length", 256))
-    return InternVLSpec(**kwargs)
+    return src.build(**kwargs)
 
 
 def _read_idefics3(src: _Source) -> VisionSpec:
     ip, processor = src.ip, src.processor
-    smolvlm = src.ip_name.startswith("SmolVLM")
     kwargs: dict[str, Any] = dict(
         longest_edge=int(_get(_get(ip, "size"), "longest_edge")),
         max_image_size=int(_get(_get(ip, "max_image_size"), "longest_edge")),
         do_resize=bool(_get(ip, "do_resize", True)),
         do_image_splitting=bool(_get(ip, "do_image_splitting", True)),
-        variant="smolvlm" if smolvlm else "idefics3",
     )
     if processor is not None:
         kwargs["image_seq_len"] = int(_get(processor, "image_seq_len"))
         tok = getattr(processor, "tokenizer", None)
         if tok is not None:
             kwargs["newline_pair_tokens"] = len(tok("\n\n", add_special_tokens=False)["input_ids"])
-    elif smolvlm:  # the image processor does not store it: the released checkpoint's
-        kwargs["image_seq_len"] = vision_spec("smolvlm").image_seq_len  # type: ignore[attr-defined]
-    return Idefics3Spec(**kwargs)
+    # a bare image processor does not store image_seq_len: the record's released checkpoint's
+    return src.build(**kwargs)
 
 
 _LFM2_VL_FIELDS = (
@@ -210,7 +199,7 @@ def _read_lfm2_vl(src: _Source) -> VisionSpec:
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if src.processor is not None:
         kwargs["use_image_special_tokens"] = bool(_get(src.processor, "use_image_special_tokens", True))
-    return Lfm2VlSpec(**kwargs)
+    return src.build(**kwargs)
 
 
 _PAN_AND_SCAN = (
@@ -232,24 +221,19 @@ def _read_gemma3(src: _Source) -> VisionSpec:
             kwargs[name] = value
     if processor is not None:
         kwargs["image_seq_length"] = int(_get(processor, "image_seq_length", 256))
-    return Gemma3Spec(**kwargs)
+    return src.build(**kwargs)
 
 
 def _read_gemma4(src: _Source) -> VisionSpec:
     ip = src.ip
     names = ("patch_size", "pooling_kernel_size", "max_soft_tokens")
-    return Gemma4Spec(**{name: int(_get(ip, name)) for name in names})
+    return src.build(**{name: int(_get(ip, name)) for name in names})
 
 
 def _read_gemma3n(src: _Source) -> VisionSpec:
-    """Gemma 3n's ``SiglipImageProcessor`` is SigLIP's generic one: only the processor around it says the
-    model, and so the 256 tokens per image."""
-    if src.proc_name != "Gemma3nProcessor":
-        raise ValueError(
-            f"vision_spec_from_processor: a bare {type(src.ip).__name__} does not say which model's images it "
-            "prepares (vlm-pack reads it for Gemma 3n only): pass the Gemma3nProcessor, or vision_spec('gemma3n')."
-        )
-    return Gemma3nSpec(
+    """Gemma 3n's ``SiglipImageProcessor`` is SigLIP's generic one (no record names it for a bare instance):
+    only the processor around it says the model, and so the 256 tokens per image."""
+    return src.build(
         image_size=_hw(_get(src.ip, "size"), "size")[0],
         image_seq_length=int(_get(src.processor, "image_seq_length", 256)),
     )
@@ -266,56 +250,134 @@ def _read_pixtral(src: _Source) -> VisionSpec:
         merge = int(_get(processor, "spatial_merge_size", 1))
         if int(_get(processor, "patch_size", patch_size)) != patch_size:
             raise ValueError(
-                f"{src.proc_name}: processor patch_size {processor.patch_size} differs from the image "
+                f"{type(processor).__name__}: processor patch_size {processor.patch_size} differs from the image "
                 f"processor's {patch_size}; vlm_pack supports Pixtral processors where they agree."
             )
         kwargs["spatial_merge_size"] = merge
-    return PixtralSpec(**kwargs)
+    return src.build(**kwargs)
 
 
-#: Image processor class (backend suffix stripped) -> the reader that builds its spec.
+#: The vision rule (a record's ``vision.path``) -> the reader that builds it from a live processor.
 _READERS: dict[str, Callable[[_Source], VisionSpec]] = {
-    "Qwen2VLImageProcessor": _read_qwen,
-    "Glm4vImageProcessor": _read_qwen,
-    "Glm46VImageProcessor": _read_qwen,
-    "LlavaImageProcessor": _read_llava,
-    "CLIPImageProcessor": _read_llava,
-    "LlavaNextImageProcessor": _read_llava,
-    "LlavaOnevisionImageProcessor": _read_onevision,
-    "GotOcr2ImageProcessor": _read_internvl,
-    "Idefics3ImageProcessor": _read_idefics3,
-    "SmolVLMImageProcessor": _read_idefics3,
-    "Gemma3ImageProcessor": _read_gemma3,
-    "Gemma4ImageProcessor": _read_gemma4,
-    "SiglipImageProcessor": _read_gemma3n,
-    "PixtralImageProcessor": _read_pixtral,
-    "Lfm2VlImageProcessor": _read_lfm2_vl,
+    "smart_resize.Qwen2VLSpec": _read_qwen,
+    "smart_resize.Qwen3VLSpec": _read_qwen,
+    "smart_resize.Glm4vSpec": _read_qwen,
+    "anyres.LlavaSpec": _read_llava,
+    "anyres.LlavaNextSpec": _read_llava,
+    "anyres.LlavaOnevisionSpec": _read_onevision,
+    "tiles.InternVLSpec": _read_internvl,
+    "tiles.Idefics3Spec": _read_idefics3,
+    "tiles.Gemma3Spec": _read_gemma3,
+    "tiles.Gemma3nSpec": _read_gemma3n,
+    "tiles.Lfm2VlSpec": _read_lfm2_vl,
+    "patch_budget.Gemma4Spec": _read_gemma4,
+    "pixtral.PixtralSpec": _read_pixtral,
 }
+
+#: Methods a subclass may define and still be its parent's processor: the constructor's check of the parts it
+#: is given and saving write no text (``vlm_pack.offline`` lets a processor be built, and saved, without a
+#: video processor so).
+_WRITES_NO_TEXT = frozenset({"check_argument_for_proper_class", "save_pretrained"})
+
+
+def _rewritten(derived: tuple[type, ...]) -> list[str]:
+    """What (``"Class.name"``) the classes ``derived`` (a processor class and its bases below the record's
+    class) define themselves: methods and class attributes alike (a ``valid_processor_kwargs`` or a
+    ``return_mm_token_type_ids`` changes what the parent writes too), except those that write no text and
+    the metadata every class has (``__module__``, ``__doc__``, ...)."""
+    out = []
+    for cls in derived:
+        for name in vars(cls):
+            dunder = name.startswith("__") and name.endswith("__") and name not in ("__init__", "__call__")
+            if not dunder and name not in _WRITES_NO_TEXT:
+                out.append(f"{cls.__name__}.{name}")
+    return out
+
+
+def _processor_record(processor: Any) -> tuple[Family | None, list[str]]:
+    """The record naming the class of ``processor`` (or its nearest transformers base class), and the methods
+    the classes above that one rewrite (none: the record's rule applies)."""
+    mro = type(processor).__mro__
+    for depth, cls in enumerate(mro):
+        record = owner("processors", cls.__name__)
+        if record is not None and cls.__module__.startswith("transformers."):
+            return record, _rewritten(mro[:depth])
+    return None, []
+
+
+def _image_processor_record(image_processor: Any) -> Family | None:
+    """The record naming the class of a bare ``image_processor`` (its ``Pil`` / ``Fast`` suffix dropped) or of
+    its nearest transformers base class, or None. A bare subclass reads as its parent: it writes no text, and
+    where it counts otherwise than its parent the processed sample's count differs from its forecast, which
+    processing reports per sample (``forecast_mismatch``), unlike a processor's text, which nothing would."""
+    for cls in type(image_processor).__mro__:
+        if cls.__module__.startswith("transformers."):
+            return owner("image_processors", _strip_backend(cls.__name__))
+    return None
+
+
+def _supported() -> str:
+    """The processor and image processor classes with a fast rule, from the records."""
+    rows = [
+        f"{', '.join(r.processors)} / bare {', '.join(r.image_processors) or '-'} ({r.name})"
+        for r in FAMILIES.values()
+        if r.processors
+    ]
+    return "; ".join(rows)
+
+
+def _read(record: Family, image_processor: Any, processor: Any) -> VisionSpec:
+    assert record.vision is not None
+    return _READERS[record.vision.path](_Source(image_processor, processor, record))
 
 
 def vision_spec_from_processor(obj: Any) -> VisionSpec:
-    """Build the spec from a Hugging Face image processor or processor instance.
+    """Build the spec from a Hugging Face processor or image processor instance.
 
-    Reads the parameters the object stores (``patch_size``, ``merge_size``, ``size``, pinpoints, tile limits,
-    and, from a full processor, ``image_seq_length`` / ``num_image_tokens`` / ``patch_size`` /
-    ``vision_feature_select_strategy`` and the video processor's settings), so a spec always matches the
-    checkpoint the processor was loaded from. A bare ``Qwen2VLImageProcessor`` with 16 px patches is taken as
-    Qwen3-VL (image rules are the same; pass the full processor for the right video rules).
+    A processor whose class a family record names (``Family.processors``; a subclass that rewrites none of
+    its methods counts as its parent) gets the record's fast rule, read from the parameters the instance
+    stores (``patch_size``, ``merge_size``, ``size``, pinpoints, tile limits, ``image_seq_length`` /
+    ``num_image_tokens`` / ``vision_feature_select_strategy``, the video processor's settings), so the spec
+    matches the checkpoint the processor was loaded from. Any other processor, a new model type or a subclass
+    that writes other text around the same images, gets the exact route
+    (:class:`~vlm_pack.vision.oracle.ProcessorSpec`: its own image step on blank canvases), or, where that
+    cannot run it, a ValueError naming it and the fix: no record's rule is applied by resemblance.
+
+    A bare image processor is read with the rule of the one record naming its class
+    (``Family.image_processors``); it writes no text around an image, so its counts are its own whatever
+    model it came with (a bare ``Qwen2VLImageProcessor`` reads as Qwen2-VL's, 16 px patches too: pass the
+    full processor for a model's video rules). Other image processors are refused: pass the full processor.
     """
     image_proc = getattr(obj, "image_processor", None)
-    processor = obj if image_proc is not None else None
-    image_proc = image_proc if image_proc is not None else obj
-    ip_name = _strip_backend(type(image_proc).__name__)
-    reader = _READERS.get(ip_name)
-    if reader is not None:
-        proc_name = type(processor).__name__ if processor is not None else ""
-        return reader(_Source(image_proc, processor, ip_name, proc_name))
-    what = (
-        f"processor {type(obj).__name__!r} (image processor {type(image_proc).__name__!r})"
-        if processor is not None
-        else f"{type(obj).__name__!r}, which is not a supported image processor or processor instance"
-    )
+    if image_proc is not None:  # a processor
+        record, rewritten = _processor_record(obj)
+        if record is not None and not rewritten:
+            return _read(record, image_proc, obj)
+        why = drives(obj)
+        if why is None:
+            return exact_spec(obj)
+        name = type(obj).__name__
+        reason = (
+            f"{name} rewrites {', '.join(rewritten)} of the {record.name} record's processor, so that "
+            "record's rule does not apply, and the exact route cannot run it: " + why
+            if record is not None
+            else f"no family record names processor {name!r} (image processor "
+            f"{type(image_proc).__name__!r}), and the exact route cannot run it: {why}"
+        )
+        raise ValueError(
+            f"vision_spec_from_processor: {reason}. Fast rules: {_supported()}. Upgrade transformers (>= 5.18 "
+            "runs any processor that implements replace_image_token), or give spec=vision_spec(family, ...)."
+        )
+    record = _image_processor_record(obj)
+    if record is not None:
+        return _read(record, obj, None)
+    if type(obj).__module__.startswith("transformers.") and hasattr(obj, "preprocess"):
+        raise ValueError(
+            f"vision_spec_from_processor: a bare {type(obj).__name__} does not say which model's images it "
+            "prepares, nor what text goes around them: pass its full processor (AutoProcessor.from_pretrained), "
+            f"or spec=vision_spec(family, ...). Bare image processors read: {_supported()}."
+        )
     raise ValueError(
-        f"vision_spec_from_processor: unsupported {what}. Supported: {'; '.join(_SUPPORTED_PROCESSORS)}. "
-        f"For other models build a spec directly: vision_spec(family, ...) with family in {', '.join(names('vision'))}."
+        f"vision_spec_from_processor: {type(obj).__name__!r} is not a supported image processor or processor "
+        f"instance. Fast rules: {_supported()}; any other transformers processor takes the exact route."
     )

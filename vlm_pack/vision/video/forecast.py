@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...failures import InternalCheckError
+from ...families import names, video_family
 from ..smart_resize import _smart_resize_3d, smart_resize
 from .header import VideoHeader
 
@@ -74,6 +75,15 @@ class VideoForecast:
     """Qwen2-VL / Qwen2.5-VL: ``second_per_grid_ts`` entry (Qwen2.5-VL's processor passes it)."""
     num_patches: int | None = None
     """Vision-encoder patches before the merge (``pixel_values_videos`` rows) for Qwen-VL, else ``None``."""
+    metadata: Any = field(default=None, compare=False, repr=False)
+    """transformers' ``VideoMetadata`` as the processor is given it (``frames_indices`` = ``indices``): what
+    its own ``replace_video_token`` reads to write the text around the video's tokens; None where unknown."""
+
+    def processor_metadata(self) -> Any:
+        """A fresh copy of :attr:`metadata` (the processor writes into the one it receives), or None."""
+        if self.metadata is None:
+            return None
+        return replace(self.metadata, frames_indices=list(self.indices))
 
 
 def _video_processor(processor: Any) -> Any:
@@ -200,16 +210,18 @@ def _qwen(vp: Any, header: VideoHeader, s: dict[str, Any], qwen3: bool, glm: boo
         ),
         second_per_grid_t=None if qwen3 else tps / metadata.sampled_fps,
         num_patches=grid[0] * grid[1] * grid[2],
+        metadata=metadata,
     )
 
 
 def _per_frame(vp: Any, header: VideoHeader, s: dict[str, Any], per_frame: int, extra: int) -> VideoForecast:
-    indices, _ = _sample(vp, header, s)
+    indices, metadata = _sample(vp, header, s)
     return VideoForecast(
         indices=tuple(indices),
         grid_thw=None,
         frame_tokens=(per_frame,) * len(indices),
         tokens=per_frame * len(indices) + extra,
+        metadata=metadata,
     )
 
 
@@ -245,24 +257,23 @@ def forecast_video(
     """
     vp = _video_processor(processor)
     settings = _settings(vp, videos_kwargs)
-    classes = {cls.__name__ for cls in type(vp).__mro__}
-    if classes & {"Glm4vVideoProcessor", "Glm46VVideoProcessor"}:  # Qwen3-VL's 3-D resize, no cap
-        return _qwen(vp, header, settings, qwen3=True, glm=True)
-    if "Qwen3VLVideoProcessor" in classes:
-        return _qwen(vp, header, settings, qwen3=True)
-    if "Qwen2VLVideoProcessor" in classes:
+    record = video_family(vp)
+    wraps = record.video_wraps if record is not None else None
+    if wraps in ("frames", "timed_image_frames"):  # Qwen3-VL / 3.5, GLM-4.1V / 4.6V: the 3-D resize, no cap
+        return _qwen(vp, header, settings, qwen3=True, glm=wraps == "timed_image_frames")
+    if wraps == "template":  # Qwen2-VL / 2.5-VL
         return _qwen(vp, header, settings, qwen3=False)
-    if "LlavaOnevisionVideoProcessor" in classes:
+    if wraps == "none":  # LLaVA-OneVision: pooled frames and one newline token
         image_tokens = _processor_number(processor, "num_image_tokens", num_image_tokens, type(vp).__name__)
         pooled = math.ceil(int(math.sqrt(image_tokens)) / 2) ** 2
         return _per_frame(vp, header, settings, pooled, extra=1)
-    if "InternVLVideoProcessor" in classes:
+    if wraps == "image_frames":  # InternVL: each kept frame an image
         seq = _processor_number(processor, "image_seq_length", image_seq_length, type(vp).__name__)
         return _per_frame(vp, header, settings, seq, extra=0)
     raise InternalCheckError(
-        f"no video forecast rule for {type(vp).__name__}; rules exist for Qwen2VLVideoProcessor, "
-        "Qwen3VLVideoProcessor, Glm4vVideoProcessor, Glm46VVideoProcessor, LlavaOnevisionVideoProcessor and "
-        "InternVLVideoProcessor."
+        f"no video forecast rule for {type(vp).__name__}: no family record names it or a class it derives from "
+        f"(Family.video_processor); records with videos: {', '.join(names('video_wraps'))}. A processor without "
+        "a record is forecast by its own video step: vlm_pack.vision.oracle.exact_spec(processor).video_forecast"
     )
 
 

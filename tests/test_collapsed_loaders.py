@@ -1,0 +1,131 @@
+"""One length check, in the preprocessor's layout: every loader packs a collapsed-layout sample (one placeholder
+per image, Megatron style) on its forecast, as it packs an expanded one.
+
+The oracle is outside the code under test: each sample processed alone by the real HF image processor in the
+expanded layout (``len(input_ids)``), which is the length a collapsed sample takes in a row once its placeholders
+are expanded. Real tar shards and a real ``datasets.Dataset`` written here, real images through Pillow.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import datasets
+import pytest
+import torch
+from PIL import Image
+
+from vlm_pack import Preprocessor
+from vlm_pack.data import PackedDataLoader, PackedWebDataset, write_shards
+from vlm_pack.data.map_style import PackedMapDataset, PackedSampler, plan_info
+from vlm_pack.data.stats import BadSampleWarning
+from vlm_pack.data.stream_meta import stream_info
+from vlm_pack.offline import build_tokenizer, image_processor
+
+CAPACITY = 2048
+SIZES = [None, (56, 56), (84, 112), (140, 70), None, (224, 168), (112, 112), (56, 168), (98, 70), None, (70, 70),
+         (168, 84)]  # fmt: skip
+
+
+def _image(i: int, size: tuple[int, int]) -> bytes:
+    buf = io.BytesIO()
+    Image.effect_noise(size, 20 + i).convert("RGB").save(buf, format="JPEG" if i % 2 else "PNG")
+    return buf.getvalue()
+
+
+def _text(i: int, images: int) -> str:
+    return "<image>\n" * images + f"What is in picture {i}? " + "Look closely. " * (i % 4)
+
+
+@pytest.fixture(scope="module")
+def parts():
+    return build_tokenizer("qwen2_vl"), image_processor("qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def samples() -> list[tuple[str, list[bytes], str]]:
+    """(key, images, question) of the 12 samples: 3 text-only, 9 with a photo of its own size."""
+    out = []
+    for i, size in enumerate(SIZES):
+        images = [] if size is None else [_image(i, size)]
+        out.append((f"s{i:02d}", images, _text(i, len(images))))
+    return out
+
+
+def _conversation(question: str) -> list[dict]:
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": "A noisy picture."}]
+
+
+@pytest.fixture(scope="module")
+def expanded_lengths(parts, samples) -> dict[str, int]:
+    """The oracle: each sample alone through the real processor, expanded."""
+    pre = Preprocessor(*parts)
+    return {
+        key: int(pre.process([Image.open(io.BytesIO(b)) for b in images], _conversation(q), key)["input_ids"].shape[0])
+        for key, images, q in samples
+    }
+
+
+def test_packed_webdataset_packs_every_collapsed_sample_on_its_forecast(tmp_path, parts, samples, expanded_lengths):
+    records = [
+        {"key": key, "images": [(b, "jpg" if i % 2 else "png") for b in images], "conversation": _conversation(q)}
+        for i, (key, images, q) in enumerate(samples)
+    ]
+    urls = write_shards(records, tmp_path / "shards", maxcount=5)  # 3 real tar shards
+    for layout in ("collapsed", "expanded"):
+        ds = PackedWebDataset(urls, Preprocessor(*parts, layout=layout), capacity=CAPACITY)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", BadSampleWarning)  # not one sample left out
+            batches = list(PackedDataLoader(ds, num_workers=0))
+        assert ds.stats.forecast_mismatches == 0 and ds.stats.reasons == {}, layout
+        got = {}
+        for batch in batches:
+            info = stream_info(batch)
+            got.update({key: n for (_, key), n in zip(info["samples"], info["lengths"])})
+            assert info["lengths"] == info["forecast"]
+        assert got == expanded_lengths, layout
+        assert ds.stats.tokens == sum(expanded_lengths.values())
+
+
+def test_packed_map_dataset_packs_every_collapsed_sample_on_its_forecast(parts, samples, expanded_lengths):
+    columns = {
+        "key": [key for key, _, _ in samples],
+        "images": [images for _, images, _ in samples],
+        "messages": [_conversation(q) for _, _, q in samples],
+    }
+    ds = datasets.Dataset.from_dict(columns).cast_column("images", datasets.List(datasets.Image(decode=False)))
+    for layout in ("collapsed", "expanded"):
+        packed = PackedMapDataset(ds, Preprocessor(*parts, layout=layout), capacity=CAPACITY, cache=None)
+        loader = torch.utils.data.DataLoader(packed, batch_size=None, sampler=PackedSampler(packed))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", BadSampleWarning)  # not one sample left out
+            infos = [plan_info(batch) for batch in loader]
+        got = {samples[row][0]: n for info in infos for row, n in zip(info["rows"], info["lengths"])}
+        assert all(info["left_out"] == [] for info in infos), layout
+        assert got == expanded_lengths, layout
+
+
+def test_trl_collator_checks_each_sample_against_its_rows_forecast(parts, samples, expanded_lengths):
+    """TRL's rows carry each sample's forecast; the collator checks the processed sample with the same one
+    check (``Preprocessor.checked_length``) instead of collating a sample its pack was not planned for."""
+    pytest.importorskip("trl")
+    import json
+
+    from vlm_pack.failures import SampleError
+    from vlm_pack.integrations.trl import TRLPackingCollator
+
+    picked = [s for s in samples if s[1]][:2]
+    row = {
+        "keys": [key for key, _, _ in picked],
+        "conversations": [json.dumps(_conversation(q)) for _, _, q in picked],
+        "image_bytes": [images for _, images, _ in picked],
+        "video_bytes": [[] for _ in picked],
+        "lengths": [expanded_lengths[key] for key, _, _ in picked],
+    }
+    collator = TRLPackingCollator(CAPACITY, Preprocessor(*parts))
+    assert [len(s["input_ids"]) for s in collator.samples([row])] == row["lengths"]
+    stale = {**row, "lengths": [row["lengths"][0], row["lengths"][1] + 1]}  # a plan made for other data
+    with pytest.raises(SampleError, match=f"forecast {row['lengths'][1] + 1} != processed length") as raised:
+        collator([stale])
+    assert raised.value.reason == "forecast_mismatch" and picked[1][0] in str(raised.value)
