@@ -27,14 +27,17 @@ from vlm_pack.testing.model_types import TOLERANCE, certify_model_type, type_sam
 DOC = Path(__file__).parents[1] / "docs" / "families.md"
 
 
-@pytest.mark.parametrize("model_type", ["exaone4_5", "paddleocr_vl"])
+@pytest.mark.parametrize("model_type", ["exaone4_5", "paddleocr_vl", "lfm3_vl"])
 def test_a_model_type_without_a_record_packs_as_each_sample_alone(model_type):
-    """sdpa and eager: three samples (two images, one, none) in one row, each scored against itself alone."""
+    """sdpa and eager: three samples (two images, one, none) in one row, each scored against itself alone
+    (LFM3-VL: its text model's short convolutions isolated by ``isolate_token_mixers``)."""
     assert lookup(model_type) is None and model_type not in REFUSED
     cert = certify_model_type(model_type)
     assert cert.exact, str(cert)
     assert set(cert.errors) == {"sdpa", "eager"} and all(e <= TOLERANCE for e in cert.errors.values())
     assert cert.tokens > 100
+    if model_type == "lfm3_vl":
+        assert cert.mixers and all("short_conv" in m for m in cert.mixers)
 
 
 @pytest.mark.slow
@@ -133,11 +136,24 @@ def _example():
 
 def test_the_example_certifies_a_model_type_and_says_why_not(capsys):
     """``examples/check_equivalence.py --model-type TYPE``: exit 0 and EXACT for a certified type; exit 1 with
-    the reason for one whose text model holds a mixer vlm-pack cannot isolate (LFM3-VL's short convolutions)."""
+    the reason for a refused one (HunYuanVL: its model takes no text row beside its rope rows)."""
     example = _example()
     assert example.main(["--model-type", "exaone4_5"]) == 0
     out = capsys.readouterr().out
     assert "exaone4_5: EXACT" in out and "sdpa 1.0000" in out and "eager 1.0000" in out
-    assert example.main(["--model-type", "lfm3_vl"]) == 1
+    assert example.main(["--model-type", "hunyuan_vl"]) == 1
     out = capsys.readouterr().out
-    assert "lfm3_vl: NOT EXACT" in out and "Lfm3ShortConv" in out and "cannot isolate" in out
+    assert "hunyuan_vl: NOT EXACT" in out and "does not pack model type 'hunyuan_vl'" in out
+
+
+def test_a_model_type_whose_model_computes_mrope_needs_its_rope_index():
+    """Without ``rope_index=``, PaddleOCR-VL's rows would get 1-D ids (its images' mRoPE silently lost): refused,
+    naming the model's function; EXAONE 4.5 (image grids, but 1-D positions: its get_rope_index only raises)
+    and a record's own mRoPE family need none, and a record's family refuses one."""
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match=r"'paddleocr_vl' computes multimodal RoPE \(PaddleOCRVLModel.get_rope_index\)"):
+        PackingCollator(1024, model_config=AutoConfig.for_model("paddleocr_vl"))
+    PackingCollator(1024, model_config=AutoConfig.for_model("exaone4_5"))
+    with pytest.raises(ValueError, match="has its own mRoPE"):
+        PackingCollator(1024, family="qwen2_vl", rope_index=lambda ids, inputs: ids[None])

@@ -82,7 +82,7 @@ from .collate_samples import (
 from .collate_settings import CollatorSettings
 from .families import names
 from .labels import IGNORE_INDEX
-from .model_types import rope_index_position_ids
+from .model_types import check_rope_index, rope_index_position_ids
 from .packing.bins import round_up
 from .positions import MRopeOptions, packed_position_ids
 from .processing import length as sample_length  # the one expanded length (and forecast)
@@ -223,8 +223,7 @@ class PackingCollator:
         self.max_samples_per_bin = max_samples_per_bin
         self.max_rows = max_rows
         self.return_style = return_style
-        if rope_index is not None and self.mrope:
-            raise ValueError(f"rope_index= is for model types without a record; {self.family!r} has its own mRoPE")
+        check_rope_index(self.settings, rope_index)
         self.rope_index = rope_index
 
     @classmethod

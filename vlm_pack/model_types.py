@@ -34,7 +34,14 @@ import torch
 
 from .families import REFUSED, canonical, lookup
 
-__all__ = ["RopeIndex", "check_not_refused", "find_rope_index", "rope_index_position_ids"]
+__all__ = [
+    "RopeIndex",
+    "check_not_refused",
+    "check_rope_index",
+    "find_rope_index",
+    "model_type_rope_index",
+    "rope_index_position_ids",
+]
 
 
 def check_not_refused(model_type: str | None) -> None:
@@ -46,6 +53,42 @@ def check_not_refused(model_type: str | None) -> None:
         f"vlm-pack does not pack model type {name!r}: {REFUSED[name]}. Train it unpacked (one sample per row), "
         "or see docs/families.md for the model types that pack exactly"
     )
+
+
+def model_type_rope_index(model_type: str | None) -> str | None:
+    """The class in ``model_type``'s transformers modeling module whose ``get_rope_index`` takes ``input_ids``
+    (the model computes multimodal RoPE), or None (1-D positions, or not an image-text-to-text type)."""
+    import importlib
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type or "")
+    if name is None:
+        return None
+    try:
+        module = inspect.getmodule(getattr(importlib.import_module("transformers"), name))
+    except Exception:  # a backend it needs is missing: nothing to read
+        return None
+    for cls_name, cls in vars(module).items():
+        fn = getattr(cls, "get_rope_index", None) if isinstance(cls, type) else None
+        if fn is not None and _takes_input_ids(fn):
+            return cls_name
+    return None
+
+
+def check_rope_index(settings: Any, rope_index: Any) -> None:
+    """A collator's ``rope_index=`` where it belongs: a model type without a record whose model computes
+    multimodal RoPE needs it (1-D ids would silently lose the images' positions); a family with its own mRoPE
+    rule (``Family.mrope``) takes none."""
+    if rope_index is not None and settings.mrope:
+        raise ValueError(f"rope_index= is for model types without a record; {settings.family!r} has its own mRoPE")
+    owner = model_type_rope_index(settings.family) if rope_index is None and settings.unrecorded else None
+    if owner is not None:
+        raise ValueError(
+            f"model type {settings.family!r} computes multimodal RoPE ({owner}.get_rope_index) and vlm-pack has no "
+            "record for it: pass PackingCollator(..., rope_index=vlm_pack.model_types.RopeIndex("
+            "vlm_pack.model_types.find_rope_index(model))) so that each sample gets its own positions"
+        )
 
 
 def _takes_input_ids(fn: Any) -> bool:

@@ -188,6 +188,8 @@ def certify_model_type(
         cert.reason = f"its processor does not process the samples: {type(e).__name__}: {_short(e)}"
         return cert
     cert.tokens = sum(int(s["input_ids"].shape[-1]) for s in samples)
+    if any("token_type_ids" in s and not bool(s["token_type_ids"].any()) for s in samples):
+        cert.notes.append("token_type_ids all 0 in these samples (no suffix): two-way prefix attention not exercised")
     try:
         collator = PackingCollator(cert.tokens, model_config=model.config, tokenizer=processor, rope_index=rope_index)
         batch = collator(samples)
