@@ -451,13 +451,6 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({record.name: record for recor
 #: a record takes the route of ``vlm_pack.model_types`` (the processor, the model's own rope index, restarted
 #: positions, transformers' packed masks); a collator built for one of these raises naming it.
 REFUSED: Mapping[str, str] = MappingProxyType({
-    # Lfm3ShortConv (models/lfm3/modeling_lfm3.py, 5.25): short convolutions that take no seq_idx / cu_seqlens;
-    # find_token_mixers reports it as an unknown mixer, so it is not isolated
-    "lfm3_vl": "its text model's short convolutions (Lfm3ShortConv) are a token mixer vlm-pack does not isolate: "
-    "each sample's last tokens would reach the next sample",
-    # NemotronHMamba2Mixer: Mamba2 state carried across the row on transformers' PyTorch path
-    "nemotron_h_omni": "its text model's Mamba2 layers (NemotronHMamba2Mixer) are a token mixer vlm-pack does not "
-    "isolate: the state of one sample would carry into the next",
     # Inkling2ShortConvolution (models/inkling2/modeling_inkling2.py, 5.25): short convolutions inside its attention blocks
     "inkling2": "its attention blocks hold short convolutions (Inkling2ShortConvolution), a token mixer vlm-pack does not "
     "isolate: each sample's last tokens would reach the next sample",
