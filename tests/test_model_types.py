@@ -144,6 +144,9 @@ def test_the_example_certifies_a_model_type_and_says_why_not(capsys):
     assert example.main(["--model-type", "hunyuan_vl"]) == 1
     out = capsys.readouterr().out
     assert "hunyuan_vl: NOT EXACT" in out and "does not pack model type 'hunyuan_vl'" in out
+    assert example.main(["--model-type", "lfm3_vl"]) == 0  # its short convolutions isolated per sample (issue 40)
+    out = capsys.readouterr().out
+    assert "lfm3_vl: EXACT" in out and "short_conv" in out
 
 
 def test_a_model_type_whose_model_computes_mrope_needs_its_rope_index():
