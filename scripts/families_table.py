@@ -11,7 +11,12 @@ offline). Each type runs in its own process (a time and memory limit each), so o
     PYTHONPATH=. .venv/bin/python scripts/families_table.py --only paddleocr_vl exaone4_5   # print rows only
 
 Run it in the venv with torchvision to certify the types whose image processor exists only as a torchvision
-class. The "forecast exact" column is the forecast side's (``vlm_pack.vision``): left for it to fill.
+class. The "forecast exact" column compares, for each type whose processor builds offline (a record's through
+``vlm_pack.offline.processor``, any other through ``processor_for_type``), the forecast from image sizes alone
+(``Preprocessor.forecast``: a record's fast rule, or the exact route of ``vlm_pack.vision.oracle``) with the
+length of the processor's own ``__call__`` on Pillow images of those sizes (:data:`FORECAST_SIZES`).
+
+    PYTHONPATH=. .venv-tv/bin/python scripts/families_table.py --forecast-only   # refill that column only
 """
 
 from __future__ import annotations
@@ -35,6 +40,56 @@ c = certify_model_type({model_type!r})
 print("CERT" + json.dumps(dict(exact=c.exact, errors=c.errors, positions=c.positions, mixers=c.mixers,
                                reason=c.reason, built=c.built, tokens=c.tokens, notes=c.notes)))
 """
+
+
+#: Samples of real image sizes (width, height): a photo, a tall document page, a screenshot, two images.
+FORECAST_SIZES = (((640, 480),), ((333, 1000),), ((1280, 720),), ((500, 375), (300, 400)))
+
+
+def forecast_check(model_type: str) -> str:
+    """The forecast-exact cell: ``exact on N samples`` where ``Preprocessor.forecast`` from sizes alone equals
+    the length of the processor's own ``__call__`` on Pillow images of those sizes for every sample of
+    :data:`FORECAST_SIZES`, else the first difference or why it could not be checked."""
+    from PIL import Image
+
+    from vlm_pack import Preprocessor
+    from vlm_pack.families import lookup
+    from vlm_pack.offline import processor as record_processor
+    from vlm_pack.offline.model_types import placeholder_for_type, processor_for_type
+
+    record = lookup(model_type)
+    saved = ROOT / "tests" / "templates" / f"{record.name if record else model_type}.jinja"  # released templates
+    try:
+        if record is not None:
+            proc = record_processor(record.name, chat_template=saved.read_text() if saved.exists() else None)
+        else:
+            proc = processor_for_type(model_type)
+    except Exception as e:  # the processor does not build offline: nothing to compare
+        return f"not checked: {type(e).__name__}: {str(e)[:80]}".replace("|", "/")
+
+    def template(conversation: object, num_images: int) -> list[tuple[str, bool]]:  # a type without a record
+        # the form its processor insists on, with vlm-pack's marker where the image token goes
+        images = placeholder_for_type(model_type, proc).replace(str(proc.image_token), "<image>") * num_images
+        return [(f"User: {images}Describe it.\n", False), ("Assistant: A test card.", True)]
+
+    try:
+        pre = Preprocessor(processor=proc, template=None if record is not None else template)
+    except Exception as e:  # the start-up checks refuse it by name
+        return f"refused: {type(e).__name__}: {str(e)[:100]}".replace("|", "/")
+    try:
+        for sizes in FORECAST_SIZES:
+            images = [Image.new("RGB", size, (40 * i, 120, 200)) for i, size in enumerate(sizes)]
+            turns = [{"role": "user", "content": "<image>" * len(sizes) + "Describe it."},
+                     {"role": "assistant", "content": "A test card."}]  # fmt: skip
+            length, _ = pre.forecast(turns, list(sizes))
+            text = pre.render(turns, len(sizes))  # a BOS the tokenizer adds written out
+            own = len(proc(text=[text], images=[images], add_special_tokens=False)["input_ids"][0])
+            if length != own:
+                shown = "+".join(f"{w}x{h}" for w, h in sizes)
+                return f"OFF: forecast {length}, processor {own} at {shown}"
+    except Exception as e:
+        return f"not checked: {type(e).__name__}: {str(e)[:80]}".replace("|", "/")
+    return f"exact on {len(FORECAST_SIZES)} samples"
 
 
 class _TimeUp(BaseException):  # not caught by the check's own "except Exception"
@@ -109,6 +164,33 @@ def row(model_type: str, cls: str, cert: dict | None, refused: dict[str, str]) -
     return f"| `{model_type}` | {cls} | not certified here | {reason} | | |"
 
 
+def refill_forecasts() -> int:
+    """Rewrite the "forecast exact" cell of every row of the committed table (:func:`forecast_check`), and the
+    count of exact forecasts in its summary line."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    text = DOC.read_text()
+    start, end = text.index(BEGIN), text.index(END)
+    lines, exact = text[start:end].splitlines(), 0
+    for i, line in enumerate(lines):
+        if line.startswith("| `"):
+            cells = line.split("|")
+            cell = forecast_check(cells[1].strip().strip("`"))
+            exact += cell.startswith("exact")
+            cells[5] = f" {cell} "
+            lines[i] = "|".join(cells)
+            print(lines[i], flush=True)
+    summary = f"Forecast exact (from sizes alone = the processor's own call on {len(FORECAST_SIZES)} samples of real sizes): {exact} types."
+    lines = [line for line in lines if not line.startswith("Forecast exact (")]
+    lines.insert(2, summary + "\n")
+    DOC.write_text(text[:start] + "\n".join(lines) + "\n" + text[end:])
+    print(summary)
+    return 0
+
+
 def _version(package: str) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -124,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=180, help="seconds per type")
     parser.add_argument("--memory-gb", type=float, default=8.0, help="address-space limit per type (0: none)")
     parser.add_argument("--isolate", action="store_true", help="each type in a process of its own (slower)")
+    parser.add_argument("--forecast-only", action="store_true", help="refill the forecast exact column only")
     args = parser.parse_args(argv)
+    if args.forecast_only:
+        return refill_forecasts()
     if not args.isolate and args.memory_gb:
         import resource
 
@@ -152,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             cert = certify(model_type, args.timeout, int(args.memory_gb * 1024 * 1024))
         else:
             cert = certify_here(model_type, args.timeout)
-        line = row(model_type, TYPES[model_type], cert, dict(REFUSED))
+        cells = row(model_type, TYPES[model_type], cert, dict(REFUSED)).split("|")
+        cells[5] = f" {forecast_check(model_type)} "
+        line = "|".join(cells)
         kind = line.split("|")[3].strip()
         counts[kind] = counts.get(kind, 0) + 1
         rows.append(line)

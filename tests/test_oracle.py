@@ -17,7 +17,7 @@ from PIL import Image
 from vlm_pack import offline
 from vlm_pack.families import FAMILIES, owner
 from vlm_pack.vision import Qwen2VLSpec, vision_spec_from_processor
-from vlm_pack.vision.oracle import ProcessorSpec, exact_spec, memo_stats
+from vlm_pack.vision.oracle import ProcessorSpec, drives, exact_spec, memo_stats
 
 #: The exact route runs the processor's own image step (transformers >= 5.18); before, it refuses (tested below).
 EXACT = pytest.mark.skipif(
@@ -258,6 +258,25 @@ def test_the_records_own_processors_pass_their_check():
 # ------------------------------------------------------------------------------ processors without a record
 
 
+def test_a_processor_whose_call_adds_text_of_its_own_is_refused_before_any_sample():
+    """PaliGemma's processor writes a prefix of its own in ``__call__`` beyond its replacement text (its
+    BOS-and-newline layout): the exact route would forecast every sample short. Refused by name at start-up,
+    the processor's own call the oracle; a processor whose call adds nothing (Exaone 4.5) passes."""
+    from vlm_pack import Preprocessor
+    from vlm_pack.offline.model_types import processor_for_type
+
+    def template(conversation, num_images):
+        return [("User: " + "<image>" * num_images + "Describe it.\n", False), ("Assistant: A card.", True)]
+
+    if drives(processor_for_type("paligemma")):  # a release without the replacement API
+        pytest.skip(f"transformers {transformers.__version__} runs no exact route")
+    with pytest.raises(ValueError, match=r"PaliGemmaProcessor .*its own call writes \d+ tokens, its replacement "
+                                         r"text gives \d+"):  # fmt: skip
+        Preprocessor(processor=processor_for_type("paligemma"), template=template)
+    pre = Preprocessor(processor=processor_for_type("exaone4_5"), template=template)
+    assert isinstance(pre.spec, ProcessorSpec)
+
+
 def test_a_model_type_without_a_record_is_forecast_and_processed_by_its_own_processor():
     """LFM3-VL (transformers 5.25): Qwen2-VL's image processor and tokens under a processor class of its own.
     Its forecast (the exact route) is its processed length, and the ids are its processor's."""
@@ -300,7 +319,9 @@ def test_a_processor_that_writes_prompts_of_its_own_is_refused_when_processing()
 
     proc = TaskPromptsProcessor(image_processor=llava.image_processor, tokenizer=llava.tokenizer,
                                 patch_size=14, vision_feature_select_strategy="default")  # fmt: skip
-    pre = Preprocessor(processor=proc, family="llava")
+    with pytest.raises(ValueError, match="TaskPromptsProcessor .*adds text of its own"):  # at start-up
+        Preprocessor(processor=proc, family="llava")
+    pre = Preprocessor(processor=proc, family="llava", spec=exact_spec(proc))  # a spec given: no start-up check
     conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
     with pytest.raises(InternalCheckError, match="TaskPromptsProcessor made 3 rows of one sample's prompt"):
         pre.process([_photo(64, 48)], conversation)

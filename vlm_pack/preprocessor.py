@@ -95,10 +95,11 @@ class Preprocessor:
                 "row or tile markers between an image's tokens: use layout='expanded' (collapsed works for "
                 f"{', '.join(names('collapsed'))})"
             )
-        if read:  # a fast rule read off the processor: checked against the processor itself, once
-            from .vision.selfcheck import check_fast_rule
+        if read:  # a rule read off the processor: checked against the processor itself, once
+            from .vision.selfcheck import check_exact_route, check_fast_rule
 
             check_fast_rule(self)
+            check_exact_route(self)
 
     @classmethod
     def check(cls, obj: Any) -> Preprocessor:

@@ -272,7 +272,7 @@ def _replacement_skeleton(
     spec that runs the installed processor: ``vlm_pack.vision.oracle.ProcessorSpec``), runs of the image token
     collapsed to one ``placeholder``, and the tokens that leaves out. The vision tokens in the text must be the
     spec's count (InternalCheckError otherwise: the spec and its processor disagree, which no sample can fix)."""
-    tokens = [t for t in {getattr(processor, "image_token", None), placeholder} if t]
+    tokens = [t for t in {getattr(spec, "image_token", None), getattr(processor, "image_token", None), placeholder} if t]
     out = []
     for (width, height), n, text in zip(sizes, counts, spec.sample_replacements(sizes)):
         stand_in, vision, runs = _collapse_runs(text, tokens, placeholder)

@@ -103,7 +103,13 @@ def _remember(key: tuple[Any, ...], make: Any) -> Any:
 def _embedding_token(processor: Any) -> str:
     """The token the model scatters image features into: the processor's ``image_token``, except where the
     tokenizer names another one that the processor writes inside its expansion (Gemma 3: the template's
-    ``<start_of_image>`` becomes ``<image_soft_token>`` runs)."""
+    ``<start_of_image>`` becomes ``<image_soft_token>`` runs; Aya Vision's ``<image>`` becomes ``<|IMG_PATCH|>``
+    runs): the first of the processor's ``image_token_ids`` where the release has them."""
+    ids = [i for i in (getattr(processor, "image_token_ids", None) or ()) if isinstance(i, int)]
+    if ids:  # transformers' own answer (mm_token_type_ids are built from it), where the release has it
+        token = processor.tokenizer.convert_ids_to_tokens(ids[0])
+        if isinstance(token, str) and token:
+            return token
     named = getattr(processor.tokenizer, "image_token", None)
     if isinstance(named, str) and named and named != processor.image_token:
         return named

@@ -129,6 +129,45 @@ def _check_clips(pre: Any, exact: Any) -> None:
             raise _mismatch(pre.spec.family, pre.processor, clip, forecast, want, "video")
 
 
+def check_exact_route(pre: Any) -> None:
+    """Where ``pre.spec`` is the exact route (a processor no record names), compare its forecast of one
+    blank 640x480 image with the length the processor's own ``__call__`` writes for it: a processor whose call
+    adds text of its own beyond its replacement API (PaliGemma's prefix, Chameleon's separator) would be
+    forecast short on every sample, so it is refused by name before the first one. A no-op where the prompt
+    cannot be rendered (the forecast says why, per sample)."""
+    from PIL import Image
+
+    processor, spec = pre.processor, pre.spec
+    if processor is None or getattr(spec, "family", "") is not None or not hasattr(spec, "sample_replacements"):
+        return
+    try:
+        seen = _CHECKED.setdefault(processor, set())
+    except TypeError:
+        seen = set()
+    key = ("exact route", repr(pre.template), str(pre.family))
+    if key in seen:
+        return
+    conversation, sizes = _conversation(1), [CHECK_SAMPLES[0][0]]
+    try:
+        text = pre.render(conversation, 1, "selfcheck")
+    except Exception:
+        return
+    (forecast,) = pre.forecast_rows([(conversation, sizes, "selfcheck")])
+    images = [Image.new("RGB", size) for size in sizes]
+    own = len(processor(text=[text], images=[images], add_special_tokens=False)["input_ids"][0])
+    got = forecast if isinstance(forecast, Exception) else forecast.length
+    if got != own:
+        import transformers
+
+        raise ValueError(
+            f"{type(processor).__name__} (transformers {transformers.__version__}, no vlm-pack record): for one "
+            f"{sizes[0][0]}x{sizes[0][1]} image its own call writes {own} tokens, its replacement text gives {got}: "
+            "the processor adds text of its own around the prompt, which vlm-pack cannot forecast. Nothing was "
+            "packed; process and pack this model's samples yourself, or report it with the processor class."
+        )
+    seen.add(key)
+
+
 def _mismatch(
     family: str, processor: Any, shown: str, forecast: Any, want: tuple[int, list[int]], kind: str = "image"
 ) -> FastRuleMismatch:
