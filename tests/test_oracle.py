@@ -319,7 +319,7 @@ def test_a_processor_that_writes_prompts_of_its_own_is_refused_when_processing()
 
     proc = TaskPromptsProcessor(image_processor=llava.image_processor, tokenizer=llava.tokenizer,
                                 patch_size=14, vision_feature_select_strategy="default")  # fmt: skip
-    with pytest.raises(ValueError, match="TaskPromptsProcessor .*adds text of its own"):  # at start-up
+    with pytest.raises(ValueError, match=r"TaskPromptsProcessor .*adds text of its own"):  # at start-up
         Preprocessor(processor=proc, family="llava")
     pre = Preprocessor(processor=proc, family="llava", spec=exact_spec(proc))  # a spec given: no start-up check
     conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
