@@ -125,6 +125,36 @@ def test_readme_route_refuses_an_unisolated_qwen3_5_before_the_first_step(tmp_pa
     assert trainer.state.global_step == 0 and _unchanged(model, before)
 
 
+def test_a_qwen3_5_checkpoint_read_as_its_processor_says_is_refused_too(tmp_path):
+    """A Qwen3.5 checkpoint from the hub ships ``Qwen3VLProcessor`` and a tokenizer that knows nothing of
+    vlm-pack: its Preprocessor reads family qwen3_vl (the processor's record). The packed rows still carry the
+    mixers' marker (``Family.mixers_behind_processor``), so the un-isolated model on the README's route stops
+    before the first step instead of training on leaked state; the same rows through a real Qwen3-VL model
+    (no mixers) are exact."""
+    from vlm_pack.data import PackedMapDataset, build_plan
+    from vlm_pack.testing import check_packed_equivalence
+
+    folder = tmp_path / "Qwen3.5-tiny"
+    _qwen_pre().processor.save_pretrained(folder)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)  # as from the hub: no vlm_pack_family
+    assert getattr(tok, "vlm_pack_family", None) is None
+    proc = offline.processor("qwen3_5", tok, chat_template=TEMPLATE, **CAP)
+    pre = vp.Preprocessor(processor=proc)
+    assert pre.family == "qwen3_vl"  # all a processor can tell
+    data, config = _dataset(), vp.PackingConfig(capacity=400)
+    ds = PackedMapDataset(data, pre, config, plan=build_plan(data, pre, config))
+    model = _qwen()
+    before = _weights(model)
+    trainer = transformers.Trainer(model, _args(tmp_path), train_dataset=ds, data_collator=ds.trainer_collator("sdpa"))
+    with pytest.raises(ValueError, match=REFUSED):
+        trainer.train()
+    assert trainer.state.global_step == 0 and _unchanged(model, before)
+    qwen3_vl = offline.tiny_model("qwen3_vl", tok, num_layers=2, initializer_range=0.2, seed=0)
+    samples = [pre.process([im.convert("RGB") for im in data[k]["images"]], data[k]["messages"]) for k in range(3)]
+    assert "seq_idx" in pre.collator(400).__call__(samples).model_inputs("sdpa")
+    assert check_packed_equivalence(qwen3_vl, samples, pre.collator(400)).passed
+
+
 def test_readme_route_with_the_named_fix_trains_exactly(tmp_path):
     """The fix the refusal names (vp.isolate_token_mixers): the first step's loss is each sample alone."""
     trainer, ds, data = _readme_route(tmp_path, vp.isolate_token_mixers(_qwen()))

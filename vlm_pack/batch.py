@@ -356,9 +356,10 @@ class PackedBatch:
         }
 
     def _mixer_inputs(self, flat: bool = False) -> dict[str, torch.Tensor]:
-        """``seq_idx`` [R, T] (``[1, R*T]`` flat) int32 for a family with token mixers, else {}."""
+        """``seq_idx`` [R, T] (``[1, R*T]`` flat) int32 for a family with token mixers (or whose processor
+        checkpoints with mixers share: ``Family.mixers_behind_processor``), else {}."""
         record = lookup(self.family)
-        if record is None or not record.token_mixers:
+        if record is None or not (record.token_mixers or record.mixers_behind_processor):
             return {}
         tokens = torch.arange(self.num_rows * self.row_length, device=self.cu_seqlens_padded.device)
         bounds = self.cu_seqlens_padded[1:].to(tokens.dtype).contiguous()

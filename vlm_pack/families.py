@@ -159,6 +159,11 @@ class Family:
     """The image processor classes (``Pil`` / ``Fast`` suffix dropped) a bare instance of which, given without
     its processor, is read with this record's rule. A bare image processor writes no text around an image, so
     only its own counts matter; each class on one record, and a class no record names is refused."""
+    mixers_behind_processor: bool = False
+    """Checkpoints of a family with ``token_mixers`` ship this family's processor (Qwen3.5 / 3.6 ship
+    ``Qwen3VLProcessor``), so a processor read off the hub cannot tell them apart: packed rows carry the
+    mixers' marker ``seq_idx`` too (``PackedBatch.model_inputs``), which a model without mixers ignores and an
+    un-isolated mixer refuses, so a Qwen3.5 checkpoint collated as Qwen3-VL never leaks silently."""
     experts: bool = False
     """Its text model routes tokens to experts and counts them in an auxiliary load-balancing loss that reads
     the 2-D ``attention_mask``, and whose text model takes a mask mapping: packed rows pass one (``real_tokens``
@@ -221,6 +226,7 @@ _RECORDS = (
         video_processor="Qwen3VLVideoProcessor",
         video_wraps="frames",
         processors=("Qwen3VLProcessor",),
+        mixers_behind_processor=True,
     ),
     Family(
         "qwen3_vl_moe",
@@ -230,6 +236,7 @@ _RECORDS = (
         video_token="<|video_pad|>",
         video_processor="Qwen3VLVideoProcessor",
         video_wraps="frames",
+        mixers_behind_processor=True,
     ),
     # Qwen/Qwen3.5-27B (Qwen3VLProcessor; image settings as Qwen3-VL's). Text model: gated delta-net layers
     # and attention 3:1 (modeling_qwen3_5.py, 5.24); positions: Qwen3-VL's get_rope_index (videos split per frame)
