@@ -26,7 +26,7 @@ VENV=$VENV bash scripts/setup_env.sh
 base=$(cd "$VENV" && pwd)
 torchvision=${MATRIX_TORCHVISION:-1}
 if [ "$torchvision" = 1 ]; then
-    bash scripts/test_torchvision.sh --co -q tests/test_architecture.py >/dev/null  # create/refresh .venv-tv
+    bash scripts/test_torchvision.sh --co -q tests/test_video_forecast.py >/dev/null  # create/refresh .venv-tv
     tv_site=$(cd "${VENV_TV:-.venv-tv}" && bin/python -c "import site; print(site.getsitepackages()[0])")
 fi
 locked=$("$base/bin/python" -c "import transformers; print(transformers.__version__)")
