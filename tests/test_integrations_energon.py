@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,8 +31,9 @@ EDGE_LENGTHS = [30, 33, 36, 130] * 3
 
 
 def energon_prepare(path: Path) -> None:
-    exe = shutil.which("energon", path=str(Path(sys.executable).parent)) or shutil.which("energon")
-    cmd = [exe, "prepare", str(path), "--non-interactive", "--split-ratio", "1,0,0",
+    # the `energon` command of this interpreter's environment, run by it (an overlay venv has no script of its own)
+    energon = "import sys; from megatron.energon.cli.main import main; sys.argv[0] = 'energon'; sys.exit(main())"
+    cmd = [sys.executable, "-c", energon, "prepare", str(path), "--non-interactive", "--split-ratio", "1,0,0",
            "--sample-type", "CrudeWebdataset"]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 

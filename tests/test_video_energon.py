@@ -13,7 +13,6 @@ import functools
 import gc
 import io
 import itertools
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,8 +41,9 @@ LONG_CLIP = dict(frames=200, width=112, height=112, fps=10.0, container="mp4", s
 
 
 def energon_prepare(path: Path) -> None:
-    exe = shutil.which("energon", path=str(Path(sys.executable).parent)) or shutil.which("energon")
-    cmd = [exe, "prepare", str(path), "--non-interactive", "--split-ratio", "1,0,0",
+    # the `energon` command of this interpreter's environment, run by it (an overlay venv has no script of its own)
+    energon = "import sys; from megatron.energon.cli.main import main; sys.argv[0] = 'energon'; sys.exit(main())"
+    cmd = [sys.executable, "-c", energon, "prepare", str(path), "--non-interactive", "--split-ratio", "1,0,0",
            "--sample-type", "CrudeWebdataset"]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
