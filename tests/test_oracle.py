@@ -258,6 +258,31 @@ def test_the_records_own_processors_pass_their_check():
 # ------------------------------------------------------------------------------ processors without a record
 
 
+def test_an_exact_route_whose_text_holds_the_templates_placeholder_is_forecast_exactly():
+    """A Gemma 3 processor subclass (the exact route: a class of its own) writes ``<start_of_image>``, the
+    template's placeholder, inside its own text around ``<image_soft_token>`` runs: the forecast marks each image
+    by its embedding token, so two images forecast what the processor's own call gives."""
+    from vlm_pack import Preprocessor
+
+    base = offline.processor("gemma3", chat_template=(Path(__file__).parent / "templates" / "gemma3.jinja").read_text())
+
+    class OwnGemma3(type(base)):
+        def replace_image_token(self, image_inputs, image_idx, **kwargs):  # the same text, its own class
+            return super().replace_image_token(image_inputs, image_idx, **kwargs)
+
+    proc = OwnGemma3(image_processor=base.image_processor, tokenizer=base.tokenizer, chat_template=base.chat_template,
+                     image_seq_length=base.image_seq_length)  # fmt: skip
+    if drives(proc):
+        pytest.skip(f"transformers {transformers.__version__} runs no exact route")
+    pre = Preprocessor(processor=proc)
+    assert isinstance(pre.spec, ProcessorSpec)
+    conversation = [{"role": "user", "content": "<image>What is it? <image>"}, {"role": "assistant", "content": "Two."}]
+    sizes = [(640, 480), (300, 900)]
+    images = [_photo(w, h, i) for i, (w, h) in enumerate(sizes)]
+    own = proc(text=[pre.render(conversation, 2)], images=[images], add_special_tokens=False)["input_ids"][0]
+    assert pre.forecast(conversation, sizes)[0] == len(own) == len(pre.process(images, conversation)["input_ids"])
+
+
 def test_a_processor_whose_call_adds_text_of_its_own_is_refused_before_any_sample():
     """PaliGemma's processor writes a prefix of its own in ``__call__`` beyond its replacement text (its
     BOS-and-newline layout): the exact route would forecast every sample short. Refused by name at start-up,

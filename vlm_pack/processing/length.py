@@ -93,7 +93,10 @@ def forecast_rows(
     """
     placeholder = placeholder or _placeholder(tokenizer, processor, family)
     fast = bool(getattr(tokenizer, "is_fast", False))
-    how = _How(tokenizer, spec, processor, _wraps(spec), tokenizer.convert_tokens_to_ids(placeholder), keep, fast)
+    # the processor's own replacement text (an exact-route spec) keeps its embedding token, one per run, as
+    # the image's mark: the template's placeholder may stand in that text too (Gemma 3's <start_of_image>)
+    marker = getattr(spec, "image_token", None) if hasattr(spec, "sample_replacements") else None
+    how = _How(tokenizer, spec, processor, _wraps(spec), tokenizer.convert_tokens_to_ids(marker or placeholder), keep, fast)
     out: list[Forecast | Exception | None] = [None] * len(rows)
     staged: list[_Row] = []
     for index, given in enumerate(rows):
@@ -152,7 +155,8 @@ def _stage(
         stand_ins = _replacement_skeleton(how.spec, sizes, counts, placeholder, how.processor)
         row.text = _substitute(text, placeholder, [s for s, _ in stand_ins], how.processor, "image")
         row.left = [left for _, left in stand_ins]
-        row.placeholders = [s.count(placeholder) for s, _ in stand_ins]
+        mark = how.spec.image_token or placeholder  # each run's one embedding token (what _finish walks)
+        row.placeholders = [s.count(mark) for s, _ in stand_ins]
     elif how.wraps.startswith("processor") and sizes:
         stand_ins = _skeleton(how.spec, how.wraps, sizes, counts, placeholder, how.tokenizer, how.processor)
         if any(stand_in != placeholder for stand_in, _ in stand_ins):

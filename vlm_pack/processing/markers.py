@@ -269,13 +269,14 @@ def _replacement_skeleton(
     spec: Any, sizes: Sequence[tuple[int, int]], counts: Sequence[int], placeholder: str, processor: Any
 ) -> list[tuple[str, int]]:
     """Per image: the processor's own replacement text for it in this sample (``spec.sample_replacements``, a
-    spec that runs the installed processor: ``vlm_pack.vision.oracle.ProcessorSpec``), runs of the image token
-    collapsed to one ``placeholder``, and the tokens that leaves out. The vision tokens in the text must be the
-    spec's count (InternalCheckError otherwise: the spec and its processor disagree, which no sample can fix)."""
-    tokens = [t for t in {getattr(spec, "image_token", None), getattr(processor, "image_token", None), placeholder} if t]
+    spec that runs the installed processor: ``vlm_pack.vision.oracle.ProcessorSpec``), each run of its embedding
+    token (``spec.image_token``) written once, and the tokens that leaves out. The embedding tokens in the text
+    must be the spec's count (InternalCheckError otherwise: the spec and its processor disagree, which no
+    sample can fix). Other tokens of the text (Gemma 3's ``<start_of_image>``, the template's placeholder) stay."""
+    token = getattr(spec, "image_token", None) or placeholder
     out = []
     for (width, height), n, text in zip(sizes, counts, spec.sample_replacements(sizes)):
-        stand_in, vision, runs = _collapse_runs(text, tokens, placeholder)
+        stand_in, vision, runs = _collapse_runs(text, [token], token)
         if vision != n:
             raise InternalCheckError(
                 f"{type(processor).__name__}: its replacement text for a {width}x{height} image holds {vision} "

@@ -27,6 +27,7 @@ import weakref
 from typing import Any
 
 from .._compat import video_step_missing
+from ..failures import InternalCheckError
 from ..families import lookup
 from .oracle import drives, exact_spec
 from .video.header import VideoHeader
@@ -155,6 +156,8 @@ def check_exact_route(pre: Any) -> None:
     (forecast,) = pre.forecast_rows([(conversation, sizes, "selfcheck")])
     images = [Image.new("RGB", size) for size in sizes]
     own = len(processor(text=[text], images=[images], add_special_tokens=False)["input_ids"][0])
+    if isinstance(forecast, InternalCheckError) or (isinstance(forecast, Exception) and not isinstance(forecast, ValueError)):
+        raise forecast  # vlm-pack's own check or a bug: as it is
     got = forecast if isinstance(forecast, Exception) else forecast.length
     if got != own:
         import transformers
