@@ -74,8 +74,10 @@ def forecast_check(model_type: str) -> str:
 
     try:
         pre = Preprocessor(processor=proc, template=None if record is not None else template)
-    except Exception as e:  # the start-up checks refuse it by name
+    except ValueError as e:  # refused by name at start-up (or the stand-in prompt does not suit it)
         return f"refused: {type(e).__name__}: {str(e)[:100]}".replace("|", "/")
+    except Exception as e:
+        return f"not checked: {type(e).__name__}: {str(e)[:100]}".replace("|", "/")
     try:
         for sizes in FORECAST_SIZES:
             images = [Image.new("RGB", size, (40 * i, 120, 200)) for i, size in enumerate(sizes)]
