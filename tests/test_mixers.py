@@ -18,7 +18,7 @@ from torch import nn
 import vlm_pack as vp
 from vlm_pack import batch as batch_module
 from vlm_pack import boundaries
-from vlm_pack._compat import release
+from vlm_pack._compat import mixers_refuse_packed_rows, release
 from vlm_pack.attention import register_hf_attention
 from vlm_pack.boundaries import mrope_restarts
 from vlm_pack.families import lookup
@@ -349,5 +349,6 @@ def test_isolated_mixers_take_their_samples_from_seq_idx_alone(name):
     torch.testing.assert_close(mixed[:n], first, rtol=1e-5, atol=1e-5)
     # the mixers read seq_idx: the later samples differ from the run without it
     assert (mixed[n:] - plain[n:]).abs().max() > 1e-3
-    with pytest.raises(ValueError, match="can't keep packed sequences apart"), torch.no_grad():
-        _model(name)(input_ids=ids, seq_idx=seq_idx, use_cache=False)
+    if mixers_refuse_packed_rows():  # transformers' own fallbacks refuse the marker from 5.24 on
+        with pytest.raises(ValueError, match="can't keep packed sequences apart"), torch.no_grad():
+            _model(name)(input_ids=ids, seq_idx=seq_idx, use_cache=False)

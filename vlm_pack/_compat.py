@@ -285,6 +285,15 @@ def videos_supported(version: str | None = None) -> bool:
     return version is not None and release(version)[:2] >= VIDEOS_SINCE
 
 
+def mixers_refuse_packed_rows(version: str | None = None) -> bool:
+    """Whether transformers' own token mixers (their PyTorch fallbacks: ``causal_conv1d_fn``,
+    ``chunk_gated_delta_rule``) refuse the boundaries of a packed row (``seq_idx`` / ``cu_seq_lens``) on the
+    installed release (or ``version``): 5.24 on ("can't keep packed sequences apart"); before, they ignore them
+    and mix across samples, so a model vlm-pack never sees must be isolated by hand there."""
+    version = installed_transformers_version() if version is None else version
+    return version is not None and release(version)[:2] >= (5, 24)
+
+
 def timm_tower_without_sdpa(version: str | None = None) -> str | None:
     """Why a model whose vision tower is timm's (Gemma 3n's ``TimmWrapperModel``) cannot be built with sdpa
     attention on the installed transformers (or ``version``), or None: before 5.18 (measured on 5.6.0) it raises
