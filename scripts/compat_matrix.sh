@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The transformers compatibility matrix: for each version, a copy of .venv (installed from the lock
-# constraints/ci.txt by scripts/setup_env.sh) with only transformers swapped (`pip install
-# "transformers[kernels]==X"`, which moves only what that release requires: tokenizers / huggingface-hub, and
-# the `kernels` release it was made with: 5.25 requires kernels 0.19, with which 5.6's hub_kernels fails to
-# import), then the test suite; then the torchvision / video tests (marker `torchvision`) on the same release,
+# constraints/ci.txt by scripts/setup_env.sh) with only transformers swapped (`pip install transformers==X`,
+# which moves only what that release requires: tokenizers / huggingface-hub; the lock's `kernels`, which 5.25
+# requires and with which 5.6's hub_kernels fails to import, is removed where the release does not import with
+# it), then the test suite; then the torchvision / video tests (marker `torchvision`) on the same release,
 # in an overlay venv over .venv-tv (scripts/test_torchvision.sh) that holds only the swapped packages.
 #
 #   bash scripts/compat_matrix.sh                    # the versions below
@@ -36,9 +36,21 @@ trap 'rm -rf "$work"' EXIT
 summary=()
 failed=0
 
+# The lock's `kernels` (0.19, which 5.25 requires) breaks an older release's import (5.6's
+# integrations/hub_kernels.py); a release that does not require it then runs without it, as its users' would.
+without_kernels() {
+    if ! "$1" -c "import transformers.integrations.hub_kernels" 2>/dev/null; then
+        "$1" -m pip uninstall -q -y kernels || true
+    fi
+    # an overlay cannot uninstall its base's copy: it shadows it with the release 5.6 imports with
+    if ! "$1" -c "import transformers.integrations.hub_kernels" 2>/dev/null; then
+        "$1" -m pip install -q "kernels==0.10.5"
+    fi
+}
+
 for want in "${versions[@]}"; do
     start=$SECONDS
-    if [ "$want" = newest ]; then spec="transformers[kernels]$range"; else spec="transformers[kernels]==$want"; fi
+    if [ "$want" = newest ]; then spec="transformers$range"; else spec="transformers==$want"; fi
     venv=$work/venv
     rm -rf "$venv"
     cp -a "$base" "$venv"
@@ -47,6 +59,7 @@ for want in "${versions[@]}"; do
         if [ -f "$f" ] && [ ! -L "$f" ]; then sed -i "1s|^#!$base/|#!$venv/|" "$f"; fi
     done
     "$venv/bin/python" -m pip install -q --upgrade "$spec"
+    without_kernels "$venv/bin/python"
     got=$("$venv/bin/python" -c "import transformers; print(transformers.__version__)")
     if [ "$got" = "$locked" ] && [ "$want" = newest ]; then
         summary+=("transformers $got (newest): the lock's own version, tested by make test; skipped")
@@ -69,6 +82,7 @@ for want in "${versions[@]}"; do
         site=$("$tv/bin/python" -c "import site; print(site.getsitepackages()[0])")
         echo "import site; site.addsitedir('$tv_site')" >"$site/vlm_pack_tv_base.pth"
         "$tv/bin/python" -m pip install -q "$spec"  # only what differs lands in the overlay
+        without_kernels "$tv/bin/python"
         echo "== transformers $got: pytest -m torchvision $tests"
         set +e
         "$tv/bin/python" -m pytest -q -p no:cacheprovider -m torchvision $tests 2>&1 | tee "$log"

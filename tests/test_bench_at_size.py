@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from vlm_pack._compat import mixers_refuse_packed_rows
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_at_size.py"
 
 
@@ -22,6 +24,8 @@ def _bench():
 @pytest.mark.slow  # 1-4 minutes on a loaded 2-core machine (demo images at real sizes, processed)
 @pytest.mark.parametrize("model", ["tiny_qwen3_5", "tiny_qwen2_5_vl"])
 def test_the_at_size_steps_run_tiny_on_cpu_with_equal_first_losses(model):
+    if model == "tiny_qwen3_5" and not mixers_refuse_packed_rows():
+        pytest.skip("the at-size steps run Qwen3.5's mixers from seq_idx, which transformers < 5.24 does not pass on")
     result = _bench().main(["--model", model, "--device", "cpu", "--dtype", "float32", "--capacity", "1024",
                             "--samples", "12", "--steps", "2", "--max-pixels", "200000"])  # fmt: skip
     assert result["losses_equal"] and result["first_loss_gap"] < 1e-4

@@ -336,6 +336,8 @@ def test_model_inputs_always_give_seq_idx_to_a_family_with_token_mixers(monkeypa
 def test_isolated_mixers_take_their_samples_from_seq_idx_alone(name):
     """The rows of a family with mixers carry seq_idx: with no position restarts to read (plain arange
     positions) the isolated mixers still run per sample from it; an un-isolated model refuses it."""
+    if not mixers_refuse_packed_rows():
+        pytest.skip("transformers < 5.24 hands no seq_idx to its mixers: isolated ones read the position restarts")
     samples = [s["input_ids"] for s in _samples()]
     seq_idx = torch.cat([torch.full((len(s),), k, dtype=torch.int32) for k, s in enumerate(samples)])[None]
     ids = torch.cat(samples)[None]
@@ -349,6 +351,5 @@ def test_isolated_mixers_take_their_samples_from_seq_idx_alone(name):
     torch.testing.assert_close(mixed[:n], first, rtol=1e-5, atol=1e-5)
     # the mixers read seq_idx: the later samples differ from the run without it
     assert (mixed[n:] - plain[n:]).abs().max() > 1e-3
-    if mixers_refuse_packed_rows():  # transformers' own fallbacks refuse the marker from 5.24 on
-        with pytest.raises(ValueError, match="can't keep packed sequences apart"), torch.no_grad():
-            _model(name)(input_ids=ids, seq_idx=seq_idx, use_cache=False)
+    with pytest.raises(ValueError, match="can't keep packed sequences apart"), torch.no_grad():
+        _model(name)(input_ids=ids, seq_idx=seq_idx, use_cache=False)
