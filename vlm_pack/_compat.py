@@ -146,7 +146,15 @@ def process_images(processor: Any, images: list[Any]) -> tuple[Any, list[str]]:
         return_tensors="np",
     )
     step = processor._process_images
-    out, texts = step(images, **_step_arguments(step, merged, "images"), **merged["images_kwargs"])
+    kwargs = dict(merged["images_kwargs"])
+    try:
+        out, texts = step(images, **_step_arguments(step, merged, "images"), **kwargs)
+    except KeyError as missing:  # a __call__ that moves a text setting to its image step first (5.18's LFM2-VL)
+        name = missing.args[0] if missing.args else None
+        if name not in merged.get("text_kwargs", {}) or name in kwargs:
+            raise
+        kwargs[name] = merged["text_kwargs"][name]
+        out, texts = step(images, **_step_arguments(step, merged, "images"), **kwargs)
     return out, [str(text) for text in texts]
 
 
