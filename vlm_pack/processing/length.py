@@ -17,7 +17,7 @@ Qwen3-VL's ``<t seconds><|vision_start|>P<|vision_end|>`` per temporal group, ea
 
 Where the installed processor can say it, the stand-in is its own text (``markers`` module docstring): a
 video's from ``replace_video_token`` on the forecast's grid and metadata, an image's from a spec that runs
-the processor (``spec.sample_replacements``), each put into the prompt by the processor's ``get_text_with_replacements``,
+the processor (``spec.stand_ins``: ``vlm_pack.vision.oracle.ProcessorSpec``), each put into the prompt by the processor's ``get_text_with_replacements``,
 so that a release that changes the text around vision tokens changes the forecast with it.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 
 from .._compat import fast_encode_plus
 from ..chat import ChatFormat, Conversation, Rendering, Template
-from .markers import _replacement_skeleton, _skeleton, _substitute, _video_skeleton, _wraps
+from .markers import _skeleton, _substitute, _video_skeleton, _wraps
 from .render import Prompt, _check_placeholders, _placeholder, _render, _tokenize
 
 __all__ = ["Forecast", "expanded_length", "forecast_length", "forecast_rows"]
@@ -95,7 +95,7 @@ def forecast_rows(
     fast = bool(getattr(tokenizer, "is_fast", False))
     # the processor's own replacement text (an exact-route spec) keeps its embedding token, one per run, as
     # the image's mark: the template's placeholder may stand in that text too (Gemma 3's <start_of_image>)
-    marker = getattr(spec, "image_token", None) if hasattr(spec, "sample_replacements") else None
+    marker = getattr(spec, "image_token", None) if hasattr(spec, "stand_ins") else None
     how = _How(tokenizer, spec, processor, _wraps(spec), tokenizer.convert_tokens_to_ids(marker or placeholder), keep, fast)
     out: list[Forecast | Exception | None] = [None] * len(rows)
     staged: list[_Row] = []
@@ -151,8 +151,8 @@ def _stage(
     counts = [int(n) for n in how.spec.sample_tokens(sizes)] if sizes else []
     placeholder, text = rendering.placeholder, rendering.text
     row = _Row(index, key, rendering, counts, text, [n - 1 for n in counts], [1] * len(counts))
-    if sizes and hasattr(how.spec, "sample_replacements"):  # the processor's own text (no fast rule: oracle.py)
-        stand_ins = _replacement_skeleton(how.spec, sizes, counts, placeholder, how.processor)
+    if sizes and hasattr(how.spec, "stand_ins"):  # the processor's own text (no fast rule: oracle.py)
+        stand_ins = how.spec.stand_ins(sizes)  # each run of its embedding token written once
         row.text = _substitute(text, placeholder, [s for s, _ in stand_ins], how.processor, "image")
         row.left = [left for _, left in stand_ins]
         mark = how.spec.image_token or placeholder  # each run's one embedding token (what _finish walks)

@@ -265,27 +265,6 @@ def _processor_video_skeleton(processor: Any, videos: list[Any], placeholder: st
     return out
 
 
-def _replacement_skeleton(
-    spec: Any, sizes: Sequence[tuple[int, int]], counts: Sequence[int], placeholder: str, processor: Any
-) -> list[tuple[str, int]]:
-    """Per image: the processor's own replacement text for it in this sample (``spec.sample_replacements``, a
-    spec that runs the installed processor: ``vlm_pack.vision.oracle.ProcessorSpec``), each run of its embedding
-    token (``spec.image_token``) written once, and the tokens that leaves out. The embedding tokens in the text
-    must be the spec's count (InternalCheckError otherwise: the spec and its processor disagree, which no
-    sample can fix). Other tokens of the text (Gemma 3's ``<start_of_image>``, the template's placeholder) stay."""
-    token = getattr(spec, "image_token", None) or placeholder
-    out = []
-    for (width, height), n, text in zip(sizes, counts, spec.sample_replacements(sizes)):
-        stand_in, vision, runs = _collapse_runs(text, [token], token)
-        if vision != n:
-            raise InternalCheckError(
-                f"{type(processor).__name__}: its replacement text for a {width}x{height} image holds {vision} "
-                f"image tokens, its spec counts {n}: report it with the processor's settings"
-            )
-        out.append((stand_in, vision - runs))
-    return out
-
-
 def _substitute(text: str, placeholder: str, stand_ins: Sequence[str], processor: Any = None, kind: str = "video") -> str:
     """``text`` with its i-th ``placeholder`` replaced by ``stand_ins[i]``.
 
