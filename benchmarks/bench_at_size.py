@@ -39,10 +39,11 @@ from typing import Any
 import torch
 
 import vlm_pack as vp
-from vlm_pack import mixers, offline
+from vlm_pack import offline
+from vlm_pack.collate.labels import IGNORE_INDEX
+from vlm_pack.collate.padded import pad_samples
 from vlm_pack.demo import demo_records
-from vlm_pack.labels import IGNORE_INDEX
-from vlm_pack.padded_batch import pad_samples
+from vlm_pack.forward import mixers
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "tests" / "templates"
 _QWEN35_TEXT = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,

@@ -27,10 +27,10 @@ import time
 import torch
 from PIL import Image
 
-from vlm_pack.collate import PackingCollator
+from vlm_pack.collate.collator import PackingCollator
+from vlm_pack.collate.remap import remap_cu_seqlens, remap_cu_seqlens_padded
 from vlm_pack.offline import build_tokenizer, image_processor, tiny_model
 from vlm_pack.processing import process_sample
-from vlm_pack.remap import remap_cu_seqlens, remap_cu_seqlens_padded
 
 IMG = -200
 

@@ -17,9 +17,9 @@ import time
 STATEMENTS = {
     "peer: import torch, transformers": "import torch, transformers",
     "import vlm_pack": "import vlm_pack",
-    "vlm-pack --help": "import sys; sys.argv = ['vlm-pack', '--help']; from vlm_pack.cli import main; main()",
+    "vlm-pack --help": "import sys; sys.argv = ['vlm-pack', '--help']; from vlm_pack.cli.main import main; main()",
     "training imports": "from vlm_pack import PackedWebDataset, PackingCollator",
-    "megatron inputs (PackedSeqParams)": "from vlm_pack.batch import PackedSeqParams",
+    "megatron inputs (PackedSeqParams)": "from vlm_pack.collate.batch import PackedSeqParams",
 }
 
 
@@ -35,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     probe = "import importlib.util as u; print(u.find_spec('megatron.core') is not None)"
     has_mcore = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
-    helped = subprocess.run([sys.executable, "-m", "vlm_pack.cli", "--help"], capture_output=True, text=True)
+    helped = subprocess.run([sys.executable, "-m", "vlm_pack.cli.main", "--help"], capture_output=True, text=True)
     print(f"megatron-core importable: {has_mcore}; `vlm-pack --help` stderr: {helped.stderr.strip()!r}")
     times: dict[str, list[float]] = {label: [] for label in STATEMENTS}
     for _ in range(args.repeat):

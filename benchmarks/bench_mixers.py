@@ -21,7 +21,7 @@ import time
 import torch
 import transformers
 
-from vlm_pack.mixers import isolate_token_mixers
+from vlm_pack.forward.mixers import isolate_token_mixers
 
 
 def build(args) -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""Benchmark vlm_pack.context_parallel against the per-sample formulations it replaces, same data, same run.
+"""Benchmark vlm_pack.forward.context_parallel against the per-sample formulations it replaces, same data, same run.
 
     .venv/bin/python benchmarks/bench_parallel.py                       # defaults below
     .venv/bin/python benchmarks/bench_parallel.py --samples 1000 10000 --roll-samples 16 256 --cp 4
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vlm_pack.context_parallel import context_parallel_index, roll_packed_context_parallel
+from vlm_pack.forward.context_parallel import context_parallel_index, roll_packed_context_parallel
 
 
 def loop_index(cu: torch.Tensor, cp: int, rank: int) -> torch.Tensor:

@@ -55,10 +55,15 @@ import torch
 import torch.nn.functional as F
 import webdataset as wds
 
-from vlm_pack.attention import available_backends, resolve_backend, use_varlen_attention, varlen_attention
-from vlm_pack.collate import PackingCollator
+from vlm_pack.collate.collator import PackingCollator
 from vlm_pack.data import image_fields, parse_text
 from vlm_pack.demo import demo_shards
+from vlm_pack.forward.attention import (
+    available_backends,
+    resolve_backend,
+    use_varlen_attention,
+    varlen_attention,
+)
 from vlm_pack.offline import build_tokenizer, image_processor, tiny_model, tiny_model_config
 from vlm_pack.packing import pack
 from vlm_pack.processing import forecast_length, process_sample

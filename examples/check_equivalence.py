@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "--attn",
         default="sdpa",
         choices=["sdpa", "eager", "flash_attention_2", "varlen"],
-        help="attention of the packed run; 'varlen' is vlm_pack.attention (flash-attn / torch varlen on "
+        help="attention of the packed run; 'varlen' is vlm_pack.forward.attention (flash-attn / torch varlen on "
         "CUDA, per-sample SDPA on CPU). The padded reference always runs sdpa.",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         m = offline.tiny_model(family, tokenizer, attn_implementation=impl, initializer_range=0.2, seed=0)
         m = m.to(device=args.device, dtype=dtype)
         if attn == "varlen":
-            from vlm_pack.attention import use_varlen_attention
+            from vlm_pack.forward.attention import use_varlen_attention
 
             use_varlen_attention(m)  # isolates the token mixers too
         elif attn == "flash_attention_2":

@@ -13,7 +13,7 @@ collapsed offsets after expansion puts the sample boundaries in the middle of an
 This example packs demo samples (LLaVA-NeXT rules: anyres tiles, so images differ in size) into the
 collapsed layout with per-sample padding to ``2 * CP`` (context parallelism), prints the collapsed and the
 expanded boundaries side by side, and checks them against an expanded-layout batch of the same samples
-and against ``vlm_pack.remap.remap_cu_seqlens_padded``. No Megatron installation is needed:
+and against ``vlm_pack.collate.remap.remap_cu_seqlens_padded``. No Megatron installation is needed:
 ``PackedSeqParams`` is Megatron-Core's when importable, a dataclass with the same fields otherwise.
 
     python examples/megatron_collapsed.py --max-samples 6 --cp 2
@@ -28,10 +28,10 @@ import torch
 import webdataset as wds
 
 from vlm_pack import Preprocessor, pad_multiple_for
+from vlm_pack.collate.remap import remap_cu_seqlens_padded
 from vlm_pack.data import image_fields, parse_text
 from vlm_pack.demo import demo_shards
 from vlm_pack.offline import build_tokenizer, image_processor
-from vlm_pack.remap import remap_cu_seqlens_padded
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_pack.attention import (
+from vlm_pack.forward.attention import (
     BACKENDS,
     HF_ATTN_IMPLEMENTATION,
     available_backends,
@@ -457,7 +457,7 @@ class _Bidirectional(torch.nn.Module):
 
 def test_non_causal_call_honours_its_own_cu_seq_lens_q():
     """A bidirectional attention fed cu_seq_lens_q (no position ids) must not attend across samples."""
-    from vlm_pack.attention import hf_varlen_attention_forward
+    from vlm_pack.forward.attention import hf_varlen_attention_forward
 
     lengths = [3, 1, 5]
     cu = cu_from_lengths(lengths)
@@ -472,7 +472,7 @@ def test_non_causal_call_honours_its_own_cu_seq_lens_q():
 @pytest.mark.slow
 def test_inference_mode_tensors_run_and_are_not_cached():
     """torch.inference_mode() tensors have no version counter: the identity caches must not touch it."""
-    from vlm_pack.attention import hf_varlen_attention_forward
+    from vlm_pack.forward.attention import hf_varlen_attention_forward
 
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(2))
@@ -627,7 +627,7 @@ def varlen_attn_no_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
 @pytest.fixture
 def torch_varlen_as(monkeypatch):
     """Install ``fn`` as torch's varlen_attn (and let the backend run on CPU tensors)."""
-    from vlm_pack import varlen
+    from vlm_pack.forward import varlen
 
     real_reason = varlen.backend_unavailable_reason
 
@@ -678,7 +678,7 @@ def test_installed_torch_varlen_signature_gets_its_keywords():
     """The keywords chosen for the installed torch are ones its varlen_attn declares."""
     import inspect
 
-    from vlm_pack import varlen
+    from vlm_pack.forward import varlen
 
     varlen._torch_varlen_keywords.cache_clear()
     declared = inspect.signature(varlen._torch_varlen_attn()).parameters
@@ -696,7 +696,7 @@ def test_use_varlen_attention_writes_nothing_onto_the_models_modules():
     import gc
     import weakref
 
-    from vlm_pack import attention
+    from vlm_pack.forward import attention
 
     model = tiny_llama()
     before = {name: set(module.__dict__) for name, module in model.named_modules()}

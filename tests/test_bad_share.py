@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from vlm_pack import PackingConfig, Preprocessor, forecast_sources
-from vlm_pack.cli import main
+from vlm_pack.cli.main import main
 from vlm_pack.data import build_plan
 from vlm_pack.failures import MIN_SEEN_FOR_FRACTION, FailureBudget, FailureBudgetError
 from vlm_pack.offline import build_tokenizer, image_processor

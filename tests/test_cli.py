@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from vlm_pack import Preprocessor, forecast_sources
-from vlm_pack.cli import main
+from vlm_pack.cli.main import main
 from vlm_pack.demo import demo_jsonl, demo_plan, demo_records, demo_shards, draw_image
 from vlm_pack.offline import build_tokenizer, image_processor
 from vlm_pack.report import Baseline, padded_batches
@@ -433,12 +433,12 @@ def _hand_table(lengths: list[int]):
 
 def test_help_is_lazy_and_every_option_says_what_it_does():
     probe = (
-        "import sys\nfrom vlm_pack.cli import main\ntry:\n    main(['analyze', '--help'])\nexcept SystemExit:\n"
+        "import sys\nfrom vlm_pack.cli.main import main\ntry:\n    main(['analyze', '--help'])\nexcept SystemExit:\n"
         "    pass\nprint([m for m in ('torch', 'transformers', 'megatron', 'matplotlib', 'numpy') if m in sys.modules])"
     )
     proc = subprocess.run([sys.executable, "-W", "default", "-c", probe], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("[]") and "Warning" not in proc.stderr
-    from vlm_pack.cli import build_parser
+    from vlm_pack.cli.main import build_parser
 
     for sub in build_parser()._subparsers._group_actions[0].choices.values():
         for action in sub._actions:

@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_pack import collate as collate_module
-from vlm_pack.collate import PackedBatch, PackingCollator, pad_multiple_for
-from vlm_pack.collate_rows import one_row, repack
-from vlm_pack.collate_settings import SOURCES, CollatorSettings
+from vlm_pack.collate import collator as collate_module
+from vlm_pack.collate.collator import PackedBatch, PackingCollator, pad_multiple_for
+from vlm_pack.collate.rows import one_row, repack
+from vlm_pack.collate.settings import SOURCES, CollatorSettings
 from vlm_pack.config import PackingConfig
 from vlm_pack.offline import build_tokenizer, image_processor, processor, tiny_model
 from vlm_pack.packing import pack, padded_lengths
@@ -420,7 +420,7 @@ def test_model_input_styles(qwen):
 @pytest.mark.slow
 def test_flash_style_inputs_run_varlen_attention(qwen):
     """The flattened row + cu_seq_lens_q/k through a varlen attention gives the sdpa rows' logits."""
-    from vlm_pack.attention import use_varlen_attention
+    from vlm_pack.forward.attention import use_varlen_attention
 
     tok, model, samples, _ = qwen
     varlen = use_varlen_attention(tiny_model("qwen2_vl", tok, initializer_range=0.2))  # same seed, weights
@@ -756,7 +756,7 @@ def _smallest_length_that_splits(tp: int, cp: int, sequence_parallel: bool, fp8:
 
 
 def test_pad_multiple_for_is_the_parallel_padding_rule():
-    from vlm_pack.context_parallel import check_parallel_config
+    from vlm_pack.forward.context_parallel import check_parallel_config
 
     for tp, cp, sp, fp8, want in _PAD_RULE_TABLE:
         case = f"tp={tp} cp={cp} sequence_parallel={sp} fp8={fp8}"
@@ -839,8 +839,8 @@ sys.meta_path.insert(0, Spy())
 package = types.ModuleType("vlm_pack")
 package.__path__ = [sys.argv[1]]
 sys.modules["vlm_pack"] = package
-import vlm_pack.collate as collate
-assert not attempts, f"import vlm_pack.collate imported {attempts}"
+import vlm_pack.collate.collator as collate
+assert not attempts, f"import vlm_pack.collate.collator imported {attempts}"
 cls = collate.PackedSeqParams
 assert "megatron.core" in attempts or "megatron" in attempts, attempts
 params = cls(qkv_format="thd")

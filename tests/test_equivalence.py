@@ -17,9 +17,9 @@ import torch
 from PIL import Image, ImageDraw
 
 from vlm_pack import offline
-from vlm_pack.collate import PackingCollator
+from vlm_pack.collate.collator import PackingCollator
+from vlm_pack.collate.remap import remap_cu_seqlens
 from vlm_pack.processing import process_sample
-from vlm_pack.remap import remap_cu_seqlens
 from vlm_pack.testing import (
     CollapsedLlavaModel,
     PackedEquivalenceError,
@@ -491,7 +491,7 @@ def test_collapsed_model_needs_remapped_cu_seqlens(per_pack):
 
 @pytest.mark.slow
 def test_collapsed_model_varlen_attention_is_the_mask_path():
-    """attention="varlen" (vlm_pack.attention through attn_implementation "vlm_pack_varlen") takes its
+    """attention="varlen" (vlm_pack.forward.attention through attn_implementation "vlm_pack_varlen") takes its
     boundaries from the cu_seqlens it is given: its logits are the dense block-diagonal mask path's for
     remapped and for collapsed cu_seqlens alike; only the remap makes the harness pass, with either."""
     tok, model, _ = _collapsed()

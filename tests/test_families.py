@@ -24,8 +24,8 @@ from PIL import Image
 
 from vlm_pack import offline
 from vlm_pack._compat import processor_needs_torchvision, release
-from vlm_pack.collate import PackingCollator
-from vlm_pack.masks import image_blocks
+from vlm_pack.collate.collator import PackingCollator
+from vlm_pack.forward.masks import image_blocks
 from vlm_pack.processing import forecast_length, process_sample
 from vlm_pack.testing import check_packed_equivalence, default_packed_forward
 
@@ -294,7 +294,7 @@ def test_flash_style_inputs_through_varlen_attention_match_each_sample_alone(fam
     """``model_inputs("flash_attention_2")`` (rows flattened, ``cu_seq_lens_q/k``) on vlm-pack's varlen
     attention (torch on CPU) vs each sample alone through sdpa. Gemma 3 is left out: transformers' flash
     path cannot express its two-way image blocks, alone or packed (use sdpa or eager for it)."""
-    from vlm_pack.attention import use_varlen_attention
+    from vlm_pack.forward.attention import use_varlen_attention
 
     model = offline.tiny_model(family, _processor(family).tokenizer, initializer_range=0.2, seed=0)
     if family == "mistral3":  # Mistral-Small-3.1's text config has no sliding window (the tiny one 4096)
@@ -452,7 +452,7 @@ def test_collapsed_layout_is_refused_where_images_interleave_with_markers(family
 
 
 def test_join_vision_shapes_by_hand():
-    from vlm_pack.vision_inputs import join_vision
+    from vlm_pack.collate.vision_inputs import join_vision
 
     a, b = torch.ones(1, 3, 2, 4), 2 * torch.ones(2, 3, 4, 2)  # Pixtral: each sample padded to its own max
     got = join_vision([{"pixel_values": a, "image_sizes": torch.tensor([[2, 4]])}, {"pixel_values": b}])

@@ -17,11 +17,11 @@ import torch
 from PIL import Image
 
 from vlm_pack import Preprocessor
-from vlm_pack.cli import main
-from vlm_pack.collate import PackingCollator
+from vlm_pack.cli.main import main
+from vlm_pack.collate.collator import PackingCollator
+from vlm_pack.collate.positions import packed_position_ids
 from vlm_pack.families import FAMILIES, canonical
 from vlm_pack.offline import build_tokenizer, image_processor
-from vlm_pack.positions import packed_position_ids
 from vlm_pack.processing import forecast_length, process_sample, tokenize_conversation
 
 QWEN_SPELLINGS = ["qwen2vl", "Qwen2-VL", "QWEN2_VL", " qwen2.vl ", "Qwen2_VL"]
@@ -210,10 +210,10 @@ def _input_keys(batch) -> object:
 def test_every_family_and_alias_gives_the_same_at_every_entry_point(qwen, name):
     """Each registered family, by any name, reaches every entry point that takes a family as its record says:
     the canonical name, the vision spec, the chat format, 1-D or 4-row position ids, Gemma 3's masks."""
-    from vlm_pack.chat import chat_format
-    from vlm_pack.cli import _family_name
+    from vlm_pack.cli.main import _family_name
+    from vlm_pack.collate.positions import is_mrope_family
     from vlm_pack.families import family
-    from vlm_pack.positions import is_mrope_family
+    from vlm_pack.processing.chat import chat_format
     from vlm_pack.vision import vision_spec
 
     tok, _ = qwen

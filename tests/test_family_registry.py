@@ -81,7 +81,8 @@ def test_names_lookups_and_refusals():
 
 def test_the_old_tables_are_gone():
     """Each answered by the registry now (CHANGELOG): nothing still answers to the old name."""
-    from vlm_pack import _checks, batch, positions, vision
+    from vlm_pack import _checks, vision
+    from vlm_pack.collate import batch, positions
 
     assert not hasattr(vision, "FAMILIES")  # names("vision")
     assert not hasattr(positions, "MROPE_FAMILIES")  # family(name).mrope
@@ -153,12 +154,12 @@ def test_a_text_only_sample_of_an_mrope_family_carries_its_token_types_as_the_pr
 
 #: String literals spelling a family name that mean something else, where they are written.
 NOT_A_FAMILY = {
-    ("batch.py", "megatron"): "the Megatron-Core input style of model_inputs()",
-    ("chat.py", "llava"): "the name of vlm-pack's LLaVA chat format (a record's chat_format)",
-    ("cli_parser.py", "llava"): "the LLaVA-Instruct record format (--format)",
+    ("collate/batch.py", "megatron"): "the Megatron-Core input style of model_inputs()",
+    ("processing/chat.py", "llava"): "the name of vlm-pack's LLaVA chat format (a record's chat_format)",
+    ("cli/parser.py", "llava"): "the LLaVA-Instruct record format (--format)",
     ("data/records.py", "llava"): "the LLaVA-Instruct record format",
-    ("positions.py", "qwen2_5_vl"): "a get_rope_index variant positions.py implements (a record's mrope)",
-    ("positions.py", "qwen3_vl"): "a get_rope_index variant positions.py implements (a record's mrope)",
+    ("collate/positions.py", "qwen2_5_vl"): "a get_rope_index variant positions.py implements (a record's mrope)",
+    ("collate/positions.py", "qwen3_vl"): "a get_rope_index variant positions.py implements (a record's mrope)",
     ("testing/reference.py", "llava_next"): "the default model of the LLaVA reference model",
 }
 _ALLOWED_DIRS = ("vision/", "offline/")  # the vision rules (each spec names its family) and the stand-ins

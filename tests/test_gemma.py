@@ -22,8 +22,8 @@ import torch
 from PIL import Image
 
 from vlm_pack import offline
-from vlm_pack.collate import PackingCollator
-from vlm_pack.mixers import find_token_mixers
+from vlm_pack.collate.collator import PackingCollator
+from vlm_pack.forward.mixers import find_token_mixers
 from vlm_pack.processing import forecast_length, process_sample
 from vlm_pack.testing import check_packed_equivalence, default_packed_forward
 from vlm_pack.vision import vision_spec, vision_spec_from_processor
@@ -137,7 +137,7 @@ def test_gemma3n_control_row_numbered_as_one_sequence_fails():
 def test_gemma3n_flash_style_inputs_through_varlen_attention_match_each_sample_alone():
     """Gemma 3n supports flash attention (no two-way image blocks): rows flattened with ``cu_seq_lens_q/k``
     on vlm-pack's varlen attention vs each sample alone through sdpa."""
-    from vlm_pack.attention import use_varlen_attention
+    from vlm_pack.forward.attention import use_varlen_attention
 
     _gemma3n("sdpa")  # skips without timm / torchvision
     sdpa = _build("gemma3n", "sdpa", num_layers=4, **_WIDE)
@@ -228,7 +228,7 @@ def test_gemma4_causal_images_packed_row_matches_each_sample_alone(attn):
 
 @pytest.mark.slow
 def test_gemma4_causal_images_flash_style_inputs_match_each_sample_alone():
-    from vlm_pack.attention import use_varlen_attention
+    from vlm_pack.forward.attention import use_varlen_attention
 
     model = use_varlen_attention(_unwindowed(_gemma4("sdpa", use_bidirectional_attention=None, **_WIDE)))
     sdpa = _gemma4("sdpa", use_bidirectional_attention=None, **_WIDE)

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vlm_pack import varlen
-from vlm_pack.attention import use_varlen_attention
-from vlm_pack.loss import PerTokenLoss, token_cross_entropy
+from vlm_pack.forward import varlen
+from vlm_pack.forward.attention import use_varlen_attention
+from vlm_pack.forward.loss import PerTokenLoss, token_cross_entropy
 
 aten = torch.ops.aten
 # Operations whose result size or value the host must read from the device.

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from vlm_pack import PackingConfig, Preprocessor
-from vlm_pack.cli import main
+from vlm_pack.cli.main import main
 from vlm_pack.data.map_style import PackedMapDataset, PackedSampler, plan_info
 from vlm_pack.data.plan import build_plan
 from vlm_pack.data.stats import BadSampleWarning

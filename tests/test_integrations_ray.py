@@ -187,7 +187,7 @@ def test_ray_failure_budget_names_its_stage_once_as_the_local_forecast_does(clus
 
 @pytest.mark.slow
 def test_cli_analyze_engine_ray_writes_the_same_lengths(cluster, parquet, tmp_path, capsys):
-    from vlm_pack.cli import main
+    from vlm_pack.cli.main import main
 
     base = ["analyze", parquet, "--capacity", "1024", "--no-plots", "--no-progress"]
     assert main([*base, "--out", str(tmp_path / "a"), "--lengths", str(tmp_path / "local.parquet")]) == 0
@@ -213,7 +213,7 @@ def test_lengths_table_round_trips_through_parquet(pre, shards, tmp_path):
 def test_cli_plan_engine_ray_gives_the_local_plan(cluster, parquet, tmp_path, capsys):
     """``vlm-pack plan --engine ray``: the forecast through ``forecast_ray``, the same plan folder (key, digest,
     arrays) and lengths file as ``--engine local``; optimizer steps and micro-steps printed apart."""
-    from vlm_pack.cli import main
+    from vlm_pack.cli.main import main
     from vlm_pack.data.plan_folder import Plan
 
     folder = tmp_path / "train"

@@ -293,7 +293,7 @@ def test_gemma3_mask_mapping_survives_device_moves_copies_and_pickling():
 
     from accelerate.utils import send_to_device
 
-    from vlm_pack.masks import TOKENS_KEY, MaskMapping
+    from vlm_pack.forward.masks import TOKENS_KEY, MaskMapping
 
     masks = {"full_attention": torch.ones(1, 1, 3, 3, dtype=torch.bool), "sliding_attention": torch.eye(3)[None]}
     tokens = torch.tensor([[1, 1, 0]])
@@ -481,7 +481,7 @@ def test_qwen3_5_trains_on_packed_rows_each_sample_once_first_loss_as_each_sampl
     weights."""
     from vlm_pack import isolate_token_mixers
     from vlm_pack.data import write_shards
-    from vlm_pack.mixers import find_token_mixers
+    from vlm_pack.forward.mixers import find_token_mixers
 
     pre = _family_preprocessor("qwen3_5")
     records = _records(6, seed=3, max_images=1)

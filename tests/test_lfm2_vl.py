@@ -26,9 +26,9 @@ from transformers import ProcessorMixin  # noqa: E402
 
 from vlm_pack import isolate_token_mixers, offline  # noqa: E402
 from vlm_pack._compat import mixers_refuse_packed_rows  # noqa: E402
-from vlm_pack.collate import PackingCollator  # noqa: E402
+from vlm_pack.collate.collator import PackingCollator  # noqa: E402
 from vlm_pack.families import family  # noqa: E402
-from vlm_pack.mixers import find_token_mixers  # noqa: E402
+from vlm_pack.forward.mixers import find_token_mixers  # noqa: E402
 from vlm_pack.processing import forecast_length, process_sample  # noqa: E402
 from vlm_pack.testing import check_packed_equivalence, default_packed_forward  # noqa: E402
 from vlm_pack.vision import Lfm2VlSpec, vision_spec, vision_spec_from_processor  # noqa: E402
@@ -235,7 +235,7 @@ def test_packed_row_matches_each_sample_alone(attn):
 def test_flash_style_inputs_through_varlen_attention_match_each_sample_alone():
     """``model_inputs("flash_attention_2")`` (one flat row, ``cu_seq_lens_q/k``) on vlm-pack's varlen attention,
     which isolates the token mixers too, against each sample alone through a plain sdpa model."""
-    from vlm_pack.attention import use_varlen_attention
+    from vlm_pack.forward.attention import use_varlen_attention
 
     model = use_varlen_attention(_model("sdpa", isolated=False))
     sdpa = _model("sdpa", isolated=False)

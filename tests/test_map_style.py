@@ -18,13 +18,13 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_pack.chat import chat_format
 from vlm_pack.config import PackingConfig
 from vlm_pack.data.map_style import PackedMapDataset, PackedSampler, plan_info
 from vlm_pack.data.stats import BadSampleWarning
 from vlm_pack.offline import build_tokenizer, image_processor
 from vlm_pack.preprocessor import Preprocessor
 from vlm_pack.processing import process_sample
+from vlm_pack.processing.chat import chat_format
 
 N = 30
 CAPACITY = 192
@@ -419,7 +419,7 @@ def test_the_fingerprint_is_the_same_in_every_process():
 
     code = (
         "from vlm_pack import Preprocessor\n"
-        "from vlm_pack.chat import chat_format\n"
+        "from vlm_pack.processing.chat import chat_format\n"
         "from vlm_pack.data.fingerprint import fingerprint\n"
         "from vlm_pack.offline import build_tokenizer, image_processor\n"
         "ROLES = {'user', 'assistant', 'system', 'tool'}\n"

@@ -1,4 +1,4 @@
-"""The kernel path of the token mixers (``vlm_pack.mixer_kernels``): a whole packed row through
+"""The kernel path of the token mixers (``vlm_pack.forward.mixer_kernels``): a whole packed row through
 flash-linear-attention with the samples' ``cu_seqlens``.
 
 On CPU: each recipe with its two sequence operations replaced by per-segment PyTorch references (transformers'
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import vlm_pack as vp
-from vlm_pack import mixer_kernels, mixers
 from vlm_pack._compat import mixers_refuse_packed_rows
-from vlm_pack.mixers import find_token_mixers
+from vlm_pack.forward import mixer_kernels, mixers
+from vlm_pack.forward.mixers import find_token_mixers
 from vlm_pack.testing import check_packed_equivalence
 
 transformers = pytest.importorskip("transformers")

@@ -27,7 +27,7 @@ from PIL import Image
 import vlm_pack as vp
 from vlm_pack import offline
 from vlm_pack._compat import mixers_refuse_packed_rows
-from vlm_pack.mixers import find_token_mixers
+from vlm_pack.forward.mixers import find_token_mixers
 
 datasets = pytest.importorskip("datasets")
 

@@ -1,4 +1,4 @@
-"""Token mixers that are not attention (vlm_pack.mixers): packed = each sample alone through Qwen3.5's gated
+"""Token mixers that are not attention (vlm_pack.forward.mixers): packed = each sample alone through Qwen3.5's gated
 delta net and LFM2's short conv, the attention-only controls leak, the harness says so.
 
 Tiny random models of the genuine transformers classes, built from configs, fp32 on CPU. The controls are
@@ -16,13 +16,13 @@ from test_host_syncs import SyncCounter
 from torch import nn
 
 import vlm_pack as vp
-from vlm_pack import batch as batch_module
-from vlm_pack import boundaries
 from vlm_pack._compat import mixers_refuse_packed_rows, release
-from vlm_pack.attention import register_hf_attention
-from vlm_pack.boundaries import mrope_restarts
+from vlm_pack.collate import batch as batch_module
 from vlm_pack.families import lookup
-from vlm_pack.mixers import find_token_mixers, isolate_token_mixers
+from vlm_pack.forward import boundaries
+from vlm_pack.forward.attention import register_hf_attention
+from vlm_pack.forward.boundaries import mrope_restarts
+from vlm_pack.forward.mixers import find_token_mixers, isolate_token_mixers
 from vlm_pack.testing import check_packed_equivalence
 
 transformers = pytest.importorskip("transformers")

@@ -19,11 +19,11 @@ import torch
 from PIL import Image
 
 from vlm_pack import offline
-from vlm_pack.collate import PackingCollator
+from vlm_pack.collate.collator import PackingCollator
 from vlm_pack.families import family as record_of
-from vlm_pack.loss import token_cross_entropy
+from vlm_pack.forward.loss import token_cross_entropy
+from vlm_pack.forward.routers import expert_load, load_balancing_loss, record_router_logits
 from vlm_pack.processing import process_sample
-from vlm_pack.routers import expert_load, load_balancing_loss, record_router_logits
 
 TEMPLATES = Path(__file__).parent / "templates"
 MOE = ("glm4v_moe", "glm46v")
@@ -146,7 +146,7 @@ def test_glm45v_takes_the_routers_path_because_its_attention_cannot_take_the_mas
     attend across each other and the router sees other tokens (the aux loss is off too)."""
     from transformers.models.glm4v_moe.modeling_glm4v_moe import load_balancing_loss_func
 
-    from vlm_pack.masks import TOKENS_KEY, MaskMapping
+    from vlm_pack.forward.masks import TOKENS_KEY, MaskMapping
 
     assert not record_of("glm4v_moe").experts and not record_of("glm46v").experts
     assert record_of("qwen3_5_moe").experts

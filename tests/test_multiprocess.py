@@ -15,9 +15,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vlm_pack import PackingCollator, PerTokenLoss, Preprocessor, balance_bins, pack, token_cross_entropy
+from vlm_pack.collate.padded import pad_samples
 from vlm_pack.demo import demo_records
 from vlm_pack.offline import build_tokenizer, image_processor, tiny_model
-from vlm_pack.padded_batch import pad_samples
 
 CAPACITY = 1024
 WORLD = 2

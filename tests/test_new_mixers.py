@@ -15,7 +15,7 @@ import torch
 
 import vlm_pack as vp
 from vlm_pack._compat import mixers_refuse_packed_rows
-from vlm_pack.mixers import find_token_mixers
+from vlm_pack.forward.mixers import find_token_mixers
 
 transformers = pytest.importorskip("transformers")
 T = transformers

@@ -10,14 +10,14 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_pack.collate import PackingCollator
+from vlm_pack.collate.collator import PackingCollator
+from vlm_pack.collate.vision_inputs import join_vision
 from vlm_pack.data.pipeline import BadSampleWarning, PackedWebDataset
 from vlm_pack.data.reader import stream_tar_samples
 from vlm_pack.data.shards import image_fields, parse_text, write_shards
 from vlm_pack.offline import build_tokenizer, image_processor
 from vlm_pack.preprocessor import Preprocessor
 from vlm_pack.processing import process_pack, process_sample
-from vlm_pack.vision_inputs import join_vision
 
 COMPARED = (
     "input_ids",

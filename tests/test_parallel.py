@@ -1,5 +1,5 @@
-"""Context-parallel sharding, the distributed label roll (vlm_pack.context_parallel) and per-token loss
-(vlm_pack.loss).
+"""Context-parallel sharding, the distributed label roll (vlm_pack.forward.context_parallel) and per-token loss
+(vlm_pack.forward.loss).
 
 Single-process properties run in the test process; the distributed ones run in 2 and 4 gloo processes
 spawned once per world size (module fixtures), each process running every check of its world and
@@ -21,7 +21,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_pack.context_parallel import (
+from vlm_pack.collate.labels import roll_packed
+from vlm_pack.forward.context_parallel import (
     all_gather_from_context_parallel,
     check_parallel_config,
     context_parallel_index,
@@ -29,8 +30,7 @@ from vlm_pack.context_parallel import (
     roll_packed_context_parallel,
     shard_for_context_parallel,
 )
-from vlm_pack.labels import roll_packed
-from vlm_pack.loss import PerTokenLoss, reduce_token_loss, token_cross_entropy
+from vlm_pack.forward.loss import PerTokenLoss, reduce_token_loss, token_cross_entropy
 
 VOCAB = 32
 
@@ -355,7 +355,7 @@ def _spawn(world: int, tmp_path_factory) -> list[dict]:
         patch.setenv("OMP_NUM_THREADS", "1")
         patch.setenv("MKL_NUM_THREADS", "1")
         # forkserver: fresh processes like spawn, but torch is imported once in the server, not per rank.
-        mp.set_forkserver_preload(["torch", "torch.distributed", "vlm_pack.context_parallel", "vlm_pack.loss"])
+        mp.set_forkserver_preload(["torch", "torch.distributed", "vlm_pack.forward.context_parallel", "vlm_pack.forward.loss"])
         mp.start_processes(
             _worker, args=(world, str(tmp / "rendezvous"), str(tmp)), nprocs=world, start_method="forkserver"
         )
@@ -524,7 +524,7 @@ def _image(width: int, height: int, seed: int):
 def test_sharding_a_real_qwen_packed_batch():
     """PackingCollator batch (Qwen2-VL, images, 4-row mRoPE) padded for CP = 2: shards gather back exactly."""
     # Imported here: the spawned gloo workers import this module and need none of this.
-    from vlm_pack.collate import PackingCollator, pad_multiple_for
+    from vlm_pack.collate.collator import PackingCollator, pad_multiple_for
     from vlm_pack.offline import build_tokenizer, image_processor
     from vlm_pack.processing import process_sample
 
@@ -625,7 +625,7 @@ def test_check_parallel_config():
     with pytest.raises(ValueError, match="packing must be"):
         check_parallel_config(cp=1, packing="online")
     # One pad rule: what the check requires is what pad_multiple_for gives the collator, for every layout.
-    from vlm_pack.collate import pad_multiple_for
+    from vlm_pack.collate.collator import pad_multiple_for
 
     for cp, tp, sp in itertools.product((1, 2, 3, 4), (1, 2, 4), (False, True)):
         multiple = pad_multiple_for(tp=tp, cp=cp, sequence_parallel=sp)
@@ -636,7 +636,7 @@ def test_sharding_a_multi_row_collator_batch():
     """R > 1 rows from PackingCollator: rows are flattened into one THD buffer and shard back exactly."""
     import numpy as np
 
-    from vlm_pack.collate import PackingCollator, pad_multiple_for
+    from vlm_pack.collate.collator import PackingCollator, pad_multiple_for
     from vlm_pack.offline import build_tokenizer
     from vlm_pack.processing import process_sample
 

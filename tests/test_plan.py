@@ -221,7 +221,7 @@ def test_the_cache_is_a_plan_folder_and_an_old_npz_path_is_refused(dataset, part
 
 
 def test_the_cli_plans_a_folder_once_for_every_rank(dataset, parts, tmp_path, monkeypatch, capsys):
-    from vlm_pack.cli import main
+    from vlm_pack.cli.main import main
 
     data = tmp_path / "train"
     dataset.save_to_disk(str(data))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlm_pack.cli import main
+from vlm_pack.cli.main import main
 from vlm_pack.data import Plan
 from vlm_pack.offline import image_processor
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_pack.offline import build_tokenizer, image_processor, tiny_model
-from vlm_pack.positions import (
+from vlm_pack.collate.positions import (
     mrope_position_ids,
     packed_mrope_position_ids,
     packed_position_ids,
     text_position_ids,
 )
+from vlm_pack.offline import build_tokenizer, image_processor, tiny_model
 from vlm_pack.processing import process_sample
 
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")

@@ -44,25 +44,25 @@ MOVED = {
     "process_sample": "vlm_pack.processing",
     "forecast_length": "vlm_pack.processing",
     "tokenize_conversation": "vlm_pack.processing",
-    "remap_cu_seqlens": "vlm_pack.remap",
-    "remap_cu_seqlens_padded": "vlm_pack.remap",
-    "gather_from_context_parallel": "vlm_pack.context_parallel",
-    "all_gather_from_context_parallel": "vlm_pack.context_parallel",
-    "context_parallel_index": "vlm_pack.context_parallel",
-    "ContextParallelShard": "vlm_pack.context_parallel",
-    "reduce_token_loss": "vlm_pack.loss",
-    "mrope_position_ids": "vlm_pack.positions",
-    "packed_position_ids": "vlm_pack.positions",
+    "remap_cu_seqlens": "vlm_pack.collate.remap",
+    "remap_cu_seqlens_padded": "vlm_pack.collate.remap",
+    "gather_from_context_parallel": "vlm_pack.forward.context_parallel",
+    "all_gather_from_context_parallel": "vlm_pack.forward.context_parallel",
+    "context_parallel_index": "vlm_pack.forward.context_parallel",
+    "ContextParallelShard": "vlm_pack.forward.context_parallel",
+    "reduce_token_loss": "vlm_pack.forward.loss",
+    "mrope_position_ids": "vlm_pack.collate.positions",
+    "packed_position_ids": "vlm_pack.collate.positions",
     "PackedBin": "vlm_pack.packing",
     "PackResult": "vlm_pack.packing",
-    "PackedSeqParams": "vlm_pack.batch",
+    "PackedSeqParams": "vlm_pack.collate.batch",
     "PipelineStats": "vlm_pack.data",
     "VisionSpec": "vlm_pack.vision",
     "vision_spec_from_processor": "vlm_pack.vision",
-    "available_backends": "vlm_pack.attention",
-    "register_hf_attention": "vlm_pack.attention",
-    "resolve_backend": "vlm_pack.attention",
-    "pad_samples": "vlm_pack.padded_batch",
+    "available_backends": "vlm_pack.forward.attention",
+    "register_hf_attention": "vlm_pack.forward.attention",
+    "resolve_backend": "vlm_pack.forward.attention",
+    "pad_samples": "vlm_pack.collate.padded",
 }
 
 
@@ -75,8 +75,8 @@ def _run(code: str) -> dict:
 def test_import_is_lazy_and_every_public_name_resolves():
     probe = _run(_PROBE)
     loaded = set(probe["before"])
-    heavy = ("vlm_pack.testing", "vlm_pack.offline", "vlm_pack.demo", "vlm_pack.attention",
-             "vlm_pack.context_parallel", "vlm_pack.loss", "vlm_pack.data", "megatron", "matplotlib",
+    heavy = ("vlm_pack.testing", "vlm_pack.offline", "vlm_pack.demo", "vlm_pack.forward.attention",
+             "vlm_pack.forward.context_parallel", "vlm_pack.forward.loss", "vlm_pack.data", "megatron", "matplotlib",
              "webdataset", "torch", "transformers")  # fmt: skip
     assert not loaded & set(heavy), sorted(loaded & set(heavy))
     # Every advertised name resolves (to a class, function or string), and dir() lists them all.
@@ -106,15 +106,16 @@ def test_moved_names_live_in_their_module_only(name):
 
 def test_removed_names_are_gone():
     """Shims and duplicates with one replacement each (CHANGELOG): nothing still answers to the old name."""
-    from vlm_pack import preprocessor, processing, remap, report
+    from vlm_pack import preprocessor, processing, report
+    from vlm_pack.collate import remap
 
     assert not hasattr(remap, "collapse_cu_seqlens")  # remap_cu_seqlens(..., inverse=True)
-    assert not hasattr(remap, "roll_packed")  # vlm_pack.labels.roll_packed (vlm_pack.roll_packed)
+    assert not hasattr(remap, "roll_packed")  # vlm_pack.collate.labels.roll_packed (vlm_pack.roll_packed)
     assert not hasattr(processing, "forecast_prompt")  # Preprocessor.forecast_prompt
     assert not hasattr(processing, "_image_token_id")
     assert not hasattr(report, "expand_sources")  # vlm_pack.data.sources.open_sources
     assert not hasattr(preprocessor, "checked_preprocessor")  # Preprocessor.check
-    assert importlib.util.find_spec("vlm_pack.parallel") is None  # vlm_pack.context_parallel, vlm_pack.loss
+    assert importlib.util.find_spec("vlm_pack.parallel") is None  # vlm_pack.forward.context_parallel, vlm_pack.forward.loss
 
 
 @pytest.mark.slow
@@ -157,7 +158,9 @@ def test_one_label_shift_and_one_ignore_index():
     """The per-sample shift has one definition (``labels.roll_packed``); every caller uses it."""
     import inspect
 
-    from vlm_pack import batch, collate, context_parallel, labels, loss
+    from vlm_pack.collate import batch, labels
+    from vlm_pack.collate import collator as collate
+    from vlm_pack.forward import context_parallel, loss
 
     assert labels.IGNORE_INDEX == -100
     for module in (batch, collate, context_parallel, loss):

@@ -26,7 +26,7 @@ from transformers import ProcessorMixin
 import vlm_pack as vp
 from vlm_pack import offline
 from vlm_pack._compat import release
-from vlm_pack.collate import PackingCollator
+from vlm_pack.collate.collator import PackingCollator
 from vlm_pack.families import family as record_of
 from vlm_pack.processing import forecast_length, process_sample
 from vlm_pack.testing import check_packed_equivalence, default_packed_forward
@@ -186,7 +186,7 @@ def test_packed_row_matches_each_sample_alone(family, attn):
 def test_flash_style_inputs_match_each_sample_alone(family):
     """``model_inputs("flash_attention_2")`` (``[1, R*T]``, ``cu_seq_lens_q/k``) through vlm-pack's varlen
     attention, which isolates the mixers from ``cu_seq_lens_q``; reference: each sample alone in sdpa."""
-    from vlm_pack.attention import use_varlen_attention
+    from vlm_pack.forward.attention import use_varlen_attention
 
     model = use_varlen_attention(_model(family, isolated=False))
     alone = _model(family, isolated=False)
@@ -223,7 +223,7 @@ def test_moe_aux_loss_of_a_padded_packed_row_counts_the_real_tokens_only():
     without a padding mask is counted, differ."""
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
 
-    from vlm_pack.attention import use_varlen_attention
+    from vlm_pack.forward.attention import use_varlen_attention
 
     batch = _batch("qwen3_5_moe")
     models = {

@@ -317,7 +317,7 @@ def _image_file(path: Path, size: tuple[int, int]) -> None:
 
 
 def test_data_format_examples_are_accepted(tmp_path, capsys, write_tar):
-    from vlm_pack.cli import main
+    from vlm_pack.cli.main import main
 
     (record,) = _blocks("json", DOCS / "data.md")
     shard = tmp_path / "shard.tar"

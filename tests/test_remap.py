@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlm_pack.labels import roll_packed
-from vlm_pack.remap import (
+from vlm_pack.collate.labels import roll_packed
+from vlm_pack.collate.remap import (
     expansion_map,
     remap_cu_seqlens,
     remap_cu_seqlens_padded,

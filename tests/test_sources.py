@@ -336,7 +336,7 @@ def test_sources_accept_folders_globs_and_reject_others(model, data, tmp_path):
 @pytest.mark.parametrize("kind", ["parquet", "save_to_disk", "llava", "sharegpt-jsonl", "own-jsonl"])
 @pytest.mark.slow
 def test_cli_analyze_and_pack_read_every_source(kind, data, oracle, llava_oracle, tmp_path, capsys):
-    from vlm_pack.cli import main
+    from vlm_pack.cli.main import main
 
     root, samples = data
     source = str(_write_source(kind, root, samples, tmp_path))

@@ -157,7 +157,7 @@ def _spearman(a: list[float], b: list[float]) -> float:
 
 @pytest.mark.slow
 def test_cost_ranking_agrees_with_measured_forward_backward_time():
-    from vlm_pack.attention import use_varlen_attention
+    from vlm_pack.forward.attention import use_varlen_attention
 
     tok, ip = build_tokenizer("qwen2_vl"), image_processor("qwen2_vl")
     pre = Preprocessor(tok, ip)

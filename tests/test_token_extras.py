@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm_pack.collate import PackingCollator
+from vlm_pack.collate.collator import PackingCollator
 from vlm_pack.offline import build_tokenizer
 from vlm_pack.processing import process_sample
 

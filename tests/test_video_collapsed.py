@@ -24,9 +24,9 @@ pytestmark = pytest.mark.torchvision
 from PIL import Image  # noqa: E402
 
 from vlm_pack import PackingCollator, offline, pad_multiple_for  # noqa: E402
+from vlm_pack.collate.remap import remap_cu_seqlens, remap_cu_seqlens_padded  # noqa: E402
 from vlm_pack.failures import InternalCheckError  # noqa: E402
 from vlm_pack.processing import process_sample  # noqa: E402
-from vlm_pack.remap import remap_cu_seqlens, remap_cu_seqlens_padded  # noqa: E402
 from vlm_pack.testing import encode_clip, processor_with_video, token_mult_prob_error  # noqa: E402
 
 _TEMPLATES = Path(__file__).parent / "templates"

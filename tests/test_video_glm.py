@@ -227,6 +227,6 @@ def test_a_row_of_images_and_videos_is_refused_naming_both(monkeypatch):
         collator(samples)
     assert collator([video_samples[0], video_samples[2]]).num_rows == 1  # videos and text only: packed
     # the oracle: without the check, transformers' model itself fails on such a row
-    monkeypatch.setattr("vlm_pack.collate_samples.check_images_beside_videos", lambda *args: None)
+    monkeypatch.setattr("vlm_pack.collate.samples.check_images_beside_videos", lambda *args: None)
     with torch.no_grad(), pytest.raises(ValueError, match=r"(?i)tokens.*features|features.*tokens"):
         model(**collator(samples).model_inputs())

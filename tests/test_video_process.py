@@ -16,8 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from vlm_pack.chat import VIDEO_MARKER, ChatFormat, chat_format, normalise_conversation, render_conversation
 from vlm_pack.failures import InternalCheckError, SampleError, skip_reason
+from vlm_pack.processing.chat import (
+    VIDEO_MARKER,
+    ChatFormat,
+    chat_format,
+    normalise_conversation,
+    render_conversation,
+)
 
 _TEMPLATES = Path(__file__).parent / "templates"
 _VIDEO = {

@@ -457,7 +457,7 @@ def test_analyze_forecasts_video_records_and_lists_a_corrupt_one(clips, qwen_vid
     lengths it writes are what processing gives each sample, and a corrupt clip is listed with its reason."""
     import pyarrow.parquet as pq
 
-    from vlm_pack.cli import main
+    from vlm_pack.cli.main import main
 
     proc, pre = qwen_video
     proc.save_pretrained(tmp_path / "ckpt")

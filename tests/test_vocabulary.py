@@ -17,7 +17,7 @@ import datasets
 import pytest
 
 from vlm_pack import PackedWebDataset, PackingConfig, Preprocessor
-from vlm_pack.cli import build_parser
+from vlm_pack.cli.main import build_parser
 from vlm_pack.config import DEFAULT_MAX_CONSECUTIVE_FAILURES, ON_ERROR, OVERSIZED
 from vlm_pack.data import RECORD_FORMATS, normalise_record
 from vlm_pack.data.forecast import forecast_sources

@@ -16,9 +16,9 @@ The public API, stage by stage (README.md draws the picture): about thirty names
 - failures: ``SampleError`` (bad data, counted), ``SampleCodeError`` (a bug, raised), ``FailureBudgetError``
 
 More lives in the modules, imported by name: ``vlm_pack.processing`` (``process_sample``,
-``forecast_length`` as functions), ``vlm_pack.remap`` (collapsed <-> expanded ``cu_seqlens`` for Megatron
-pipelines of your own), ``vlm_pack.context_parallel``, ``vlm_pack.loss``, ``vlm_pack.attention``,
-``vlm_pack.positions``, ``vlm_pack.routers`` (mixture-of-experts statistics and aux loss of real tokens),
+``forecast_length`` as functions), ``vlm_pack.collate.remap`` (collapsed <-> expanded ``cu_seqlens`` for Megatron
+pipelines of your own), ``vlm_pack.forward.context_parallel``, ``vlm_pack.forward.loss``, ``vlm_pack.forward.attention``,
+``vlm_pack.collate.positions``, ``vlm_pack.forward.routers`` (mixture-of-experts statistics and aux loss of real tokens),
 ``vlm_pack.model_types`` (model types without a record: the model's own rope index per sample, ``RopeIndex``). Opt-in modules, never loaded by ``import vlm_pack``: ``vlm_pack.testing`` (prove:
 ``check_packed_equivalence``, ``token_mult_prob_error``), ``vlm_pack.offline`` (stand-ins for hub
 checkpoints), ``vlm_pack.demo`` (demo data).
@@ -40,16 +40,16 @@ check_transformers()  # below the supported range: a clear ImportError now, not 
 
 # public name -> the submodule that defines it (relative to vlm_pack)
 _SOURCES: dict[str, tuple[str, ...]] = {
-    "attention": ("use_varlen_attention", "varlen_attention"),
-    "collate": ("PackedBatch", "PackingCollator", "pad_multiple_for"),
+    "forward.attention": ("use_varlen_attention", "varlen_attention"),
+    "collate.collator": ("PackedBatch", "PackingCollator", "pad_multiple_for"),
     "config": ("PackingConfig",),
-    "context_parallel": ("check_parallel_config", "roll_packed_context_parallel", "shard_for_context_parallel"),
+    "forward.context_parallel": ("check_parallel_config", "roll_packed_context_parallel", "shard_for_context_parallel"),
     "data": ("PackedDataLoader", "PackedMapDataset", "PackedSampler", "PackedWebDataset", "forecast_sources",
              "stream_info", "write_shards", "write_shards_from_folder"),
     "failures": ("FailureBudgetError", "SampleCodeError", "SampleError"),
-    "labels": ("roll_packed",),
-    "loss": ("PerTokenLoss", "token_cross_entropy"),
-    "mixers": ("isolate_token_mixers",),
+    "collate.labels": ("roll_packed",),
+    "forward.loss": ("PerTokenLoss", "token_cross_entropy"),
+    "forward.mixers": ("isolate_token_mixers",),
     "packing": ("StreamPacker", "balance_bins", "pack"),
     "preprocessor": ("Preprocessor",),
     "vision": ("image_size", "vision_spec"),
@@ -104,14 +104,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
-    from .attention import use_varlen_attention, varlen_attention
-    from .collate import PackedBatch, PackingCollator, pad_multiple_for
+    from .collate.collator import PackedBatch, PackingCollator, pad_multiple_for
+    from .collate.labels import roll_packed
     from .config import PackingConfig
-    from .context_parallel import (
-        check_parallel_config,
-        roll_packed_context_parallel,
-        shard_for_context_parallel,
-    )
     from .data import (
         PackedDataLoader,
         PackedMapDataset,
@@ -123,8 +118,13 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
         write_shards_from_folder,
     )
     from .failures import FailureBudgetError, SampleCodeError, SampleError
-    from .labels import roll_packed
-    from .loss import PerTokenLoss, token_cross_entropy
+    from .forward.attention import use_varlen_attention, varlen_attention
+    from .forward.context_parallel import (
+        check_parallel_config,
+        roll_packed_context_parallel,
+        shard_for_context_parallel,
+    )
+    from .forward.loss import PerTokenLoss, token_cross_entropy
     from .packing import StreamPacker, balance_bins, pack
     from .preprocessor import Preprocessor
     from .vision import image_size, vision_spec

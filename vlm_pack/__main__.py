@@ -2,6 +2,6 @@
 
 import sys
 
-from vlm_pack.cli import main
+from vlm_pack.cli.main import main
 
 sys.exit(main())

@@ -123,7 +123,7 @@ class Family:
     """Who writes the tokens around each image's embeddings: a key of :data:`WRAPS`."""
     mrope: str | None = None
     """The ``get_rope_index`` variant of its 4-row mRoPE position ids (``qwen2_vl``, ``qwen2_5_vl``,
-    ``qwen3_vl``: ``vlm_pack.positions``); None: 1-D per-sample positions."""
+    ``qwen3_vl``: ``vlm_pack.collate.positions``); None: 1-D per-sample positions."""
     two_way_images: bool = False
     """Image tokens attend both ways inside their image (``token_type_ids``): packed rows need its masks."""
     two_way_layers: tuple[str, ...] = ("full_attention", "sliding_attention")
@@ -137,10 +137,10 @@ class Family:
     collapsed: bool = True
     """``layout="collapsed"`` works: each image's embedding tokens form one run (no markers between them)."""
     chat_format: str | None = None
-    """vlm-pack's own chat format (``vlm_pack.chat``) for tokenizers without a chat template."""
+    """vlm-pack's own chat format (``vlm_pack.processing.chat``) for tokenizers without a chat template."""
     token_mixers: tuple[str, ...] = ()
     """Layers of its text model that mix tokens without attention (``"gated_delta_net"``, ``"short_conv"``):
-    packed rows must reach them with the sample boundaries too (``vlm_pack.mixers``)."""
+    packed rows must reach them with the sample boundaries too (``vlm_pack.forward.mixers``)."""
     video_token: str | None = None
     """The token the processor expands into a video's embeddings (``<|video_pad|>``, OneVision's ``<video>``)."""
     video_processor: str | None = None
@@ -168,7 +168,7 @@ class Family:
     """Its text model routes tokens to experts and counts them in an auxiliary load-balancing loss that reads
     the 2-D ``attention_mask``, and whose text model takes a mask mapping: packed rows pass one (``real_tokens``
     of a ``MaskMapping``) so that padding never reaches the router's statistics (Qwen3.5-MoE). GLM-4.5V / 4.6V
-    stay False: their aux loss over real tokens is ``vlm_pack.routers`` (why: its module docstring)."""
+    stay False: their aux loss over real tokens is ``vlm_pack.forward.routers`` (why: its module docstring)."""
 
     @property
     def video_as_images(self) -> bool:
@@ -285,7 +285,7 @@ _RECORDS = (
     # zai-org/GLM-4.5V: the GLM-4.1V processor and get_rope_index (glm4v_moe/modular_glm4v_moe.py) around a
     # mixture-of-experts text model (transformers >= 4.56). Not `experts`: its text model hands attention_mask to
     # create_causal_mask, which refuses a MaskMapping and makes a 2-D mask one span over the row (the samples
-    # would attend across each other); its aux loss over real tokens is vlm_pack.routers.load_balancing_loss
+    # would attend across each other); its aux loss over real tokens is vlm_pack.forward.routers.load_balancing_loss
     Family(
         "glm4v_moe",
         ("GLM-4.5V",),
@@ -299,7 +299,7 @@ _RECORDS = (
     ),
     # zai-org/GLM-4.6V: Glm4vForConditionalGeneration and the GLM-4.1V processor under their own names
     # (glm46v/modular_glm46v.py; transformers >= 5.0); the released text model is GLM-4.5V's MoE, and the
-    # model computes no aux loss (vlm_pack.routers: record_router_logits, load_balancing_loss)
+    # model computes no aux loss (vlm_pack.forward.routers: record_router_logits, load_balancing_loss)
     Family(
         "glm46v",
         ("GLM-4.6V",),

@@ -15,7 +15,7 @@ from what transformers itself carries, never from a record it resembles:
 - **masks**: transformers' own packed handling (no ``attention_mask``, ``use_cache=False``, positions that
   restart: ``masking_utils.find_packed_sequence_indices``), which is exact where the model's attention is
   causal text attention (REFERENCE section 2 / 7);
-- **token mixers** (layers that are not attention: ``vlm_pack.mixers.find_token_mixers``): known kinds
+- **token mixers** (layers that are not attention: ``vlm_pack.forward.mixers.find_token_mixers``): known kinds
   isolated (``isolate_token_mixers``), unknown ones refused.
 
 A type where that is measured not to be exact (two-way image attention, cross-attention, an unknown mixer) is

@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .chat import ChatFormat, Conversation, Template
 from .failures import SampleError, forecast_mismatch
 from .families import canonical, lookup, names
 from .processing import length
+from .processing.chat import ChatFormat, Conversation, Template
 from .processing.length import Forecast
 from .processing.render import Prompt, _checked_ids, _embedding_token_id, _placeholder, _render
 
@@ -49,7 +49,7 @@ class Preprocessor:
     compared with the processor itself on a few sizes first, ``vlm_pack.vision.selfcheck``, and a difference
     raises ``FastRuleMismatch`` naming the family, the transformers release and the size). A ``conversation`` is any
     format the readers take (``{"role", "content"}`` turns, LLaVA ``{"from", "value"}`` turns, a caption
-    string): every method normalises it with :func:`vlm_pack.chat.normalise_conversation`, text as written.
+    string): every method normalises it with :func:`vlm_pack.processing.chat.normalise_conversation`, text as written.
 
     ``forecast(...)`` equals the length ``process(...)`` gives, in the expanded space, for every family::
 
@@ -131,7 +131,7 @@ class Preprocessor:
         image features into and the image processor's ``merge_size`` fill in what they leave out. As the
         collator's own default, a call is one planned bin laid out as one row; ``max_rows=None`` opts into
         re-packing a list of samples (in-batch packing)."""
-        from .collate import PackingCollator
+        from .collate.collator import PackingCollator
 
         options.setdefault("tokenizer", self.tokenizer)
         options.setdefault("layout", self.layout)  # rows in the layout its samples are processed in

@@ -54,9 +54,9 @@ def fingerprint(preprocessor: Any) -> tuple[str, dict[str, Any]]:
     from transformers import __version__ as transformers_version
 
     from .._version import __version__
-    from ..chat import _checkpoint_template, chat_format
     from ..families import DEFAULT_FAMILY
     from ..processing import _placeholder
+    from ..processing.chat import _checkpoint_template, chat_format
 
     pre = preprocessor
     tok, proc = pre.tokenizer, pre.processor

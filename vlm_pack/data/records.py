@@ -21,7 +21,7 @@ and the images. The format is detected from the record (``record_format=`` overr
 Every record format becomes vlm-pack's message format (``processing.py``): turns ``{"role": "system" | "user" |
 "assistant", "content": str | [{"type": "image"} | {"type": "text", "text": ...}]}`` with ``<image>``
 marking where an image goes in string content, or a caption string. The turns go through
-:func:`vlm_pack.chat.normalise_conversation`, the normaliser every ``Preprocessor`` method uses too, and keep
+:func:`vlm_pack.processing.chat.normalise_conversation`, the normaliser every ``Preprocessor`` method uses too, and keep
 their text as written (a LLaVA ``"<image>\\nWhat?"`` is the content ``"<image>\\nWhat?"``, newline kept).
 Images stay as stored: encoded ``bytes`` (an HF ``Image`` feature read with ``decode=False`` is
 ``{"bytes", "path"}``), a path (relative paths resolved against ``image_root``), a binary file object (a tar
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..chat import IMAGE_MARKER, VIDEO_MARKER, normalise_conversation
+from ..processing.chat import IMAGE_MARKER, VIDEO_MARKER, normalise_conversation
 from .shards import SampleError, image_fields, parse_text, video_fields
 
 __all__ = ["RECORD_FORMATS", "Sample", "detect_record_format", "normalise_record", "record_key"]
@@ -159,7 +159,7 @@ def _json_object(data: Any) -> dict[str, Any] | None:
 
 def _turns(turns: Any, where: str) -> list[dict[str, Any]]:
     """ShareGPT/LLaVA ``{"from", "value"}`` or chat ``{"role", "content"}`` turns -> vlm-pack messages, text as
-    written: :func:`vlm_pack.chat.normalise_conversation`, the one normaliser of every entry point."""
+    written: :func:`vlm_pack.processing.chat.normalise_conversation`, the one normaliser of every entry point."""
     if isinstance(turns, str):  # a caption is a record format of its own, never a field of turns
         raise SampleError("bad_text", f"{where}: the conversation must be a non-empty list of turns")
     try:

@@ -402,8 +402,8 @@ def video_fields(sample: Mapping[str, Any]) -> list[str]:
 
 def _llava_turns(turns: list[Any]) -> list[dict[str, Any]]:
     """LLaVA / ShareGPT ``[{"from": "human", "value": "<image>\\nWhat is ..."}, ...]`` -> role/content turns,
-    text as written: :func:`vlm_pack.chat.normalise_conversation`, the one normaliser of every entry point."""
-    from ..chat import normalise_conversation
+    text as written: :func:`vlm_pack.processing.chat.normalise_conversation`, the one normaliser of every entry point."""
+    from ..processing.chat import normalise_conversation
 
     try:
         return normalise_conversation(turns)  # type: ignore[return-value]

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..chat import VIDEO_MARKER
 from ..failures import (
     Failure,
     FailureBudget,
@@ -39,6 +38,7 @@ from ..failures import (
 from ..packing import StreamPacker, padded_lengths
 from ..packing.window import StreamBalance, reserved_positions, window_order, window_schedule
 from ..processing import IMAGE_MARKER, Prompt
+from ..processing.chat import VIDEO_MARKER
 from .forecast import video_forecasts, video_patches
 from .images import refuse_large_image
 from .reader import read_header, stream_tar_samples

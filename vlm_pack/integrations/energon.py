@@ -87,7 +87,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "vlm_pack.integrations.energon needs Megatron-Energon: pip install 'vlm-pack[energon]'"
     ) from exc
 
-from ..batch import PackedBatch
+from ..collate.batch import PackedBatch
 from ..config import PackingConfig
 from ..data import read_header
 from ..failures import (

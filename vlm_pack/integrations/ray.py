@@ -81,8 +81,8 @@ def forecast_parts(pre: Preprocessor) -> Preprocessor:
     import torch``), seconds of a worker's start for nothing. A family whose processor writes tile markers
     named on the processor (``families`` ``wraps="processor_markers"``: Idefics3, SmolVLM, LFM2-VL) keeps it.
     """
-    from ..chat import _checkpoint_template
     from ..preprocessor import Preprocessor
+    from ..processing.chat import _checkpoint_template
     from ..processing.markers import _wraps
 
     if pre.image_processor is None and pre.processor is None:

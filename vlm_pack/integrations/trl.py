@@ -22,7 +22,7 @@ it is set up by hand. Four pieces do that::
 - **loss, entropy, token accuracy**: TRL shifts labels inside each row; every packed sample's first label is
   -100, so no token is scored against the next sample's first token and all three are exact per token.
 - **token mixers** (Qwen3.5's gated delta-net, LFM2's short convolutions): :class:`PackedSFTTrainer` calls
-  ``vp.isolate_token_mixers`` on its model, so they run per sample (``vlm_pack.mixers``).
+  ``vp.isolate_token_mixers`` on its model, so they run per sample (``vlm_pack.forward.mixers``).
 - **num_tokens**: TRL logs ``position_ids.size(1)`` when there is no ``attention_mask``: for ``[4, R, T]`` mRoPE
   ids that is ``R`` (rows), for ``[R, T]`` ids ``T`` (padding included). The collator adds the real (expanded,
   unpadded) token count as ``num_real_tokens``; :class:`PackedSFTTrainer` pops it before the forward and replaces
@@ -52,12 +52,12 @@ import numpy as np
 import torch
 
 from .._compat import dataset_fingerprint, set_sft_train_tokens, sft_train_tokens
+from ..collate.labels import IGNORE_INDEX
+from ..collate.padded import pad_samples
 from ..config import PackingConfig
 from ..data import BadSampleWarning, PackedMapDataset, Plan, Sample, SampleError, normalise_record
 from ..data.sources import chunk_samples, chunks, open_sources
-from ..labels import IGNORE_INDEX
-from ..mixers import isolate_token_mixers
-from ..padded_batch import pad_samples
+from ..forward.mixers import isolate_token_mixers
 from ..preprocessor import Preprocessor
 
 __all__ = [

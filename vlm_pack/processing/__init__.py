@@ -1,7 +1,7 @@
 """Turn one conversation with images into the token ids a VLM trains on, and forecast that length.
 
 A user calls these through :class:`vlm_pack.Preprocessor` (``process``, ``forecast``, ``tokenize``), which
-holds the checkpoint's parts once; the functions here are what it calls. Two entry points share one rendering (:func:`vlm_pack.chat.render_conversation`: the checkpoint's own chat
+holds the checkpoint's parts once; the functions here are what it calls. Two entry points share one rendering (:func:`vlm_pack.processing.chat.render_conversation`: the checkpoint's own chat
 template, or vlm-pack's format for tokenizers without one), so the forecast is the processed length:
 
 - ``forecast_length(conversation, image_sizes, ...)``: the expanded length from the text and the image
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..chat import IMAGE_MARKER, ChatFormat, chat_format
+from .chat import IMAGE_MARKER, ChatFormat, chat_format
 from .images import load_image
 from .length import Forecast, expanded_length, forecast_length, forecast_rows
 from .markers import _marker_extra_tokens as _marker_extra_tokens  # read by tests

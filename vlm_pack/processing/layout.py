@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from ..chat import Rendering
+from ..collate.labels import IGNORE_INDEX
 from ..failures import InternalCheckError
 from ..families import canonical, lookup
-from ..labels import IGNORE_INDEX
+from .chat import Rendering
 from .render import _checked_ids
 
 

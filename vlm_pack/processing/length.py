@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._compat import fast_encode_plus
-from ..chat import ChatFormat, Conversation, Rendering, Template
+from .chat import ChatFormat, Conversation, Rendering, Template
 from .markers import _skeleton, _substitute, _video_skeleton, _wraps
 from .render import Prompt, _check_placeholders, _placeholder, _render, _tokenize
 

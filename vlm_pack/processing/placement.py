@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from .._compat import VIDEOS_SINCE
-from ..chat import Rendering
+from ..collate.labels import IGNORE_INDEX
 from ..failures import InternalCheckError, SampleError
-from ..labels import IGNORE_INDEX
+from .chat import Rendering
 from .render import _embedding_token_id, _trained_tokens
 from .videos import video_embedding_id
 

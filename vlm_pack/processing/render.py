@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..chat import ChatFormat, Conversation, Rendering, Template, render_conversation
 from ..failures import InternalCheckError
 from ..families import FAMILIES, canonical, lookup, names
+from .chat import ChatFormat, Conversation, Rendering, Template, render_conversation
 
 if TYPE_CHECKING:  # torch is imported where a mask is built: a forecast-only process (a Ray worker) never loads it
     import torch

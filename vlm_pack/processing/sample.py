@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from ..chat import ChatFormat, Conversation, Template
 from ..failures import InternalCheckError, SampleError, skip_reason
 from ..families import FAMILIES
+from .chat import ChatFormat, Conversation, Template
 from .images import _load_images
 from .layout import _collapse, _collapse_videos, _expand_text, _finish, _grid_counts, _with_image_processor
 from .placement import _with_processor

@@ -37,7 +37,7 @@ What lives where:
 - ``metric.py``: ``token_mult_prob_error`` and ``next_token_logprobs``;
 - ``harness.py``: ``check_packed_equivalence``, its ``EquivalenceReport`` (``TokenDiff``, ``SampleDiff``,
   ``PackedEquivalenceError``) and the default forwards of Hugging Face models, on the padded reference
-  batch of ``vlm_pack.padded_batch.pad_samples`` (re-exported here);
+  batch of ``vlm_pack.collate.padded.pad_samples`` (re-exported here);
 - ``reference.py``: ``CollapsedLlavaModel``, a Megatron-like collapsed-placeholder LLaVA, and its forwards;
 - ``clips.py``: ``encode_clip`` (a clip PyAV encodes) and ``processor_with_video`` (a family's processor with
   its video processor), to run the same check on video samples (the ``[video]`` extra).

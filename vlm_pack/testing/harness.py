@@ -12,7 +12,7 @@
 (``pad_samples`` + ``batched_forward``), (2) the packed batch, checked to hold every sample intact where
 its boundaries say, and its log-probs (``packed_forward``), (3) the comparison, sample by sample, with
 ``token_mult_prob_error`` (``metric.py``). The result is an ``EquivalenceReport``. It also names the
-layers that mix tokens without attention (``vlm_pack.mixers``) and how boundaries reached them, and fails
+layers that mix tokens without attention (``vlm_pack.forward.mixers``) and how boundaries reached them, and fails
 on a model where one of them keeps none, even when the metric happens to pass.
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from ..labels import IGNORE_INDEX
-from ..mixers import TokenMixer, find_token_mixers, summarize
-from ..padded_batch import TOKEN_KEYS, pad_samples
+from ..collate.labels import IGNORE_INDEX
+from ..collate.padded import TOKEN_KEYS, pad_samples
+from ..forward.mixers import TokenMixer, find_token_mixers, summarize
 from .metric import next_token_logprobs, token_mult_prob_error
 from .packed_run import _packed_batch, _run_packed
 
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------------------------------------
-# The batched reference (``pad_samples``: vlm_pack.padded_batch) and the default forwards
+# The batched reference (``pad_samples``: vlm_pack.collate.padded) and the default forwards
 # --------------------------------------------------------------------------------------------------------
 
 

@@ -132,7 +132,7 @@ def _compare(alone: list[torch.Tensor], packed: torch.Tensor, batch: Any) -> tup
 
 
 def _mixers(model: Any) -> tuple[list[str], str | None]:
-    from ..mixers import find_token_mixers, isolate_token_mixers
+    from ..forward.mixers import find_token_mixers, isolate_token_mixers
 
     found = find_token_mixers(model)
     names = [f"{m.name.rsplit('.', 1)[-1]} ({m.kind})" for m in found]
@@ -150,7 +150,7 @@ def certify_model_type(
     """Build, process, pack and compare as the module docstring draws; never raises for the model type's sake:
     what fails is the certificate's ``reason``. ``restart_positions=False`` is the negative control: the text
     row numbered across the whole row, so that transformers finds one sequence (the check must then fail)."""
-    from ..collate import PackingCollator
+    from ..collate.collator import PackingCollator
     from ..model_types import RopeIndex, find_rope_index
     from ..offline.model_types import (
         NotBuildable,

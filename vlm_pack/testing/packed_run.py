@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..labels import IGNORE_INDEX
-from ..mixers import TokenMixer, find_token_mixers, mixer_problems
+from ..collate.labels import IGNORE_INDEX
+from ..forward.mixers import TokenMixer, find_token_mixers, mixer_problems
 from .metric import next_token_logprobs
 
 

@@ -56,12 +56,12 @@ class CollapsedLlavaModel(torch.nn.Module):
         collapsed cu_seqlens 0 ....... 4 ......... 7                    -> wrong boundaries: the bug
 
     Passed collapsed-space ``cu_seqlens`` (Megatron's bug, seed 004) it silently attends across samples
-    and restarts positions at the wrong tokens; remapped ones (``vlm_pack.remap.remap_cu_seqlens``) make it
+    and restarts positions at the wrong tokens; remapped ones (``vlm_pack.collate.remap.remap_cu_seqlens``) make it
     exact.
 
     How the language model attends within the given segments (``attention=``, per model or per call):
 
-    - ``"varlen"`` (default, Megatron's THD path): ``vlm_pack.attention`` varlen attention, registered as
+    - ``"varlen"`` (default, Megatron's THD path): ``vlm_pack.forward.attention`` varlen attention, registered as
       ``attn_implementation="vlm_pack_varlen"`` for the Llama language model only, fed
       ``cu_seq_lens_q/k`` and ``max_length_q/k`` built from the given ``cu_seqlens``, ``attention_mask=None``:
       no (T, T) mask, no work across segments. Exact: its logits match ``"mask"``'s to fp32 round-off.
@@ -284,14 +284,14 @@ _ATTENTION_MODES = ("varlen", "mask")
 def _check_attention(attention: str) -> str:
     if attention not in _ATTENTION_MODES:
         raise ValueError(
-            f"attention must be 'varlen' (vlm_pack.attention varlen kernels) or 'mask' (dense block-diagonal "
+            f"attention must be 'varlen' (vlm_pack.forward.attention varlen kernels) or 'mask' (dense block-diagonal "
             f"mask), got {attention!r}"
         )
     return attention
 
 
 def _varlen_implementation() -> str:
-    from vlm_pack.attention import register_hf_attention
+    from vlm_pack.forward.attention import register_hf_attention
 
     return register_hf_attention()
 
@@ -322,7 +322,7 @@ def _segment_bounds_and_positions(cu_seqlens: torch.Tensor, length: int) -> tupl
     if last > length:
         raise ValueError(
             f"cu_seqlens ends at {last} but the expanded row has {length} tokens; pass cu_seqlens of the "
-            "expanded row (vlm_pack.remap.remap_cu_seqlens) or the batch's cu_seqlens_padded_expanded"
+            "expanded row (vlm_pack.collate.remap.remap_cu_seqlens) or the batch's cu_seqlens_padded_expanded"
         )
     cu = cu_seqlens.to(torch.int32)
     if last < length:
@@ -372,7 +372,7 @@ def collapsed_packed_forward(
     The collapsed layout is one row (Megatron's THD format, micro batch 1). The model is given:
 
     - ``cu_seqlens="remapped"``: the batch's collapsed ``cu_seqlens_padded`` passed through
-      ``vlm_pack.remap.remap_cu_seqlens`` here (what a correct pipeline does);
+      ``vlm_pack.collate.remap.remap_cu_seqlens`` here (what a correct pipeline does);
     - ``"batch"``: the collator's own ``cu_seqlens_padded_expanded``;
     - ``"collapsed"``: ``cu_seqlens_padded`` as is, in the collapsed space (Megatron's bug, seed 004).
 
@@ -393,7 +393,7 @@ def collapsed_packed_forward(
         elif cu_seqlens == "batch":
             cu = batch.cu_seqlens_padded_expanded
         else:
-            from vlm_pack.remap import remap_cu_seqlens
+            from vlm_pack.collate.remap import remap_cu_seqlens
 
             cu = batch.cu_seqlens_padded
             if tokens_per_image is not None:

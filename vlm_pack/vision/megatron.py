@@ -17,7 +17,7 @@ class MegatronSpec(VisionSpec):
     ``--disable-vision-class-token``), times 0.25 with pixel shuffle; ``tokens = tiles * per_tile``.
     Tiles follow InternVL's dynamic tiling when ``max_tiles > 1`` (``use_tiling``), with a thumbnail.
     The input ids hold ONE placeholder (-200) per image, expanded to ``tokens`` embeddings in the model:
-    see ``vlm_pack.remap`` for the collapsed -> expanded ``cu_seqlens`` mapping.
+    see ``vlm_pack.collate.remap`` for the collapsed -> expanded ``cu_seqlens`` mapping.
     """
 
     family: ClassVar[str] = "megatron"

@@ -22,8 +22,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from ..collate.labels import IGNORE_INDEX
 from .context_parallel import group_size_rank
-from .labels import IGNORE_INDEX
 
 __all__ = ["PerTokenLoss", "reduce_token_loss", "token_cross_entropy"]
 

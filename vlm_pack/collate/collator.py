@@ -35,7 +35,7 @@ drawn here: two rows of ``capacity = 16``, ``pad_to_multiple_of = 4`` (every spa
   Idefics3 / SmolVLM crops and ``pixel_attention_mask`` joined as ``[1, sum N, ...]``, Pixtral images
   zero-padded to the largest height and width (the tower crops each by ``image_sizes``).
 - **Gemma 3** keeps ``token_type_ids`` (packed like ``input_ids``) and gets its attention masks from
-  ``batch.model_inputs`` (``masks.py``): each image attends to itself both ways, inside its sample only.
+  ``batch.model_inputs`` (``forward/masks.py``): each image attends to itself both ways, inside its sample only.
 
 Collapsed layout (Megatron style: one placeholder ``P`` per image, the model expands it to
 ``tokens_per_image[i]`` embeddings; per video, or per temporal group for Qwen3-VL, to
@@ -62,9 +62,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..families import names
+from ..model_types import check_rope_index, rope_index_position_ids
+from ..packing.bins import round_up
+from ..processing import length as sample_length  # the one expanded length (and forecast)
 from .batch import HF_STYLES, SAMPLE_KEY_NAMES, STYLES, PackedBatch, packed_seq_params_class
-from .collate_rows import RowPlan, one_row, repack, row_plan
-from .collate_samples import (
+from .labels import IGNORE_INDEX
+from .positions import MRopeOptions, packed_position_ids
+from .remap import remap_cu_seqlens_padded
+from .rows import RowPlan, one_row, repack, row_plan
+from .samples import (
     SampleParts,
     TokenFields,
     cat_counts,
@@ -79,18 +86,11 @@ from .collate_samples import (
     rename_samples,
     split_fields,
 )
-from .collate_settings import CollatorSettings
-from .families import names
-from .labels import IGNORE_INDEX
-from .model_types import check_rope_index, rope_index_position_ids
-from .packing.bins import round_up
-from .positions import MRopeOptions, packed_position_ids
-from .processing import length as sample_length  # the one expanded length (and forecast)
-from .remap import remap_cu_seqlens_padded
+from .settings import CollatorSettings
 from .vision_inputs import check_patch_rows
 
 if TYPE_CHECKING:
-    from .config import PackingConfig
+    from ..config import PackingConfig
 
 __all__ = [
     "HF_STYLES",
@@ -102,7 +102,7 @@ __all__ = [
 ]
 
 def __getattr__(name: str) -> Any:
-    # ``from vlm_pack.collate import PackedSeqParams`` imports megatron-core here, on first use only.
+    # ``from vlm_pack.collate.collator import PackedSeqParams`` imports megatron-core here, on first use only.
     if name == "PackedSeqParams":
         return packed_seq_params_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -167,7 +167,7 @@ class PackingCollator:
         rope_index: a model type without a record, with mRoPE: its model's own (``vlm_pack.model_types``).
 
     The model's facts (``family``, the token ids, ``spatial_merge_size`` ...) are read once into
-    ``settings`` (:class:`~vlm_pack.collate_settings.CollatorSettings`: an explicit value, else the model's
+    ``settings`` (:class:`~vlm_pack.collate.settings.CollatorSettings`: an explicit value, else the model's
     config, else the tokenizer, as its table says). The collator keeps only ints and strings, so it pickles
     into ``DataLoader`` workers.
 
@@ -470,7 +470,7 @@ class PackingCollator:
         """The samples as rows of one flat buffer (``collate_rows``): one planned bin as one row in its given
         order (``max_rows=1``, the default), else (opted in: ``max_rows`` None or N) re-packed into as few
         rows as ``strategy`` finds."""
-        from .packing import padded_lengths
+        from ..packing import padded_lengths
 
         multiple = self.pad_to_multiple_of
         expanded = [s.expanded_len for s in items]
@@ -589,7 +589,7 @@ def _check_arguments(
         )
     if layout not in ("expanded", "collapsed"):
         raise ValueError(f"layout must be 'expanded' or 'collapsed', got {layout!r}")
-    from .packing import STRATEGIES
+    from ..packing import STRATEGIES
 
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")

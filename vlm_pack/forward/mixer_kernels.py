@@ -118,7 +118,7 @@ def fla_ops() -> tuple[Conv, Rule] | None:
 def recipe(module: nn.Module) -> Callable[..., torch.Tensor] | None:
     """The whole-row recipe of ``module``'s class, when the module has every attribute it reads. The recipes
     follow the layers of transformers 5.24 on; on older releases the layer runs per sample instead."""
-    from ._compat import mixers_refuse_packed_rows
+    from .._compat import mixers_refuse_packed_rows
 
     if not mixers_refuse_packed_rows():  # the same release line: 5.24's layer code
         return None

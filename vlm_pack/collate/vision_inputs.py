@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._compat import shared_empty
+from .._compat import shared_empty
 
 __all__ = ["VISION_KEYS", "check_patch_rows", "join_vision"]
 

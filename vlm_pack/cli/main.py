@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vlm_pack.cli_model import cost_line, load_forecaster, model_cost
-from vlm_pack.cli_parser import _family_name as _family_name  # the --family type, read here by old callers
-from vlm_pack.cli_parser import build_parser
+from vlm_pack.cli.model import cost_line, load_forecaster, model_cost
+from vlm_pack.cli.parser import _family_name as _family_name  # the --family type, read here by old callers
+from vlm_pack.cli.parser import build_parser
 from vlm_pack.config import PackingConfig
 
 __all__ = ["build_parser", "load_forecaster", "main"]

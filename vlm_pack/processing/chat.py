@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..failures import SampleError
+from ..families import DEFAULT_FAMILY, require
 from .conversation import (
     IMAGE_MARKER,
     VIDEO_MARKER,
@@ -31,8 +33,6 @@ from .conversation import (
     _parts,
     normalise_conversation,
 )
-from .failures import SampleError
-from .families import DEFAULT_FAMILY, require
 
 __all__ = [
     "IMAGE_MARKER",
@@ -163,7 +163,7 @@ def _render(
         # What render_jinja_template renders for such messages (role/content only, JSON-plain, as
         # _as_strings makes them) on every transformers 5.x: the compiled template, called with no copy of
         # the messages (its sandbox is immutable). A forecast renders every row: the copy was a quarter.
-        from ._compat import compiled_chat_template
+        from .._compat import compiled_chat_template
 
         compiled = compiled_chat_template(template)
         return compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=False, **env)

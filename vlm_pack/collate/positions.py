@@ -42,7 +42,7 @@ from typing import TypedDict, Unpack
 
 import torch
 
-from .families import DEFAULT_FAMILY, canonical, lookup, names, require
+from ..families import DEFAULT_FAMILY, canonical, lookup, names, require
 from .remap import segment_ids
 
 __all__ = [

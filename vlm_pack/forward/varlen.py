@@ -43,7 +43,7 @@ under ``torch.compile`` runs at about per-sample speed after a 15-40 s compile p
 "auto" = ``sdpa_per_sample``.
 
 Usage (the transformers integration, which feeds these kernels from a model's attention calls, is
-``vlm_pack.attention``; every name here is re-exported there)::
+``vlm_pack.forward.attention``; every name here is re-exported there)::
 
     out = varlen_attention(q, k, v, cu_seqlens, max_seqlen)      # q (T, H, D), k/v (T, Hkv, D)
     resolve_backend("auto", q)                                    # which backend "auto" runs here

@@ -34,7 +34,7 @@ With per-sample padding (context parallelism needs every sample's expanded lengt
     cu_seqlens             [0,             6,                     15,  16]               real lengths
 
 :func:`remap_cu_seqlens_padded` remaps both at once. The per-sample shift of labels over these boundaries is
-:func:`vlm_pack.labels.roll_packed`.
+:func:`vlm_pack.collate.labels.roll_packed`.
 """
 
 from __future__ import annotations

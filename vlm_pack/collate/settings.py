@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .families import canonical, lookup, names
-from .model_types import check_not_refused
+from ..families import canonical, lookup, names
+from ..model_types import check_not_refused
 from .positions import is_mrope_family
 
 __all__ = ["SOURCES", "CollatorSettings"]

@@ -1,6 +1,6 @@
 """Conversations in every documented format, normalised once: ``{"role", "content"}`` turns whose content is
 a string or a list of parts ``{"type": "image" | "video" | "text"}``; ``<image>`` / ``<video>`` markers in text
-stand for an image / a video where it appears (what :mod:`vlm_pack.chat` renders)."""
+stand for an image / a video where it appears (what :mod:`vlm_pack.processing.chat` renders)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .failures import SampleError
+from ..failures import SampleError
 
 __all__ = ["IMAGE_MARKER", "VIDEO_MARKER", "Conversation", "Turns", "normalise_conversation"]
 

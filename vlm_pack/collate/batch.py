@@ -1,6 +1,6 @@
 """What a packed batch carries: ``PackedBatch``, and the model inputs it gives in each attention style.
 
-``PackingCollator`` (``collate.py``) builds it; the layouts are drawn there. Besides the packed rows and
+``PackingCollator`` (``collator.py``) builds it; the layouts are drawn there. Besides the packed rows and
 the sample boundaries, a batch tells which samples it holds and in what order::
 
     batch.sample_index        [N] input index of each packed sample, in packed order
@@ -13,7 +13,7 @@ the sample boundaries, a batch tells which samples it holds and in what order::
 - ``"sdpa"`` / ``"eager"``: HF ``input_ids``, ``labels``, ``position_ids``, vision tensors,
   ``use_cache=False`` and NO ``attention_mask`` (transformers then derives the block-diagonal mask from
   the position restarts), except for Gemma 3: ``token_type_ids`` and a dict of per-layer-type masks
-  (``masks.py``), since transformers' own packed mask is wrong in its sliding-window layers;
+  (``forward/masks.py``), since transformers' own packed mask is wrong in its sliding-window layers;
 - ``"flash_attention_2"``: the rows flattened to ``[1, R*T]`` plus ``cu_seq_lens_q/k`` (=
   ``cu_seqlens_padded``) and ``max_length_q/k``: the names transformers' flash path reads (never
   ``cu_seqlens``, which would reach the vision tower);
@@ -23,7 +23,7 @@ the sample boundaries, a batch tells which samples it holds and in what order::
 Families whose text model mixes tokens without attention (the record's ``token_mixers``: Qwen3.5's gated
 delta net, LFM2's short conv) always get ``seq_idx`` (``[R, T]`` / ``[1, R*T]`` int32, the sample of each
 token) in the HF styles: the boundaries and the marker of a packed row. A mixer isolated by
-``isolate_token_mixers`` (``mixers.py``) reads its samples from it; transformers' own layers hand it to their
+``isolate_token_mixers`` (``forward/mixers.py``) reads its samples from it; transformers' own layers hand it to their
 PyTorch fallback, which refuses it (5.24 on: "can't keep packed sequences apart") at the model's first
 forward, before any optimizer step, instead of carrying one sample into the next. (``cu_seq_lens_q`` is not
 added to the sdpa / eager styles: it would reach a VLM's vision tower through ``**kwargs``.)
@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
-from ._compat import check_experts_mask_mapping, images_past_window
-from .families import canonical, lookup
+from .._compat import check_experts_mask_mapping, images_past_window
+from ..families import canonical, lookup
+from ..forward.masks import TOKENS_KEY, MaskMapping, gemma3_attention_masks, real_tokens
 from .labels import IGNORE_INDEX, roll_packed
-from .masks import TOKENS_KEY, MaskMapping, gemma3_attention_masks, real_tokens
 from .positions import is_mrope_family
 from .vision_inputs import VISION_KEYS
 
@@ -76,7 +76,7 @@ class _FallbackPackedSeqParams:
     max_seqlen_kv: int | None = None
 
 
-# Pickles and prints as vlm_pack.batch.PackedSeqParams, the name it is reached by.
+# Pickles and prints as vlm_pack.collate.batch.PackedSeqParams, the name it is reached by.
 _FallbackPackedSeqParams.__name__ = _FallbackPackedSeqParams.__qualname__ = "PackedSeqParams"
 
 
@@ -84,7 +84,7 @@ _FallbackPackedSeqParams.__name__ = _FallbackPackedSeqParams.__qualname__ = "Pac
 def packed_seq_params_class() -> type:
     """Megatron-Core's ``PackedSeqParams`` when importable, else a dataclass with its fields.
 
-    Imported on first use only: ``import vlm_pack.collate`` never loads megatron-core.
+    Imported on first use only: ``import vlm_pack.collate.collator`` never loads megatron-core.
     """
     try:
         from megatron.core.packed_seq_params import PackedSeqParams  # type: ignore[import-not-found]
@@ -108,7 +108,7 @@ def thd_params_kwargs(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
 
 
 def __getattr__(name: str) -> Any:
-    # ``from vlm_pack.batch import PackedSeqParams`` resolves (and imports megatron-core) only here.
+    # ``from vlm_pack.collate.batch import PackedSeqParams`` resolves (and imports megatron-core) only here.
     if name == "PackedSeqParams":
         return packed_seq_params_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -220,7 +220,7 @@ class PackedBatch:
 
     def real_tokens(self) -> torch.Tensor:
         """``[R, T]`` int64, 1 on real tokens and 0 on padding (expanded layout): what router statistics and
-        an MoE auxiliary loss must count (``vlm_pack.routers``), where the rows carry no 2-D mask."""
+        an MoE auxiliary loss must count (``vlm_pack.forward.routers``), where the rows carry no 2-D mask."""
         return real_tokens(
             self.cu_seqlens_expanded, self.cu_seqlens_padded_expanded, self.num_rows, self.row_length
         )
@@ -266,7 +266,7 @@ class PackedBatch:
     def attention_masks(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
         """The per-layer-type masks of models whose packed rows need one (Gemma 3), else None.
 
-        ``{"full_attention": [R, 1, T, T], "sliding_attention": [R, 1, T, T]}`` (see ``masks.py``): bool
+        ``{"full_attention": [R, 1, T, T], "sliding_attention": [R, 1, T, T]}`` (see ``forward/masks.py``): bool
         for ``dtype=None`` (sdpa), additive in ``dtype`` otherwise (eager). Mixture-of-experts families
         (``experts``: Qwen3.5-MoE) get ``{"full_attention": per-sample causal, "linear_attention": None}``, so
         that ``model_inputs`` can pass the 2-D mask of real tokens their router loss reads.

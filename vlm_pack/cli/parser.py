@@ -1,4 +1,4 @@
-"""The ``vlm-pack`` command line's flags: argument types, flag groups and the parser (``cli.py`` runs it).
+"""The ``vlm-pack`` command line's flags: argument types, flag groups and the parser (``cli/main.py`` runs it).
 
 One flag group per concern (model, data, engine, packing, the padded baseline, output), shared by the
 subcommands that need it; packing flags carry :class:`~vlm_pack.config.PackingConfig`'s names and defaults.

@@ -65,7 +65,7 @@ def repack(
     """The samples (``padded``: each one's span, each at most ``capacity``) grouped into rows by ``strategy``
     (``vlm_pack.packing.pack``): inside a row samples keep their input order and rows are sorted by their
     first sample, so the layout is reproducible and easy to read."""
-    from .packing import pack
+    from ..packing import pack
 
     result = pack(padded, capacity, strategy=strategy, max_samples_per_bin=max_samples_per_bin)
     return sorted((sorted(b) for b in result.bins), key=lambda b: b[0])

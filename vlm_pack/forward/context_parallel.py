@@ -38,7 +38,7 @@ needs the first token of chunk ``k + 1``::
 :func:`roll_packed_context_parallel` sends, for all samples at once, the first token of each front chunk to
 rank ``r - 1`` and the first token of each back chunk to rank ``r + 1`` in one ``batch_isend_irecv``.
 
-The per-token loss that CP needs (each rank holds a different number of loss tokens) is in ``vlm_pack.loss``.
+The per-token loss that CP needs (each rank holds a different number of loss tokens) is in ``vlm_pack.forward.loss``.
 :func:`check_parallel_config` rejects the configurations that silently break either (seed rules of Megatron
 Bridge).
 
@@ -56,9 +56,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from .batch import thd_params_kwargs
-from .collate import pad_multiple_for
-from .labels import IGNORE_INDEX, roll_packed
+from ..collate.batch import thd_params_kwargs
+from ..collate.collator import pad_multiple_for
+from ..collate.labels import IGNORE_INDEX, roll_packed
 
 __all__ = [
     "ContextParallelShard",

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .remap import segment_ids
+from ..collate.remap import segment_ids
 
 __all__ = ["TOKENS_KEY", "MaskMapping", "gemma3_attention_masks", "image_blocks", "real_tokens"]
 

@@ -1,7 +1,7 @@
 """Varlen attention for Hugging Face transformers models: every packed sample attends only to itself.
 
 The kernels (``varlen_attention`` over packed (T, H, D) tensors, the backends and how "auto" picks one)
-live in ``vlm_pack.varlen`` and are re-exported here, so ``from vlm_pack.attention import ...`` keeps
+live in ``vlm_pack.forward.varlen`` and are re-exported here, so ``from vlm_pack.forward.attention import ...`` keeps
 working; this room routes a transformers model's attention calls to them.
 
 ``use_varlen_attention(model)`` (or ``register_hf_attention()`` then

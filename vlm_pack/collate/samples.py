@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..families import lookup
 from .batch import VISION_KEYS
-from .families import lookup
 from .vision_inputs import join_vision
 
 if TYPE_CHECKING:
-    from .collate_rows import RowPlan
+    from .rows import RowPlan
 
 __all__ = [
     "SampleParts",

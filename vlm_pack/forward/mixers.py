@@ -214,7 +214,7 @@ def mixer_problems(model: nn.Module, mixers: list[TokenMixer] | None = None) -> 
             continue
         if m.kind == "unknown":
             fix = ("vlm-pack has no boundary-respecting path for it: train this model unpacked (one sample "
-                   "per row) or add its class to vlm_pack.mixers.KNOWN_MIXERS with a tested path")
+                   "per row) or add its class to vlm_pack.forward.mixers.KNOWN_MIXERS with a tested path")
         else:
             fix = _FIX
         problems.append(f"{cls}: layer {m.name} mixes tokens without attention and keeps no sample "

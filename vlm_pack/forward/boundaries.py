@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._compat import tensor_version
+from .._compat import tensor_version
 
 __all__ = [
     "IdentityCache",
