@@ -37,6 +37,7 @@ Rules (transformers 5.24):
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -78,6 +79,10 @@ class VideoForecast:
     metadata: Any = field(default=None, compare=False, repr=False)
     """transformers' ``VideoMetadata`` as the processor is given it (``frames_indices`` = ``indices``): what
     its own ``replace_video_token`` reads to write the text around the video's tokens; None where unknown."""
+    stand_in: tuple[str, str, int] | None = field(default=None, compare=False, repr=False)
+    """The exact route's (a processor no record names, ``vision/oracle.py``): ``(embedding token, the text the
+    processor writes for the video with each run of that token written once, the tokens that leaves out)``;
+    None where a family's rule forecast the video."""
 
     def processor_metadata(self) -> Any:
         """A fresh copy of :attr:`metadata` (the processor writes into the one it receives), or None."""
@@ -245,7 +250,9 @@ def forecast_video(
 ) -> VideoForecast:
     """The vision tokens (and grid, kept frames, timestamps) of a video with this header, without decoding.
 
-    ``processor``: the family's processor, or its video processor (Qwen-VL). LLaVA-OneVision and InternVL
+    ``processor``: the family's processor, or its video processor (Qwen-VL). A processor whose class no record
+    names (or that rewrites its record's) is forecast by its own video step, never by a record its video
+    processor resembles (:func:`_exact_forecast`). LLaVA-OneVision and InternVL
     take their per-frame count from the processor (``num_image_tokens`` / ``image_seq_length``): pass the
     full processor or that number. ``videos_kwargs`` are call-time overrides (``fps=1``,
     ``do_sample_frames=True``, ``cap_pixels_per_frame=True``, ...) exactly as given to the processor.
@@ -256,6 +263,8 @@ def forecast_video(
     fail, so a pipeline stops at the first instead of counting each sample as bad.
     """
     vp = _video_processor(processor)
+    if _is_full(processor) and _takes_exact_route(processor):
+        return _exact_forecast(header, processor, videos_kwargs)
     settings = _settings(vp, videos_kwargs)
     record = video_family(vp)
     wraps = record.video_wraps if record is not None else None
@@ -275,6 +284,69 @@ def forecast_video(
         f"(Family.video_processor); records with videos: {', '.join(names('video_wraps'))}. A processor without "
         "a record is forecast by its own video step: vlm_pack.vision.oracle.exact_spec(processor).video_forecast"
     )
+
+
+def _is_full(processor: Any) -> bool:
+    return getattr(processor, "tokenizer", None) is not None and getattr(processor, "image_processor", None) is not None
+
+
+def _takes_exact_route(processor: Any) -> bool:
+    from ..from_processor import takes_exact_route
+
+    return takes_exact_route(processor)
+
+
+# processor -> its exact-route spec (settings hashed once per processor, not once per video)
+_SPECS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _exact_forecast(header: VideoHeader, processor: Any, videos_kwargs: dict[str, Any]) -> VideoForecast:
+    """The exact route for a video: the processor's own sampling on the header's metadata and its own video step
+    on blank frames of the header's size (``ProcessorSpec.video_forecast``, memoized), its text kept as the
+    forecast's ``stand_in``. A processor that cannot be driven so is refused by name (InternalCheckError: every
+    clip would fail); a clip its sampling or video step refuses (ValueError) is bad data."""
+    from ..._compat import video_step_missing
+    from ..oracle import ContentDependent, drives, exact_spec
+
+    name = type(processor).__name__
+    why = drives(processor) or video_step_missing(processor)
+    if why:
+        raise InternalCheckError(
+            f"{name}: no family record names it and vlm-pack cannot run its own video step ({why}), so its videos "
+            "are not forecast (no other family's rule is applied by resemblance). Train its videos unpacked, or "
+            "upgrade transformers (>= 5.18 runs any processor that implements replace_video_token)."
+        )
+    try:
+        spec = _SPECS[processor]
+    except KeyError:
+        spec = exact_spec(processor)
+        _SPECS[processor] = spec
+    except TypeError:  # a processor that cannot be weakly referenced
+        spec = exact_spec(processor)
+    try:
+        token, text, left = spec.video_stand_in(header, **videos_kwargs)
+        forecast = spec.video_forecast(header, **videos_kwargs)
+    except ValueError:
+        raise
+    except ContentDependent as exc:
+        raise InternalCheckError(f"{exc}. Its videos are not packed: switch that off, or train them unpacked.") from None
+    except Exception as exc:
+        import transformers
+
+        raise InternalCheckError(
+            f"{name} (transformers {transformers.__version__}, no vlm-pack record): its own video step fails on "
+            f"{header.frames} blank {header.width}x{header.height} frames: {type(exc).__name__}: {exc}. vlm-pack "
+            "forecasts such a processor's videos only by running it; train its videos unpacked or report it."
+        ) from exc
+    if token != processor.video_token:
+        raise InternalCheckError(
+            f"{name} (no vlm-pack record) writes a video's frames as {token!r} tokens, not its video_token "
+            f"{processor.video_token!r}: vlm-pack counts a record-less processor's video embeddings as video tokens, "
+            "so its videos are refused; train them unpacked or report it."
+        )
+    metadata = header.metadata()
+    metadata.frames_indices = list(forecast.indices)
+    return replace(forecast, metadata=metadata, stand_in=(token, text, left))
 
 
 __all__ = ["VideoForecast", "forecast_video", "sampled_frames"]
