@@ -163,7 +163,7 @@ def _video_processor(model_type: str) -> Any:
     if not name:
         return None
     try:
-        return _transformers_attr(name, model_type, "video processor")()
+        return _transformers_attr(name, model_type, "video processor")(**(_override(model_type, "video_processor") or {}))
     except Exception:  # torchvision absent: the image + text path
         return None
 
@@ -191,7 +191,8 @@ def _llava_counts(model_type: str, cls: type) -> dict[str, Any]:
 
 def processor_for_type(model_type: str) -> Any:
     """The model type's real processor: its image processor (own defaults) and a stand-in tokenizer carrying
-    every token the processor names. Video and audio parts are left out (``None``)."""
+    every token the processor names; its video processor (own defaults, ``_OVERRIDES``' ``video_processor``) where
+    torchvision loads. Audio parts are left out (``None``)."""
     cls = _processor_class(model_type)
     image_processor = _image_processor(model_type)
     roles_given = {**_tokenizer_roles(cls), **(_override(model_type, "roles") or {})}
@@ -276,13 +277,16 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                     text=dict(rope_parameters=_GLM_ROPE)),
     "glmga": dict(processor_class="Glm46VProcessor", text=dict(rope_parameters=_GLM_ROPE)),
     # lmms-lab/LLaVA-OneVision-1.5: its tower embeds one frame per patch (temporal patch 1)
-    "llava_onevision1_5": dict(image_processor=dict(temporal_patch_size=1)),
+    "llava_onevision1_5": dict(image_processor=dict(temporal_patch_size=1), video_processor=dict(temporal_patch_size=1)),
     # CohereLabs/aya-vision-8b: 364 px SigLIP crops (26 x 26 patches, pixel-shuffled by 2)
     "aya_vision": dict(image_processor=dict(size={"height": 364, "width": 364}),
                        processor_kwargs=dict(img_size=364)),
     # llava-hf/LLaVA-NeXT-Video-7B-hf: CLIP 336 px, 14 px patches, CLS dropped
     "llava_next_video": dict(processor_kwargs=dict(patch_size=14, vision_feature_select_strategy="default",
                                                    num_additional_image_tokens=1)),
+    # DAMO-NLP-SG/VideoLLaMA3: its token compression drops patches by content, which no header forecasts (vlm-pack
+    # refuses that); its videos pack with it off
+    "video_llama_3": dict(video_processor=dict(use_token_compression=False)),
     # google/paligemma-3b-pt-224: 224 px, 256 image tokens
     "paligemma": dict(image_processor=dict(size={"height": 224, "width": 224}, image_seq_length=256),
                       vision=dict(image_size=224)),
