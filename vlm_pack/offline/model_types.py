@@ -152,9 +152,11 @@ def _stand_in_tokenizer(model_type: str, extra: tuple[str, ...], roles: tuple[tu
     return tok
 
 
-def _video_processor(model_type: str) -> Any:
+def _video_processor(model_type: str, image_processor: Any = None) -> Any:
     """The type's video processor with its defaults where torchvision loads (some processors read settings off
-    it even for images: MiniCPM-V 4.6's ``slice_mode``), else None."""
+    it even for images: MiniCPM-V 4.6's ``slice_mode``), else None. Its patch geometry (``patch_size``,
+    ``temporal_patch_size``) is ``image_processor``'s where both have one: one tower embeds both, as a
+    checkpoint's two preprocessor configs agree (the classes' defaults need not: LFM3-VL's)."""
     from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
 
     name = VIDEO_PROCESSOR_MAPPING_NAMES.get(model_type)
@@ -162,8 +164,19 @@ def _video_processor(model_type: str) -> Any:
         name = name.get("torchvision") or next(iter(name.values()), None)
     if not name:
         return None
+    settings = {}
+    for key in ("patch_size", "temporal_patch_size"):
+        value = getattr(image_processor, key, None)
+        if isinstance(value, int):
+            settings[key] = value
     try:
-        return _transformers_attr(name, model_type, "video processor")(**(_override(model_type, "video_processor") or {}))
+        cls = _transformers_attr(name, model_type, "video processor")
+        settings = {k: v for k, v in settings.items() if isinstance(getattr(cls, k, None), int)}
+        given = _override(model_type, "video_processor") or {}
+        try:
+            return cls(**{**settings, **given})
+        except ValueError:  # a class that fixes its own (ERNIE-4.5-VL's temporal patch 2 under images' 1)
+            return cls(**given)
     except Exception:  # torchvision absent: the image + text path
         return None
 
@@ -207,7 +220,7 @@ def processor_for_type(model_type: str) -> Any:
         elif part == "tokenizer":
             kwargs[part] = tok
         elif part == "video_processor":
-            kwargs[part] = _video_processor(model_type)
+            kwargs[part] = _video_processor(model_type, image_processor)
         else:
             kwargs[part] = None
     kwargs.update(_llava_counts(model_type, cls))
@@ -260,7 +273,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                        placeholder="{image_start_token}{image_token}{image_end_token}"),
     # baidu/ERNIE-4.5-VL-28B-A3B: the model code's default sections (22, 22, 20 of 64), shrunk
     "ernie4_5_vl_moe": dict(text=dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0,
-                                                           mrope_section=[3, 3, 2]))),
+                                                           mrope_section=[3, 3, 2])),
+                            # its frames' drawn timestamps need the checkpoint's font file (same token counts)
+                            video_processor=dict(draw_on_frames=False)),
     # baidu/Qianfan-OCR: its prompts hold <image>, which the processor expands into its context tokens
     "qianfan_ocr": dict(placeholder="<image>", image_processor=dict(size={"height": 448, "width": 448})),
     # llava-hf/vip-llava-7b-hf: CLS dropped, as its projector does
@@ -277,7 +292,7 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                     text=dict(rope_parameters=_GLM_ROPE)),
     "glmga": dict(processor_class="Glm46VProcessor", text=dict(rope_parameters=_GLM_ROPE)),
     # lmms-lab/LLaVA-OneVision-1.5: its tower embeds one frame per patch (temporal patch 1)
-    "llava_onevision1_5": dict(image_processor=dict(temporal_patch_size=1), video_processor=dict(temporal_patch_size=1)),
+    "llava_onevision1_5": dict(image_processor=dict(temporal_patch_size=1)),
     # CohereLabs/aya-vision-8b: 364 px SigLIP crops (26 x 26 patches, pixel-shuffled by 2)
     "aya_vision": dict(image_processor=dict(size={"height": 364, "width": 364}),
                        processor_kwargs=dict(img_size=364)),
@@ -287,6 +302,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # DAMO-NLP-SG/VideoLLaMA3: its token compression drops patches by content, which no header forecasts (vlm-pack
     # refuses that); its videos pack with it off
     "video_llama_3": dict(video_processor=dict(use_token_compression=False)),
+    # nvidia Nemotron-H Omni: its video processor's normalisation comes from the checkpoint (None by default)
+    "nemotron_h_omni": dict(video_processor=dict(norm_mean=[0.48145466, 0.4578275, 0.40821073],
+                                                 norm_std=[0.26862954, 0.26130258, 0.27577711])),
     # google/paligemma-3b-pt-224: 224 px, 256 image tokens
     "paligemma": dict(image_processor=dict(size={"height": 224, "width": 224}, image_seq_length=256),
                       vision=dict(image_size=224)),
