@@ -174,7 +174,7 @@ def test_a_recorded_processor_subclass_that_writes_other_video_text_is_forecast_
     assert length == rule + caption
 
 
-@pytest.mark.parametrize("model_type", ["video_llama_3", "hy_v4_vl"])
+@pytest.mark.parametrize("model_type", ["video_llama_3", pytest.param("hy_v4_vl", marks=pytest.mark.slow)])
 def test_a_record_less_type_packs_a_video_an_image_and_text_as_each_sample_alone(model_type):
     """One row: a video sample (vlm-pack's forecast and processing), a two-image sample, an image sample and a
     text sample, on the type's tiny genuine model, sdpa and eager; each scored against itself alone (the
