@@ -32,6 +32,10 @@ Rules (transformers 5.24):
   ``<IMG_CONTEXT>`` tokens between ``<img>`` / ``</img>`` (the ``Frame{i}:`` text is the prompt's).
 
 ``cap_pixels_per_frame=None`` (the 5.24 default, with a warning) is the processor's uncapped behaviour.
+
+Any other processor (its class named by no record, or rewriting its record's: a model type without a record)
+takes the exact route: its own sampling and video step on blank frames of the header's size
+(``vlm_pack.vision.oracle.ProcessorSpec``), or is refused by name (:func:`_exact_forecast`).
 """
 
 from __future__ import annotations
