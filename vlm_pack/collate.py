@@ -385,8 +385,7 @@ class PackingCollator:
                     "another processor setting or another merge size"
                 )
             if self.video_token_id is not None:
-                # a type without a record: its grid's merge is its own (Video-LLaMA 3 merges videos, not images)
-                merge = None if self.settings.unrecorded else self.spatial_merge_size
+                merge = None if self.settings.unrecorded else self.spatial_merge_size  # no record: its own merge
                 check_video_tokens(name, is_video, vision, tokens_per_video, merge)
             return sample_length.expanded_length(ids.numel(), tpi, self.layout)
         if n_placeholders != n_images:

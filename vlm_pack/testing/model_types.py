@@ -209,6 +209,30 @@ def _mixers(model: Any) -> tuple[list[str], str | None]:
     return names, None
 
 
+def _build(cert: Certificate, styles: tuple[str, ...], seed: int) -> tuple[Any, Any, tuple[str, ...]] | None:
+    """``(processor, tiny model, the attentions it has)`` of ``cert``'s type, or None with ``cert.reason`` set."""
+    from ..offline.model_types import NotBuildable, processor_for_type, tiny_model_for_type
+
+    try:
+        processor = processor_for_type(cert.model_type)
+        try:
+            model = tiny_model_for_type(cert.model_type, processor, seed=seed, attn_implementation=styles[0])
+        except ValueError as e:
+            if "does not support an attention implementation" not in str(e) or len(styles) < 2:
+                raise
+            cert.notes.append(f"{styles[0]}: the model has no such attention")
+            styles = styles[1:]
+            model = tiny_model_for_type(cert.model_type, processor, seed=seed, attn_implementation=styles[0])
+    except NotBuildable as e:
+        cert.reason = str(e)
+        return None
+    except Exception as e:  # the type's own code refused the shrunk config
+        cert.reason = f"the tiny model does not build: {type(e).__name__}: {_short(e)}"
+        return None
+    cert.built = True
+    return processor, model, styles
+
+
 @torch.no_grad()
 def certify_model_type(
     model_type: str,
@@ -224,31 +248,13 @@ def certify_model_type(
     ``videos=True``: a video sample heads the row (:func:`video_sample`)."""
     from ..collate import PackingCollator
     from ..model_types import RopeIndex, find_rope_index
-    from ..offline.model_types import (
-        NotBuildable,
-        placeholder_for_type,
-        processor_for_type,
-        tiny_model_for_type,
-    )
+    from ..offline.model_types import placeholder_for_type
 
     cert = Certificate(model_type)
-    try:
-        processor = processor_for_type(model_type)
-        try:
-            model = tiny_model_for_type(model_type, processor, seed=seed, attn_implementation=styles[0])
-        except ValueError as e:
-            if "does not support an attention implementation" not in str(e) or len(styles) < 2:
-                raise
-            cert.notes.append(f"{styles[0]}: the model has no such attention")
-            styles = styles[1:]
-            model = tiny_model_for_type(model_type, processor, seed=seed, attn_implementation=styles[0])
-    except NotBuildable as e:
-        cert.reason = str(e)
+    built = _build(cert, styles, seed)
+    if built is None:
         return cert
-    except Exception as e:  # the type's own code refused the shrunk config
-        cert.reason = f"the tiny model does not build: {type(e).__name__}: {_short(e)}"
-        return cert
-    cert.built = True
+    processor, model, styles = built
     cert.mixers, cert.reason = _mixers(model)
     if cert.reason:
         return cert

@@ -37,8 +37,8 @@ from typing import Any, NamedTuple
 
 from .._compat import image_step_missing, process_images, process_videos, video_step_missing
 from .spec import VisionSpec, _check_size
-from .video.forecast import VideoForecast, sampled_frames
 from .video.header import VideoHeader
+from .video.sampling import VideoForecast, sampled_frames
 
 __all__ = ["ContentDependent", "ProcessorSpec", "drives", "exact_spec"]
 
