@@ -109,6 +109,7 @@ def video_check(model_type: str) -> str:
     from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
 
     from vlm_pack.families import REFUSED, lookup
+    from vlm_pack.offline.model_types import _override
     from vlm_pack.testing.model_types import certify_model_type
 
     if lookup(model_type) is not None or model_type in REFUSED or model_type not in VIDEO_PROCESSOR_MAPPING_NAMES:
@@ -119,7 +120,9 @@ def video_check(model_type: str) -> str:
         return f"video: not checked: {type(e).__name__}: {str(e)[:100]}".replace("|", "/")
     if c.exact:
         measured = " / ".join(f"{c.errors[k]:.7f} ({k})" for k in ("sdpa", "eager") if k in c.errors)
-        return f"video: packed = alone {measured}; {c.video}".replace("|", "/")
+        given = _override(model_type, "video_processor")  # settings the released defaults differ by
+        settings = f" (video processor {', '.join(f'{k}={v}' for k, v in given.items())})" if given else ""
+        return f"video: packed = alone {measured}{settings}; {c.video}".replace("|", "/")
     return f"video: not packed: {(c.reason or '')[:240]}".replace("|", "/")
 
 
