@@ -201,3 +201,55 @@ def test_more_record_less_types_pack_videos_as_each_sample_alone(model_type):
 
     cert = certify_model_type(model_type, videos=True)
     assert cert.exact, str(cert)
+
+
+@pytest.mark.slow
+def test_a_record_less_types_video_stream_packs_every_sample_at_its_forecast_length(tmp_path):
+    """The user's path: a PackedWebDataset epoch over shards of video, video + image and text samples for
+    LLaVA-OneVision-1.5 (no record; Qwen2-VL's video processor under a processor of its own): every sample
+    packed once, at its forecast length (no forecast mismatch, nothing bad), its video tokens the processor's
+    own count for the clip alone."""
+    _needs("llava_onevision1_5")
+    import io
+
+    from PIL import Image
+
+    from vlm_pack import Preprocessor
+    from vlm_pack.data import write_shards
+    from vlm_pack.data.pipeline import PackedWebDataset
+    from vlm_pack.offline.model_types import tiny_config_for_type
+    from vlm_pack.testing.clips import encode_clip
+
+    proc = _chat_processor("llava_onevision1_5")
+    clips = [encode_clip(frames=4, width=64, height=48, fps=2.0, seed=1),
+             encode_clip(frames=3, width=48, height=64, fps=3.0, container="webm", seed=2)]  # fmt: skip
+    png = io.BytesIO()
+    Image.new("RGB", (56, 84), (10, 200, 90)).save(png, format="PNG")
+    records = []
+    for i in range(6):
+        turn, record = "Describe.", {"key": f"s{i}"}
+        if i % 3 == 0:
+            record["videos"], turn = [clips[i % 2]], "<video>" + turn
+        elif i % 3 == 1:
+            record["videos"], record["images"], turn = [clips[1]], [png.getvalue()], "<video><image>" + turn
+        record["conversation"] = [{"role": "user", "content": turn}, {"role": "assistant", "content": f"Answer {i}."}]
+        records.append(record)
+    urls = write_shards(records, str(tmp_path / "g-%06d.tar"), maxcount=3)
+    config = tiny_config_for_type("llava_onevision1_5", proc)  # the model's ids, as model.config gives them
+    ds = PackedWebDataset(urls, Preprocessor(processor=proc), capacity=2048, shuffle_seed=None,
+                          collator_kwargs=dict(model_config=config))  # fmt: skip
+    batches = list(ds)
+    assert sorted(k for b in batches for k in b.metadata["__key__"]) == [r["key"] for r in records]
+    assert ds.stats.forecast_mismatches == 0 and ds.stats.samples_bad == 0
+    video_id = proc.tokenizer.convert_tokens_to_ids(proc.video_token)
+    alone = {}
+    for b in batches:
+        bounds = b.cu_seqlens.tolist()
+        for key, start, end in zip(b.metadata["__key__"], bounds, bounds[1:]):
+            alone[key] = int((b.input_ids[0, start:end] == video_id).sum())
+    for record in records:
+        want = 0
+        for clip in record.get("videos", []):
+            text = f"{proc.video_token}x"
+            want += _own_ids(proc, text, clip).count(video_id)
+        assert alone[record["key"]] == want, record["key"]
