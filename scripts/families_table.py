@@ -17,6 +17,14 @@ class. The "forecast exact" column compares, for each type whose processor build
 length of the processor's own ``__call__`` on Pillow images of those sizes (:data:`FORECAST_SIZES`).
 
     PYTHONPATH=. .venv-tv/bin/python scripts/families_table.py --forecast-only   # refill that column only
+
+``--videos`` (torchvision and PyAV) fills the "notes" column of each type without a record whose processor has
+a video processor (``VIDEO_PROCESSOR_MAPPING_NAMES``) with its video certificate
+(``certify_model_type(..., videos=True)``: a video sample, forecast by the processor's own video step and
+processed by vlm-pack, packed with image and text samples against each alone), or why its videos are refused;
+``--videos-only`` refills that column of the committed table alone.
+
+    PYTHONPATH=. .venv-tv/bin/python scripts/families_table.py --videos-only
 """
 
 from __future__ import annotations
@@ -92,6 +100,52 @@ def forecast_check(model_type: str) -> str:
     except Exception as e:
         return f"not checked: {type(e).__name__}: {str(e)[:80]}".replace("|", "/")
     return f"exact on {len(FORECAST_SIZES)} samples"
+
+
+def video_check(model_type: str) -> str:
+    """The notes cell's video part for a type without a record whose processor has a video processor: ``video:
+    packed = alone`` with the errors and the forecast against the processed length, or why not; "" for the
+    others (a record's videos are its family's: docs/video.md)."""
+    from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
+
+    from vlm_pack.families import REFUSED, lookup
+    from vlm_pack.offline.model_types import _override
+    from vlm_pack.testing.model_types import certify_model_type
+
+    if lookup(model_type) is not None or model_type in REFUSED or model_type not in VIDEO_PROCESSOR_MAPPING_NAMES:
+        return ""
+    try:
+        c = certify_model_type(model_type, videos=True)
+    except Exception as e:  # the harness reports the type's failures itself: this is its own
+        return f"video: not checked: {type(e).__name__}: {str(e)[:100]}".replace("|", "/")
+    if c.exact:
+        measured = " / ".join(f"{c.errors[k]:.7f} ({k})" for k in ("sdpa", "eager") if k in c.errors)
+        given = _override(model_type, "video_processor")  # settings the released defaults differ by
+        settings = f" (video processor {', '.join(f'{k}={v}' for k, v in given.items())})" if given else ""
+        return f"video: packed = alone {measured}{settings}; {c.video}".replace("|", "/")
+    return f"video: not packed: {(c.reason or '')[:240]}".replace("|", "/")
+
+
+def refill_videos() -> int:
+    """Rewrite the "notes" cell of every row of the committed table whose type has a video certificate."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    text = DOC.read_text()
+    start, end = text.index(BEGIN), text.index(END)
+    lines = text[start:end].splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("| `"):
+            cells = line.split("|")
+            cell = video_check(cells[1].strip().strip("`"))
+            if cell:
+                cells[6] = f" {cell} "
+                lines[i] = "|".join(cells)
+                print(lines[i], flush=True)
+    DOC.write_text(text[:start] + "\n".join(lines) + "\n" + text[end:])
+    return 0
 
 
 class _TimeUp(BaseException):  # not caught by the check's own "except Exception"
@@ -209,9 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-gb", type=float, default=8.0, help="address-space limit per type (0: none)")
     parser.add_argument("--isolate", action="store_true", help="each type in a process of its own (slower)")
     parser.add_argument("--forecast-only", action="store_true", help="refill the forecast exact column only")
+    parser.add_argument("--videos", action="store_true", help="certify videos too, into the notes column")
+    parser.add_argument("--videos-only", action="store_true", help="refill the notes column's videos only")
     args = parser.parse_args(argv)
     if args.forecast_only:
         return refill_forecasts()
+    if args.videos_only:
+        return refill_videos()
     if not args.isolate and args.memory_gb:
         import resource
 
@@ -241,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             cert = certify_here(model_type, args.timeout)
         cells = row(model_type, TYPES[model_type], cert, dict(REFUSED)).split("|")
         cells[5] = f" {forecast_check(model_type)} "
+        if args.videos:
+            cells[6] = f" {video_check(model_type)} "
         line = "|".join(cells)
         kind = line.split("|")[3].strip()
         counts[kind] = counts.get(kind, 0) + 1

@@ -204,7 +204,7 @@ def process_videos(processor: Any, frames: Any, metadata: Any, **videos_kwargs: 
     merged = processor._merge_kwargs(
         processor.valid_processor_kwargs,
         tokenizer_init_kwargs=getattr(processor.tokenizer, "init_kwargs", {}),
-        return_tensors="np",
+        return_tensors="pt",  # as process_sample calls it (Video-LLaMA 3's replace_video_token splits tensors)
         **videos_kwargs,
     )
     kwargs = {**merged["videos_kwargs"], "do_sample_frames": False, "video_metadata": [metadata]}

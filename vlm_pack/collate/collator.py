@@ -385,7 +385,8 @@ class PackingCollator:
                     "another processor setting or another merge size"
                 )
             if self.video_token_id is not None:
-                check_video_tokens(name, is_video, vision, tokens_per_video, self.spatial_merge_size)
+                merge = None if self.settings.unrecorded else self.spatial_merge_size  # no record: its own merge
+                check_video_tokens(name, is_video, vision, tokens_per_video, merge)
             return sample_length.expanded_length(ids.numel(), tpi, self.layout)
         if n_placeholders != n_images:
             raise ValueError(

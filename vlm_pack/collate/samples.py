@@ -165,13 +165,18 @@ def packed_extras(ordered: list[SampleParts], plan: RowPlan, shape: tuple[int, i
 
 
 def check_video_tokens(
-    name: str, is_video: torch.Tensor, vision: dict[str, torch.Tensor], tokens_per_video: torch.Tensor | None, merge: int
+    name: str,
+    is_video: torch.Tensor,
+    vision: dict[str, torch.Tensor],
+    tokens_per_video: torch.Tensor | None,
+    merge: int | None,
 ) -> None:
     """ValueError naming the sample unless its video tokens (``is_video`` [L] bool) are what its
-    ``video_grid_thw`` (Qwen-VL, ``merge`` the spatial merge size) and ``tokens_per_video`` [m] make."""
+    ``video_grid_thw`` (Qwen-VL, ``merge`` the spatial merge size; None: not checked) and ``tokens_per_video``
+    [m] make."""
     n_video = int(is_video.sum())
     video_grid = vision.get("video_grid_thw")
-    if video_grid is not None:
+    if video_grid is not None and merge is not None:
         want = int((video_grid.reshape(-1, 3).prod(-1) // merge**2).sum())
         if n_video != want:
             raise ValueError(f"{name}: input_ids hold {n_video} video tokens but video_grid_thw makes {want}")

@@ -152,9 +152,11 @@ def _stand_in_tokenizer(model_type: str, extra: tuple[str, ...], roles: tuple[tu
     return tok
 
 
-def _video_processor(model_type: str) -> Any:
+def _video_processor(model_type: str, image_processor: Any = None) -> Any:
     """The type's video processor with its defaults where torchvision loads (some processors read settings off
-    it even for images: MiniCPM-V 4.6's ``slice_mode``), else None."""
+    it even for images: MiniCPM-V 4.6's ``slice_mode``), else None. Its patch geometry (``patch_size``,
+    ``temporal_patch_size``) is ``image_processor``'s where both have one: one tower embeds both, as a
+    checkpoint's two preprocessor configs agree (the classes' defaults need not: LFM3-VL's)."""
     from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
 
     name = VIDEO_PROCESSOR_MAPPING_NAMES.get(model_type)
@@ -162,8 +164,19 @@ def _video_processor(model_type: str) -> Any:
         name = name.get("torchvision") or next(iter(name.values()), None)
     if not name:
         return None
+    settings = {}
+    for key in ("patch_size", "temporal_patch_size"):
+        value = getattr(image_processor, key, None)
+        if isinstance(value, int):
+            settings[key] = value
     try:
-        return _transformers_attr(name, model_type, "video processor")()
+        cls = _transformers_attr(name, model_type, "video processor")
+        settings = {k: v for k, v in settings.items() if isinstance(getattr(cls, k, None), int)}
+        given = _override(model_type, "video_processor") or {}
+        try:
+            return cls(**{**settings, **given})
+        except ValueError:  # a class that fixes its own (ERNIE-4.5-VL's temporal patch 2 under images' 1)
+            return cls(**given)
     except Exception:  # torchvision absent: the image + text path
         return None
 
@@ -191,7 +204,8 @@ def _llava_counts(model_type: str, cls: type) -> dict[str, Any]:
 
 def processor_for_type(model_type: str) -> Any:
     """The model type's real processor: its image processor (own defaults) and a stand-in tokenizer carrying
-    every token the processor names. Video and audio parts are left out (``None``)."""
+    every token the processor names; its video processor (own defaults, ``_OVERRIDES``' ``video_processor``) where
+    torchvision loads. Audio parts are left out (``None``)."""
     cls = _processor_class(model_type)
     image_processor = _image_processor(model_type)
     roles_given = {**_tokenizer_roles(cls), **(_override(model_type, "roles") or {})}
@@ -206,7 +220,7 @@ def processor_for_type(model_type: str) -> Any:
         elif part == "tokenizer":
             kwargs[part] = tok
         elif part == "video_processor":
-            kwargs[part] = _video_processor(model_type)
+            kwargs[part] = _video_processor(model_type, image_processor)
         else:
             kwargs[part] = None
     kwargs.update(_llava_counts(model_type, cls))
@@ -259,7 +273,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                        placeholder="{image_start_token}{image_token}{image_end_token}"),
     # baidu/ERNIE-4.5-VL-28B-A3B: the model code's default sections (22, 22, 20 of 64), shrunk
     "ernie4_5_vl_moe": dict(text=dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0,
-                                                           mrope_section=[3, 3, 2]))),
+                                                           mrope_section=[3, 3, 2])),
+                            # its frames' drawn timestamps need the checkpoint's font file (same token counts)
+                            video_processor=dict(draw_on_frames=False)),
     # baidu/Qianfan-OCR: its prompts hold <image>, which the processor expands into its context tokens
     "qianfan_ocr": dict(placeholder="<image>", image_processor=dict(size={"height": 448, "width": 448})),
     # llava-hf/vip-llava-7b-hf: CLS dropped, as its projector does
@@ -283,6 +299,12 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # llava-hf/LLaVA-NeXT-Video-7B-hf: CLIP 336 px, 14 px patches, CLS dropped
     "llava_next_video": dict(processor_kwargs=dict(patch_size=14, vision_feature_select_strategy="default",
                                                    num_additional_image_tokens=1)),
+    # DAMO-NLP-SG/VideoLLaMA3: its token compression drops patches by content, which no header forecasts (vlm-pack
+    # refuses that); its videos pack with it off
+    "video_llama_3": dict(video_processor=dict(use_token_compression=False)),
+    # nvidia Nemotron-H Omni: its video processor's normalisation comes from the checkpoint (None by default)
+    "nemotron_h_omni": dict(video_processor=dict(norm_mean=[0.48145466, 0.4578275, 0.40821073],
+                                                 norm_std=[0.26862954, 0.26130258, 0.27577711])),
     # google/paligemma-3b-pt-224: 224 px, 256 image tokens
     "paligemma": dict(image_processor=dict(size={"height": 224, "width": 224}, image_seq_length=256),
                       vision=dict(image_size=224)),

@@ -164,8 +164,11 @@ def _video_skeleton(
     GLM-4.1V / 4.5V / 4.6V's write per temporal group ``<|begin_of_image|>`` + its image tokens +
     ``<|end_of_image|>`` + the group's time (``int(t)``; GLM-4.6V ``f"{t:.1f} seconds"``): that text comes from
     the processor's own ``replace_frame_token_id`` with one placeholder (glm4v/processing_glm4v.py,
-    glm46v/processing_glm46v.py), so the installed release's format is the one counted.
+    glm46v/processing_glm46v.py), so the installed release's format is the one counted. A processor no record
+    names wrote its own text into each forecast (``VideoForecast.stand_in``, the exact route): that is kept.
     """
+    if videos and all(v.stand_in is not None for v in videos):  # the exact route: the processor's own text
+        return [(text.replace(token, placeholder), left) for token, text, left in (v.stand_in for v in videos)]
     record = _video_record(spec, processor)
     if record.video_wraps == "image_frames":
         _check_frame_counts(videos, key)

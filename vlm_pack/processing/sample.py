@@ -105,9 +105,11 @@ def _check_video_options(processor: Any, key: Any) -> None:
             f"sample {key!r} has videos: process_sample needs processor= carrying its video processor "
             '(transformers video processors need torchvision: pip install "vlm-pack[video]")'
         )
+    from ..vision.from_processor import takes_exact_route
+
     classes = {cls.__name__ for cls in type(processor.video_processor).__mro__}
     supported = {f.video_processor: f.name for f in FAMILIES.values() if f.video_wraps}
-    if not classes & set(supported):
+    if not classes & set(supported) and not takes_exact_route(processor):  # no record: its own video step
         raise InternalCheckError(
             f"sample {key!r} has videos: vlm-pack processes the videos of {', '.join(sorted(set(supported.values())))}"
             f", not those of {type(processor.video_processor).__name__} (its frames' tokens and wrappers have no "

@@ -305,6 +305,13 @@ def _processor_record(processor: Any) -> tuple[Family | None, list[str]]:
     return None, []
 
 
+def takes_exact_route(processor: Any) -> bool:
+    """Whether a full ``processor`` is forecast by running it (images and videos alike): no record names its
+    class, or it rewrites what its record's class writes (:func:`vision_spec_from_processor`)."""
+    record, rewritten = _processor_record(processor)
+    return record is None or bool(rewritten)
+
+
 def _image_processor_record(image_processor: Any) -> Family | None:
     """The record naming the class of a bare ``image_processor`` (its ``Pil`` / ``Fast`` suffix dropped) or of
     its nearest transformers base class, or None. A bare subclass reads as its parent: it writes no text, and

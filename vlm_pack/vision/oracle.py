@@ -16,7 +16,9 @@ same camera cost one run. A sample's images are run together, as the processor's
 Videos likewise (:meth:`ProcessorSpec.video_forecast` / ``video_replacement`` / ``video_stand_in``): the
 processor's own frame sampling on the header's metadata, then its own video step on that many blank frames of
 the header's size (one frame in memory, the others views of it), memoized by settings, header and call-time
-``videos_kwargs``.
+``videos_kwargs``. Once per settings it runs a second time, on frames of a flat colour each: a processor whose
+text differs then (its count depends on what the frames show: Video-LLaMA 3's token compression) raises
+:class:`ContentDependent`.
 
 The replacement text is exact by construction (it is the processor's own); ``stand_ins`` gives it with each
 run of the embedding token collapsed to one, and the tokens that leaves out, for a forecast that tokenizes
@@ -36,10 +38,10 @@ from typing import Any, NamedTuple
 
 from .._compat import image_step_missing, process_images, process_videos, video_step_missing
 from .spec import VisionSpec, _check_size
-from .video.forecast import VideoForecast, sampled_frames
 from .video.header import VideoHeader
+from .video.sampling import VideoForecast, sampled_frames
 
-__all__ = ["ProcessorSpec", "drives", "exact_spec"]
+__all__ = ["ContentDependent", "ProcessorSpec", "drives", "exact_spec"]
 
 #: Entries kept by the memo (each a sample's sizes): enough for every size of a large photo dataset at
 #: a few hundred bytes each (runs are stored as counts, not written out).
@@ -75,6 +77,8 @@ class _Alone(NamedTuple):
 # equal settings (a forecast pool builds one per worker); bounded, oldest entries dropped first.
 _MEMO: dict[tuple[Any, ...], Any] = {}
 _STATS = {"hits": 0, "misses": 0}
+# (settings, videos_kwargs) whose video step writes the same text for differing frames as for identical ones
+_CONTENT_CHECKED: set[tuple[Any, ...]] = set()
 
 
 def memo_stats(reset: bool = False) -> dict[str, int]:
@@ -257,15 +261,32 @@ class ProcessorSpec(VisionSpec):
         indices = sampled_frames(header, self.processor, **videos_kwargs)
         if not indices:
             raise ValueError(f"{self.processor_class}: frame sampling keeps no frame of a {header.frames}-frame clip")
-        metadata = header.metadata()
-        metadata.frames_indices = list(indices)
-        frame = np.zeros((1, header.height, header.width, 3), dtype=np.uint8)
-        frames = np.broadcast_to(frame, (len(indices), header.height, header.width, 3))
+        shape = (len(indices), header.height, header.width, 3)
+        blank = np.broadcast_to(np.zeros((1, 1, 1, 3), dtype=np.uint8), shape)
+        # each frame another flat colour (views too): a processor whose count depends on what the frames show
+        # (Video-LLaMA 3 drops patches equal to the previous frame's) writes other text for them than for blank ones
+        # (once per settings: a later clip the check would catch differs from its forecast when processed, which
+        # processing reports as vlm-pack's error, never silently)
+        distinct = np.broadcast_to((np.arange(len(indices)) * 37 % 256).astype(np.uint8)[:, None, None, None], shape)
+        checked = (self.settings, tuple(sorted(videos_kwargs.items())))
         with warnings.catch_warnings():  # torch's note that it reads the shared blank frame without copying
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            out, (text,) = process_videos(self.processor, frames, metadata, **videos_kwargs)
+            out, (text,) = process_videos(self.processor, blank, self._metadata(header, indices), **videos_kwargs)
+            other = text
+            if checked not in _CONTENT_CHECKED:
+                _, (other,) = process_videos(self.processor, distinct, self._metadata(header, indices), **videos_kwargs)
         # the embeddings are video tokens, or image tokens where the processor writes frames as images
         token = str(self.processor.video_token) if self.processor.video_token in text else self.image_token
+        if other == text:
+            _CONTENT_CHECKED.add(checked)
+        else:
+            raise ContentDependent(
+                f"{self.processor_class}: its video step writes {text.count(token)} {token} tokens for "
+                f"{len(indices)} identical {header.width}x{header.height} frames and {other.count(token)} for as "
+                "many differing ones: a video's length depends on what its frames show, which no header says (a "
+                "setting that drops repeated content, such as Video-LLaMA 3's use_token_compression, can be "
+                "switched off on its video processor)"
+            )
         runs = re.compile(f"((?:{re.escape(token)})+)")
         pieces = tuple(p.count(token) if i % 2 else p for i, p in enumerate(runs.split(text)))
         grid = out.get("video_grid_thw")
@@ -281,6 +302,12 @@ class ProcessorSpec(VisionSpec):
             num_patches=int(np.prod(grid_thw)) if grid_thw is not None else None,
         )
         return forecast, image, token
+
+    @staticmethod
+    def _metadata(header: VideoHeader, indices: Sequence[int]) -> Any:
+        metadata = header.metadata()
+        metadata.frames_indices = list(indices)
+        return metadata
 
     def video_forecast(self, header: VideoHeader, **videos_kwargs: Any) -> VideoForecast:
         """The video's kept frames, grid and tokens (``frame_tokens``: each run of its embedding tokens), as
@@ -301,6 +328,10 @@ class ProcessorSpec(VisionSpec):
 
     def to_dict(self) -> dict[str, Any]:
         return {"family": None, "processor_class": self.processor_class, "settings": self.settings}
+
+
+class ContentDependent(RuntimeError):
+    """A processor whose video's tokens depend on its frames' pixels: the exact route cannot forecast it."""
 
 
 def _encoder_inputs(out: Any, image_processor: Any) -> _Alone:

@@ -32,109 +32,25 @@ Rules (transformers 5.24):
   ``<IMG_CONTEXT>`` tokens between ``<img>`` / ``</img>`` (the ``Frame{i}:`` text is the prompt's).
 
 ``cap_pixels_per_frame=None`` (the 5.24 default, with a warning) is the processor's uncapped behaviour.
+
+Any other processor (its class named by no record, or rewriting its record's: a model type without a record)
+takes the exact route: its own sampling and video step on blank frames of the header's size
+(``vlm_pack.vision.oracle.ProcessorSpec``), or is refused by name (:func:`_exact_forecast`).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from ...failures import InternalCheckError
 from ...families import names, video_family
 from ..smart_resize import _smart_resize_3d, smart_resize
 from .header import VideoHeader
-
-# Keys ``BaseVideoProcessor.preprocess`` pops before it binds the rest to ``sample_frames``.
-_NOT_SAMPLING = ("input_data_format", "do_convert_rgb", "device", "video_metadata", "do_sample_frames")
-
-
-@dataclass(frozen=True)
-class VideoForecast:
-    """What a video becomes in the family's processor, computed from its header.
-
-    ``tokens`` counts the placeholder tokens (``<|video_pad|>``, ``<video>``, ``<IMG_CONTEXT>``); the
-    special tokens and text around them (``<|vision_start|>``, Qwen3-VL's ``<t seconds>``, InternVL's
-    ``Frame{i}: <img>``) are the prompt's, and ``timestamps`` gives the text Qwen3-VL prints.
-    """
-
-    indices: tuple[int, ...]
-    """Frame indices the processor keeps (into the decoded clip)."""
-    grid_thw: tuple[int, int, int] | None
-    """Qwen-VL ``video_grid_thw`` row; ``None`` for families without one."""
-    frame_tokens: tuple[int, ...]
-    """Placeholder tokens per temporal group (Qwen-VL) or per kept frame (LLaVA-OneVision, InternVL)."""
-    tokens: int
-    """Placeholder tokens of the whole video (LLaVA-OneVision: its newline token included)."""
-    timestamps: tuple[float, ...] | None = None
-    """Qwen3-VL / Qwen3.5: seconds printed before each temporal group (GLM-4.1V / 4.6V: after it); ``None``
-    elsewhere. (With sampling off they are every frame's; transformers' Qwen3VLProcessor then has no
-    ``frames_indices`` and fails.)"""
-    second_per_grid_t: float | None = None
-    """Qwen2-VL / Qwen2.5-VL: ``second_per_grid_ts`` entry (Qwen2.5-VL's processor passes it)."""
-    num_patches: int | None = None
-    """Vision-encoder patches before the merge (``pixel_values_videos`` rows) for Qwen-VL, else ``None``."""
-    metadata: Any = field(default=None, compare=False, repr=False)
-    """transformers' ``VideoMetadata`` as the processor is given it (``frames_indices`` = ``indices``): what
-    its own ``replace_video_token`` reads to write the text around the video's tokens; None where unknown."""
-
-    def processor_metadata(self) -> Any:
-        """A fresh copy of :attr:`metadata` (the processor writes into the one it receives), or None."""
-        if self.metadata is None:
-            return None
-        return replace(self.metadata, frames_indices=list(self.indices))
-
-
-def _video_processor(processor: Any) -> Any:
-    vp = getattr(processor, "video_processor", processor)
-    if vp is None or not hasattr(vp, "sample_frames"):
-        raise InternalCheckError(
-            f"{type(processor).__name__} has no video processor: build the processor with one "
-            '(transformers video processors need torchvision: pip install "vlm-pack[video]").'
-        )
-    return vp
-
-
-def _settings(vp: Any, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The kwargs ``preprocess`` runs with: each ``valid_kwargs`` key from the instance, then overrides."""
-    names = getattr(vp.valid_kwargs, "__annotations__", {})
-    unknown = sorted(set(overrides) - set(names))
-    if unknown:
-        raise InternalCheckError(f"{type(vp).__name__} takes no video kwargs {unknown}; valid: {sorted(names)}.")
-    settings = {name: getattr(vp, name, None) for name in names}
-    settings.update(overrides)
-    return settings
-
-
-def _sample(vp: Any, header: VideoHeader, settings: dict[str, Any]) -> tuple[list[int], Any]:
-    """(kept indices, the metadata the processor saw, ``frames_indices`` set when it sampled)."""
-    metadata = header.metadata()
-    if not settings.get("do_sample_frames"):
-        return list(range(header.frames)), metadata
-    kwargs = {k: v for k, v in settings.items() if k not in _NOT_SAMPLING}
-    try:
-        indices = vp.sample_frames(metadata=metadata, **kwargs)
-    except (ValueError, ZeroDivisionError, RuntimeError) as exc:
-        raise ValueError(
-            f"{type(vp).__name__} cannot sample frames of a {header.frames}-frame clip at {header.fps:g} fps "
-            f"({exc}); change fps / num_frames / min_frames, or drop the sample."
-        ) from exc
-    indices = [int(i) for i in indices]
-    metadata.frames_indices = indices
-    return indices, metadata
-
-
-def sampled_frames(header: VideoHeader, video_processor: Any, **videos_kwargs: Any) -> list[int]:
-    """Indices of the frames the video processor keeps from a clip with this header.
-
-    With the processor's ``do_sample_frames`` on (or passed in ``videos_kwargs``), its own public
-    ``sample_frames`` is called with :meth:`VideoHeader.metadata` and the settings ``preprocess`` would
-    bind (transformers/video_processing_utils.py ``BaseVideoProcessor.preprocess``); otherwise every frame.
-    ``video_processor`` may be a full processor carrying one.
-    """
-    vp = _video_processor(video_processor)
-    return _sample(vp, header, _settings(vp, videos_kwargs))[0]
+from .sampling import VideoForecast, _sample, _settings, _video_processor, sampled_frames
 
 
 def _edges(size: Any) -> tuple[int, int]:
@@ -245,7 +161,9 @@ def forecast_video(
 ) -> VideoForecast:
     """The vision tokens (and grid, kept frames, timestamps) of a video with this header, without decoding.
 
-    ``processor``: the family's processor, or its video processor (Qwen-VL). LLaVA-OneVision and InternVL
+    ``processor``: the family's processor, or its video processor (Qwen-VL). A processor whose class no record
+    names (or that rewrites its record's) is forecast by its own video step, never by a record its video
+    processor resembles (:func:`_exact_forecast`). LLaVA-OneVision and InternVL
     take their per-frame count from the processor (``num_image_tokens`` / ``image_seq_length``): pass the
     full processor or that number. ``videos_kwargs`` are call-time overrides (``fps=1``,
     ``do_sample_frames=True``, ``cap_pixels_per_frame=True``, ...) exactly as given to the processor.
@@ -256,6 +174,8 @@ def forecast_video(
     fail, so a pipeline stops at the first instead of counting each sample as bad.
     """
     vp = _video_processor(processor)
+    if _is_full(processor) and _takes_exact_route(processor):
+        return _exact_forecast(header, processor, videos_kwargs)
     settings = _settings(vp, videos_kwargs)
     record = video_family(vp)
     wraps = record.video_wraps if record is not None else None
@@ -275,6 +195,69 @@ def forecast_video(
         f"(Family.video_processor); records with videos: {', '.join(names('video_wraps'))}. A processor without "
         "a record is forecast by its own video step: vlm_pack.vision.oracle.exact_spec(processor).video_forecast"
     )
+
+
+def _is_full(processor: Any) -> bool:
+    return getattr(processor, "tokenizer", None) is not None and getattr(processor, "image_processor", None) is not None
+
+
+def _takes_exact_route(processor: Any) -> bool:
+    from ..from_processor import takes_exact_route
+
+    return takes_exact_route(processor)
+
+
+# processor -> its exact-route spec (settings hashed once per processor, not once per video)
+_SPECS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _exact_forecast(header: VideoHeader, processor: Any, videos_kwargs: dict[str, Any]) -> VideoForecast:
+    """The exact route for a video: the processor's own sampling on the header's metadata and its own video step
+    on blank frames of the header's size (``ProcessorSpec.video_forecast``, memoized), its text kept as the
+    forecast's ``stand_in``. A processor that cannot be driven so is refused by name (InternalCheckError: every
+    clip would fail); a clip its sampling or video step refuses (ValueError) is bad data."""
+    from ..._compat import video_step_missing
+    from ..oracle import ContentDependent, drives, exact_spec
+
+    name = type(processor).__name__
+    why = drives(processor) or video_step_missing(processor)
+    if why:
+        raise InternalCheckError(
+            f"{name}: no family record names it and vlm-pack cannot run its own video step ({why}), so its videos "
+            "are not forecast (no other family's rule is applied by resemblance). Train its videos unpacked, or "
+            "upgrade transformers (>= 5.18 runs any processor that implements replace_video_token)."
+        )
+    try:
+        spec = _SPECS[processor]
+    except KeyError:
+        spec = exact_spec(processor)
+        _SPECS[processor] = spec
+    except TypeError:  # a processor that cannot be weakly referenced
+        spec = exact_spec(processor)
+    try:
+        token, text, left = spec.video_stand_in(header, **videos_kwargs)
+        forecast = spec.video_forecast(header, **videos_kwargs)
+    except ValueError:
+        raise
+    except ContentDependent as exc:
+        raise InternalCheckError(f"{exc}. Its videos are not packed: switch that off, or train them unpacked.") from None
+    except Exception as exc:
+        import transformers
+
+        raise InternalCheckError(
+            f"{name} (transformers {transformers.__version__}, no vlm-pack record): its own video step fails on "
+            f"{header.frames} blank {header.width}x{header.height} frames: {type(exc).__name__}: {exc}. vlm-pack "
+            "forecasts such a processor's videos only by running it; train its videos unpacked or report it."
+        ) from exc
+    if token != processor.video_token:
+        raise InternalCheckError(
+            f"{name} (no vlm-pack record) writes a video's frames as {token!r} tokens, not its video_token "
+            f"{processor.video_token!r}: vlm-pack counts a record-less processor's video embeddings as video tokens, "
+            "so its videos are refused; train them unpacked or report it."
+        )
+    metadata = header.metadata()
+    metadata.frames_indices = list(forecast.indices)
+    return replace(forecast, metadata=metadata, stand_in=(token, text, left))
 
 
 __all__ = ["VideoForecast", "forecast_video", "sampled_frames"]
