@@ -138,26 +138,27 @@ def test_trl_collator_checks_each_sample_against_its_rows_forecast(parts, sample
     assert raised.value.reason == "forecast_mismatch" and picked[1][0] in str(raised.value)
 
 
-def test_trl_packed_dataset_rows_process_at_their_forecast_in_either_layout(tmp_path, parts, samples, expanded_lengths):
+def test_trl_packed_dataset_rows_process_at_their_forecast_and_refuse_the_collapsed_layout(tmp_path, parts, samples,
+                                                                                           expanded_lengths):
     """The user's path: ``packed_dataset`` plans the rows, ``TRLPackingCollator`` processes them (the sample
-    contract: each checked against its row's forecast in the preprocessor's layout); in both layouts every
-    sample's row length is its length alone through the real processor, expanded."""
+    contract: each checked against its row's forecast); every sample's row length is its length alone through the
+    real processor. TRL trains Hugging Face models, which take expanded rows: a collapsed Preprocessor is refused
+    by name before anything is planned."""
     pytest.importorskip("trl")
     from vlm_pack.integrations.trl import TRLPackingCollator, packed_dataset
 
     ds = _dataset(samples)
-    for layout in ("collapsed", "expanded"):
-        pre = Preprocessor(*parts, layout=layout)
-        rows = packed_dataset(ds, pre, capacity=CAPACITY, cache_dir=str(tmp_path / layout))
-        collator = TRLPackingCollator(CAPACITY, pre)
-        got = {}
-        for row in rows:
-            processed = collator.samples([row])
-            got.update({key: pre.processed_length(s) for key, s in zip(row["keys"], processed)})
-            assert row["lengths"] == [pre.processed_length(s) for s in processed], layout
-            n_ids = [len(s["input_ids"]) for s in processed]
-            assert (n_ids == row["lengths"]) == (layout == "expanded"), layout  # collapsed: one id per image
-        assert got == expanded_lengths, layout
+    with pytest.raises(ValueError, match="layout='expanded', not 'collapsed'"):
+        packed_dataset(ds, Preprocessor(*parts, layout="collapsed"), capacity=CAPACITY, cache_dir=str(tmp_path / "c"))
+    pre = Preprocessor(*parts)
+    rows = packed_dataset(ds, pre, capacity=CAPACITY, cache_dir=str(tmp_path / "e"))
+    collator = TRLPackingCollator(CAPACITY, pre)
+    got = {}
+    for row in rows:
+        processed = collator.samples([row])
+        assert row["lengths"] == [len(s["input_ids"]) for s in processed]
+        got.update({key: len(s["input_ids"]) for key, s in zip(row["keys"], processed)})
+    assert got == expanded_lengths
 
 
 @pytest.mark.slow  # energon prepare and a loader: ~20 s
@@ -182,7 +183,8 @@ def test_energon_packs_every_sample_at_its_length_alone_in_either_layout(tmp_pat
     for layout in ("collapsed", "expanded"):
         encoder = VLMPackingTaskEncoder(Preprocessor(*parts, layout=layout), CAPACITY)
         wc = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
-        loader = get_savable_loader(packed_train_dataset(str(tmp_path), encoder, worker_config=wc), watchdog_timeout_seconds=None)
+        loader = get_savable_loader(packed_train_dataset(str(tmp_path), encoder, worker_config=wc, repeat=False),
+                                    watchdog_timeout_seconds=None)
         packs = list(loader)
         assert encoder.left_out == [] and all(p.left_out == [] for p in packs), layout
         got = {k: int(n) for p in packs for k, n in zip(p.keys, p.batch.seq_lens_expanded.tolist())}
