@@ -256,10 +256,9 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         meta = dict(__key__=key, __restore_key__=crude.get("__restore_key__", ()),
                     __subflavors__=crude.get("__subflavors__"), __sources__=crude.get("__sources__"))
         with _stops_the_run():
-            out = self.forecasting.call(self._forecast, crude, key, sample=f"sample {key!r}", key=key)
-            if isinstance(out, Skip):
-                return VLMSample(**meta, images=[], conversation=None, length=0, failure=_why(out))
-            job = out
+            job = self.forecasting.call(self._forecast, crude, key, sample=f"sample {key!r}", key=key)
+            if isinstance(job, Skip):
+                return VLMSample(**meta, images=[], conversation=None, length=0, failure=_why(job))
             length = job.length
             reason = self._too_long(length)
             if reason is not None and self.oversized == "raise":  # the run's policy, not bad data: it stops
