@@ -9,6 +9,8 @@ are expanded. Real tar shards and a real ``datasets.Dataset`` written here, real
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import warnings
 
 import datasets
@@ -88,13 +90,18 @@ def test_packed_webdataset_packs_every_collapsed_sample_on_its_forecast(tmp_path
         assert ds.stats.tokens == sum(expanded_lengths.values())
 
 
-def test_packed_map_dataset_packs_every_collapsed_sample_on_its_forecast(parts, samples, expanded_lengths):
+def _dataset(samples) -> datasets.Dataset:
+    """The samples as a ``datasets.Dataset`` (messages, an ``Image`` column of encoded bytes)."""
     columns = {
         "key": [key for key, _, _ in samples],
         "images": [images for _, images, _ in samples],
         "messages": [_conversation(q) for _, _, q in samples],
     }
-    ds = datasets.Dataset.from_dict(columns).cast_column("images", datasets.List(datasets.Image(decode=False)))
+    return datasets.Dataset.from_dict(columns).cast_column("images", datasets.List(datasets.Image(decode=False)))
+
+
+def test_packed_map_dataset_packs_every_collapsed_sample_on_its_forecast(parts, samples, expanded_lengths):
+    ds = _dataset(samples)
     for layout in ("collapsed", "expanded"):
         packed = PackedMapDataset(ds, Preprocessor(*parts, layout=layout), capacity=CAPACITY, cache=None)
         loader = torch.utils.data.DataLoader(packed, batch_size=None, sampler=PackedSampler(packed))
@@ -129,3 +136,58 @@ def test_trl_collator_checks_each_sample_against_its_rows_forecast(parts, sample
     with pytest.raises(SampleError, match=f"forecast {row['lengths'][1] + 1} != processed length") as raised:
         collator([stale])
     assert raised.value.reason == "forecast_mismatch" and picked[1][0] in str(raised.value)
+
+
+def test_trl_packed_dataset_rows_process_at_their_forecast_and_refuse_the_collapsed_layout(tmp_path, parts, samples,
+                                                                                           expanded_lengths):
+    """The user's path: ``packed_dataset`` plans the rows, ``TRLPackingCollator`` processes them (the sample
+    contract: each checked against its row's forecast); every sample's row length is its length alone through the
+    real processor. TRL trains Hugging Face models, which take expanded rows: a collapsed Preprocessor is refused
+    by name before anything is planned."""
+    pytest.importorskip("trl")
+    from vlm_pack.integrations.trl import TRLPackingCollator, packed_dataset
+
+    ds = _dataset(samples)
+    with pytest.raises(ValueError, match="layout='expanded', not 'collapsed'"):
+        packed_dataset(ds, Preprocessor(*parts, layout="collapsed"), capacity=CAPACITY, cache_dir=str(tmp_path / "c"))
+    pre = Preprocessor(*parts)
+    rows = packed_dataset(ds, pre, capacity=CAPACITY, cache_dir=str(tmp_path / "e"))
+    collator = TRLPackingCollator(CAPACITY, pre)
+    got = {}
+    for row in rows:
+        processed = collator.samples([row])
+        assert row["lengths"] == [len(s["input_ids"]) for s in processed]
+        got.update({key: len(s["input_ids"]) for key, s in zip(row["keys"], processed)})
+    assert got == expanded_lengths
+
+
+@pytest.mark.slow  # energon prepare and a loader: ~20 s
+def test_energon_packs_every_sample_at_its_length_alone_in_either_layout(tmp_path, parts, samples, expanded_lengths):
+    """The Energon encoder's cooker forecasts each tar sample (``forecast_job``), its packer processes and checks
+    it (``SampleJob.process``): in both layouts every sample is packed, none left out, and each sample's
+    length in its row (``seq_lens_expanded``) is its length alone through the real processor, expanded."""
+    pytest.importorskip("megatron.energon", reason="needs the [energon] extra")
+    from megatron.energon import WorkerConfig, get_savable_loader
+    from megatron.energon.errors import reraise_exception
+
+    from vlm_pack.integrations.energon import VLMPackingTaskEncoder, packed_train_dataset
+
+    records = [
+        {"key": key, "images": [(b, "jpg" if i % 2 else "png") for b in images], "conversation": _conversation(q)}
+        for i, (key, images, q) in enumerate(samples)
+    ]
+    write_shards(records, str(tmp_path / "part-%05d.tar"), maxcount=5)
+    energon = "import sys; from megatron.energon.cli.main import main; sys.argv[0] = 'energon'; sys.exit(main())"
+    subprocess.run([sys.executable, "-c", energon, "prepare", str(tmp_path), "--non-interactive", "--split-ratio",
+                    "1,0,0", "--sample-type", "CrudeWebdataset"], check=True, capture_output=True, text=True)
+    for layout in ("collapsed", "expanded"):
+        encoder = VLMPackingTaskEncoder(Preprocessor(*parts, layout=layout), CAPACITY)
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
+        loader = get_savable_loader(packed_train_dataset(str(tmp_path), encoder, worker_config=wc, repeat=False),
+                                    watchdog_timeout_seconds=None)
+        packs = list(loader)
+        assert encoder.left_out == [] and all(p.left_out == [] for p in packs), layout
+        got = {k: int(n) for p in packs for k, n in zip(p.keys, p.batch.seq_lens_expanded.tolist())}
+        assert got == expanded_lengths, layout
+        ids = sum(int(p.batch.seq_lens.sum()) for p in packs)  # collapsed: one id per image
+        assert (ids < sum(got.values())) == (layout == "collapsed"), layout

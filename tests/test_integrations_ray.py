@@ -233,3 +233,30 @@ def test_cli_plan_engine_ray_gives_the_local_plan(cluster, parquet, tmp_path, ca
     assert local.steps == -(-local.micro_steps // 2)
     assert main([*base[:-1], "--out", str(tmp_path / "x.plan"), "--address", "auto"]) == 1
     assert "--address names a Ray cluster: pass --engine ray" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["expanded", "collapsed"])
+def test_a_ray_plan_loads_in_either_layout_each_sample_at_its_length_alone(cluster, parquet, layout):
+    """Ray forecasts; its plan is processed by ``PackedMapDataset(plan=)``, each sample through the one sample
+    contract (``SampleJob``: processed, then checked against the plan's length in the preprocessor's layout).
+    Oracle: each good row processed alone by the real image processor, expanded (a collapsed row's length in
+    a row once its placeholders are expanded)."""
+    import torch
+
+    from vlm_pack.data.map_style import PackedMapDataset, PackedSampler, plan_info
+
+    tok, ip = build_tokenizer("qwen2_vl"), image_processor("qwen2_vl")
+    ds = datasets.Dataset.from_parquet(parquet)
+    pre = Preprocessor(tok, ip, layout=layout)
+    plan = build_plan_ray(ds, pre, CONFIG, num_proc=2)
+    packed = PackedMapDataset(ds, pre, CONFIG, plan=plan)
+    infos = [plan_info(b) for b in torch.utils.data.DataLoader(packed, batch_size=None, sampler=PackedSampler(packed))]
+    got = {row: n for info in infos for row, n in zip(info["rows"], info["lengths"])}
+    alone = Preprocessor(tok, ip)
+    want = {
+        row: int(alone.process(ds[row]["images"], ds[row]["messages"], row)["input_ids"].shape[0])
+        for row in range(len(ds))
+        if row != 7  # the cut-short PNG: left out of the plan (corrupt_image)
+    }
+    assert got == want and all(info["left_out"] == [] for info in infos)

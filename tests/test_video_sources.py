@@ -335,6 +335,31 @@ def test_a_video_stream_forecasts_from_headers_what_processing_gives(clips, qwen
 
 
 @pytest.mark.torchvision
+def test_a_stream_reads_each_video_header_once_and_decodes_the_frames_it_forecast(clips, qwen_video, tmp_path, monkeypatch):
+    """The sample contract carries each clip's forecast (its kept frames) from the header forecast to the
+    decoder (``SampleJob``): a PackedWebDataset epoch reads every container header once, decodes each clip at the
+    frames forecast, and the processed length is still the forecast (the real video processor's output)."""
+    from vlm_pack.data.pipeline import PackedWebDataset
+    from vlm_pack.data.stream_meta import stream_info
+    from vlm_pack.processing import videos as decoding
+    from vlm_pack.vision import video as video_headers
+
+    _, pre = qwen_video
+    records = _video_records(clips, 5)  # 5 clips: mp4, webm, mkv alone, then webm + mp4 with an image
+    urls = write_shards(records, str(tmp_path / "h-%06d.tar"), maxcount=3)
+    headers, decoded = [], []
+    read, decode = video_headers.read_video_header, decoding.decode_frames
+    monkeypatch.setattr(video_headers, "read_video_header", lambda v, **k: headers.append(k.get("name")) or read(v, **k))
+    monkeypatch.setattr(decoding, "decode_frames", lambda v, idx, *a: decoded.append(list(idx)) or decode(v, idx, *a))
+    ds = PackedWebDataset(urls, pre, capacity=CAPACITY, shuffle_seed=None)
+    batches = list(ds)
+    assert sorted(k for b in batches for k in b.metadata["__key__"]) == [r["key"] for r in records]
+    assert all(stream_info(b)["lengths"] == stream_info(b)["forecast"] for b in batches)
+    clips_in = sum(len(r.get("videos", [])) for r in records)
+    assert len(headers) == clips_in == len(decoded) == 5  # one header read and one decode per clip
+
+
+@pytest.mark.torchvision
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
 def test_qwen3_video_streams_pack_every_sample_at_the_processors_own_length(clips, family, tmp_path):
     """Qwen3-VL / Qwen3.5 (frame sampling, ``<t seconds>`` per temporal group): a PackedWebDataset epoch packs

@@ -9,8 +9,11 @@
   split by rank and worker, resumable; knobs from a ``PackingConfig``) and ``PackedDataLoader`` (a
   DataLoader that tracks it);
 - :mod:`vlm_pack.data.stream`: one stream's work inside a DataLoader worker (``StreamRunner``, reading only
-  the frozen ``WorkerSpec`` the dataset builds); :mod:`vlm_pack.data.stream_meta`: the metadata each batch
-  carries (``stream_info``) and the ``StreamEnd`` marker;
+  the frozen ``WorkerSpec`` the dataset builds), run as the stages of :mod:`vlm_pack.data.stream_stages` (read
+  -> forecast -> pack -> load); :mod:`vlm_pack.data.stream_meta`: the metadata each batch carries
+  (``stream_info``) and the ``StreamEnd`` marker;
+- :mod:`vlm_pack.data.job`: ``SampleJob``, the sample contract of every loader (forecast -> process -> one
+  length check in the preprocessor's layout; a video's header read once);
 - :mod:`vlm_pack.data.tracker`: ``StreamTracker``, the main process's record of what each stream delivered
   (``observe``, ``state_dict`` / ``load_state_dict``, epochs, stats);
 - :mod:`vlm_pack.data.state`: the typed resume state (``PipelineState`` ...) and its versioned JSON;

@@ -63,6 +63,7 @@ from ..packing.steps import block_order
 from ..preprocessor import Preprocessor
 from .fingerprint import Unfingerprintable
 from .images import image_sizes
+from .job import SampleJob
 from .plan import (
     Plan,
     StalePlanError,
@@ -431,9 +432,8 @@ class PackedMapDataset(torch.utils.data.Dataset):
         if self.config.max_image_pixels is not None:  # refused from its header, never decoded (as at plan time)
             image_sizes(sample, exif_transpose=self.config.exif_transpose, max_image_pixels=self.config.max_image_pixels)
         images = [im if not isinstance(im, str) else Path(im) for im in sample.images]
-        media = {"videos": list(sample.videos)} if sample.videos else {}  # image-only: processed as before
-        out = self.preprocessor.process(images, sample.conversation, sample.key, **media)
-        self.preprocessor.checked_length(out, forecast, sample.label)  # the forecast it was packed on
+        job = SampleJob(sample.key, sample.label, images, sample.conversation, forecast, list(sample.videos), where=row)
+        out = job.process(self.preprocessor)  # checked against the forecast it was packed on
         out["__key__"], out["__row__"] = sample.key, row
         return out
 

@@ -142,19 +142,46 @@ def build_plan(
     config, balance = resolve_settings("build_plan", config, balance, knobs)
     _check_world_size(world_size)
     ds, root = open_dataset(dataset, image_root, "build_plan")
-    key = plan_key_or_none(
-        ds,
-        pre,
-        config,
-        world_size=world_size,
-        strategy=strategy,
-        record_format=record_format,
-        image_root=root,
-        balance=balance,
-    )
+    return plan_dataset(ds, pre, config, world_size, strategy, record_format, root, balance, num_proc, progress)
+
+
+def plan_dataset(
+    ds: Any,
+    pre: Preprocessor,
+    cfg: PackingConfig,
+    world_size: int,
+    strategy: str,
+    record_format: str | None,
+    image_root: Path | None,
+    balance: StepBalance | EpochBalance | None,
+    num_proc: int = 1,
+    progress: bool | None = None,
+    table: LengthTable | None = None,
+) -> Plan:
+    """:func:`make_plan` of an opened dataset keyed by :func:`plan_key_or_none` (``ds`` None: sources that are
+    not one dataset, planned from ``table`` and named by its content): what :func:`build_plan` and
+    ``build_plan_ray`` both end with."""
+    key = None
+    if ds is not None:
+        key = plan_key_or_none(
+            ds, pre, cfg, world_size=world_size, strategy=strategy, record_format=record_format,
+            image_root=image_root, balance=balance,
+        )  # fmt: skip
     return make_plan(
-        ds, pre, config, key, world_size, strategy, record_format, root, num_proc, progress, balance=balance
-    )
+        ds, pre, cfg, key, world_size, strategy, record_format, image_root, num_proc, progress, balance=balance,
+        table=table,
+    )  # fmt: skip
+
+
+def forecast_settings(cfg: PackingConfig) -> dict[str, Any]:
+    """The forecast's keyword arguments a :class:`PackingConfig` sets (``forecast_sources``, ``forecast_ray``)."""
+    return {
+        "exif_transpose": cfg.exif_transpose,
+        "on_error": cfg.on_error,
+        "max_consecutive_failures": cfg.max_consecutive_failures,
+        "max_bad_fraction": cfg.max_bad_fraction,
+        "max_image_pixels": cfg.max_image_pixels,
+    }
 
 
 def plan_from_lengths(
@@ -262,18 +289,9 @@ def make_plan(
     from .forecast import forecast_sources
 
     table = table if table is not None else forecast_sources(
-        ds,
-        preprocessor=pre,
-        record_format=record_format,
-        image_root=image_root,
-        exif_transpose=cfg.exif_transpose,
-        on_error=cfg.on_error,
-        num_proc=num_proc,
-        progress=progress,
-        max_consecutive_failures=cfg.max_consecutive_failures,
-        max_bad_fraction=cfg.max_bad_fraction,
-        max_image_pixels=cfg.max_image_pixels,
-    )
+        ds, preprocessor=pre, record_format=record_format, image_root=image_root, num_proc=num_proc,
+        progress=progress, **forecast_settings(cfg),
+    )  # fmt: skip
     return plan_of_table(table, cfg, key, world_size=world_size, strategy=strategy, balance=balance)
 
 

@@ -64,7 +64,6 @@ and load it with :func:`packed_train_dataset` (``batch_size=None``: every item i
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import numbers
 import warnings
@@ -90,6 +89,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from ..collate.batch import PackedBatch
 from ..config import PackingConfig
 from ..data import read_header
+from ..data.job import SampleJob, forecast_job
 from ..failures import (
     FailureBudgetError,
     FailurePolicy,
@@ -128,6 +128,8 @@ class VLMSample(Sample):
     length: int
     failure: str | None = None
     videos: tuple = ()
+    video_forecasts: tuple = ()
+    """Each video's ``VideoForecast`` from its container header (read once: processing decodes its kept frames)."""
 
 
 @edataclass
@@ -254,10 +256,10 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         meta = dict(__key__=key, __restore_key__=crude.get("__restore_key__", ()),
                     __subflavors__=crude.get("__subflavors__"), __sources__=crude.get("__sources__"))
         with _stops_the_run():
-            out = self.forecasting.call(self._forecast, crude, key, sample=f"sample {key!r}", key=key)
-            if isinstance(out, Skip):
-                return VLMSample(**meta, images=[], conversation=None, length=0, failure=_why(out))
-            header, length = out
+            job = self.forecasting.call(self._forecast, crude, key, sample=f"sample {key!r}", key=key)
+            if isinstance(job, Skip):
+                return VLMSample(**meta, images=[], conversation=None, length=0, failure=_why(job))
+            length = job.length
             reason = self._too_long(length)
             if reason is not None and self.oversized == "raise":  # the run's policy, not bad data: it stops
                 message = f"sample {key!r}: {reason}; raise capacity or use oversized='skip'"
@@ -266,16 +268,16 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
                 skip = self.forecasting.bad(SampleError("too_long", reason), f"sample {key!r}", key)
                 return VLMSample(**meta, images=[], conversation=None, length=length, failure=_why(skip))
             self.forecasting.good()
-        return VLMSample(**meta, images=[crude[name] for name in header.image_names],
-                         conversation=header.conversation, length=length,
-                         videos=tuple(crude[name] for name in header.video_names))
+        return VLMSample(**meta, images=job.images, conversation=job.conversation, length=length,
+                         videos=tuple(job.videos), video_forecasts=tuple(job.video_forecasts))
 
-    def _forecast(self, crude: dict, key: str) -> tuple[Any, int]:
-        """The sample's header (text, image sizes, video container headers; no pixel or frame decoded) and its
-        exact expanded length."""
+    def _forecast(self, crude: dict, key: str) -> SampleJob:
+        """The sample's job from its headers (text, image sizes, video container headers; no pixel or frame
+        decoded): its exact expanded length and each video's forecast."""
         header = read_header(crude, exif_transpose=self.config.exif_transpose, image_name=lambda name: f"{key}.{name}")
-        length, _ = self.preprocessor.forecast(header.conversation, header.image_sizes, key, videos=header.videos)
-        return header, int(length)
+        images = [crude[name] for name in header.image_names]
+        videos = [crude[name] for name in header.video_names]
+        return forecast_job(self.preprocessor, header, images, videos, key=key, label=f"sample {key!r}", keep_prompt=False)
 
     def _too_long(self, length: int) -> str | None:
         """Why a sample of ``length`` tokens fits no pack (its padded span exceeds ``capacity``), or None."""
@@ -312,14 +314,11 @@ class VLMPackingTaskEncoder(DefaultTaskEncoder):
         """The processed sample, or ``"reason: detail"`` when its pixels do not decode (bad data, counted)
         or its processed length is not its forecast (``forecast_mismatch``: never packed at another length)."""
         key, label = sample.__key__, f"sample {sample.__key__!r}"
-        process = functools.partial(self.preprocessor.process, videos=sample.videos)
-        p = self.processing.call(process, sample.images, sample.conversation, key, sample=label, key=key)
-        if isinstance(p, Skip):
+        job = SampleJob(key, label, sample.images, sample.conversation, sample.length, list(sample.videos),
+                        list(sample.video_forecasts))
+        p = self.processing.call(job.process, self.preprocessor, sample=label, key=key)
+        if isinstance(p, Skip):  # bad data, a forecast_mismatch included: left out, counted, reported on its pack
             return _why(p)
-        try:
-            self.preprocessor.checked_length(p, sample.length, label)
-        except SampleError as mismatch:  # bad data: left out, counted, reported on its pack
-            return _why(self.processing.bad(mismatch, label, key))
         self.processing.good()
         p["__key__"] = key  # batch.metadata["__key__"] in packed order
         return p

@@ -276,44 +276,20 @@ def build_plan_ray(
     keywords: ``grad_accum=``, ``cost=``...). Keyed by :func:`~vlm_pack.data.plan_key` when ``sources`` is one ``datasets.Dataset`` (so
     ``PackedMapDataset(plan=)`` takes it), else by its own content."""
     from ..data.lengths import write_lengths
-    from ..data.plan import _check_world_size, make_plan, plan_key_or_none, resolve_settings
+    from ..data.plan import _check_world_size, forecast_settings, plan_dataset, resolve_settings
     from ..preprocessor import Preprocessor
 
     pre = Preprocessor.check(preprocessor)
     config, balance = resolve_settings("build_plan_ray", config, balance, knobs)
     _check_world_size(world_size)
     table = forecast_ray(
-        sources,
-        preprocessor=pre,
-        record_format=record_format,
-        image_root=image_root,
-        exif_transpose=config.exif_transpose,
-        on_error=config.on_error,
-        num_proc=num_proc,
-        max_consecutive_failures=config.max_consecutive_failures,
-        max_bad_fraction=config.max_bad_fraction,
-        max_image_pixels=config.max_image_pixels,
-        address=address,
-        progress=progress,
-    )
+        sources, preprocessor=pre, record_format=record_format, image_root=image_root, num_proc=num_proc,
+        address=address, progress=progress, **forecast_settings(config),
+    )  # fmt: skip
     if lengths is not None:
         write_lengths(table, Path(lengths))
     ds, root = _one_dataset(sources, image_root)
-    key = None
-    if ds is not None:
-        key = plan_key_or_none(
-            ds,
-            pre,
-            config,
-            world_size=world_size,
-            strategy=strategy,
-            record_format=record_format,
-            image_root=root,
-            balance=balance,
-        )
-    return make_plan(
-        ds, pre, config, key, world_size, strategy, record_format, root, 1, False, balance=balance, table=table
-    )
+    return plan_dataset(ds, pre, config, world_size, strategy, record_format, root, balance, 1, False, table)
 
 
 def _one_dataset(sources: Any, image_root: Any) -> tuple[Any, Path | None]:

@@ -56,6 +56,7 @@ from ..collate.labels import IGNORE_INDEX
 from ..collate.padded import pad_samples
 from ..config import PackingConfig
 from ..data import BadSampleWarning, PackedMapDataset, Plan, Sample, SampleError, normalise_record
+from ..data.job import SampleJob
 from ..data.sources import chunk_samples, chunks, open_sources
 from ..forward.mixers import isolate_token_mixers
 from ..preprocessor import Preprocessor
@@ -476,11 +477,9 @@ class TRLPackingCollator:
             for key, conv, images, videos, forecast in zip(
                 row["keys"], row["conversations"], row["image_bytes"], videos_of, lengths
             ):
-                media = {"videos": videos} if videos else {}  # an image-only sample is processed as before
-                sample = self.preprocessor.process(images, json.loads(conv), key, **media)
-                if forecast is not None:
-                    self.preprocessor.checked_length(sample, forecast, f"sample {key!r} of a packed_dataset row")
-                out.append(sample)
+                label = f"sample {key!r} of a packed_dataset row"
+                job = SampleJob(key, label, images, json.loads(conv), forecast, list(videos or ()))
+                out.append(job.process(self.preprocessor))
         return out
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -30,7 +30,17 @@ import numpy as np
 
 from ..failures import InternalCheckError, SampleError
 
-__all__ = ["DecodedVideo", "DecodedVideos", "decode_frames", "load_videos"]
+__all__ = ["DecodedVideo", "DecodedVideos", "ForecastVideo", "decode_frames", "load_videos"]
+
+
+@dataclass(frozen=True)
+class ForecastVideo:
+    """An encoded video and the forecast its header gave when the sample was forecast
+    (``vlm_pack.data.job.SampleJob``): :func:`load_videos` decodes its kept frames without reading the header
+    again. ``forecast.metadata`` must be set (``forecast_video`` sets it); ``source``: bytes, a path or a file."""
+
+    source: Any
+    forecast: Any  # vlm_pack.vision.video.VideoForecast, by this processor
 
 
 @dataclass(frozen=True)
@@ -119,6 +129,7 @@ def decode_frames(source: Any, indices: Sequence[int], name: str = "video") -> n
 def load_videos(videos: Sequence[Any], processor: Any, key: Any) -> DecodedVideos:
     """Each of a sample's ``videos`` (bytes, paths or binary files) read, forecast and decoded for
     ``processor`` (the family's processor with its video processor); errors name the sample and the video.
+    A :class:`ForecastVideo` brings its forecast: its header is not read again.
 
     Raises:
         SampleError: reason ``"decode_error"`` for a video that does not read, decode or sample (bad data).
@@ -129,25 +140,25 @@ def load_videos(videos: Sequence[Any], processor: Any, key: Any) -> DecodedVideo
     out = []
     for index, source in enumerate(videos):
         name = f"sample {key!r}, video {index}"
+        if isinstance(source, ForecastVideo):  # forecast from its header once, when the sample was planned
+            out.append((source.source, source.forecast))
+            continue
         try:
-            header = read_video_header(source, name=name)
-            forecast = forecast_video(header, processor)
+            forecast = forecast_video(read_video_header(source, name=name), processor)
         except ImportError:
             raise
         except ValueError as exc:
             if isinstance(exc, (SampleError, InternalCheckError)):
                 raise
             raise SampleError("decode_error", f"{name}: {exc}") from exc
-        out.append((source, header, forecast))
-    exact = all(forecast.stand_in is not None for _, _, forecast in out)  # a processor no record names
+        out.append((source, forecast))
+    exact = all(forecast.stand_in is not None for _, forecast in out)  # a processor no record names
     if len(out) > 1 and not exact and _video_record(None, processor).video_wraps == "image_frames":
-        _check_frame_counts([forecast for _, _, forecast in out], key)  # refused before any decode
+        _check_frame_counts([forecast for _, forecast in out], key)  # refused before any decode
     decoded = []
-    for index, (source, header, forecast) in enumerate(out):
+    for index, (source, forecast) in enumerate(out):
         frames = decode_frames(source, forecast.indices, f"sample {key!r}, video {index}")
-        metadata = header.metadata()
-        metadata.frames_indices = list(forecast.indices)
-        decoded.append(DecodedVideo(frames, metadata, forecast))
+        decoded.append(DecodedVideo(frames, forecast.processor_metadata(), forecast))
     return DecodedVideos(decoded)
 
 
