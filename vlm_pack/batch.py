@@ -24,8 +24,9 @@ Families whose text model mixes tokens without attention (the record's ``token_m
 delta net, LFM2's short conv) always get ``seq_idx`` (``[R, T]`` / ``[1, R*T]`` int32, the sample of each
 token) in the HF styles: the boundaries and the marker of a packed row. A mixer isolated by
 ``isolate_token_mixers`` (``mixers.py``) reads its samples from it; transformers' own layers hand it to their
-PyTorch fallback, which refuses it (5.24 on: "can't keep packed sequences apart") at the model's first
-forward, before any optimizer step, instead of carrying one sample into the next. (``cu_seq_lens_q`` is not
+PyTorch fallback, which ignores it before 5.24 and refuses it from 5.24 on: so the first transformers model call
+that receives it isolates that model's mixers first (``mixers.guard_packed_calls``, armed here and by the
+``PackingCollator`` of such a family), on every release. (``cu_seq_lens_q`` is not
 added to the sdpa / eager styles: it would reach a VLM's vision tower through ``**kwargs``.)
 
 ``PackedSeqParams`` is Megatron-Core's class, imported only when asked for (the megatron style, or the
@@ -45,6 +46,7 @@ from ._compat import check_experts_mask_mapping, images_past_window
 from .families import canonical, lookup
 from .labels import IGNORE_INDEX, roll_packed
 from .masks import TOKENS_KEY, MaskMapping, gemma3_attention_masks, real_tokens
+from .mixers import guard_packed_calls
 from .positions import is_mrope_family
 from .vision_inputs import VISION_KEYS
 
@@ -313,7 +315,7 @@ class PackedBatch:
           under their HF names.
 
         Families with ``token_mixers`` always get ``seq_idx`` in the HF styles (the samples' boundaries for
-        isolated mixers, refused by un-isolated ones): see the module docstring.
+        isolated mixers; a model called with it has its mixers isolated first): see the module docstring.
         """
         if style not in STYLES:
             raise ValueError(f"style must be one of {STYLES}, got {style!r}")
@@ -358,9 +360,9 @@ class PackedBatch:
     def _mixer_inputs(self, flat: bool = False) -> dict[str, torch.Tensor]:
         """``seq_idx`` [R, T] (``[1, R*T]`` flat) int32 for a family with token mixers (or whose processor
         checkpoints with mixers share: ``Family.mixers_behind_processor``), else {}."""
-        record = lookup(self.family)
-        if record is None or not (record.token_mixers or record.mixers_behind_processor):
+        if not carries_mixer_marker(self.family):
             return {}
+        guard_packed_calls()
         tokens = torch.arange(self.num_rows * self.row_length, device=self.cu_seqlens_padded.device)
         bounds = self.cu_seqlens_padded[1:].to(tokens.dtype).contiguous()
         seq_idx = torch.searchsorted(bounds, tokens, right=True).to(torch.int32)
@@ -434,3 +436,10 @@ class PackedBatch:
             return self[name]
         except KeyError:
             return default
+
+
+def carries_mixer_marker(family: str | None) -> bool:
+    """Whether the HF-style rows of ``family`` carry ``seq_idx``: its text model has token mixers (the record's
+    ``token_mixers``), or checkpoints that share its processor do (``mixers_behind_processor``)."""
+    record = lookup(family)
+    return record is not None and bool(record.token_mixers or record.mixers_behind_processor)
