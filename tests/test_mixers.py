@@ -22,7 +22,7 @@ from vlm_pack._compat import mixers_refuse_packed_rows, release
 from vlm_pack.attention import register_hf_attention
 from vlm_pack.boundaries import mrope_restarts
 from vlm_pack.families import lookup
-from vlm_pack.mixers import find_token_mixers, isolate_token_mixers
+from vlm_pack.mixers import find_token_mixers, guard_packed_calls, isolate_token_mixers
 from vlm_pack.testing import check_packed_equivalence
 
 transformers = pytest.importorskip("transformers")
@@ -335,7 +335,8 @@ def test_model_inputs_always_give_seq_idx_to_a_family_with_token_mixers(monkeypa
 @pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
 def test_isolated_mixers_take_their_samples_from_seq_idx_alone(name):
     """The rows of a family with mixers carry seq_idx: with no position restarts to read (plain arange
-    positions) the isolated mixers still run per sample from it; an un-isolated model refuses it."""
+    positions) the isolated mixers still run per sample from it; an un-isolated model called with it (the
+    packed-call guard armed, as vlm-pack's collators do) is isolated first: the same logits."""
     if not mixers_refuse_packed_rows():
         pytest.skip("transformers < 5.24 hands no seq_idx to its mixers: isolated ones read the position restarts")
     samples = [s["input_ids"] for s in _samples()]
@@ -351,5 +352,25 @@ def test_isolated_mixers_take_their_samples_from_seq_idx_alone(name):
     torch.testing.assert_close(mixed[:n], first, rtol=1e-5, atol=1e-5)
     # the mixers read seq_idx: the later samples differ from the run without it
     assert (mixed[n:] - plain[n:]).abs().max() > 1e-3
-    with pytest.raises(ValueError, match="can't keep packed sequences apart"), torch.no_grad():
-        _model(name)(input_ids=ids, seq_idx=seq_idx, use_cache=False)
+    assert guard_packed_calls()
+    unisolated = _model(name)
+    with torch.no_grad():
+        guarded = unisolated(input_ids=ids, seq_idx=seq_idx, use_cache=False).logits[0]
+    torch.testing.assert_close(guarded, mixed, rtol=0, atol=0)
+    assert {m.isolation for m in find_token_mixers(unisolated)} == {"per_sample"}
+
+
+def test_the_packed_call_guard_is_installed_once_and_leaves_calls_without_the_marker_alone():
+    """Armed twice, one ``PreTrainedModel.__call__``; a call without ``seq_idx`` (an unpacked batch, generation)
+    runs transformers' own layers untouched, and the model is isolated by the first call that carries it."""
+    assert guard_packed_calls()
+    call = transformers.PreTrainedModel.__call__
+    assert guard_packed_calls() and transformers.PreTrainedModel.__call__ is call
+    model = _model("qwen3_5")
+    ids = _samples()[0]["input_ids"][None]
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+        assert {m.isolation for m in find_token_mixers(model)} == {"none"}
+        marked = model(input_ids=ids, seq_idx=torch.zeros_like(ids, dtype=torch.int32), use_cache=False).logits
+    assert {m.isolation for m in find_token_mixers(model)} == {"per_sample"}
+    torch.testing.assert_close(marked, plain, rtol=1e-5, atol=1e-5)  # one sample: the isolated forward is the same
