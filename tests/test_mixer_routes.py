@@ -172,6 +172,7 @@ def test_a_qwen3_5_checkpoint_read_as_its_processor_says_is_isolated_too(tmp_pat
     assert check_packed_equivalence(qwen3_vl, samples, pre.collator(400)).passed
 
 
+@pytest.mark.slow  # a fresh interpreter: 25-30 s on a loaded 2-core machine
 def test_the_readme_route_with_dataloader_workers_in_a_fresh_process(tmp_path):
     """The rows are made in a DataLoader worker (a forked process): the guard must be armed in the main
     process, where the model runs, by building the dataset's collator. A fresh interpreter, so no earlier test
@@ -305,3 +306,34 @@ def test_isolation_survives_transformers_rekernelizing_on_train(tmp_path):
         packed = float(model(**batch.model_inputs("sdpa")).loss)
     assert {m.isolation for m in find_token_mixers(model)} == {"per_sample"}
     assert abs(packed - _loss_alone(_qwen(), _qwen_samples()[:3])) < 5e-6
+
+
+# ------------------------------------------------------------------------------------------ TRL's own SFTTrainer
+
+
+def test_trl_sft_trainer_with_vlm_packs_collator_trains_an_unisolated_qwen3_5_exactly(tmp_path):
+    """TRL's plain ``SFTTrainer`` (not vlm-pack's ``PackedSFTTrainer``, which isolates its model itself) with
+    ``TRLPackingCollator`` rows: vlm-pack never sees the model; the first step's loss is each sample alone."""
+    pytest.importorskip("trl")
+    import trl
+    from test_integrations_trl import _args as sft_args
+    from test_integrations_trl import _family_preprocessor, _Recording, _records
+
+    from vlm_pack.data import write_shards
+    from vlm_pack.integrations.trl import TRLPackingCollator, packed_dataset
+
+    pre = _family_preprocessor("qwen3_5")
+    shards = write_shards(_records(6, seed=3, max_images=1), tmp_path / "shards", maxcount=3)
+    ds = packed_dataset(shards, pre, capacity=400, cache_dir=str(tmp_path / "hf"))
+    model = offline.tiny_model("qwen3_5", pre.tokenizer, num_layers=4, initializer_range=0.2, seed=0)
+    collator = _Recording(TRLPackingCollator(400, pre, model_config=model.config))
+    trainer = trl.SFTTrainer(model=model, args=sft_args(tmp_path, max_steps=1, learning_rate=1e-3), train_dataset=ds,
+                             data_collator=collator, processing_class=pre.tokenizer)  # fmt: skip
+    assert {m.isolation for m in find_token_mixers(model)} == {"none"}
+    trainer.train()
+    first = collator.inner.samples(collator.rows[:1])
+    assert len(first) >= 2
+    fresh = offline.tiny_model("qwen3_5", pre.tokenizer, num_layers=4, initializer_range=0.2, seed=0)
+    expected = _loss_alone(fresh, first)
+    logged = next(h for h in trainer.state.log_history if "loss" in h)["loss"]
+    assert abs(logged - expected) < 5e-6, (logged, expected)
