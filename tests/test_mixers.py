@@ -18,7 +18,7 @@ from torch import nn
 import vlm_pack as vp
 from vlm_pack import batch as batch_module
 from vlm_pack import boundaries
-from vlm_pack._compat import mixers_refuse_packed_rows, release
+from vlm_pack._compat import release
 from vlm_pack.attention import register_hf_attention
 from vlm_pack.boundaries import mrope_restarts
 from vlm_pack.families import lookup
@@ -39,6 +39,7 @@ _MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
 
 
 def _config(name: str):
+    """(config, model class) of a tiny text model with token mixers (shared with ``test_mixer_kernels.py``)."""
     if name == "qwen3_5":
         return transformers.Qwen3_5TextConfig(**_DENSE, **_DELTA), transformers.Qwen3_5ForCausalLM
     if name == "qwen3_5_moe":
@@ -52,6 +53,8 @@ def _config(name: str):
     if name == "lfm2_moe":
         cfg = transformers.Lfm2MoeConfig(**_DENSE, **_CONV, **_MOE, num_dense_layers=1)
         return cfg, transformers.Lfm2MoeForCausalLM
+    if name == "lfm3":  # transformers 5.21 on
+        return transformers.Lfm3Config(**_DENSE, **_CONV), transformers.Lfm3ForCausalLM
     raise AssertionError(name)
 
 
@@ -337,8 +340,9 @@ def test_isolated_mixers_take_their_samples_from_seq_idx_alone(name):
     """The rows of a family with mixers carry seq_idx: with no position restarts to read (plain arange
     positions) the isolated mixers still run per sample from it; an un-isolated model called with it (the
     packed-call guard armed, as vlm-pack's collators do) is isolated first: the same logits."""
-    if not mixers_refuse_packed_rows():
-        pytest.skip("transformers < 5.24 hands no seq_idx to its mixers: isolated ones read the position restarts")
+    if release(transformers.__version__)[:2] < (5, 18):
+        pytest.skip("transformers < 5.18's decoder layers hand no seq_idx to their mixers: isolated ones read the "
+                    "position restarts the text model receives")
     samples = [s["input_ids"] for s in _samples()]
     seq_idx = torch.cat([torch.full((len(s),), k, dtype=torch.int32) for k, s in enumerate(samples)])[None]
     ids = torch.cat(samples)[None]
