@@ -25,8 +25,8 @@ delta net, LFM2's short conv) always get ``seq_idx`` (``[R, T]`` / ``[1, R*T]`` 
 token) in the HF styles: the boundaries and the marker of a packed row. A mixer isolated by
 ``isolate_token_mixers`` (``mixers.py``) reads its samples from it; transformers' own layers hand it to their
 PyTorch fallback, which ignores it before 5.24 and refuses it from 5.24 on: so the first transformers model call
-that receives it isolates that model's mixers first (``mixers.guard_packed_calls``, armed here and by the
-``PackingCollator`` of such a family), on every release. (``cu_seq_lens_q`` is not
+that receives it isolates that model's mixers first (``mixers.guard_packed_calls``, armed here and when a
+``PackingCollator`` of such a family is built), on every release. (``cu_seq_lens_q`` is not
 added to the sdpa / eager styles: it would reach a VLM's vision tower through ``**kwargs``.)
 
 ``PackedSeqParams`` is Megatron-Core's class, imported only when asked for (the megatron style, or the
@@ -46,7 +46,7 @@ from ._compat import check_experts_mask_mapping, images_past_window
 from .families import canonical, lookup
 from .labels import IGNORE_INDEX, roll_packed
 from .masks import TOKENS_KEY, MaskMapping, gemma3_attention_masks, real_tokens
-from .mixers import guard_packed_calls
+from .mixers import carries_mixer_marker, guard_packed_calls
 from .positions import is_mrope_family
 from .vision_inputs import VISION_KEYS
 
@@ -436,10 +436,3 @@ class PackedBatch:
             return self[name]
         except KeyError:
             return default
-
-
-def carries_mixer_marker(family: str | None) -> bool:
-    """Whether the HF-style rows of ``family`` carry ``seq_idx``: its text model has token mixers (the record's
-    ``token_mixers``), or checkpoints that share its processor do (``mixers_behind_processor``)."""
-    record = lookup(family)
-    return record is not None and bool(record.token_mixers or record.mixers_behind_processor)

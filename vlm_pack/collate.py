@@ -62,14 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .batch import (
-    HF_STYLES,
-    SAMPLE_KEY_NAMES,
-    STYLES,
-    PackedBatch,
-    carries_mixer_marker,
-    packed_seq_params_class,
-)
+from .batch import HF_STYLES, SAMPLE_KEY_NAMES, STYLES, PackedBatch, packed_seq_params_class
 from .collate_rows import RowPlan, one_row, repack, row_plan
 from .collate_samples import (
     SampleParts,
@@ -89,7 +82,6 @@ from .collate_samples import (
 from .collate_settings import CollatorSettings
 from .families import names
 from .labels import IGNORE_INDEX
-from .mixers import guard_packed_calls
 from .model_types import check_rope_index, rope_index_position_ids
 from .packing.bins import round_up
 from .positions import MRopeOptions, packed_position_ids
@@ -233,8 +225,6 @@ class PackingCollator:
         self.return_style = return_style
         check_rope_index(self.settings, rope_index)
         self.rope_index = rope_index
-        if carries_mixer_marker(self.family):  # here too: DataLoader workers' rows reach a model in this process
-            guard_packed_calls()
 
     @classmethod
     def from_config(cls, config: PackingConfig, *, max_rows: int | None = 1, **options: Any) -> PackingCollator:

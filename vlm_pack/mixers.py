@@ -25,12 +25,11 @@ first optimizer step, on every transformers release vlm-pack supports (5.6 on):
     TRL's own SFTTrainer with vlm-pack's collator   model's mixers before any layer runs (the packed-call guard)
     isolate_token_mixers(model) by hand             every route, any transformers release
 
-**The packed-call guard.** The first time vlm-pack hands out rows that carry ``seq_idx`` (a ``PackingCollator``
-of such a family is built, or ``model_inputs`` adds the marker: both, since a DataLoader worker's patch does not
-reach the main process), ``guard_packed_calls`` gives ``transformers.PreTrainedModel`` a ``__call__`` that,
-when a call's kwargs hold ``seq_idx`` and the model was not seen before, runs ``isolate_token_mixers`` on it
-(known mixers: exact; a mixer vlm-pack cannot split: ValueError naming the layer, before any layer runs) and then
-``nn.Module.__call__`` as before. Why there:
+**The packed-call guard.** Once vlm-pack hands out rows carrying ``seq_idx`` (a ``PackingCollator`` of such a
+family is built, or ``model_inputs`` adds it: both, since a DataLoader worker's patch does not reach the main
+process), ``guard_packed_calls`` gives ``transformers.PreTrainedModel`` a ``__call__`` that runs
+``isolate_token_mixers`` on a model not seen before when the call's kwargs hold ``seq_idx`` (an unknown mixer:
+ValueError naming the layer, before any layer runs), then ``nn.Module.__call__`` as before. Why there:
 
 - ``seq_idx`` reaches the model's call on every release, but not the mixer: on 5.6 ``Qwen3_5DecoderLayer`` calls
   ``self.linear_attn(hidden_states, cache_params, attention_mask)`` without ``**kwargs`` (5.18 on passes them),
@@ -46,9 +45,7 @@ when a call's kwargs hold ``seq_idx`` and the model was not seen before, runs ``
   class's on a row of one sample, and parameters / state_dict are untouched. Unknown mixers stay refused.
 - A hub kernel (transformers 5.25's ``kernelize``) that replaced a mixer's forward before the first packed call
   is overwritten there like any un-isolated forward; one that replaces it later is caught by the guard below.
-
-Not covered: rows with no marker (a ``PackingCollator`` without a family, or a family record without
-``token_mixers``): nothing says the row is packed for a mixer, so nothing acts (docs/versions.md).
+  Not covered: rows with no marker (a ``PackingCollator`` without a family): nothing says they are packed.
 
 ``isolate_token_mixers(model)`` installs a boundary-respecting path in every known mixer: the layer runs on each
 sample segment alone (segments of similar length batched into one call, right-padded: the layers are causal,
@@ -93,6 +90,7 @@ from torch import nn
 
 from . import mixer_kernels
 from .boundaries import IdentityCache, Packing, host_copy, packing_from_cu, packing_from_positions, to_device
+from .families import lookup
 
 __all__ = [
     "KNOWN_MIXERS",
@@ -534,6 +532,13 @@ _STATES: weakref.WeakKeyDictionary[nn.Module, _Boundaries] = weakref.WeakKeyDict
 # --------------------------------------------------------------------------------------------------------
 # the packed-call guard
 # --------------------------------------------------------------------------------------------------------
+
+
+def carries_mixer_marker(family: str | None) -> bool:
+    """Whether the HF-style rows of ``family`` carry ``seq_idx``: its text model has token mixers (the record's
+    ``token_mixers``), or checkpoints that share its processor do (``mixers_behind_processor``)."""
+    record = lookup(family)
+    return record is not None and bool(record.token_mixers or record.mixers_behind_processor)
 
 
 def guard_packed_calls() -> bool:
