@@ -14,7 +14,6 @@ datasets = pytest.importorskip("datasets")
 from trl import SFTConfig  # noqa: E402
 
 from vlm_pack import Preprocessor  # noqa: E402
-from vlm_pack._compat import mixers_refuse_packed_rows  # noqa: E402
 from vlm_pack.data import SampleError  # noqa: E402
 from vlm_pack.demo import demo_shards  # noqa: E402
 from vlm_pack.integrations.trl import (  # noqa: E402
@@ -514,16 +513,15 @@ def test_qwen3_5_trains_on_packed_rows_each_sample_once_first_loss_as_each_sampl
             total += float(alone(**inputs, labels=s["labels"][None], use_cache=False).loss) * n
             count += n
     assert abs(logs[0]["loss"] - total / count) < 5e-6, (logs[0]["loss"], total / count)
-    # Control: the same first row through the initial weights without isolated mixers: transformers' fallback
-    # refuses the row's seq_idx; without it (boundaries reach the attention layer only) the first samples leak
-    # into the later ones: the loss moves (measured 6e-5).
+    # Control: the same first row through the initial weights without isolated mixers: called with the row's
+    # seq_idx, the model's mixers are isolated first (vlm-pack's packed-call guard); without it (boundaries reach
+    # the attention layer only) the first samples leak into the later ones: the loss moves (measured 6e-5).
     inputs = TRLPackingCollator(400, pre, model_config=trained.config)(collator.rows[:1])
     inputs.pop(NUM_TOKENS_KEY)
     with torch.no_grad():
-        if mixers_refuse_packed_rows():  # transformers' own fallbacks refuse seq_idx from 5.24 on
-            with pytest.raises(ValueError, match="can't keep packed sequences apart"):
-                model().eval()(**inputs, use_cache=False)
         isolated = float(isolate_token_mixers(model()).eval()(**inputs, use_cache=False).loss)
+        guarded = float(model().eval()(**inputs, use_cache=False).loss)
         inputs.pop("seq_idx")
         leaking = float(model().eval()(**inputs, use_cache=False).loss)
     assert abs(isolated - total / count) < 5e-6 and abs(leaking - total / count) > 2e-5, (isolated, leaking)
+    assert guarded == isolated

@@ -25,7 +25,6 @@ pytestmark = pytest.mark.torchvision
 from transformers import ProcessorMixin  # noqa: E402
 
 from vlm_pack import isolate_token_mixers, offline  # noqa: E402
-from vlm_pack._compat import mixers_refuse_packed_rows  # noqa: E402
 from vlm_pack.collate.collator import PackingCollator  # noqa: E402
 from vlm_pack.families import family  # noqa: E402
 from vlm_pack.forward.mixers import find_token_mixers  # noqa: E402
@@ -309,19 +308,17 @@ def _readme_route(tmp_path, model):
     return transformers.Trainer(model, args, train_dataset=ds, data_collator=ds.trainer_collator("sdpa")), ds, data, pre
 
 
-def test_readme_route_refuses_unisolated_mixers_before_the_first_step_and_trains_exactly_once_isolated(tmp_path):
+def test_readme_route_trains_unisolated_mixers_exactly_with_no_manual_call(tmp_path):
+    """The README's route with images, no ``isolate_token_mixers``: the rows' ``seq_idx`` reaches the model's
+    call, which isolates its short convolutions before any layer runs (on every release: before 5.24
+    transformers' fallback would ignore the marker and leak). The first step's loss is each sample of the first
+    pack alone; the control (the same pack, no marker, an un-isolated model) leaks."""
     model = _model("sdpa", isolated=False)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer, ds, _, _ = _readme_route(tmp_path, model)
+    trainer, ds, data, pre = _readme_route(tmp_path, model)
     assert ds[0].num_samples >= 2
-    if mixers_refuse_packed_rows():  # transformers' own fallbacks refuse seq_idx from 5.24 on
-        with pytest.raises(ValueError, match="can't keep packed sequences apart"):
-            trainer.train()
-        assert trainer.state.global_step == 0
-        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    # the fix the refusal calls for: the first step's loss is each sample of the first pack alone
-    trainer, ds, data, pre = _readme_route(tmp_path, _model("sdpa", isolated=True))
     trainer.train()
+    assert trainer.state.global_step == 1
+    assert {m.isolation for m in find_token_mixers(model)} == {"per_sample"}
     reference = _model("sdpa", isolated=False)
     total, count = 0.0, 0
     with torch.no_grad():
@@ -333,4 +330,7 @@ def test_readme_route_refuses_unisolated_mixers_before_the_first_step_and_trains
             n = int((s["labels"][1:] != -100).sum())
             total += float(reference(**inputs, labels=s["labels"][None], use_cache=False).loss) * n
             count += n
+        unmarked = {k: v for k, v in ds[0].model_inputs("sdpa").items() if k != "seq_idx"}
+        leaking = float(_model("sdpa", isolated=False)(**unmarked).loss)
+    assert abs(leaking - total / count) > 1e-4  # measured 5.4e-4 (the exact run: within 5e-6)
     assert abs(trainer.state.log_history[0]["loss"] - total / count) < 5e-6

@@ -14,6 +14,7 @@ import itertools
 
 import pytest
 import torch
+from test_mixers import LENGTHS, _config  # the same tiny configs; LENGTHS: rows of 90 + 74 (+ 16 padding)
 
 import vlm_pack as vp
 from vlm_pack._compat import mixers_refuse_packed_rows
@@ -24,24 +25,11 @@ from vlm_pack.testing import check_packed_equivalence
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_5 import modeling_qwen3_5 as q35  # noqa: E402
 
-LENGTHS = (37, 53, 29, 45)  # two rows of 90 + 74 (+ 16 padding)
-_DENSE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, initializer_range=0.1, pad_token_id=0)  # fmt: skip
-_DELTA = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-              linear_value_head_dim=16, linear_conv_kernel_dim=4,
-              layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])  # fmt: skip
-_CONV = dict(layer_types=["conv", "conv", "full_attention", "conv"])
-
 
 def _model(name: str, dtype=torch.float32, device="cpu"):
     torch.manual_seed(0)
-    if name == "qwen3_5":
-        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**_DENSE, **_DELTA))
-    elif name == "lfm2":
-        model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**_DENSE, **_CONV))
-    else:
-        model = transformers.Lfm3ForCausalLM(transformers.Lfm3Config(**_DENSE, **_CONV))
-    return model.to(device=device, dtype=dtype).eval()
+    cfg, cls = _config(name)
+    return cls(cfg).to(device=device, dtype=dtype).eval()
 
 
 def _segments(cu_host: torch.Tensor) -> list[tuple[int, int]]:
@@ -82,8 +70,7 @@ def test_each_recipe_is_its_layer_on_each_segment_alone(name):
 
 
 def test_layers_without_a_recipe_stay_on_the_per_sample_path():
-    cfg = transformers.Qwen3NextConfig(**_DENSE, **_DELTA, moe_intermediate_size=32, num_experts=4,
-                                       num_experts_per_tok=2, shared_expert_intermediate_size=32)  # fmt: skip
+    cfg, _ = _config("qwen3_next")
     layer = transformers.Qwen3NextForCausalLM(cfg).model.layers[0].linear_attn
     assert mixer_kernels.recipe(layer) is None  # fused in_proj_qkvz: another layout
     try:

@@ -1,15 +1,17 @@
 """No route leaks: every way vlm-pack hands packed rows to a model whose text layers mix tokens without
 attention (Qwen3.5's gated delta-net, LFM2's short convolutions) runs each mixer per sample or stops before
-the first optimizer step; an isolated mixer whose ``forward`` is replaced afterwards is caught.
+the first optimizer step, on every transformers release vlm-pack supports; an isolated mixer whose ``forward``
+or layer is replaced afterwards is caught.
 
-Routes: the README's (``PackedMapDataset`` + ``Trainer(..., data_collator=ds.trainer_collator("sdpa")).train()``),
-a ``PackingCollator(return_style="sdpa")`` as the Trainer's collator, a torch loop on
-``PackedBatch.model_inputs("sdpa")``, TRL's ``PackedSFTTrainer`` (``test_integrations_trl.py``). No manual
-``isolate_token_mixers`` on any of them: where vlm-pack never sees the model, the rows carry ``seq_idx``, which an
-un-isolated transformers mixer refuses; where it meets the model it isolates it.
+Routes: the README's (``PackedMapDataset`` + ``Trainer(..., data_collator=ds.trainer_collator("sdpa")).train()``,
+also with DataLoader workers), a ``PackingCollator(return_style="sdpa")`` as the Trainer's collator, a torch loop
+on ``PackedBatch.model_inputs("sdpa")``, TRL (``test_integrations_trl.py``). No manual ``isolate_token_mixers``
+on any of them: the rows carry ``seq_idx`` and the first model call that receives it isolates the model's mixers
+(``mixers.guard_packed_calls``), or refuses, naming it, a layer vlm-pack cannot split.
 
 Tiny genuine transformers models built from configs (``vlm_pack.offline``), fp32 CPU, the real Qwen3-VL
-processor. Oracle: each sample of the first pack run alone through the same initial weights.
+processor. Oracle: each sample of the first pack run alone through the same initial weights; control: the
+same pack without the marker through an un-isolated model (what it would train on) differs.
 """
 
 from __future__ import annotations
@@ -26,17 +28,12 @@ from PIL import Image
 
 import vlm_pack as vp
 from vlm_pack import offline
-from vlm_pack._compat import mixers_refuse_packed_rows
 from vlm_pack.forward.mixers import find_token_mixers
 
 datasets = pytest.importorskip("datasets")
 
 TEMPLATE = (Path(__file__).parent / "templates" / "qwen3_5.jinja").read_text()
 CAP = dict(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 48 * 32 * 32})
-REFUSED = "can't keep packed sequences apart"
-
-#: The refusal these routes rely on is transformers' own, 5.24 on (``_compat.mixers_refuse_packed_rows``).
-REFUSES = pytest.mark.skipif(not mixers_refuse_packed_rows(), reason="transformers < 5.24: its mixers' PyTorch fallbacks ignore seq_idx (call vp.isolate_token_mixers; docs/versions.md)")
 QUESTIONS = ["what is the red car near", "describe the picture", "count the people", "where is the dog",
              "what colour is the sky", "read the sign"]  # fmt: skip
 ANSWERS = ["the tall building", "two people with a dog", "three", "under the table", "blue", "stop"]
@@ -118,25 +115,41 @@ def _readme_route(tmp_path, model):
     return trainer, ds, data
 
 
-@REFUSES
-def test_readme_route_refuses_an_unisolated_qwen3_5_before_the_first_step(tmp_path):
+def _first_step_alone(ds, data) -> float:
+    """The first step's loss with each sample of the first pack alone, through fresh initial weights."""
+    pre = _qwen_pre()
+    rows = [data[int(r)] for r in ds[0].metadata["__row__"]]
+    return _loss_alone(_qwen(), [pre.process(r["images"], r["messages"]) for r in rows])
+
+
+def _leaking(model, ds) -> float:
+    """Control: the first pack through ``model`` without the marker (the boundaries reach attention only)."""
+    inputs = {k: v for k, v in ds[0].model_inputs("sdpa").items() if k != "seq_idx"}
+    with torch.no_grad():
+        return float(model(**inputs).loss)
+
+
+def test_readme_route_trains_an_unisolated_qwen3_5_exactly(tmp_path):
+    """No manual call: the rows' ``seq_idx`` reaches the model's call, whose guard isolates its delta-nets
+    before any layer runs, on every release (before 5.24 transformers' fallbacks would ignore the marker and
+    leak; from 5.24 refuse it)."""
     model = _qwen()
     assert {m.isolation for m in find_token_mixers(model)} == {"none"}
-    before = _weights(model)
-    trainer, ds, _ = _readme_route(tmp_path, model)
+    trainer, ds, data = _readme_route(tmp_path, model)
     assert ds[0].num_samples >= 2
-    with pytest.raises(ValueError, match=REFUSED):
-        trainer.train()
-    assert trainer.state.global_step == 0 and _unchanged(model, before)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert {m.isolation for m in find_token_mixers(model)} == {"per_sample"}
+    expected, logged = _first_step_alone(ds, data), trainer.state.log_history[0]["loss"]
+    assert abs(logged - expected) < 5e-6, (logged, expected)
+    assert abs(_leaking(_qwen(), ds) - expected) > 1e-3  # what an un-isolated model trains on
 
 
-@REFUSES
-def test_a_qwen3_5_checkpoint_read_as_its_processor_says_is_refused_too(tmp_path):
+def test_a_qwen3_5_checkpoint_read_as_its_processor_says_is_isolated_too(tmp_path):
     """A Qwen3.5 checkpoint from the hub ships ``Qwen3VLProcessor`` and a tokenizer that knows nothing of
     vlm-pack: its Preprocessor reads family qwen3_vl (the processor's record). The packed rows still carry the
-    mixers' marker (``Family.mixers_behind_processor``), so the un-isolated model on the README's route stops
-    before the first step instead of training on leaked state; the same rows through a real Qwen3-VL model
-    (no mixers) are exact."""
+    mixers' marker (``Family.mixers_behind_processor``), so the un-isolated model on the README's route has its
+    mixers isolated at the first call: exact; the same rows through a real Qwen3-VL model (no mixers) are exact."""
     from vlm_pack.data import PackedMapDataset, build_plan
     from vlm_pack.testing import check_packed_equivalence
 
@@ -149,30 +162,38 @@ def test_a_qwen3_5_checkpoint_read_as_its_processor_says_is_refused_too(tmp_path
     assert pre.family == "qwen3_vl"  # all a processor can tell
     data, config = _dataset(), vp.PackingConfig(capacity=400)
     ds = PackedMapDataset(data, pre, config, plan=build_plan(data, pre, config))
-    model = _qwen()
-    before = _weights(model)
-    trainer = transformers.Trainer(model, _args(tmp_path), train_dataset=ds, data_collator=ds.trainer_collator("sdpa"))
-    with pytest.raises(ValueError, match=REFUSED):
-        trainer.train()
-    assert trainer.state.global_step == 0 and _unchanged(model, before)
+    trainer = transformers.Trainer(_qwen(), _args(tmp_path), train_dataset=ds, data_collator=ds.trainer_collator("sdpa"))
+    trainer.train()
+    expected, logged = _first_step_alone(ds, data), trainer.state.log_history[0]["loss"]
+    assert abs(logged - expected) < 5e-6, (logged, expected)
     qwen3_vl = offline.tiny_model("qwen3_vl", tok, num_layers=2, initializer_range=0.2, seed=0)
     samples = [pre.process([im.convert("RGB") for im in data[k]["images"]], data[k]["messages"]) for k in range(3)]
     assert "seq_idx" in pre.collator(400).__call__(samples).model_inputs("sdpa")
     assert check_packed_equivalence(qwen3_vl, samples, pre.collator(400)).passed
 
 
-def test_readme_route_with_the_named_fix_trains_exactly(tmp_path):
-    """The fix the refusal names (vp.isolate_token_mixers): the first step's loss is each sample alone."""
-    trainer, ds, data = _readme_route(tmp_path, vp.isolate_token_mixers(_qwen()))
-    trainer.train()
-    first = ds[0]
-    assert first.num_samples >= 2
-    pre = _qwen_pre()
-    rows = [data[int(r)] for r in first.metadata["__row__"]]
-    alone = [pre.process(r["images"], r["messages"]) for r in rows]
-    expected = _loss_alone(_qwen(), alone)
-    logged = trainer.state.log_history[0]["loss"]
-    assert abs(logged - expected) < 5e-6, (logged, expected)
+@pytest.mark.slow  # a fresh interpreter: 25-30 s on a loaded 2-core machine
+def test_the_readme_route_with_dataloader_workers_in_a_fresh_process(tmp_path):
+    """The rows are made in a DataLoader worker (a forked process): the guard must be armed in the main
+    process, where the model runs, by building the dataset's collator. A fresh interpreter, so no earlier test
+    armed it; the run trains the first step on each sample alone."""
+    script = f"""
+import sys, transformers, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import test_mixer_routes as t
+from pathlib import Path
+trainer, ds, data = t._readme_route(Path({str(tmp_path)!r}), t._qwen())
+trainer.args.dataloader_num_workers = 1
+trainer.train()
+print("GAP", abs(trainer.state.log_history[0]["loss"] - t._first_step_alone(ds, data)))
+"""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    gap = float(run.stdout.split("GAP")[-1])
+    assert gap < 5e-6, run.stdout
 
 
 # ------------------------------------------------------------------------------------------ a loop of one's own
@@ -183,21 +204,32 @@ def _qwen_samples() -> list[dict]:
     return [pre.process(r["images"], r["messages"]) for r in data]
 
 
-@REFUSES
-def test_a_torch_loop_on_model_inputs_refuses_an_unisolated_qwen3_5():
+def test_a_torch_loop_on_model_inputs_isolates_an_unisolated_qwen3_5():
     model = _qwen().train()
-    before = _weights(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = _qwen_pre().collator(400)(_qwen_samples()[:3])
     assert batch.num_samples == 3
-    with pytest.raises(ValueError, match=REFUSED):
-        model(**batch.model_inputs("sdpa")).loss.backward()
-        optimizer.step()
-    assert _unchanged(model, before)
-    # isolated, the same loop's loss is each sample alone
+    loss = model(**batch.model_inputs("sdpa")).loss
+    loss.backward()
+    optimizer.step()
+    assert abs(float(loss.detach()) - _loss_alone(_qwen(), _qwen_samples()[:3])) < 5e-6
+    assert {m.isolation for m in find_token_mixers(model)} == {"per_sample"}
+
+
+def test_a_mixer_vlm_pack_cannot_split_is_refused_at_the_first_packed_call():
+    """A model holding a layer that mixes tokens and that vlm-pack does not know (here: a Conv1d along the
+    sequence added to a decoder layer) stops at the first call with the rows' marker, naming the layer, before
+    any layer runs; the same model without the marker runs as before."""
+    model = _qwen().eval()
+    layer = model.model.language_model.layers[0]
+    layer.add_module("token_conv", torch.nn.Sequential(torch.nn.Conv1d(8, 8, 4)))
+    batch = _qwen_pre().collator(400)(_qwen_samples()[:3])
+    inputs = batch.model_inputs("sdpa")
+    with pytest.raises(ValueError, match=r"layers\.0\.token_conv .*train this model unpacked"), torch.no_grad():
+        model(**inputs)
+    assert {m.isolation for m in find_token_mixers(model)} == {"none"}  # refused before touching anything
     with torch.no_grad():
-        packed = float(vp.isolate_token_mixers(_qwen())(**batch.model_inputs("sdpa")).loss)
-    assert abs(packed - _loss_alone(_qwen(), _qwen_samples()[:3])) < 5e-6
+        model(**{k: v for k, v in inputs.items() if k != "seq_idx"})
 
 
 # ------------------------------------------------------------------------------------------ LFM2-VL, text rows
@@ -219,26 +251,23 @@ def _text_samples(vocab: int, lengths=(37, 53, 29, 45)) -> list[dict]:
     return out
 
 
-@REFUSES
-def test_lfm2_vl_text_rows_through_a_trainer_collator_are_refused_unisolated_and_exact_isolated(tmp_path):
+def test_lfm2_vl_text_rows_through_a_trainer_collator_and_a_loop_are_exact_unisolated(tmp_path):
     model = _lfm2()
     assert [m.kind for m in find_token_mixers(model)] == ["short_conv", "short_conv"]
     samples = _text_samples(model.config.text_config.vocab_size)
     collator = vp.PackingCollator(sum(len(s["input_ids"]) for s in samples), family="lfm2_vl",
                                   model_config=model.config, return_style="sdpa")  # fmt: skip
-    before = _weights(model)
+    expected = _loss_alone(_lfm2(), samples)
     trainer = transformers.Trainer(model, _args(tmp_path), train_dataset=[samples], data_collator=lambda b: collator(b[0]))
-    with pytest.raises(ValueError, match=REFUSED):
-        trainer.train()
-    assert trainer.state.global_step == 0 and _unchanged(model, before)
-    # a torch loop on model_inputs: the same refusal; isolated, each sample alone
-    inputs = collator(samples)
-    with pytest.raises(ValueError, match=REFUSED), torch.no_grad():
-        _lfm2()(**inputs)
-    trainer = transformers.Trainer(vp.isolate_token_mixers(_lfm2()), _args(tmp_path), train_dataset=[samples],
-                                   data_collator=lambda b: collator(b[0]))  # fmt: skip
     trainer.train()
-    assert abs(trainer.state.log_history[0]["loss"] - _loss_alone(_lfm2(), samples)) < 5e-6
+    assert abs(trainer.state.log_history[0]["loss"] - expected) < 5e-6
+    # a torch loop on model_inputs: the same
+    inputs = collator(samples)
+    assert inputs["seq_idx"].unique().numel() == 4
+    with torch.no_grad():
+        assert abs(float(_lfm2()(**inputs).loss) - expected) < 5e-6
+        leaking = float(_lfm2()(**{k: v for k, v in inputs.items() if k != "seq_idx"}).loss)
+    assert abs(leaking - expected) > 1e-3  # the control: without the marker nothing isolates it
 
 
 # ------------------------------------------------------------------------------------------ replaced forwards
@@ -277,3 +306,34 @@ def test_isolation_survives_transformers_rekernelizing_on_train(tmp_path):
         packed = float(model(**batch.model_inputs("sdpa")).loss)
     assert {m.isolation for m in find_token_mixers(model)} == {"per_sample"}
     assert abs(packed - _loss_alone(_qwen(), _qwen_samples()[:3])) < 5e-6
+
+
+# ------------------------------------------------------------------------------------------ TRL's own SFTTrainer
+
+
+def test_trl_sft_trainer_with_vlm_packs_collator_trains_an_unisolated_qwen3_5_exactly(tmp_path):
+    """TRL's plain ``SFTTrainer`` (not vlm-pack's ``PackedSFTTrainer``, which isolates its model itself) with
+    ``TRLPackingCollator`` rows: vlm-pack never sees the model; the first step's loss is each sample alone."""
+    pytest.importorskip("trl")
+    import trl
+    from test_integrations_trl import _args as sft_args
+    from test_integrations_trl import _family_preprocessor, _Recording, _records
+
+    from vlm_pack.data import write_shards
+    from vlm_pack.integrations.trl import TRLPackingCollator, packed_dataset
+
+    pre = _family_preprocessor("qwen3_5")
+    shards = write_shards(_records(6, seed=3, max_images=1), tmp_path / "shards", maxcount=3)
+    ds = packed_dataset(shards, pre, capacity=400, cache_dir=str(tmp_path / "hf"))
+    model = offline.tiny_model("qwen3_5", pre.tokenizer, num_layers=4, initializer_range=0.2, seed=0)
+    collator = _Recording(TRLPackingCollator(400, pre, model_config=model.config))
+    trainer = trl.SFTTrainer(model=model, args=sft_args(tmp_path, max_steps=1, learning_rate=1e-3), train_dataset=ds,
+                             data_collator=collator, processing_class=pre.tokenizer)  # fmt: skip
+    assert {m.isolation for m in find_token_mixers(model)} == {"none"}
+    trainer.train()
+    first = collator.inner.samples(collator.rows[:1])
+    assert len(first) >= 2
+    fresh = offline.tiny_model("qwen3_5", pre.tokenizer, num_layers=4, initializer_range=0.2, seed=0)
+    expected = _loss_alone(fresh, first)
+    logged = next(h for h in trainer.state.log_history if "loss" in h)["loss"]
+    assert abs(logged - expected) < 5e-6, (logged, expected)

@@ -16,13 +16,13 @@ from test_host_syncs import SyncCounter
 from torch import nn
 
 import vlm_pack as vp
-from vlm_pack._compat import mixers_refuse_packed_rows, release
+from vlm_pack._compat import release
 from vlm_pack.collate import batch as batch_module
 from vlm_pack.families import lookup
 from vlm_pack.forward import boundaries
 from vlm_pack.forward.attention import register_hf_attention
 from vlm_pack.forward.boundaries import mrope_restarts
-from vlm_pack.forward.mixers import find_token_mixers, isolate_token_mixers
+from vlm_pack.forward.mixers import find_token_mixers, guard_packed_calls, isolate_token_mixers
 from vlm_pack.testing import check_packed_equivalence
 
 transformers = pytest.importorskip("transformers")
@@ -39,6 +39,7 @@ _MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
 
 
 def _config(name: str):
+    """(config, model class) of a tiny text model with token mixers (shared with ``test_mixer_kernels.py``)."""
     if name == "qwen3_5":
         return transformers.Qwen3_5TextConfig(**_DENSE, **_DELTA), transformers.Qwen3_5ForCausalLM
     if name == "qwen3_5_moe":
@@ -52,6 +53,8 @@ def _config(name: str):
     if name == "lfm2_moe":
         cfg = transformers.Lfm2MoeConfig(**_DENSE, **_CONV, **_MOE, num_dense_layers=1)
         return cfg, transformers.Lfm2MoeForCausalLM
+    if name == "lfm3":  # transformers 5.21 on
+        return transformers.Lfm3Config(**_DENSE, **_CONV), transformers.Lfm3ForCausalLM
     raise AssertionError(name)
 
 
@@ -335,9 +338,11 @@ def test_model_inputs_always_give_seq_idx_to_a_family_with_token_mixers(monkeypa
 @pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
 def test_isolated_mixers_take_their_samples_from_seq_idx_alone(name):
     """The rows of a family with mixers carry seq_idx: with no position restarts to read (plain arange
-    positions) the isolated mixers still run per sample from it; an un-isolated model refuses it."""
-    if not mixers_refuse_packed_rows():
-        pytest.skip("transformers < 5.24 hands no seq_idx to its mixers: isolated ones read the position restarts")
+    positions) the isolated mixers still run per sample from it; an un-isolated model called with it (the
+    packed-call guard armed, as vlm-pack's collators do) is isolated first: the same logits."""
+    if release(transformers.__version__)[:2] < (5, 18):
+        pytest.skip("transformers < 5.18's decoder layers hand no seq_idx to their mixers: isolated ones read the "
+                    "position restarts the text model receives")
     samples = [s["input_ids"] for s in _samples()]
     seq_idx = torch.cat([torch.full((len(s),), k, dtype=torch.int32) for k, s in enumerate(samples)])[None]
     ids = torch.cat(samples)[None]
@@ -351,5 +356,25 @@ def test_isolated_mixers_take_their_samples_from_seq_idx_alone(name):
     torch.testing.assert_close(mixed[:n], first, rtol=1e-5, atol=1e-5)
     # the mixers read seq_idx: the later samples differ from the run without it
     assert (mixed[n:] - plain[n:]).abs().max() > 1e-3
-    with pytest.raises(ValueError, match="can't keep packed sequences apart"), torch.no_grad():
-        _model(name)(input_ids=ids, seq_idx=seq_idx, use_cache=False)
+    assert guard_packed_calls()
+    unisolated = _model(name)
+    with torch.no_grad():
+        guarded = unisolated(input_ids=ids, seq_idx=seq_idx, use_cache=False).logits[0]
+    torch.testing.assert_close(guarded, mixed, rtol=0, atol=0)
+    assert {m.isolation for m in find_token_mixers(unisolated)} == {"per_sample"}
+
+
+def test_the_packed_call_guard_is_installed_once_and_leaves_calls_without_the_marker_alone():
+    """Armed twice, one ``PreTrainedModel.__call__``; a call without ``seq_idx`` (an unpacked batch, generation)
+    runs transformers' own layers untouched, and the model is isolated by the first call that carries it."""
+    assert guard_packed_calls()
+    call = transformers.PreTrainedModel.__call__
+    assert guard_packed_calls() and transformers.PreTrainedModel.__call__ is call
+    model = _model("qwen3_5")
+    ids = _samples()[0]["input_ids"][None]
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+        assert {m.isolation for m in find_token_mixers(model)} == {"none"}
+        marked = model(input_ids=ids, seq_idx=torch.zeros_like(ids, dtype=torch.int32), use_cache=False).logits
+    assert {m.isolation for m in find_token_mixers(model)} == {"per_sample"}
+    torch.testing.assert_close(marked, plain, rtol=1e-5, atol=1e-5)  # one sample: the isolated forward is the same

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import vlm_pack as vp
-from vlm_pack._compat import mixers_refuse_packed_rows
-from vlm_pack.forward.mixers import find_token_mixers
+from vlm_pack.forward.mixers import find_token_mixers, guard_packed_calls
 
 transformers = pytest.importorskip("transformers")
 T = transformers
@@ -119,12 +118,15 @@ def test_packed_equals_each_sample_alone(name, attn):
     assert _gap(model, samples, plain) < 1e-4  # boundaries from the restarted positions alone
 
 
-@pytest.mark.parametrize("name", ["lfm3", "qwen4_exp", "minicpmv4_6"])
-@pytest.mark.skipif(not mixers_refuse_packed_rows(), reason="transformers < 5.24: its mixers' PyTorch fallbacks ignore seq_idx (call vp.isolate_token_mixers; docs/versions.md)")
-def test_unisolated_layers_refuse_the_rows_marker(name):
-    _, inputs = _row()
-    with pytest.raises(ValueError, match="can't keep packed sequences apart"), torch.no_grad():
-        _model(name, "sdpa")(**inputs, use_cache=False)
+@pytest.mark.parametrize("name", NAMES)
+def test_unisolated_layers_called_with_the_rows_marker_are_isolated_first(name):
+    """No manual call: the packed-call guard (armed by vlm-pack's collators; here by hand) isolates the model at
+    its first call with ``seq_idx``, where transformers' own layers would refuse the marker (5.24 on) or leak."""
+    assert guard_packed_calls()
+    samples, inputs = _row()
+    model = _model(name, "sdpa")
+    assert _gap(model, samples, inputs) < 1e-4
+    assert {m.isolation for m in find_token_mixers(model)} == {"per_sample"}
 
 
 def test_mixers_vlm_pack_cannot_split_are_refused_by_name():

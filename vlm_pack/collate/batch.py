@@ -1,6 +1,6 @@
 """What a packed batch carries: ``PackedBatch``, and the model inputs it gives in each attention style.
 
-``PackingCollator`` (``collator.py``) builds it; the layouts are drawn there. Besides the packed rows and
+``PackingCollator`` (``collate.py``) builds it; the layouts are drawn there. Besides the packed rows and
 the sample boundaries, a batch tells which samples it holds and in what order::
 
     batch.sample_index        [N] input index of each packed sample, in packed order
@@ -13,7 +13,7 @@ the sample boundaries, a batch tells which samples it holds and in what order::
 - ``"sdpa"`` / ``"eager"``: HF ``input_ids``, ``labels``, ``position_ids``, vision tensors,
   ``use_cache=False`` and NO ``attention_mask`` (transformers then derives the block-diagonal mask from
   the position restarts), except for Gemma 3: ``token_type_ids`` and a dict of per-layer-type masks
-  (``forward/masks.py``), since transformers' own packed mask is wrong in its sliding-window layers;
+  (``masks.py``), since transformers' own packed mask is wrong in its sliding-window layers;
 - ``"flash_attention_2"``: the rows flattened to ``[1, R*T]`` plus ``cu_seq_lens_q/k`` (=
   ``cu_seqlens_padded``) and ``max_length_q/k``: the names transformers' flash path reads (never
   ``cu_seqlens``, which would reach the vision tower);
@@ -24,8 +24,9 @@ Families whose text model mixes tokens without attention (the record's ``token_m
 delta net, LFM2's short conv) always get ``seq_idx`` (``[R, T]`` / ``[1, R*T]`` int32, the sample of each
 token) in the HF styles: the boundaries and the marker of a packed row. A mixer isolated by
 ``isolate_token_mixers`` (``forward/mixers.py``) reads its samples from it; transformers' own layers hand it to their
-PyTorch fallback, which refuses it (5.24 on: "can't keep packed sequences apart") at the model's first
-forward, before any optimizer step, instead of carrying one sample into the next. (``cu_seq_lens_q`` is not
+PyTorch fallback, which ignores it before 5.24 and refuses it from 5.24 on: so the first transformers model call
+that receives it isolates that model's mixers first (``mixers.guard_packed_calls``, armed here and when a
+``PackingCollator`` of such a family is built), on every release. (``cu_seq_lens_q`` is not
 added to the sdpa / eager styles: it would reach a VLM's vision tower through ``**kwargs``.)
 
 ``PackedSeqParams`` is Megatron-Core's class, imported only when asked for (the megatron style, or the
@@ -44,6 +45,7 @@ import torch
 from .._compat import check_experts_mask_mapping, images_past_window
 from ..families import canonical, lookup
 from ..forward.masks import TOKENS_KEY, MaskMapping, gemma3_attention_masks, real_tokens
+from ..forward.mixers import carries_mixer_marker, guard_packed_calls
 from .labels import IGNORE_INDEX, roll_packed
 from .positions import is_mrope_family
 from .vision_inputs import VISION_KEYS
@@ -266,7 +268,7 @@ class PackedBatch:
     def attention_masks(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
         """The per-layer-type masks of models whose packed rows need one (Gemma 3), else None.
 
-        ``{"full_attention": [R, 1, T, T], "sliding_attention": [R, 1, T, T]}`` (see ``forward/masks.py``): bool
+        ``{"full_attention": [R, 1, T, T], "sliding_attention": [R, 1, T, T]}`` (see ``masks.py``): bool
         for ``dtype=None`` (sdpa), additive in ``dtype`` otherwise (eager). Mixture-of-experts families
         (``experts``: Qwen3.5-MoE) get ``{"full_attention": per-sample causal, "linear_attention": None}``, so
         that ``model_inputs`` can pass the 2-D mask of real tokens their router loss reads.
@@ -313,7 +315,7 @@ class PackedBatch:
           under their HF names.
 
         Families with ``token_mixers`` always get ``seq_idx`` in the HF styles (the samples' boundaries for
-        isolated mixers, refused by un-isolated ones): see the module docstring.
+        isolated mixers; a model called with it has its mixers isolated first): see the module docstring.
         """
         if style not in STYLES:
             raise ValueError(f"style must be one of {STYLES}, got {style!r}")
@@ -358,9 +360,9 @@ class PackedBatch:
     def _mixer_inputs(self, flat: bool = False) -> dict[str, torch.Tensor]:
         """``seq_idx`` [R, T] (``[1, R*T]`` flat) int32 for a family with token mixers (or whose processor
         checkpoints with mixers share: ``Family.mixers_behind_processor``), else {}."""
-        record = lookup(self.family)
-        if record is None or not (record.token_mixers or record.mixers_behind_processor):
+        if not carries_mixer_marker(self.family):
             return {}
+        guard_packed_calls()
         tokens = torch.arange(self.num_rows * self.row_length, device=self.cu_seqlens_padded.device)
         bounds = self.cu_seqlens_padded[1:].to(tokens.dtype).contiguous()
         seq_idx = torch.searchsorted(bounds, tokens, right=True).to(torch.int32)

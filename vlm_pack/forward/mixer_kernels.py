@@ -44,13 +44,25 @@ def _apply_padding_mask(hidden: torch.Tensor, mask: Any) -> torch.Tensor:
     return hidden
 
 
-def gated_delta_net_rows(
-    m: nn.Module, hidden: torch.Tensor, cu: torch.Tensor, cu_host: torch.Tensor, mask: Any, *, conv: Conv, rule: Rule
-) -> torch.Tensor:
-    """Qwen3.5's gated delta-net (``Qwen3_5GatedDeltaNet.forward`` without a cache) over the whole row:
-    hidden [B, T, H] -> [B, T, H]."""
-    batch, length, _ = hidden.shape
-    x = _apply_padding_mask(hidden, mask).reshape(1, batch * length, -1)
+def _whole_row(layer: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A recipe over the flattened row, ``layer(m, x [1, N, H], cu, cu_host, *, conv, rule) -> [1, N, H']``, as
+    the isolated forward calls it: ``(m, hidden [B, T, H], cu, cu_host, mask, *, conv, rule) -> [B, T, H']``
+    (padding zeroed as the layers do, the B rows one sequence of N = B*T tokens cut at ``cu``)."""
+
+    @functools.wraps(layer)
+    def rows(m: nn.Module, hidden: torch.Tensor, cu: torch.Tensor, cu_host: torch.Tensor, mask: Any, *,
+             conv: Conv, rule: Rule) -> torch.Tensor:  # fmt: skip
+        batch, length, _ = hidden.shape
+        x = _apply_padding_mask(hidden, mask).reshape(1, batch * length, -1)
+        return layer(m, x, cu, cu_host, conv=conv, rule=rule).reshape(batch, length, -1)
+
+    return rows
+
+
+@_whole_row
+def gated_delta_net_rows(m: nn.Module, x: torch.Tensor, cu: torch.Tensor, cu_host: torch.Tensor, *, conv: Conv,
+                         rule: Rule) -> torch.Tensor:  # fmt: skip
+    """Qwen3.5's gated delta-net (``Qwen3_5GatedDeltaNet.forward`` without a cache): x [1, N, H] -> [1, N, H]."""
     n = x.shape[1]
     mixed = m.in_proj_qkv(x)
     z = m.in_proj_z(x).reshape(1, n, -1, m.head_v_dim)
@@ -64,19 +76,16 @@ def gated_delta_net_rows(
     g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)  # as the layer: fp32 (fp16 would give -inf)
     out = rule(q, k, v, g, beta, cu, cu_host)
     out = m.norm(out.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
-    return m.out_proj(out.reshape(batch, length, -1))
+    return m.out_proj(out.reshape(1, n, -1))
 
 
-def short_conv_rows(
-    m: nn.Module, hidden: torch.Tensor, cu: torch.Tensor, cu_host: torch.Tensor, mask: Any, *, conv: Conv, rule: Rule
-) -> torch.Tensor:
-    """LFM2's gated short convolution (``Lfm2ShortConv.forward`` without a cache) over the whole row:
-    hidden [B, T, H] -> [B, T, H]."""
-    batch, length, _ = hidden.shape
-    x = _apply_padding_mask(hidden, mask).reshape(1, batch * length, -1)
+@_whole_row
+def short_conv_rows(m: nn.Module, x: torch.Tensor, cu: torch.Tensor, cu_host: torch.Tensor, *, conv: Conv,
+                    rule: Rule) -> torch.Tensor:  # fmt: skip
+    """LFM2's gated short convolution (``Lfm2ShortConv.forward`` without a cache): x [1, N, H] -> [1, N, H]."""
     gate_in, gate_out, values = m.in_proj(x).chunk(3, dim=-1)
     mixed = conv(gate_in * values, m.conv.weight.squeeze(1), m.conv.bias, None, cu, cu_host)
-    return m.out_proj(gate_out * mixed).reshape(batch, length, -1)
+    return m.out_proj(gate_out * mixed)
 
 
 #: Layer class -> (recipe, the attributes it reads). Qwen3-Next's delta net fuses its projections

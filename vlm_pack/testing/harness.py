@@ -70,8 +70,8 @@ def default_packed_forward(
     def forward(model: Any, batch: Any) -> torch.Tensor:
         kwargs = dict(batch.model_inputs(style))
         if "seq_idx" in kwargs and _leaking_mixers(model):
-            # transformers' fallback would refuse the marker; without it the leak is measured, and the report
-            # names the layer (mixer_problems)
+            # with the marker the model would be isolated at this call (mixers.guard_packed_calls); without it
+            # the leak of the model as given is measured, and the report names the layer (mixer_problems)
             kwargs.pop("seq_idx")
         if use_cache is None:
             kwargs.pop("use_cache", None)
