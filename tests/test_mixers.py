@@ -17,9 +17,9 @@ from torch import nn
 
 import vlm_pack as vp
 from vlm_pack._compat import release
-from vlm_pack.collate import batch as batch_module
 from vlm_pack.families import lookup
 from vlm_pack.forward import boundaries
+from vlm_pack.forward import mixers as mixers_module
 from vlm_pack.forward.attention import register_hf_attention
 from vlm_pack.forward.boundaries import mrope_restarts
 from vlm_pack.forward.mixers import find_token_mixers, guard_packed_calls, isolate_token_mixers
@@ -323,7 +323,7 @@ def test_unknown_token_mixers_are_found_and_refused():
 
 def test_model_inputs_always_give_seq_idx_to_a_family_with_token_mixers(monkeypatch):
     record = dataclasses.replace(lookup("qwen2_vl"), token_mixers=("short_conv",))
-    monkeypatch.setattr(batch_module, "lookup", lambda name: record)
+    monkeypatch.setattr(mixers_module, "lookup", lambda name: record)  # the marker's one test of the record
     batch = _collator(2)(_samples())
     for style in ("sdpa", "eager", "flash_attention_2"):
         inputs = batch.model_inputs(style)
@@ -331,7 +331,7 @@ def test_model_inputs_always_give_seq_idx_to_a_family_with_token_mixers(monkeypa
         assert seq_idx.dtype == torch.int32 and seq_idx.shape == inputs["input_ids"].shape
         flat = seq_idx.flatten().tolist()  # rows (37, 53) and (29, 45 + 16 padding: its sample's)
         assert flat == [0] * 37 + [1] * 53 + [2] * 29 + [3] * 61
-    monkeypatch.setattr(batch_module, "lookup", lambda name: lookup("qwen2_vl"))
+    monkeypatch.setattr(mixers_module, "lookup", lambda name: lookup("qwen2_vl"))
     assert "seq_idx" not in batch.model_inputs("sdpa")  # attention-only families: no marker
 
 
