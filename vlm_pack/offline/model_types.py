@@ -391,6 +391,15 @@ def _same_widths(part: dict[str, Any], released: int, small: int) -> None:
             part[key] = small
 
 
+def _clamp_layer_ids(part: dict[str, Any], layers: int) -> None:
+    """A tower layer index (``insert_layer_id``) past the shrunk tower's ``layers`` set to its last layer: left
+    as released it never runs (MiniCPM-V 4.6's insert merger: the final merger then assumes it ran and reads
+    the next image's patches as this one's)."""
+    for key, value in list(part.items()):
+        if re.search(r"_layer_(?:id|idx|index)$", key) and isinstance(value, int) and value >= layers:
+            part[key] = layers - 1
+
+
 def _shrink_vision(vision: dict[str, Any], text_hidden: int, layers: int) -> None:
     released = vision.get("hidden_size")
     if isinstance(released, int) and released > _VISION_SIZES["hidden_size"]:
@@ -411,6 +420,7 @@ def _shrink_vision(vision: dict[str, Any], text_hidden: int, layers: int) -> Non
     for key in ("deepstack_visual_indexes",):
         if isinstance(vision.get(key), list):
             vision[key] = []
+    _clamp_layer_ids(vision, layers)
     if isinstance(vision.get("fullatt_block_indexes"), list):
         vision["fullatt_block_indexes"] = [layers - 1]
     if isinstance(vision.get("mlp_ratio"), (int, float)):
@@ -494,6 +504,7 @@ def tiny_config_for_type(model_type: str, processor: Any = None) -> Any:
         if config.get("vocab_size") is None:
             config.pop("vocab_size")
         config["initializer_range"] = _INIT
+        _clamp_layer_ids(config, _vision_layers(config))
     for part in (config, text):
         _token_ids(part, proc, tok)
     for key, value in (_override(model_type, "top") or {}).items():
