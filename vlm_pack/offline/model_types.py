@@ -268,6 +268,10 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "cosmos3_edge": dict(attributes=dict(return_mm_token_type_ids=True)),
     # allenai/Molmo2: the adapter reads two layers of the tower (the last two of the tiny one)
     "molmo2": dict(sub=dict(adapter_config=dict(vision_feature_layer=[-1, -2]))),
+    # Qwen4-Exp: its config leaves the indexed attention's indexer unset (no released checkpoint); small ones,
+    # the budget (16 tokens in blocks of 4) below a sample's length, so that the indexer selects
+    "qwen4_exp": dict(text=dict(hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+                                indexer_budget=16, indexer_compress_ratio=4)),
     # GLM-5-Next: as many key / value heads as query heads
     "glm5_next": dict(text=dict(num_key_value_heads=4)),
     # transformers maps no processor to GLM-OCR or GLM-GA; their models are GLM-4.1V's (modular), whose processor
