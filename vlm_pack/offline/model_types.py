@@ -353,11 +353,19 @@ _VISION_SIZES = dict(
 
 def _shrink_text(text: dict[str, Any], vocab: int) -> None:
     released_layers = text.get("num_hidden_layers")
+    # DeepSeek-V3's attention (Kimi-K2.5, Mistral Large 3): the rotary's head_dim is the rotated part of a head
+    rope_is_head = text.get("qk_rope_head_dim") and text.get("head_dim") == text.get("qk_rope_head_dim")
+    # as many key / value heads as query heads stays so (multi-head latent attention expands its keys per head)
+    mha = isinstance(text.get("num_key_value_heads"), int) and text["num_key_value_heads"] == text.get("num_attention_heads")
     for key, value in _TEXT_SIZES.items():
         if isinstance(text.get(key), int):
             text[key] = value
     if "head_dim" in text and text["head_dim"] is None:  # derived from the released width in the model code
         text["head_dim"] = _TEXT_SIZES["head_dim"]
+    if rope_is_head:
+        text["head_dim"] = text["qk_rope_head_dim"]
+    if mha:
+        text["num_key_value_heads"] = text["num_attention_heads"]
     for key, cap in _CAPS.items():
         if isinstance(text.get(key), int) and not isinstance(text.get(key), bool):
             text[key] = min(text[key], cap)
