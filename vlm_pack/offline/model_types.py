@@ -272,6 +272,12 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # the budget (16 tokens in blocks of 4) below a sample's length, so that the indexer selects
     "qwen4_exp": dict(text=dict(hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
                                 indexer_budget=16, indexer_compress_ratio=4)),
+    # stepfun-ai Step3.7: 14 px patches (the image processor's patch_size is its 504 px local crops); a sliding
+    # window the config leaves unset though the model always builds its mask, one layer of each kind
+    "step3p7": dict(vision=dict(patch_size=14),
+                    text=dict(sliding_window=32, layer_types=["full_attention", "sliding_attention"],
+                              rope_parameters={kind: dict(rope_type="default", rope_theta=10000.0)
+                                               for kind in ("full_attention", "sliding_attention")})),
     # GLM-5-Next: as many key / value heads as query heads
     "glm5_next": dict(text=dict(num_key_value_heads=4)),
     # transformers maps no processor to GLM-OCR or GLM-GA; their models are GLM-4.1V's (modular), whose processor
