@@ -278,6 +278,15 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                     text=dict(sliding_window=32, layer_types=["full_attention", "sliding_attention"],
                               rope_parameters={kind: dict(rope_type="default", rope_theta=10000.0)
                                                for kind in ("full_attention", "sliding_attention")})),
+    # ibm-granite Granite 4 Vision: its config leaves the projector unset: a window Q-Former taking 8 x 8 patch
+    # windows to 4 x 4 queries (the processor counts its tokens with the same rate), two tower layers fed to the
+    # two text layers (deepstack), spatial groups into both; its config gives the Q-Former a head per 64 of the
+    # tower's width; 336 px tiles of 14 px patches (24 x 24: whole windows)
+    "granite4_vision": dict(vision=dict(hidden_size=64, patch_size=14, image_size=336),
+                            image_processor=dict(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}),
+                            top=dict(downsample_rate="4/8", deepstack_layer_map=[(-1, 0), (-2, 1)],
+                                     spatial_target_layers=[0, 1]),
+                            processor_kwargs=dict(downsample_rate="4/8", patch_size=14)),
     # GLM-5-Next: as many key / value heads as query heads
     "glm5_next": dict(text=dict(num_key_value_heads=4)),
     # transformers maps no processor to GLM-OCR or GLM-GA; their models are GLM-4.1V's (modular), whose processor
