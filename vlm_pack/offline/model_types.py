@@ -246,8 +246,9 @@ def placeholder_for_type(model_type: str, processor: Any) -> str:
 
 # GLM-4.1V's rotary: half of each head, sections (8, 12, 12) of 32, shrunk to a 16-wide head
 _GLM_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1])
-# Per model type, what the generic shrink cannot guess: config keys (``text``, ``vision``, ``top``), the
-# processor's (``processor_kwargs``), its image processor's (``image_processor``), extra tokens.
+# Per model type, what the generic shrink cannot guess: config keys (``text``, ``vision``, ``top``; ``token_ids``:
+# top-level keys given the stand-in tokenizer's id of a token), the processor's (``processor_kwargs``), its image
+# processor's (``image_processor``), extra tokens.
 _OVERRIDES: dict[str, dict[str, Any]] = {
     # PaddlePaddle/PaddleOCR-VL: mRoPE sections of the released text config (16, 24, 24 of 64), shrunk
     "paddleocr_vl": dict(text=dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0,
@@ -287,6 +288,11 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                             top=dict(downsample_rate="4/8", deepstack_layer_map=[(-1, 0), (-2, 1)],
                                      spatial_target_layers=[0, 1]),
                             processor_kwargs=dict(downsample_rate="4/8", patch_size=14)),
+    # meta-llama Llama 4: the pixel shuffle (ratio 0.5) makes 4 x 32 channels of the tower's 32, which its
+    # adapter's first layer (sized by intermediate_size) reads; the adapter's and projector's widths small; its
+    # image features go into the <|patch|> tokens its processor writes (<|image|> opens a tile)
+    "llama4": dict(token_ids=dict(image_token_index="<|patch|>"), vision=dict(intermediate_size=128, projector_input_dim=64, projector_output_dim=64,
+                               vision_output_dim=64)),
     # GLM-5-Next: as many key / value heads as query heads
     "glm5_next": dict(text=dict(num_key_value_heads=4)),
     # transformers maps no processor to GLM-OCR or GLM-GA; their models are GLM-4.1V's (modular), whose processor
@@ -536,6 +542,8 @@ def tiny_config_for_type(model_type: str, processor: Any = None) -> Any:
         _token_ids(part, proc, tok)
     for key, value in (_override(model_type, "top") or {}).items():
         config[key] = value
+    for key, token in (_override(model_type, "token_ids") or {}).items():  # ids the token names alone don't give
+        config[key] = tok.convert_tokens_to_ids(token)
     for key, value in (_override(model_type, "text") or {}).items():
         text[key] = value
     for key, value in (_override(model_type, "vision") or {}).items():
