@@ -307,7 +307,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                        processor_kwargs=dict(img_size=364)),
     # llava-hf/LLaVA-NeXT-Video-7B-hf: CLIP 336 px, 14 px patches, CLS dropped
     "llava_next_video": dict(processor_kwargs=dict(patch_size=14, vision_feature_select_strategy="default",
-                                                   num_additional_image_tokens=1)),
+                                                   num_additional_image_tokens=1),
+                             image_processor=dict(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}),
+                             vision=dict(image_size=336)),
     # google/paligemma-3b-pt-224: 224 px, 256 image tokens
     "paligemma": dict(image_processor=dict(size={"height": 224, "width": 224}, image_seq_length=256),
                       vision=dict(image_size=224)),
