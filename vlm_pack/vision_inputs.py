@@ -16,6 +16,7 @@ the *shape* each model wants the images of several samples in::
                                  image_sizes [n_i, 2]                  cat dim 0 (the tower crops each image)
     Gemma 4                      pixel_values [n_i, P, D] patch rows   cat dim 0
                                  image_position_ids [n_i, P, 2]        cat dim 0
+    Molmo2                       pixel_values [N_i, P, D] crops        cat dim 0 (its pooling indices are per image)
     LFM2-VL (SigLIP2-NaFlex)     pixel_values [N_i, P_i, D]            zero-pad P to the max, cat dim 0
                                  pixel_attention_mask [N_i, P_i]       zero-pad P (padding), cat dim 0
                                  spatial_shapes [N_i, 2]               cat dim 0 (patch rows, cols per crop)
@@ -145,6 +146,8 @@ def _join_pixel_values(parts: list[torch.Tensor], crops_flat: bool, patch_rows: 
     if patch_rows:  # LFM2-VL: [N_i, P_i, D] crops of patch rows, each padded to P_i
         return _cat(_pad_to(parts, (1,)))
     if all(p.dim() == 3 for p in parts):
+        if len({p.shape[0] for p in parts}) > 1:  # [crops_i, patches, D] (Molmo2): [C, H, W] images share C
+            return _cat(parts)
         parts = [p[None] for p in parts]  # single [C, H, W] images
     if crops_flat:  # Idefics3 / SmolVLM: [1, N_i, C, H, W] -> [1, sum N_i, C, H, W]
         return _cat(_pad_to(parts, (3, 4)), 1)

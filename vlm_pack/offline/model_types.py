@@ -267,8 +267,10 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "vipllava": dict(processor_kwargs=dict(vision_feature_select_strategy="default")),
     # nvidia/Cosmos3-Edge: its model reads the token types its processor writes when asked
     "cosmos3_edge": dict(attributes=dict(return_mm_token_type_ids=True)),
-    # allenai/Molmo2: the adapter reads two layers of the tower (the last two of the tiny one)
-    "molmo2": dict(sub=dict(adapter_config=dict(vision_feature_layer=[-1, -2]))),
+    # allenai/Molmo2: the adapter reads two layers of the tower (the last two of the tiny one); its image features
+    # go into the <im_patch> tokens its processor writes
+    "molmo2": dict(sub=dict(adapter_config=dict(vision_feature_layer=[-1, -2])),
+                   token_ids=dict(image_patch_id="<im_patch>")),
     # Qwen4-Exp: its config leaves the indexed attention's indexer unset (no released checkpoint); small ones,
     # the budget (16 tokens in blocks of 4) below a sample's length, so that the indexer selects
     "qwen4_exp": dict(text=dict(hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
