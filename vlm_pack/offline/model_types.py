@@ -295,6 +295,13 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # image features go into the <|patch|> tokens its processor writes (<|image|> opens a tile)
     "llama4": dict(token_ids=dict(image_token_index="<|patch|>"), vision=dict(intermediate_size=128, projector_input_dim=64, projector_output_dim=64,
                                vision_output_dim=64)),
+    # facebook/Perception-LM-1B: a timm PE tower (vit_pe_core_large_patch14_336 at 448 px) its config leaves
+    # unset, here 2 layers of width 32; 2 x 2 pooling, which the processor counts with the same patch size
+    "perception_lm": dict(vision=dict(architecture="vit_pe_core_large_patch14_336",
+                                      model_args=dict(embed_dim=32, depth=2, num_heads=2, img_size=(448, 448))),
+                          top=dict(projector_pooling_ratio=2),
+                          processor_kwargs=dict(patch_size=14, pooling_ratio=2),
+                          image_processor=dict(max_num_tiles=4)),
     # GLM-5-Next: as many key / value heads as query heads
     "glm5_next": dict(text=dict(num_key_value_heads=4)),
     # transformers maps no processor to GLM-OCR or GLM-GA; their models are GLM-4.1V's (modular), whose processor
