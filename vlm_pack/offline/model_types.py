@@ -302,6 +302,17 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                           top=dict(projector_pooling_ratio=2),
                           processor_kwargs=dict(patch_size=14, pooling_ratio=2),
                           image_processor=dict(max_num_tiles=4)),
+    # transformers maps no processor class to the Qwen omni thinkers; their checkpoints ship the omni processor,
+    # whose outputs the thinker reads (audio parts left out, as every processor's here), around Qwen2-VL's image
+    # processor; their rope index reads the checkpoint's vision_start_token_id, which the config class lacks.
+    # Qwen/Qwen2.5-Omni-7B's thinker: mRoPE sections of the released text config (16, 24, 24 of 64), shrunk
+    "qwen2_5_omni_thinker": dict(processor_class="Qwen2_5OmniProcessor", image_processor_class="Qwen2VLImageProcessorPil",
+                                 token_ids=dict(vision_start_token_id="<|vision_start|>"),
+                                 text=dict(rope_parameters=dict(rope_type="default", rope_theta=1000000.0,
+                                                                mrope_section=[2, 3, 3]))),
+    "qwen3_omni_moe_thinker": dict(processor_class="Qwen3OmniMoeProcessor",
+                                   image_processor_class="Qwen2VLImageProcessorPil",
+                                   token_ids=dict(vision_start_token_id="<|vision_start|>")),
     # GLM-5-Next: as many key / value heads as query heads
     "glm5_next": dict(text=dict(num_key_value_heads=4)),
     # transformers maps no processor to GLM-OCR or GLM-GA; their models are GLM-4.1V's (modular), whose processor
