@@ -271,12 +271,10 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # go into the <im_patch> tokens its processor writes
     "molmo2": dict(sub=dict(adapter_config=dict(vision_feature_layer=[-1, -2])),
                    token_ids=dict(image_patch_id="<im_patch>")),
-    # Qwen4-Exp: its config leaves the indexed attention's indexer unset (no released checkpoint); small ones,
-    # the budget (16 tokens in blocks of 4) below a sample's length, so that the indexer selects
+    # Qwen4-Exp: its config leaves the indexer unset; a budget (16 tokens, blocks of 4) below a sample's length
     "qwen4_exp": dict(text=dict(hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
                                 indexer_budget=16, indexer_compress_ratio=4)),
-    # stepfun-ai Step3.7: 14 px patches (the image processor's patch_size is its 504 px local crops); a sliding
-    # window the config leaves unset though the model always builds its mask, one layer of each kind
+    # Step3.7: 14 px patches (the image processor's patch_size is its 504 px crops); a sliding window and layer
     "step3p7": dict(vision=dict(patch_size=14),
                     text=dict(sliding_window=32, layer_types=["full_attention", "sliding_attention"],
                               rope_parameters={kind: dict(rope_type="default", rope_theta=10000.0)
