@@ -360,7 +360,7 @@ _RECORDS = (
     # OpenGVLab/InternVL3-8B-hf (also InternVL2 / 2.5: 448 px tiles, 1..12, thumbnail)
     Family(
         "internvl",
-        ("InternVL2", "InternVL2.5", "InternVL3", "GOT-OCR2"),
+        ("InternVL2", "InternVL2.5", "InternVL3"),
         vision=_rule("tiles.InternVLSpec"),
         image_token="<IMG_CONTEXT>",
         wraps="processor",

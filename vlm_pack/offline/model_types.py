@@ -288,9 +288,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                             top=dict(downsample_rate="4/8", deepstack_layer_map=[(-1, 0), (-2, 1)],
                                      spatial_target_layers=[0, 1]),
                             processor_kwargs=dict(downsample_rate="4/8", patch_size=14)),
-    # meta-llama Llama 4: the pixel shuffle (ratio 0.5) makes 4 x 32 channels of the tower's 32, which its
-    # adapter's first layer (sized by intermediate_size) reads; the adapter's and projector's widths small; its
-    # image features go into the <|patch|> tokens its processor writes (<|image|> opens a tile)
+    # Llama 4: the pixel shuffle (0.5) makes 4 x 32 channels, which the adapter's first layer (intermediate_size)
+    # reads; its image features go into the <|patch|> tokens its processor writes (<|image|> opens a tile)
     "llama4": dict(token_ids=dict(image_token_index="<|patch|>"), vision=dict(intermediate_size=128, projector_input_dim=64, projector_output_dim=64,
                                vision_output_dim=64)),
     # facebook/Perception-LM-1B: a timm PE tower (vit_pe_core_large_patch14_336 at 448 px) its config leaves
@@ -300,10 +299,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                           top=dict(projector_pooling_ratio=2),
                           processor_kwargs=dict(patch_size=14, pooling_ratio=2),
                           image_processor=dict(max_num_tiles=4)),
-    # transformers maps no processor class to the Qwen omni thinkers; their checkpoints ship the omni processor,
-    # whose outputs the thinker reads (audio parts left out, as every processor's here), around Qwen2-VL's image
-    # processor; their rope index reads the checkpoint's vision_start_token_id, which the config class lacks.
-    # Qwen/Qwen2.5-Omni-7B's thinker: mRoPE sections of the released text config (16, 24, 24 of 64), shrunk
+    # Qwen omni thinkers: no processor class mapped; their checkpoints ship the omni processor (audio left out)
+    # around Qwen2-VL's image processor, and the vision_start_token_id their rope index reads (the config class
+    # lacks it). Qwen2.5-Omni-7B's thinker: mRoPE sections of the released text config (16, 24, 24 of 64), shrunk
     "qwen2_5_omni_thinker": dict(processor_class="Qwen2_5OmniProcessor", image_processor_class="Qwen2VLImageProcessorPil",
                                  token_ids=dict(vision_start_token_id="<|vision_start|>"),
                                  text=dict(rope_parameters=dict(rope_type="default", rope_theta=1000000.0,
@@ -311,6 +309,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3_omni_moe_thinker": dict(processor_class="Qwen3OmniMoeProcessor",
                                    image_processor_class="Qwen2VLImageProcessorPil",
                                    token_ids=dict(vision_start_token_id="<|vision_start|>")),
+    # stepfun-ai/GOT-OCR-2.0-hf: 1024 px (64 x 64 patches, projected to the 256 tokens its processor writes)
+    "got_ocr2": dict(image_processor=dict(size={"height": 1024, "width": 1024}), vision=dict(image_size=1024)),
     # GLM-5-Next: as many key / value heads as query heads
     "glm5_next": dict(text=dict(num_key_value_heads=4)),
     # transformers maps no processor to GLM-OCR or GLM-GA; their models are GLM-4.1V's (modular), whose processor
