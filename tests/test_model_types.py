@@ -38,10 +38,13 @@ def _needs_types(*model_types: str) -> None:
         pytest.skip(f"transformers {transformers.__version__} has no model type {', '.join(missing)}")
 
 
-@pytest.mark.parametrize("model_type", ["exaone4_5", "paddleocr_vl", "lfm3_vl"])
+@pytest.mark.parametrize("model_type", ["exaone4_5", "paddleocr_vl", "lfm3_vl", "qwen4_exp"])
 def test_a_model_type_without_a_record_packs_as_each_sample_alone(model_type):
     """sdpa and eager: three samples (two images, one, none) in one row, each scored against itself alone
-    (LFM3-VL: its text model's short convolutions isolated by ``isolate_token_mixers``)."""
+    (LFM3-VL: its text model's short convolutions isolated by ``isolate_token_mixers``; its tower's convolutions
+    run on the row's three images in one call, each over its own patch grid, so they need no isolating: a tower
+    that convolved the flat patch sequence would carry one image into the next and fail here. Qwen4-Exp: gated
+    delta-net layers isolated, its indexed attention selecting within a budget below each sample's length)."""
     _needs_types(model_type)
     assert lookup(model_type) is None and model_type not in REFUSED
     cert = certify_model_type(model_type)
@@ -50,16 +53,45 @@ def test_a_model_type_without_a_record_packs_as_each_sample_alone(model_type):
     assert cert.tokens > 100
     if model_type == "lfm3_vl":
         assert cert.mixers and all("short_conv" in m for m in cert.mixers)
+        from vlm_pack.offline.model_types import tiny_config_for_type
+
+        assert "conv" in tiny_config_for_type("lfm3_vl").vision_config.layer_types  # the tower's convolutions ran
+    if model_type == "qwen4_exp":
+        assert cert.mixers and all("gated_delta_net" in m for m in cert.mixers)
 
 
+# a representative subset of the types certified in docs/families.md (scripts/families_table.py certifies them all):
+# Granite 4 Vision (a config the shrink completes: window Q-Former, deepstack), the Qwen2.5-Omni thinker (the
+# omni processor its checkpoints ship, its own rope index), GOT-OCR2 (once read as InternVL by an alias: its own
+# model, eager only)
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["idefics2", "ernie4_5_vl_moe", "video_llava", "glm_ocr"])
+@pytest.mark.parametrize("model_type", ["idefics2", "ernie4_5_vl_moe", "video_llava", "glm_ocr", "granite4_vision",
+                                        "qwen2_5_omni_thinker", "got_ocr2"])
 def test_more_model_types_pack_as_each_sample_alone(model_type):
     _needs_types(model_type)
     cert = certify_model_type(model_type)
     if not cert.built and "needs torchvision" in (cert.reason or ""):  # an older release's image processor
         pytest.skip(cert.reason)
     assert cert.exact, str(cert)
+
+
+# Types whose image (or video) processor transformers ships as a torchvision class only. MiniCPM-V 4.6: gated
+# delta-net text layers isolated, its NaViT-packed pixel_values [1, C, p, p * patches] joined on the last axis
+# (the model reads pixel_values[:1]); Molmo2: crops [N_i, P, D] of different N; Llama 4 and Step3.7: configs the
+# shrink completes (the pixel-shuffle adapter; a sliding layer), Kimi-K2.5: multi-head latent attention.
+@pytest.mark.torchvision
+@pytest.mark.parametrize("model_type", ["minicpmv4_6", pytest.param("molmo2", marks=pytest.mark.slow),
+                                        pytest.param("llama4", marks=pytest.mark.slow),
+                                        pytest.param("step3p7", marks=pytest.mark.slow),
+                                        pytest.param("kimi_k25", marks=pytest.mark.slow)])
+def test_model_types_with_torchvision_processors_pack_as_each_sample_alone(model_type):
+    pytest.importorskip("torchvision")
+    _needs_types(model_type)
+    cert = certify_model_type(model_type)
+    assert cert.exact, str(cert)
+    assert set(cert.errors) == {"sdpa", "eager"}
+    if model_type == "minicpmv4_6":
+        assert cert.mixers and all("gated_delta_net" in m for m in cert.mixers)
 
 
 @pytest.mark.parametrize("model_type", ["exaone4_5", "paddleocr_vl"])

@@ -159,6 +159,12 @@ class Family:
     """The image processor classes (``Pil`` / ``Fast`` suffix dropped) a bare instance of which, given without
     its processor, is read with this record's rule. A bare image processor writes no text around an image, so
     only its own counts matter; each class on one record, and a class no record names is refused."""
+    bare_processor: tuple[str, tuple[tuple[str, Any], ...]] | None = None
+    """``(processor class, its checkpoints' settings)`` that ``process_sample`` builds around a bare image
+    processor of ``image_processors`` and a tokenizer to count image tokens (None: ``processor=`` needed)."""
+    one_call_image_processors: tuple[str, ...] = ()
+    """Image processor classes (exact names) whose one call over a pack's images equals a call per sample
+    joined by ``join_vision`` (nothing padded to the call): ``process_pack`` makes one call per pack."""
     mixers_behind_processor: bool = False
     """Checkpoints of a family with ``token_mixers`` ship this family's processor (Qwen3.5 / 3.6 ship
     ``Qwen3VLProcessor``), so a processor read off the hub cannot tell them apart: packed rows carry the
@@ -186,6 +192,8 @@ class Family:
 
 # Each ``vision`` default is the released checkpoint's preprocessor_config.json (named above each record);
 # constructor defaults in transformers often differ.
+_LLAVA_HF_COUNTS = (("patch_size", 14), ("vision_feature_select_strategy", "default"), ("num_additional_image_tokens", 1))
+
 _RECORDS = (
     # Qwen/Qwen2-VL-7B-Instruct
     Family(
@@ -200,6 +208,7 @@ _RECORDS = (
         video_wraps="template",
         processors=("Qwen2VLProcessor",),
         image_processors=("Qwen2VLImageProcessor",),
+        one_call_image_processors=("Qwen2VLImageProcessorPil",),
     ),
     # Qwen/Qwen2.5-VL-7B-Instruct
     Family(
@@ -281,6 +290,7 @@ _RECORDS = (
         video_wraps="timed_image_frames",
         processors=("Glm4vProcessor",),
         image_processors=("Glm4vImageProcessor",),
+        one_call_image_processors=("Glm4vImageProcessorPil",),
     ),
     # zai-org/GLM-4.5V: the GLM-4.1V processor and get_rope_index (glm4v_moe/modular_glm4v_moe.py) around a
     # mixture-of-experts text model (transformers >= 4.56). Not `experts`: its text model hands attention_mask to
@@ -322,6 +332,7 @@ _RECORDS = (
         chat_format="llava",
         processors=("LlavaProcessor",),
         image_processors=("LlavaImageProcessor", "CLIPImageProcessor"),
+        bare_processor=("LlavaProcessor", _LLAVA_HF_COUNTS),  # 14 px patches, CLIP's CLS token dropped
     ),
     # llava-hf/llava-v1.6-mistral-7b-hf
     Family(
@@ -332,6 +343,7 @@ _RECORDS = (
         chat_format="llava",
         processors=("LlavaNextProcessor",),
         image_processors=("LlavaNextImageProcessor",),
+        bare_processor=("LlavaNextProcessor", _LLAVA_HF_COUNTS),
     ),
     # llava-hf/llava-onevision-qwen2-7b-ov-hf
     Family(
@@ -348,7 +360,7 @@ _RECORDS = (
     # OpenGVLab/InternVL3-8B-hf (also InternVL2 / 2.5: 448 px tiles, 1..12, thumbnail)
     Family(
         "internvl",
-        ("InternVL2", "InternVL2.5", "InternVL3", "GOT-OCR2"),
+        ("InternVL2", "InternVL2.5", "InternVL3"),
         vision=_rule("tiles.InternVLSpec"),
         image_token="<IMG_CONTEXT>",
         wraps="processor",

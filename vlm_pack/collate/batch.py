@@ -178,6 +178,7 @@ class PackedBatch:
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None
     image_position_ids: torch.Tensor | None = None
+    target_sizes: torch.Tensor | None = None
     mm_token_type_ids: torch.Tensor | None = None
     tokens_per_image: torch.Tensor | None = None
     tokens_per_video_placeholder: torch.Tensor | None = None

@@ -16,9 +16,12 @@ the *shape* each model wants the images of several samples in::
                                  image_sizes [n_i, 2]                  cat dim 0 (the tower crops each image)
     Gemma 4                      pixel_values [n_i, P, D] patch rows   cat dim 0
                                  image_position_ids [n_i, P, 2]        cat dim 0
+    Molmo2                       pixel_values [N_i, P, D] crops        cat dim 0 (its pooling indices are per image)
     LFM2-VL (SigLIP2-NaFlex)     pixel_values [N_i, P_i, D]            zero-pad P to the max, cat dim 0
                                  pixel_attention_mask [N_i, P_i]       zero-pad P (padding), cat dim 0
                                  spatial_shapes [N_i, 2]               cat dim 0 (patch rows, cols per crop)
+    MiniCPM-V 4.6 / 4.7, OCR     pixel_values [1, C, p, p * S_i]       cat dim 3: [1, C, p, p * sum S_i]
+    (NaViT-packed)               target_sizes [N_i, 2]                 cat dim 0 (S_i: sum of h * w over rows)
 
 (``N_i``: crops, tiles and thumbnails of sample ``i``'s images in order; NaFlex pads each crop's patches to
 the processor's ``max_num_patches``, and the tower reads only the ``spatial_shapes`` patches the mask keeps.)
@@ -53,6 +56,7 @@ VISION_KEYS = (
     "video_grid_thw",
     "second_per_grid_ts",
     "image_position_ids",
+    "target_sizes",
 )
 
 
@@ -124,10 +128,26 @@ def _pad_to(parts: list[torch.Tensor], dims: Sequence[int]) -> list[torch.Tensor
     return out
 
 
+def _navit_packed(per_sample: Sequence[dict[str, torch.Tensor]]) -> bool:
+    """Every sample's ``pixel_values`` ``[1, C, p, p * S]`` lays its crops' ``p x p`` patches side by side on
+    the last axis, ``S`` = the sum of ``h * w`` over its ``target_sizes`` rows ``[N, 2]`` (MiniCPM-V 4.6's image
+    processor); the model reads ``pixel_values[:1]`` of a batch, so several samples' patches join on that axis."""
+    with_pixels = [s for s in per_sample if "pixel_values" in s]
+    if not with_pixels or not all("target_sizes" in s for s in with_pixels):
+        return False
+    for s in with_pixels:
+        pv, sizes = s["pixel_values"], s["target_sizes"].reshape(-1, 2)
+        if pv.dim() != 4 or pv.shape[0] != 1 or pv.shape[3] != pv.shape[2] * int(sizes.prod(-1).sum()):
+            return False
+    return True
+
+
 def _join_pixel_values(parts: list[torch.Tensor], crops_flat: bool, patch_rows: bool) -> torch.Tensor:
     if patch_rows:  # LFM2-VL: [N_i, P_i, D] crops of patch rows, each padded to P_i
         return _cat(_pad_to(parts, (1,)))
     if all(p.dim() == 3 for p in parts):
+        if len({p.shape[0] for p in parts}) > 1:  # [crops_i, patches, D] (Molmo2): [C, H, W] images share C
+            return _cat(parts)
         parts = [p[None] for p in parts]  # single [C, H, W] images
     if crops_flat:  # Idefics3 / SmolVLM: [1, N_i, C, H, W] -> [1, sum N_i, C, H, W]
         return _cat(_pad_to(parts, (3, 4)), 1)
@@ -174,6 +194,7 @@ def join_vision(per_sample: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
         raise ValueError("cannot join 'pixel_attention_mask' of two model families (pixel and patch masks)")
     # Gemma 4 gives each image's patches as rows, with their (x, y) in image_position_ids.
     patches = any("image_position_ids" in s for s in per_sample)
+    navit = _navit_packed(per_sample)
     for key in VISION_KEYS:
         parts = [s[key] for s in per_sample if key in s]
         if not parts:
@@ -181,6 +202,8 @@ def join_vision(per_sample: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
         try:
             if key == "pixel_values" and patches:  # Gemma 4: [n_i, max_patches, D] patch rows per image
                 out[key] = _cat(parts)
+            elif key == "pixel_values" and navit:
+                out[key] = _cat(parts, 3)
             elif key == "pixel_values":
                 out[key] = _join_pixel_values(parts, crops_flat, patch_rows)
             elif key == "pixel_attention_mask" and patch_rows:

@@ -17,7 +17,7 @@ loads) and ``build_tokenizer``'s vocabulary with every token the processor names
 naming why (no processor class, an image processor that needs torchvision, a model that needs timm ...);
 ``scripts/families_table.py`` records that as the type's reason.
 
-Per-type settings the generic shrink cannot guess live in ``_OVERRIDES`` below (stand-ins, like the rest of
+Per-type settings the generic shrink cannot guess live in ``type_overrides._OVERRIDES`` (stand-ins, like the rest of
 ``vlm_pack.offline``); everything vlm-pack itself knows about a family stays in ``vlm_pack.families``.
 """
 
@@ -30,6 +30,7 @@ import re
 from typing import Any
 
 from .tokenizers import build_tokenizer
+from .type_overrides import override as _override
 
 __all__ = [
     "NotBuildable",
@@ -204,7 +205,7 @@ def _llava_counts(model_type: str, cls: type) -> dict[str, Any]:
 
 def processor_for_type(model_type: str) -> Any:
     """The model type's real processor: its image processor (own defaults) and a stand-in tokenizer carrying
-    every token the processor names; its video processor (own defaults, ``_OVERRIDES``' ``video_processor``) where
+    every token the processor names; its video processor (own defaults, ``type_overrides``' ``video_processor``) where
     torchvision loads. Audio parts are left out (``None``)."""
     cls = _processor_class(model_type)
     image_processor = _image_processor(model_type)
@@ -247,7 +248,7 @@ def processor_for_type(model_type: str) -> Any:
 
 def placeholder_for_type(model_type: str, processor: Any) -> str:
     """What a prompt writes for one image: the processor's ``image_token``, or the wrapped form its processor
-    insists on (``_OVERRIDES``' ``placeholder``, formatted with the processor's named tokens)."""
+    insists on (``type_overrides``' ``placeholder``, formatted with the processor's named tokens)."""
     form = _override(model_type, "placeholder")
     if form is None:
         return str(processor.image_token)
@@ -258,61 +259,6 @@ def placeholder_for_type(model_type: str, processor: Any) -> str:
 # the config
 # ------------------------------------------------------------------------------------------------------------
 
-# GLM-4.1V's rotary: half of each head, sections (8, 12, 12) of 32, shrunk to a 16-wide head
-_GLM_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1])
-# Per model type, what the generic shrink cannot guess: config keys (``text``, ``vision``, ``top``), the
-# processor's (``processor_kwargs``), its image processor's (``image_processor``), extra tokens.
-_OVERRIDES: dict[str, dict[str, Any]] = {
-    # PaddlePaddle/PaddleOCR-VL: mRoPE sections of the released text config (16, 24, 24 of 64), shrunk
-    "paddleocr_vl": dict(text=dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0,
-                                                        mrope_section=[2, 3, 3]))),
-    # tencent/HunyuanOCR: its rotary base scaled by alpha, four xD-RoPE sections (16 each of 64), shrunk; its
-    # processor takes an image only as <|image_start|><|image_pad|><|image_end|> in the text
-    "hunyuan_vl": dict(text=dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, alpha=1000.0,
-                                                      mrope_section=[2, 2, 2, 2])),
-                       placeholder="{image_start_token}{image_token}{image_end_token}"),
-    # baidu/ERNIE-4.5-VL-28B-A3B: the model code's default sections (22, 22, 20 of 64), shrunk
-    "ernie4_5_vl_moe": dict(text=dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0,
-                                                           mrope_section=[3, 3, 2])),
-                            # its frames' drawn timestamps need the checkpoint's font file (same token counts)
-                            video_processor=dict(draw_on_frames=False)),
-    # baidu/Qianfan-OCR: its prompts hold <image>, which the processor expands into its context tokens
-    "qianfan_ocr": dict(placeholder="<image>", image_processor=dict(size={"height": 448, "width": 448})),
-    # llava-hf/vip-llava-7b-hf: CLS dropped, as its projector does
-    "vipllava": dict(processor_kwargs=dict(vision_feature_select_strategy="default")),
-    # nvidia/Cosmos3-Edge: its model reads the token types its processor writes when asked
-    "cosmos3_edge": dict(attributes=dict(return_mm_token_type_ids=True)),
-    # allenai/Molmo2: the adapter reads two layers of the tower (the last two of the tiny one)
-    "molmo2": dict(sub=dict(adapter_config=dict(vision_feature_layer=[-1, -2]))),
-    # GLM-5-Next: as many key / value heads as query heads
-    "glm5_next": dict(text=dict(num_key_value_heads=4)),
-    # transformers maps no processor to GLM-OCR or GLM-GA; their models are GLM-4.1V's (modular), whose processor
-    # and image processor stand in here
-    "glm_ocr": dict(processor_class="Glm4vProcessor", image_processor_class="Glm4vImageProcessorPil",
-                    text=dict(rope_parameters=_GLM_ROPE)),
-    "glmga": dict(processor_class="Glm46VProcessor", text=dict(rope_parameters=_GLM_ROPE)),
-    # lmms-lab/LLaVA-OneVision-1.5: its tower embeds one frame per patch (temporal patch 1)
-    "llava_onevision1_5": dict(image_processor=dict(temporal_patch_size=1)),
-    # CohereLabs/aya-vision-8b: 364 px SigLIP crops (26 x 26 patches, pixel-shuffled by 2)
-    "aya_vision": dict(image_processor=dict(size={"height": 364, "width": 364}),
-                       processor_kwargs=dict(img_size=364)),
-    # llava-hf/LLaVA-NeXT-Video-7B-hf: CLIP 336 px, 14 px patches, CLS dropped
-    "llava_next_video": dict(processor_kwargs=dict(patch_size=14, vision_feature_select_strategy="default",
-                                                   num_additional_image_tokens=1)),
-    # DAMO-NLP-SG/VideoLLaMA3: its token compression drops patches by content, which no header forecasts (vlm-pack
-    # refuses that); its videos pack with it off
-    "video_llama_3": dict(video_processor=dict(use_token_compression=False)),
-    # nvidia Nemotron-H Omni: its video processor's normalisation comes from the checkpoint (None by default)
-    "nemotron_h_omni": dict(video_processor=dict(norm_mean=[0.48145466, 0.4578275, 0.40821073],
-                                                 norm_std=[0.26862954, 0.26130258, 0.27577711])),
-    # google/paligemma-3b-pt-224: 224 px, 256 image tokens
-    "paligemma": dict(image_processor=dict(size={"height": 224, "width": 224}, image_seq_length=256),
-                      vision=dict(image_size=224)),
-}
-
-
-def _override(model_type: str, key: str) -> Any:
-    return _OVERRIDES.get(model_type, {}).get(key)
 
 
 def _shrink_layer_types(kinds: list[str]) -> list[str]:
@@ -371,11 +317,19 @@ _VISION_SIZES = dict(
 
 def _shrink_text(text: dict[str, Any], vocab: int) -> None:
     released_layers = text.get("num_hidden_layers")
+    # DeepSeek-V3's attention (Kimi-K2.5, Mistral Large 3): the rotary's head_dim is the rotated part of a head
+    rope_is_head = text.get("qk_rope_head_dim") and text.get("head_dim") == text.get("qk_rope_head_dim")
+    # as many key / value heads as query heads stays so (multi-head latent attention expands its keys per head)
+    mha = isinstance(text.get("num_key_value_heads"), int) and text["num_key_value_heads"] == text.get("num_attention_heads")
     for key, value in _TEXT_SIZES.items():
         if isinstance(text.get(key), int):
             text[key] = value
     if "head_dim" in text and text["head_dim"] is None:  # derived from the released width in the model code
         text["head_dim"] = _TEXT_SIZES["head_dim"]
+    if rope_is_head:
+        text["head_dim"] = text["qk_rope_head_dim"]
+    if mha:
+        text["num_key_value_heads"] = text["num_attention_heads"]
     for key, cap in _CAPS.items():
         if isinstance(text.get(key), int) and not isinstance(text.get(key), bool):
             text[key] = min(text[key], cap)
@@ -413,6 +367,15 @@ def _same_widths(part: dict[str, Any], released: int, small: int) -> None:
             part[key] = small
 
 
+def _clamp_layer_ids(part: dict[str, Any], layers: int) -> None:
+    """A tower layer index (``insert_layer_id``) past the shrunk tower's ``layers`` set to its last layer: left
+    as released it never runs (MiniCPM-V 4.6's insert merger: the final merger then assumes it ran and reads
+    the next image's patches as this one's)."""
+    for key, value in list(part.items()):
+        if re.search(r"_layer_(?:id|idx|index)$", key) and isinstance(value, int) and value >= layers:
+            part[key] = layers - 1
+
+
 def _shrink_vision(vision: dict[str, Any], text_hidden: int, layers: int) -> None:
     released = vision.get("hidden_size")
     if isinstance(released, int) and released > _VISION_SIZES["hidden_size"]:
@@ -433,6 +396,7 @@ def _shrink_vision(vision: dict[str, Any], text_hidden: int, layers: int) -> Non
     for key in ("deepstack_visual_indexes",):
         if isinstance(vision.get(key), list):
             vision[key] = []
+    _clamp_layer_ids(vision, layers)
     if isinstance(vision.get("fullatt_block_indexes"), list):
         vision["fullatt_block_indexes"] = [layers - 1]
     if isinstance(vision.get("mlp_ratio"), (int, float)):
@@ -516,10 +480,13 @@ def tiny_config_for_type(model_type: str, processor: Any = None) -> Any:
         if config.get("vocab_size") is None:
             config.pop("vocab_size")
         config["initializer_range"] = _INIT
+        _clamp_layer_ids(config, _vision_layers(config))
     for part in (config, text):
         _token_ids(part, proc, tok)
     for key, value in (_override(model_type, "top") or {}).items():
         config[key] = value
+    for key, token in (_override(model_type, "token_ids") or {}).items():  # ids the token names alone don't give
+        config[key] = tok.convert_tokens_to_ids(token)
     for key, value in (_override(model_type, "text") or {}).items():
         text[key] = value
     for key, value in (_override(model_type, "vision") or {}).items():

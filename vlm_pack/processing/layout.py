@@ -10,7 +10,7 @@ import torch
 
 from ..collate.labels import IGNORE_INDEX
 from ..failures import InternalCheckError
-from ..families import canonical, lookup
+from ..families import FAMILIES, canonical, lookup
 from .chat import Rendering
 from .render import _checked_ids
 
@@ -80,24 +80,23 @@ def _collapse_videos(out: dict[str, Any], video_id: int, merge: int, key: Any, w
     return out
 
 
-def _llava_counts(image_processor: Any, tokenizer: Any, images: list[Any]) -> list[int]:
+def _bare_counts(image_processor: Any, tokenizer: Any, images: list[Any]) -> list[int]:
+    """Image tokens per image of a bare image processor given with a tokenizer: counted by the processor class
+    its record names (``Family.bare_processor``) built around the two with its checkpoints' settings."""
     import transformers
 
-    name = type(image_processor).__name__
-    if not name.startswith(("LlavaImageProcessor", "LlavaNextImageProcessor", "CLIPImageProcessor")):
+    from ..vision.from_processor import _image_processor_record
+
+    record = _image_processor_record(image_processor)
+    if record is None or record.bare_processor is None:
+        name = type(image_processor).__name__
+        bare = sorted(c for f in FAMILIES.values() if f.bare_processor for c in f.image_processors)
         raise InternalCheckError(
             f"process_sample with {name}: pass processor= (the checkpoint's HF processor) for this family; "
-            "tokenizer= with image_processor= covers the Qwen-style and LLaVA / LLaVA-NeXT image processors."
+            f"tokenizer= with image_processor= covers the Qwen-style image processors (grids) and {', '.join(bare)}."
         )
-    cls = transformers.LlavaNextProcessor if name.startswith("LlavaNext") else transformers.LlavaProcessor
-    # The llava-hf checkpoints' processor settings.
-    processor = cls(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=14,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-    )
+    cls_name, settings = record.bare_processor
+    processor = getattr(transformers, cls_name)(image_processor=image_processor, tokenizer=tokenizer, **dict(settings))
     sizes = [(im.height, im.width) for im in images]
     from .._compat import num_image_tokens
 
@@ -138,7 +137,7 @@ def _with_image_processor(
         else:
             if "image_sizes" in vision:
                 out["image_sizes"] = vision["image_sizes"]
-            counts = _llava_counts(image_processor, tokenizer, images)
+            counts = _bare_counts(image_processor, tokenizer, images)
     out.update(_expand_text(ids_list, mask, image_id, counts))
     return out
 

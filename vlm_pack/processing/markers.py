@@ -5,7 +5,7 @@ image's expansion when a prompt's expanded length is forecast without writing th
 Where the installed processor has transformers' replacement API (``replace_image_token`` /
 ``replace_video_token`` / ``get_text_with_replacements``, 5.18+), the text around the vision tokens is the
 processor's own, written from inputs synthesised from the forecast (grid, metadata, frame count), with each
-run of vision tokens collapsed to one placeholder (:func:`_collapse_runs`)::
+run of vision tokens collapsed to one placeholder (:func:`vlm_pack.vision.oracle.vision_runs`)::
 
     replace_video_token  <0.5 seconds><|vision_start|> V V V V <|vision_end|><1.5 seconds><|vision_start|> V ...
     stand-in             <0.5 seconds><|vision_start|> V <|vision_end|><1.5 seconds><|vision_start|> V ...
@@ -19,13 +19,13 @@ rules below serve releases without that API.
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from ..failures import InternalCheckError, SampleError
 from ..families import FAMILIES, lookup, video_family
+from ..vision.oracle import vision_runs
 
 # its image tokens. Weak keys: a cache never keeps a tokenizer alive.
 _MARKER_EXTRAS: weakref.WeakKeyDictionary[Any, dict[tuple[int, str], int]] = weakref.WeakKeyDictionary()
@@ -209,27 +209,6 @@ def _own_method(processor: Any, name: str) -> bool:
     return method is not getattr(ProcessorMixin, name, None)
 
 
-def _collapse_runs(text: str, tokens: Sequence[str], placeholder: str) -> tuple[str, int, int]:
-    """``text`` with each run of ``tokens`` (a processor's vision tokens) written as one ``placeholder``.
-
-    Returns ``(stand_in, vision, runs)``: the stand-in text, the vision tokens ``text`` holds and the number
-    of runs (placeholders in the stand-in); the stand-in leaves ``vision - runs`` tokens out.
-    ``"<a>VVV<b>VV"`` -> ``("<a>P<b>P", 5, 2)``. Every vision token is one special token, so collapsing a run
-    never changes how the text next to it tokenizes.
-    """
-    one = "|".join(re.escape(t) for t in sorted(set(tokens), key=len, reverse=True))
-    vision = runs = 0
-
-    def collapse(match: re.Match[str]) -> str:
-        nonlocal vision, runs
-        vision += len(re.findall(one, match.group()))
-        runs += 1
-        return placeholder
-
-    stand_in = re.sub(f"(?:{one})+", collapse, text)
-    return stand_in, vision, runs
-
-
 def _video_inputs(forecast: Any) -> dict[str, Any]:
     """What ``replace_video_token`` reads of a processed video, synthesised from its ``VideoForecast``: the
     grid, the metadata and frames without pixels (per-frame processors read only their count)."""
@@ -255,7 +234,9 @@ def _processor_video_skeleton(processor: Any, videos: list[Any], placeholder: st
     tokens = [t for t in (getattr(processor, "video_token", None), getattr(processor, "image_token", None)) if t]
     out = []
     for v in videos:
-        stand_in, vision, runs = _collapse_runs(processor.replace_video_token(_video_inputs(v), 0), tokens, placeholder)
+        runs = vision_runs(processor.replace_video_token(_video_inputs(v), 0), tokens)
+        stand_in, left_out = runs.stand_in(placeholder)
+        vision = runs.count
         if vision != v.tokens:
             import transformers
 
@@ -264,7 +245,7 @@ def _processor_video_skeleton(processor: Any, videos: list[Any], placeholder: st
                 f"for a video of {len(v.indices)} kept frames (grid {v.grid_thw}), vlm-pack's video rule forecast "
                 f"{v.tokens}: report it with the processor's settings"
             )
-        out.append((stand_in, vision - runs))
+        out.append((stand_in, left_out))
     return out
 
 

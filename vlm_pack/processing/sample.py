@@ -117,11 +117,10 @@ def _check_video_options(processor: Any, key: Any) -> None:
         )
 
 
-# Image processors whose one call over many images equals a call per sample joined by ``join_vision``: each
-# image is resized, normalized and patchified alone, the patches concatenated ([sum P_i, D]) and the grids
-# stacked ([n, 3]), nothing padded to the batch. Others (LLaVA-NeXT pads tiles to the call's most, the fast
+# Image processors whose one call over many images equals a call per sample joined by ``join_vision``
+# (``Family.one_call_image_processors``). Others (LLaVA-NeXT pads tiles to the call's most, the fast
 # torchvision processors group images by shape) are processed sample by sample.
-_ONE_CALL = frozenset({"Qwen2VLImageProcessorPil", "Glm4vImageProcessorPil"})
+_ONE_CALL = frozenset(name for record in FAMILIES.values() for name in record.one_call_image_processors)
 
 
 def _one_call(image_processor: Any, processor: Any) -> bool:

@@ -66,6 +66,17 @@ class _Image(NamedTuple):
         return "".join(token if isinstance(p, int) else p for p in self.pieces), sum(runs) - len(runs)
 
 
+def vision_runs(text: str, tokens: Sequence[str]) -> _Image:
+    """``text`` (a processor's replacement) cut at its runs of ``tokens`` (its vision tokens; a run may mix
+    them): ``"<a>VVV<b>VV"`` -> ``_Image(("<a>", 3, "<b>", 2, ""))``, whose ``stand_in`` writes each run as
+    one token. Every vision token is one special token, so collapsing a run never changes how the text next to
+    it tokenizes."""
+    one = "|".join(re.escape(t) for t in sorted(set(tokens), key=len, reverse=True))
+    token = re.compile(one)
+    pieces = re.split(f"((?:{one})+)", text)
+    return _Image(tuple(len(token.findall(p)) if i % 2 else p for i, p in enumerate(pieces)))
+
+
 class _Alone(NamedTuple):
     """What one image alone makes: its encoder patches and crops."""
 
@@ -182,14 +193,7 @@ class ProcessorSpec(VisionSpec):
             raise ValueError(
                 f"{self.processor_class}: its image step wrote {len(texts)} replacement(s) for {len(sizes)} images"
             )
-        runs = re.compile(f"((?:{re.escape(self.image_token)})+)")
-        out = []
-        for text in texts:
-            pieces: list[str | int] = []
-            for i, piece in enumerate(runs.split(str(text))):
-                pieces.append(piece.count(self.image_token) if i % 2 else piece)
-            out.append(_Image(tuple(pieces)))
-        return tuple(out)
+        return tuple(vision_runs(str(text), [self.image_token]) for text in texts)
 
     def _images(self, sizes: Sequence[tuple[int, int]]) -> tuple[_Image, ...]:
         checked = tuple(_check_size(self.processor_class, w, h) for w, h in sizes)
@@ -287,12 +291,11 @@ class ProcessorSpec(VisionSpec):
                 "setting that drops repeated content, such as Video-LLaMA 3's use_token_compression, can be "
                 "switched off on its video processor)"
             )
-        runs = re.compile(f"((?:{re.escape(token)})+)")
-        pieces = tuple(p.count(token) if i % 2 else p for i, p in enumerate(runs.split(text)))
+        image = vision_runs(text, [token])
+        pieces = image.pieces
         grid = out.get("video_grid_thw")
         grid_thw = tuple(int(x) for x in np.asarray(grid)[0]) if grid is not None else None
         seconds = out.get("second_per_grid_ts")
-        image = _Image(pieces)
         forecast = VideoForecast(
             indices=tuple(int(i) for i in indices),
             grid_thw=grid_thw,  # type: ignore[arg-type]
