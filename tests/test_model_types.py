@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from vlm_pack import PackingCollator
+from vlm_pack._compat import installed_transformers_version, release
 from vlm_pack.families import FAMILIES, REFUSED, lookup
-from vlm_pack.model_types import RopeIndex, find_rope_index
+from vlm_pack.model_types import REFUSED_BEFORE, RopeIndex, check_not_refused, find_rope_index
 from vlm_pack.offline.model_types import image_text_to_text_types, processor_for_type, tiny_model_for_type
 from vlm_pack.testing.model_types import TOLERANCE, certify_model_type, type_samples
 
@@ -49,17 +50,23 @@ CERTIFIED_FROM = {
                                  "not build)"),
     "minicpmv4_6": ((5, 24), "5.18.0: its vision tower's reshape differs (the forward fails on the joined row)"),
 }
+#: (type, release) pairs a type's certificate skips: a release that broke the model itself (loud, not packing's).
+NOT_ON = {
+    ("llama4", (5, 24)): "transformers 5.24.0's Llama4ForConditionalGeneration fails its own forward "
+                         "('MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'); 5.18, 5.25 certify",
+}
 
 
 def _needs_certified_release(model_type: str) -> None:
-    """Skip where the installed transformers is older than the release ``model_type``'s certificate holds from."""
-    from vlm_pack._compat import installed_transformers_version, release
-
+    """Skip where the installed transformers is older than the release ``model_type``'s certificate holds from, or
+    is one it skips (:data:`NOT_ON`)."""
+    version = installed_transformers_version()
     if model_type in CERTIFIED_FROM:
         since, older = CERTIFIED_FROM[model_type]
-        version = installed_transformers_version()
         if release(version)[:2] < since:
             pytest.skip(f"{model_type} is certified from transformers {since[0]}.{since[1]} (installed {version}); {older}")
+    if (model_type, release(version)[:2]) in NOT_ON:
+        pytest.skip(NOT_ON[model_type, release(version)[:2]])
 
 
 @pytest.mark.parametrize("model_type", ["exaone4_5", "paddleocr_vl", "lfm3_vl", "qwen4_exp"])
@@ -113,6 +120,10 @@ def test_model_types_with_torchvision_processors_pack_as_each_sample_alone(model
     pytest.importorskip("torchvision")
     _needs_types(model_type)
     _needs_certified_release(model_type)
+    if model_type in REFUSED_BEFORE and release(installed_transformers_version())[:2] < REFUSED_BEFORE[model_type][0]:
+        with pytest.raises(ValueError, match=rf"does not pack model type '{model_type}'"):  # not packed silently
+            check_not_refused(model_type)
+        return
     cert = certify_model_type(model_type)
     assert cert.exact, str(cert)
     assert set(cert.errors) == {"sdpa", "eager"}
@@ -166,6 +177,17 @@ def test_a_refused_model_type_is_refused_by_name_when_the_collator_is_built(mode
         PackingCollator(1024, model_config=config)
     with pytest.raises(ValueError, match=rf"'{model_type}'"):
         PackingCollator(1024, family=None, model_config=config, max_rows=None)
+
+
+def test_a_model_type_is_refused_before_the_release_it_packs_exactly_from():
+    """Molmo2 packs exactly on 5.25 and not on 5.24 (measured): a collator for it is refused by name there, with
+    the release to move to, and built on 5.25."""
+    since, _ = REFUSED_BEFORE["molmo2"]
+    older, newer = f"{since[0]}.{since[1] - 1}.0", f"{since[0]}.{since[1]}.0"
+    with pytest.raises(ValueError, match=rf"'molmo2': .*installed: transformers {older}; upgrade to >= 5\.25"):
+        check_not_refused("molmo2", version=older)
+    check_not_refused("molmo2", version=newer)
+    check_not_refused("qwen2_vl", version=older)  # a record: never refused here
 
 
 def _table_rows() -> dict[str, list[str]]:

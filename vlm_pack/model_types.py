@@ -19,7 +19,8 @@ from what transformers itself carries, never from a record it resembles:
   isolated (``isolate_token_mixers``), unknown ones refused.
 
 A type where that is measured not to be exact (two-way image attention, cross-attention, an unknown mixer) is
-refused by name (``vlm_pack.families.REFUSED``) when a collator is built for it. ``docs/families.md`` lists
+refused by name (``vlm_pack.families.REFUSED``; before the release it packs exactly from:
+:data:`REFUSED_BEFORE`) when a collator is built for it. ``docs/families.md`` lists
 every image-text-to-text model type of the installed transformers with its route and measured error
 (``scripts/families_table.py``; ``examples/check_equivalence.py --model-type TYPE`` certifies one).
 """
@@ -32,9 +33,11 @@ from typing import Any
 
 import torch
 
+from ._compat import installed_transformers_version, release
 from .families import REFUSED, canonical, lookup
 
 __all__ = [
+    "REFUSED_BEFORE",
     "RopeIndex",
     "check_not_refused",
     "check_rope_index",
@@ -44,13 +47,33 @@ __all__ = [
 ]
 
 
-def check_not_refused(model_type: str | None) -> None:
-    """ValueError naming ``model_type`` and why, when vlm-pack refuses to pack it (``families.REFUSED``)."""
+#: Model types without a record that pack exactly from a transformers release on, and why not before: the
+#: release and what an older one measured (tests/test_model_types.py certifies each where it packs).
+REFUSED_BEFORE: Mapping[str, tuple[tuple[int, int], str]] = {
+    # the certification row (scripts/families_table.py) on 5.24.0: token_mult_prob_error 5.47, sdpa and eager;
+    # 5.25.0: 1.0000003 / 1.0000001
+    "molmo2": ((5, 25), "its packed rows are not exact against each sample alone before transformers 5.25 "
+               "(token_mult_prob_error 5.47 on 5.24.0 through transformers' own packed handling)"),
+}
+
+
+def check_not_refused(model_type: str | None, version: str | None = None) -> None:
+    """ValueError naming ``model_type`` and why, when vlm-pack refuses to pack it on the installed transformers
+    (or ``version``): always (``families.REFUSED``), or before the release it packs exactly from
+    (:data:`REFUSED_BEFORE`)."""
     name = canonical(model_type, strict=False)
-    if name is None or lookup(name) is not None or name not in REFUSED:
+    if name is None or lookup(name) is not None:
+        return
+    why = REFUSED.get(name)
+    if why is None and name in REFUSED_BEFORE:
+        since, older = REFUSED_BEFORE[name]
+        version = installed_transformers_version() if version is None else version
+        if version is not None and release(version)[:2] < since:
+            why = f"{older} (installed: transformers {version}; upgrade to >= {since[0]}.{since[1]})"
+    if why is None:
         return
     raise ValueError(
-        f"vlm-pack does not pack model type {name!r}: {REFUSED[name]}. Train it unpacked (one sample per row), "
+        f"vlm-pack does not pack model type {name!r}: {why}. Train it unpacked (one sample per row), "
         "or see docs/families.md for the model types that pack exactly"
     )
 
