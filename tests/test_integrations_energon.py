@@ -319,8 +319,12 @@ def test_an_error_of_code_stops_the_run_through_energons_default_handler(setup):
 
 @pytest.mark.slow
 def test_skip_restored_mid_epoch_gives_the_same_packs_and_reports(setup, mixed):
-    """Saved after one pack and restored in a new loader (2 workers, default handler), each rank yields the packs
-    and left-out reports of the uninterrupted run, across the bad samples."""
+    """Saved after one pack of each worker and restored in a new loader (2 workers, default handler), each rank
+    yields the packs and left-out reports of the uninterrupted run, across the bad samples.
+
+    Saved only once both workers have yielded: Energon 7.4.1 answers a save that reaches a worker before its first
+    sample (its command thread can take the lock first) with "the initial state, skip 1", which drops that worker's
+    first pack on restore (seen once in CI under load); a training job saves many steps in, past that window."""
     def loader(rank):  # a buffer smaller than a worker's share (4): with repeat=True a larger one repeats samples
         encoder = _encoder(setup, capacity=EDGE_CAPACITY, pad_to_multiple_of=4, oversized="skip")
         return _mixed_loader(mixed[0], encoder, rank, repeat=True, buffer=3)
@@ -332,14 +336,15 @@ def test_skip_restored_mid_epoch_gives_the_same_packs_and_reports(setup, mixed):
     for rank in range(2):
         full = _take(loader(rank), 4, both)
         first = loader(rank)
-        head = [both(p) for p in itertools.islice(first, 1)]
+        head = [both(p) for p in itertools.islice(first, 2)]
         state = first.save_state_rank()
         _take(first, 0)
         restored = loader(rank)
         restored.restore_state_rank(state)
-        assert head + _take(restored, 3, both) == full, f"rank {rank}: the restart changed the packs or reports"
-        reports.update(key for _, left_out in full for key, _ in left_out)
-    assert reports == {"long-01", "long-09", "undecodable", "unreadable"}  # every bad sample is compared
+        tail = _take(restored, 2, both)
+        assert head + tail == full, f"rank {rank}: the restart changed the packs or reports"
+        reports.update(key for _, left_out in tail for key, _ in left_out)
+    assert reports == {"long-01", "unreadable"}  # the restored packs cross a too-long and an unreadable sample
 
 
 def test_the_old_argument_order_still_builds_the_same_encoder_with_a_deprecation_warning(setup):
