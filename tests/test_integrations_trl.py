@@ -25,6 +25,7 @@ from vlm_pack.integrations.trl import (  # noqa: E402
     packed_sft_config,
 )
 from vlm_pack.offline import build_tokenizer, image_processor, tiny_model  # noqa: E402
+from vlm_pack.testing import unguarded  # noqa: E402
 
 CAPACITY = 1536
 
@@ -514,14 +515,17 @@ def test_qwen3_5_trains_on_packed_rows_each_sample_once_first_loss_as_each_sampl
             count += n
     assert abs(logs[0]["loss"] - total / count) < 5e-6, (logs[0]["loss"], total / count)
     # Control: the same first row through the initial weights without isolated mixers: called with the row's
-    # seq_idx, the model's mixers are isolated first (vlm-pack's packed-call guard); without it (boundaries reach
-    # the attention layer only) the first samples leak into the later ones: the loss moves (measured 6e-5).
+    # seq_idx, or without it (its position ids still restart per sample), the model's mixers are isolated first
+    # (vlm-pack's packed-call guard); past the guard (boundaries reach the attention layer only) the first
+    # samples leak into the later ones: the loss moves (measured 6e-5).
     inputs = TRLPackingCollator(400, pre, model_config=trained.config)(collator.rows[:1])
     inputs.pop(NUM_TOKENS_KEY)
     with torch.no_grad():
         isolated = float(isolate_token_mixers(model()).eval()(**inputs, use_cache=False).loss)
         guarded = float(model().eval()(**inputs, use_cache=False).loss)
         inputs.pop("seq_idx")
-        leaking = float(model().eval()(**inputs, use_cache=False).loss)
+        unmarked = float(model().eval()(**inputs, use_cache=False).loss)
+        with unguarded():
+            leaking = float(model().eval()(**inputs, use_cache=False).loss)
     assert abs(isolated - total / count) < 5e-6 and abs(leaking - total / count) > 2e-5, (isolated, leaking)
-    assert guarded == isolated
+    assert guarded == isolated and unmarked == isolated

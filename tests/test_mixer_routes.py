@@ -7,7 +7,7 @@ Routes: the README's (``PackedMapDataset`` + ``Trainer(..., data_collator=ds.tra
 also with DataLoader workers), a ``PackingCollator(return_style="sdpa")`` as the Trainer's collator, a torch loop
 on ``PackedBatch.model_inputs("sdpa")``, TRL (``test_integrations_trl.py``). No manual ``isolate_token_mixers``
 on any of them: the rows carry ``seq_idx`` and the first model call that receives it isolates the model's mixers
-(``mixers.guard_packed_calls``), or refuses, naming it, a layer vlm-pack cannot split.
+(``packed_calls.guard_packed_calls``), or refuses, naming it, a layer vlm-pack cannot split.
 
 Tiny genuine transformers models built from configs (``vlm_pack.offline``), fp32 CPU, the real Qwen3-VL
 processor. Oracle: each sample of the first pack run alone through the same initial weights; control: the
@@ -29,6 +29,7 @@ from PIL import Image
 import vlm_pack as vp
 from vlm_pack import offline
 from vlm_pack.forward.mixers import find_token_mixers
+from vlm_pack.testing import unguarded
 
 datasets = pytest.importorskip("datasets")
 
@@ -123,9 +124,10 @@ def _first_step_alone(ds, data) -> float:
 
 
 def _leaking(model, ds) -> float:
-    """Control: the first pack through ``model`` without the marker (the boundaries reach attention only)."""
+    """Control: the first pack through ``model`` past vlm-pack's packed-call guard, without the marker (the
+    boundaries reach attention only)."""
     inputs = {k: v for k, v in ds[0].model_inputs("sdpa").items() if k != "seq_idx"}
-    with torch.no_grad():
+    with torch.no_grad(), unguarded():
         return float(model(**inputs).loss)
 
 
@@ -219,7 +221,8 @@ def test_a_torch_loop_on_model_inputs_isolates_an_unisolated_qwen3_5():
 def test_a_mixer_vlm_pack_cannot_split_is_refused_at_the_first_packed_call():
     """A model holding a layer that mixes tokens and that vlm-pack does not know (here: a Conv1d along the
     sequence added to a decoder layer) stops at the first call with the rows' marker, naming the layer, before
-    any layer runs; the same model without the marker runs as before."""
+    any layer runs; so do the same rows without the marker (their positions restart per sample); a call that
+    is not packed runs as before."""
     model = _qwen().eval()
     layer = model.model.language_model.layers[0]
     layer.add_module("token_conv", torch.nn.Sequential(torch.nn.Conv1d(8, 8, 4)))
@@ -228,8 +231,60 @@ def test_a_mixer_vlm_pack_cannot_split_is_refused_at_the_first_packed_call():
     with pytest.raises(ValueError, match=r"layers\.0\.token_conv .*train this model unpacked"), torch.no_grad():
         model(**inputs)
     assert {m.isolation for m in find_token_mixers(model)} == {"none"}  # refused before touching anything
-    with torch.no_grad():
+    with pytest.raises(ValueError, match=r"layers\.0\.token_conv .*train this model unpacked"), torch.no_grad():
         model(**{k: v for k, v in inputs.items() if k != "seq_idx"})
+    with torch.no_grad():
+        assert model(input_ids=inputs["input_ids"][:, :20], use_cache=False).logits.shape[1] == 20
+
+
+def test_generation_is_never_taken_for_packed_rows():
+    """Left-padded generation (a [B, T] padding mask, then a cache) passes the packed-call guard untouched: the
+    mixers stay as transformers built them and the tokens are those generated past the guard."""
+    vp.PackingCollator(64)  # arms the guard, as any collator does
+    ids = torch.tensor([[7, 7, 11, 12, 13, 14], [21, 22, 23, 24, 25, 26]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=7)
+    model = _qwen().eval()
+    guarded = model.generate(**kwargs)
+    assert {m.isolation for m in find_token_mixers(model)} == {"none"}
+    with unguarded():
+        assert torch.equal(guarded, _qwen().eval().generate(**kwargs))
+
+
+def test_a_hybrid_model_type_without_a_record_trains_exactly_with_no_call(tmp_path):
+    """LFM3-VL has no record, so its rows carry no ``seq_idx``: through ``Trainer(data_collator=PackingCollator(...,
+    model_config=))`` with nothing isolated by hand, the first step's loss is each sample's alone (the packed-call
+    guard recognised the rows by their restarting positions and isolated the short convolutions); past the guard
+    the same row leaks."""
+    from vlm_pack.offline.model_types import placeholder_for_type, processor_for_type, tiny_model_for_type
+    from vlm_pack.testing.model_types import type_samples
+
+    if "lfm3_vl" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no model type lfm3_vl")
+    proc = processor_for_type("lfm3_vl")
+
+    def model():
+        return tiny_model_for_type("lfm3_vl", proc, seed=0, attn_implementation="sdpa")
+
+    samples = [dict(s, labels=s["input_ids"].clone()) for s in type_samples(proc, placeholder_for_type("lfm3_vl", proc))]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in samples:
+            n = s["input_ids"].shape[-1] - 1
+            total += float(model()(**s, use_cache=False).loss) * n
+            count += n
+    collator = vp.PackingCollator(sum(s["input_ids"].shape[-1] for s in samples), model_config=model().config,
+                                  tokenizer=proc, return_style="sdpa")  # fmt: skip
+    rows = collator(samples)
+    assert "seq_idx" not in rows
+    trained = model()
+    assert {m.isolation for m in find_token_mixers(trained)} == {"none"}
+    trainer = transformers.Trainer(trained, _args(tmp_path), train_dataset=[samples], data_collator=lambda b: collator(b[0]))
+    trainer.train()
+    assert {m.isolation for m in find_token_mixers(trained)} == {"per_sample"}
+    assert abs(trainer.state.log_history[0]["loss"] - total / count) < 5e-6, (trainer.state.log_history[0], total / count)
+    with torch.no_grad(), unguarded():
+        assert abs(float(model()(**rows).loss) - total / count) > 1e-3
 
 
 # ------------------------------------------------------------------------------------------ LFM2-VL, text rows
@@ -266,8 +321,11 @@ def test_lfm2_vl_text_rows_through_a_trainer_collator_and_a_loop_are_exact_uniso
     assert inputs["seq_idx"].unique().numel() == 4
     with torch.no_grad():
         assert abs(float(_lfm2()(**inputs).loss) - expected) < 5e-6
-        leaking = float(_lfm2()(**{k: v for k, v in inputs.items() if k != "seq_idx"}).loss)
-    assert abs(leaking - expected) > 1e-3  # the control: without the marker nothing isolates it
+        unmarked = float(_lfm2()(**{k: v for k, v in inputs.items() if k != "seq_idx"}).loss)
+        with unguarded():
+            leaking = float(_lfm2()(**{k: v for k, v in inputs.items() if k != "seq_idx"}).loss)
+    assert abs(unmarked - expected) < 5e-6  # without the marker: recognised by the restarting positions
+    assert abs(leaking - expected) > 1e-3  # the control: past the guard, nothing isolates it
 
 
 # ------------------------------------------------------------------------------------------ replaced forwards

@@ -7,6 +7,7 @@ the same rows with boundaries reaching the attention layers only (what transform
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -18,12 +19,12 @@ from torch import nn
 import vlm_pack as vp
 from vlm_pack._compat import release
 from vlm_pack.families import lookup
-from vlm_pack.forward import boundaries
-from vlm_pack.forward import mixers as mixers_module
+from vlm_pack.forward import boundaries, packed_calls
 from vlm_pack.forward.attention import register_hf_attention
 from vlm_pack.forward.boundaries import mrope_restarts
-from vlm_pack.forward.mixers import find_token_mixers, guard_packed_calls, isolate_token_mixers
-from vlm_pack.testing import check_packed_equivalence
+from vlm_pack.forward.mixers import find_token_mixers, isolate_token_mixers
+from vlm_pack.forward.packed_calls import guard_packed_calls
+from vlm_pack.testing import check_packed_equivalence, unguarded
 
 transformers = pytest.importorskip("transformers")
 
@@ -191,7 +192,8 @@ def _gradients(name: str, packed: bool, isolate: bool = True, checkpoint: bool =
     model = isolate_token_mixers(model) if isolate else model
     if packed:
         pos = torch.cat([torch.arange(len(s)) for s in samples])[None]
-        logits = model(input_ids=torch.cat(samples)[None], position_ids=pos, use_cache=False).logits[0]
+        with contextlib.nullcontext() if isolate else unguarded():  # the control: the model as it is
+            logits = model(input_ids=torch.cat(samples)[None], position_ids=pos, use_cache=False).logits[0]
         loss = sum(_next_token_logp(part, s) for part, s in zip(logits.split(LENGTHS), samples))
     else:
         loss = sum(_next_token_logp(model(input_ids=s[None], use_cache=False).logits[0], s) for s in samples)
@@ -323,7 +325,7 @@ def test_unknown_token_mixers_are_found_and_refused():
 
 def test_model_inputs_always_give_seq_idx_to_a_family_with_token_mixers(monkeypatch):
     record = dataclasses.replace(lookup("qwen2_vl"), token_mixers=("short_conv",))
-    monkeypatch.setattr(mixers_module, "lookup", lambda name: record)  # the marker's one test of the record
+    monkeypatch.setattr(packed_calls, "lookup", lambda name: record)  # the marker's one test of the record
     batch = _collator(2)(_samples())
     for style in ("sdpa", "eager", "flash_attention_2"):
         inputs = batch.model_inputs(style)
@@ -331,7 +333,7 @@ def test_model_inputs_always_give_seq_idx_to_a_family_with_token_mixers(monkeypa
         assert seq_idx.dtype == torch.int32 and seq_idx.shape == inputs["input_ids"].shape
         flat = seq_idx.flatten().tolist()  # rows (37, 53) and (29, 45 + 16 padding: its sample's)
         assert flat == [0] * 37 + [1] * 53 + [2] * 29 + [3] * 61
-    monkeypatch.setattr(mixers_module, "lookup", lambda name: lookup("qwen2_vl"))
+    monkeypatch.setattr(packed_calls, "lookup", lambda name: lookup("qwen2_vl"))
     assert "seq_idx" not in batch.model_inputs("sdpa")  # attention-only families: no marker
 
 

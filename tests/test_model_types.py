@@ -72,7 +72,8 @@ def _needs_certified_release(model_type: str) -> None:
 @pytest.mark.parametrize("model_type", ["exaone4_5", "paddleocr_vl", "lfm3_vl", "qwen4_exp"])
 def test_a_model_type_without_a_record_packs_as_each_sample_alone(model_type):
     """sdpa and eager: three samples (two images, one, none) in one row, each scored against itself alone
-    (LFM3-VL: its text model's short convolutions isolated by ``isolate_token_mixers``; its tower's convolutions
+    (LFM3-VL: its text model's short convolutions isolated at the first packed call by the packed-call guard,
+    recognising the rows by their positions: no marker, no manual call; its tower's convolutions
     run on the row's three images in one call, each over its own patch grid, so they need no isolating: a tower
     that convolved the flat patch sequence would carry one image into the next and fail here. Qwen4-Exp: gated
     delta-net layers isolated, its indexed attention selecting within a budget below each sample's length)."""

@@ -297,7 +297,7 @@ def mixers_refuse_packed_rows(version: str | None = None) -> bool:
     """Whether transformers' own token mixers (their PyTorch fallbacks: ``causal_conv1d_fn``,
     ``chunk_gated_delta_rule``) refuse the boundaries of a packed row (``seq_idx`` / ``cu_seq_lens``) on the
     installed release (or ``version``): 5.24 on ("can't keep packed sequences apart"); before, they ignore them
-    and mix across samples (``forward.mixers.guard_packed_calls`` isolates a model at its first packed call on
+    and mix across samples (``forward.packed_calls.guard_packed_calls`` isolates a model at its first packed call on
     every release). It also marks the release line whose layer code ``forward.mixer_kernels``' recipes follow."""
     version = installed_transformers_version() if version is None else version
     return version is not None and release(version)[:2] >= (5, 24)

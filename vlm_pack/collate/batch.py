@@ -25,8 +25,9 @@ delta net, LFM2's short conv) always get ``seq_idx`` (``[R, T]`` / ``[1, R*T]`` 
 token) in the HF styles: the boundaries and the marker of a packed row. A mixer isolated by
 ``isolate_token_mixers`` (``forward/mixers.py``) reads its samples from it; transformers' own layers hand it to their
 PyTorch fallback, which ignores it before 5.24 and refuses it from 5.24 on: so the first transformers model call
-that receives it isolates that model's mixers first (``mixers.guard_packed_calls``, armed here and when a
-``PackingCollator`` of such a family is built), on every release. (``cu_seq_lens_q`` is not
+that receives it isolates that model's mixers first (``packed_calls.guard_packed_calls``, armed here and when any
+``PackingCollator`` is built), on every release. Rows without the marker (a collator with no family, for a model
+type with no record) are recognised by their position ids restarting inside a row. (``cu_seq_lens_q`` is not
 added to the sdpa / eager styles: it would reach a VLM's vision tower through ``**kwargs``.)
 
 ``PackedSeqParams`` is Megatron-Core's class, imported only when asked for (the megatron style, or the
@@ -45,7 +46,7 @@ import torch
 from .._compat import check_experts_mask_mapping, images_past_window
 from ..families import canonical, lookup
 from ..forward.masks import TOKENS_KEY, MaskMapping, gemma3_attention_masks, real_tokens
-from ..forward.mixers import carries_mixer_marker, guard_packed_calls
+from ..forward.packed_calls import carries_mixer_marker, guard_packed_calls
 from .labels import IGNORE_INDEX, roll_packed
 from .positions import is_mrope_family
 from .vision_inputs import VISION_KEYS
@@ -327,6 +328,7 @@ class PackedBatch:
                 f"model_inputs({style!r}) needs the expanded layout (HF models expect one token per vision "
                 "embedding); build the collator with layout='expanded', or use style='megatron'"
             )
+        guard_packed_calls()  # this process's models: their first packed call isolates their token mixers
         vision = self._vision_inputs()
         if style in ("sdpa", "eager"):
             out = {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids}
@@ -363,7 +365,6 @@ class PackedBatch:
         checkpoints with mixers share: ``Family.mixers_behind_processor``), else {}."""
         if not carries_mixer_marker(self.family):
             return {}
-        guard_packed_calls()
         tokens = torch.arange(self.num_rows * self.row_length, device=self.cu_seqlens_padded.device)
         bounds = self.cu_seqlens_padded[1:].to(tokens.dtype).contiguous()
         seq_idx = torch.searchsorted(bounds, tokens, right=True).to(torch.int32)

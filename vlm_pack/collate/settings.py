@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..families import canonical, lookup, names
-from ..forward.mixers import carries_mixer_marker, guard_packed_calls
+from ..forward.packed_calls import guard_packed_calls
 from ..model_types import check_not_refused
 from .positions import is_mrope_family
 
@@ -96,8 +96,9 @@ class CollatorSettings:
         )
         check_not_refused(resolved)
         record = lookup(resolved)
-        if carries_mixer_marker(resolved):  # armed in the process building the collator: a DataLoader
-            guard_packed_calls()  # worker's (where model_inputs runs) does not reach the model's process
+        # Armed in the process building the collator, for every family (rows without seq_idx are recognised
+        # by their positions): a DataLoader worker's patch (where model_inputs runs) misses the model's process.
+        guard_packed_calls()
         if record is not None and record.two_way_images and values["sliding_window"] is None:
             raise ValueError(
                 f"family {resolved!r} builds its packed attention masks from the text config's "

@@ -21,31 +21,13 @@ first optimizer step, on every transformers release vlm-pack supports (5.6 on):
     PackedSFTTrainer (TRL), use_varlen_attention    vlm-pack meets the model: it calls isolate_token_mixers
     Trainer(data_collator=ds.trainer_collator()),   vlm-pack never sees the model: the rows of a family with
     PackingCollator(return_style=...), Energon,     token mixers carry ``seq_idx`` (``PackedBatch.model_inputs``),
-    a loop on batch.model_inputs(style),            and the first model call that receives it isolates the
-    TRL's own SFTTrainer with vlm-pack's collator   model's mixers before any layer runs (the packed-call guard)
+    a loop on batch.model_inputs(style),            other rows restart their positions per sample; the first
+    TRL's own SFTTrainer with vlm-pack's collator   model call that receives either isolates the model's
+                                                    mixers before any layer runs (the packed-call guard)
     isolate_token_mixers(model) by hand             every route, any transformers release
 
-**The packed-call guard.** Once vlm-pack hands out rows carrying ``seq_idx`` (a ``PackingCollator`` of such a
-family is built, or ``model_inputs`` adds it: both, since a DataLoader worker's patch does not reach the main
-process), ``guard_packed_calls`` gives ``transformers.PreTrainedModel`` a ``__call__`` that runs
-``isolate_token_mixers`` on a model not seen before when the call's kwargs hold ``seq_idx`` (an unknown mixer:
-ValueError naming the layer, before any layer runs), then ``nn.Module.__call__`` as before. Why there:
-
-- ``seq_idx`` reaches the model's call on every release, but not the mixer: on 5.6 ``Qwen3_5DecoderLayer`` calls
-  ``self.linear_attn(hidden_states, cache_params, attention_mask)`` without ``**kwargs`` (5.18 on passes them),
-  and an isolated mixer needs the text model's pre-hook to capture the positions before its layers run. A guard
-  on the mixer classes would see nothing on 5.6 and start too late on every release.
-- torch's global hooks (``register_module_forward_pre_hook``) get no kwargs and take every module of every model
-  off its fast call path; a class ``__call__`` on the one base class costs a dict look-up per model call (a few
-  per forward), is inherited by models built before or after it (remote code, FSDP's dynamic subclasses, PEFT's
-  inner models: ``LoraModel`` calls ``forward`` directly, the inner ``*Model`` is still called) and changes
-  nothing for a call without ``seq_idx``.
-- Isolating rather than refusing, also on 5.24 on where transformers' own fallbacks refuse ``seq_idx`` ("can't
-  keep packed sequences apart"): the refusal's only fix is the same call, the isolated forward equals the
-  class's on a row of one sample, and parameters / state_dict are untouched. Unknown mixers stay refused.
-- A hub kernel (transformers 5.25's ``kernelize``) that replaced a mixer's forward before the first packed call
-  is overwritten there like any un-isolated forward; one that replaces it later is caught by the guard below.
-  Not covered: rows with no marker (a ``PackingCollator`` without a family): nothing says they are packed.
+**The packed-call guard** (``packed_calls.py``) isolates a model's mixers at its first packed call, whatever
+route the rows took.
 
 ``isolate_token_mixers(model)`` installs a boundary-respecting path in every known mixer: the layer runs on each
 sample segment alone (segments of similar length batched into one call, right-padded: the layers are causal,
@@ -88,15 +70,20 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..families import lookup
 from . import mixer_kernels
-from .boundaries import IdentityCache, Packing, host_copy, packing_from_cu, packing_from_positions, to_device
+from .boundaries import (
+    IdentityCache,
+    Packing,
+    host_copy,
+    packing_from_cu,
+    packing_from_positions,
+    to_device,
+)
 
 __all__ = [
     "KNOWN_MIXERS",
     "TokenMixer",
     "find_token_mixers",
-    "guard_packed_calls",
     "isolate_token_mixers",
     "mixer_problems",
     "summarize",
@@ -527,64 +514,6 @@ def isolate_token_mixers(model: nn.Module) -> nn.Module:
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, _Boundaries] = weakref.WeakKeyDictionary()
-
-
-# --------------------------------------------------------------------------------------------------------
-# the packed-call guard
-# --------------------------------------------------------------------------------------------------------
-
-
-def carries_mixer_marker(family: str | None) -> bool:
-    """Whether the HF-style rows of ``family`` carry ``seq_idx``: its text model has token mixers (the record's
-    ``token_mixers``), or checkpoints that share its processor do (``mixers_behind_processor``)."""
-    record = lookup(family)
-    return record is not None and bool(record.token_mixers or record.mixers_behind_processor)
-
-
-def guard_packed_calls() -> bool:
-    """From now on, a transformers model called with ``seq_idx`` (the marker of vlm-pack's packed rows) has its
-    token mixers isolated before its first such forward runs (see the module docstring). Idempotent; returns
-    whether the guard is in place (False only without transformers)."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # no transformers model to guard
-        return False
-    call = PreTrainedModel.__call__
-    if getattr(call, "guards_packed_calls", False):
-        return True
-
-    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("seq_idx") is not None and self not in _SEEN:
-            _isolate_on_packed_call(self)
-        return call(self, *args, **kwargs)
-
-    __call__.guards_packed_calls = True  # type: ignore[attr-defined]
-    PreTrainedModel.__call__ = __call__
-    return True
-
-
-def _isolate_on_packed_call(model: nn.Module) -> None:
-    """Isolate the token mixers of a ``model`` never isolated before (ValueError naming any it cannot), once
-    per model. A mixer isolated before whose forward or layer was replaced since is the ``_Guard``'s: it
-    re-isolates a forward transformers popped and refuses a replacement by name, so nothing here overwrites
-    a replacement that was made on purpose."""
-    left = [m.name for m in find_token_mixers(model) if m.isolation == "none"]
-    if left and not any(_was_isolated(model, name) for name in left):
-        isolate_token_mixers(model)
-        logger.info("vlm-pack: %s received packed rows (seq_idx): its token mixers %s now run per sample",
-                    type(model).__name__, ", ".join(left))
-    _SEEN.add(model)
-
-
-def _was_isolated(model: nn.Module, name: str) -> bool:
-    """Whether the text model owning layer ``name`` has had mixers isolated (it holds their guards)."""
-    try:
-        return _owner(model, name) in _STATES
-    except ValueError:  # in no decoder stack: never isolated (isolate_token_mixers names it)
-        return False
-
-
-_SEEN: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def summarize(mixers: list[TokenMixer]) -> list[str]:

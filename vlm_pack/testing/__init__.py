@@ -39,12 +39,15 @@ What lives where:
   ``PackedEquivalenceError``) and the default forwards of Hugging Face models, on the padded reference
   batch of ``vlm_pack.collate.padded.pad_samples`` (re-exported here);
 - ``reference.py``: ``CollapsedLlavaModel``, a Megatron-like collapsed-placeholder LLaVA, and its forwards;
+- ``unguarded()`` (from ``forward/mixers.py``): model calls inside reach the model as it is, past the packed-call
+  guard that isolates token mixers at a first packed call: the negative control of a hybrid model;
 - ``clips.py``: ``encode_clip`` (a clip PyAV encodes) and ``processor_with_video`` (a family's processor with
   its video processor), to run the same check on video samples (the ``[video]`` extra).
 """
 
 from __future__ import annotations
 
+from ..forward.packed_calls import unguarded
 from .clips import encode_clip, processor_with_video
 from .harness import (
     EquivalenceReport,
@@ -81,4 +84,5 @@ __all__ = [
     "pad_samples",
     "processor_with_video",
     "token_mult_prob_error",
+    "unguarded",
 ]

@@ -29,6 +29,7 @@ import torch
 from ..collate.labels import IGNORE_INDEX
 from ..collate.padded import TOKEN_KEYS, pad_samples
 from ..forward.mixers import TokenMixer, find_token_mixers, summarize
+from ..forward.packed_calls import unguarded
 from .metric import next_token_logprobs, token_mult_prob_error
 from .packed_run import _packed_batch, _run_packed
 
@@ -69,15 +70,17 @@ def default_packed_forward(
 
     def forward(model: Any, batch: Any) -> torch.Tensor:
         kwargs = dict(batch.model_inputs(style))
-        if "seq_idx" in kwargs and _leaking_mixers(model):
-            # with the marker the model would be isolated at this call (mixers.guard_packed_calls); without it
-            # the leak of the model as given is measured, and the report names the layer (mixer_problems)
-            kwargs.pop("seq_idx")
+        leaking = _leaking_mixers(model)
+        if leaking:
+            # the packed-call guard would isolate the model at this call (packed_calls.guard_packed_calls); the leak of
+            # the model as given is measured instead, and the report names the layer (mixer_problems)
+            kwargs.pop("seq_idx", None)
         if use_cache is None:
             kwargs.pop("use_cache", None)
         else:
             kwargs["use_cache"] = use_cache
-        logits = model(**kwargs).logits
+        with unguarded() if leaking else contextlib.nullcontext():
+            logits = model(**kwargs).logits
         # flash styles flatten the rows to (1, R*T): give the logits back the rows of batch.input_ids.
         return logits.reshape(*batch.input_ids.shape, logits.shape[-1])
 

@@ -12,7 +12,9 @@ processor's output as it is, the model computing its own positions)::
     error    token_mult_prob_error(logp_i, packed slice)           1.0 = exact
 
 once per attention (``sdpa``, ``eager``). The :class:`Certificate` says exact, or why not (the measured error,
-an unknown token mixer, what could not be built).
+an unknown token mixer, what could not be built). Nothing is isolated by hand: a model whose text layers mix
+tokens without attention is called as a user's loop calls it, and vlm-pack's packed-call guard must isolate its
+mixers at the first packed call, from the rows' restarting positions (a type without a record has no marker).
 
 ``videos=True`` (torchvision and PyAV) adds a video sample at the head of the row: a clip encoded with PyAV,
 forecast from its header and processed the way a user's pipeline does (``Preprocessor``: the processor's own
@@ -198,15 +200,23 @@ def _compare(alone: list[torch.Tensor], packed: torch.Tensor, batch: Any) -> tup
 
 
 def _mixers(model: Any) -> tuple[list[str], str | None]:
-    from ..forward.mixers import find_token_mixers, isolate_token_mixers
+    """The model's token mixers (``"conv (short_conv)"``) and why it cannot be certified (an unknown one), else
+    None. Left as they are: the packed-call guard isolates them at the first packed call."""
+    from ..forward.mixers import find_token_mixers
 
     found = find_token_mixers(model)
     names = [f"{m.name.rsplit('.', 1)[-1]} ({m.kind})" for m in found]
     unknown = [m for m in found if m.kind == "unknown"]
     if unknown:
         return names, f"a token mixer vlm-pack cannot isolate: {unknown[0].how}"
-    isolate_token_mixers(model)
     return names, None
+
+
+def _still_leaking(model: Any) -> str | None:
+    from ..forward.mixers import find_token_mixers
+
+    left = [m.name for m in find_token_mixers(model) if m.isolation == "none"]
+    return f"the packed call left token mixers un-isolated: {', '.join(left)}" if left else None
 
 
 def _build(cert: Certificate, styles: tuple[str, ...], seed: int) -> tuple[Any, Any, tuple[str, ...]] | None:
@@ -304,6 +314,8 @@ def certify_model_type(
     if not cert.exact:
         worst = max(cert.errors.values())
         cert.reason = f"packed != alone: token_mult_prob_error {worst:.4f} with transformers' own packed handling"
+    elif restart_positions:
+        cert.reason = _still_leaking(model)
     return cert
 
 
