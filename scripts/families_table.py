@@ -4,7 +4,7 @@ Every model type ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` maps gets one ro
 ``vlm_pack.families`` (its figures are the table above it), or the route for types without a record
 (``vlm_pack.model_types``) certified on a tiny genuine model (``vlm_pack.testing.certify_model_type``: packed
 vs each sample alone, sdpa and eager), or why not: refused (packing measured not exact: listed in
-``vlm_pack.families.REFUSED``, which collators refuse by name) or not certified here (what could not be built
+``vlm_pack.model_types.REFUSED``, which collators refuse by name) or not certified here (what could not be built
 offline). Each type runs in its own process (a time and memory limit each), so one type cannot stop the sweep.
 
     PYTHONPATH=. .venv/bin/python scripts/families_table.py            # all types, rewrites docs/families.md
@@ -111,11 +111,12 @@ def video_check(model_type: str) -> str:
     others (a record's videos are its family's: docs/video.md)."""
     from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
 
-    from vlm_pack.families import REFUSED, lookup
+    from vlm_pack.families import lookup
+    from vlm_pack.model_types import refused_on
     from vlm_pack.offline.type_overrides import override as _override
     from vlm_pack.testing.model_types import certify_model_type
 
-    if lookup(model_type) is not None or model_type in REFUSED or model_type not in VIDEO_PROCESSOR_MAPPING_NAMES:
+    if lookup(model_type) is not None or refused_on(model_type) is not None or model_type not in VIDEO_PROCESSOR_MAPPING_NAMES:
         return ""
     try:
         c = certify_model_type(model_type, videos=True)
@@ -291,20 +292,22 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as TYPES
 
-    from vlm_pack.families import REFUSED, lookup
+    from vlm_pack.families import lookup
+    from vlm_pack.model_types import refused_on
 
     types = args.only if args.only else list(TYPES)
     rows = []
     counts: dict[str, int] = {}
     for model_type in types:
-        needs_run = lookup(model_type) is None and model_type not in REFUSED
+        refusal = refused_on(model_type)
+        needs_run = lookup(model_type) is None and refusal is None
         if not needs_run:
             cert = None
         elif args.isolate:
             cert = certify(model_type, args.timeout, int(args.memory_gb * 1024 * 1024))
         else:
             cert = certify_here(model_type, args.timeout)
-        cells = row(model_type, TYPES[model_type], cert, dict(REFUSED)).split("|")
+        cells = row(model_type, TYPES[model_type], cert, {model_type: refusal} if refusal else {}).split("|")
         cells[5] = f" {forecast_check(model_type)} "
         if args.videos:
             cells[6] = f" {video_check(model_type)} "

@@ -20,8 +20,8 @@ import torch
 
 from vlm_pack import PackingCollator
 from vlm_pack._compat import installed_transformers_version, release
-from vlm_pack.families import FAMILIES, REFUSED, lookup
-from vlm_pack.model_types import REFUSED_BEFORE, RopeIndex, check_not_refused, find_rope_index
+from vlm_pack.families import FAMILIES, lookup
+from vlm_pack.model_types import REFUSED, RopeIndex, check_not_refused, find_rope_index, refused_on
 from vlm_pack.offline.model_types import image_text_to_text_types, processor_for_type, tiny_model_for_type
 from vlm_pack.testing.model_types import TOLERANCE, certify_model_type, type_samples
 
@@ -78,7 +78,7 @@ def test_a_model_type_without_a_record_packs_as_each_sample_alone(model_type):
     that convolved the flat patch sequence would carry one image into the next and fail here. Qwen4-Exp: gated
     delta-net layers isolated, its indexed attention selecting within a budget below each sample's length)."""
     _needs_types(model_type)
-    assert lookup(model_type) is None and model_type not in REFUSED
+    assert lookup(model_type) is None and refused_on(model_type) is None
     cert = certify_model_type(model_type)
     assert cert.exact, str(cert)
     assert set(cert.errors) == {"sdpa", "eager"} and all(e <= TOLERANCE for e in cert.errors.values())
@@ -121,7 +121,7 @@ def test_model_types_with_torchvision_processors_pack_as_each_sample_alone(model
     pytest.importorskip("torchvision")
     _needs_types(model_type)
     _needs_certified_release(model_type)
-    if model_type in REFUSED_BEFORE and release(installed_transformers_version())[:2] < REFUSED_BEFORE[model_type][0]:
+    if refused_on(model_type) is not None:  # before the release it packs exactly from
         with pytest.raises(ValueError, match=rf"does not pack model type '{model_type}'"):  # not packed silently
             check_not_refused(model_type)
         return
@@ -168,7 +168,7 @@ def test_the_rope_index_is_the_models_own_per_sample_and_survives_a_worker():
     assert torch.equal(worker(samples).position_ids, batch.position_ids)
 
 
-@pytest.mark.parametrize("model_type", sorted(REFUSED))
+@pytest.mark.parametrize("model_type", sorted(t for t, refusal in REFUSED.items() if refusal.packs_from is None))
 def test_a_refused_model_type_is_refused_by_name_when_the_collator_is_built(model_type):
     _needs_types(model_type)
     from transformers import AutoConfig
@@ -183,7 +183,7 @@ def test_a_refused_model_type_is_refused_by_name_when_the_collator_is_built(mode
 def test_a_model_type_is_refused_before_the_release_it_packs_exactly_from():
     """Molmo2 packs exactly on 5.25 and not on 5.24 (measured): a collator for it is refused by name there, with
     the release to move to, and built on 5.25."""
-    since, _ = REFUSED_BEFORE["molmo2"]
+    since = REFUSED["molmo2"].packs_from
     older, newer = f"{since[0]}.{since[1] - 1}.0", f"{since[0]}.{since[1]}.0"
     with pytest.raises(ValueError, match=rf"'molmo2': .*installed: transformers {older}; upgrade to >= 5\.25"):
         check_not_refused("molmo2", version=older)
@@ -222,7 +222,7 @@ def test_the_model_type_table_lists_every_image_text_to_text_type_of_the_install
         route = line.split("|")[3].strip()
         if model_type in FAMILIES:
             assert route.startswith("named record"), line
-        elif model_type in REFUSED:
+        elif refused_on(model_type, version=table) is not None:
             assert route == "refused", line
         else:
             assert route in ("generic, certified", "not certified here") or route.startswith("named record"), line

@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_FAMILY",
     "FAMILIES",
-    "REFUSED",
     "VIDEO_WRAPS",
     "WRAPS",
     "Family",
@@ -464,26 +463,6 @@ _RECORDS = (
 
 #: Every family by canonical name, in registry order.
 FAMILIES: Mapping[str, Family] = MappingProxyType({record.name: record for record in _RECORDS})
-
-#: Model types without a record that vlm-pack refuses to pack, and why: measured on tiny genuine models of the
-#: installed transformers (``scripts/families_table.py``, ``docs/families.md``). Every other model type without
-#: a record takes the route of ``vlm_pack.model_types`` (the processor, the model's own rope index, restarted
-#: positions, transformers' packed masks); a collator built for one of these raises naming it.
-REFUSED: Mapping[str, str] = MappingProxyType({
-    # Inkling2ShortConvolution (models/inkling2/modeling_inkling2.py, 5.25): short convolutions inside its attention blocks
-    "inkling2": "its attention blocks hold short convolutions (Inkling2ShortConvolution), a token mixer vlm-pack does not "
-    "isolate: each sample's last tokens would reach the next sample",
-    "inkling2_loop": "its attention blocks hold short convolutions (Inkling2ShortConvolution, as inkling2), a token mixer "
-    "vlm-pack does not isolate: each sample's last tokens would reach the next sample",
-    # modeling_hunyuan_vl.py (5.25) reads the text row of 1 + 4 rows for packed detection, then checks the rows
-    # it was given against its 4 RoPE axes and raises; with 4 rows there is no text row to find the samples by
-    "hunyuan_vl": "transformers 5.25's HunYuanVL model refuses position ids with a text row beside its 4 xD-RoPE "
-    "rows (ValueError: Expected 4 multimodal RoPE channels), and without one it finds no packed samples",
-    # MllamaCrossAttentionDecoderLayer: text tokens cross-attend to the images through cross_attention_mask
-    "mllama": "its text layers cross-attend to the images (cross_attention_mask per sample), which the packed "
-    "position ids and transformers' packed mask do not reach; its samples' pixel_values [1, images, tiles, ...] "
-    "do not join into one row either",
-})
 
 #: The family assumed where none is given or found (vlm-pack's own chat format, the CLI, mRoPE helpers).
 DEFAULT_FAMILY = "qwen2_vl"

@@ -16,11 +16,11 @@ from what transformers itself carries, never from a record it resembles:
   restart: ``masking_utils.find_packed_sequence_indices``), which is exact where the model's attention is
   causal text attention (REFERENCE section 2 / 7);
 - **token mixers** (layers that are not attention: ``vlm_pack.forward.mixers.find_token_mixers``): known kinds
-  isolated (``isolate_token_mixers``), unknown ones refused.
+  isolated at the model's first packed call (``forward/packed_calls.py``), unknown ones refused.
 
 A type where that is measured not to be exact (two-way image attention, cross-attention, an unknown mixer) is
-refused by name (``vlm_pack.families.REFUSED``; before the release it packs exactly from:
-:data:`REFUSED_BEFORE`) when a collator is built for it. ``docs/families.md`` lists
+refused by name (:data:`REFUSED`: always, or before the transformers release it packs exactly from) when a
+collator is built for it. ``docs/families.md`` lists
 every image-text-to-text model type of the installed transformers with its route and measured error
 (``scripts/families_table.py``; ``examples/check_equivalence.py --model-type TYPE`` certifies one).
 """
@@ -29,52 +29,86 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import torch
 
 from ._compat import installed_transformers_version, release
-from .families import REFUSED, canonical, lookup
+from .families import canonical, lookup
 
 __all__ = [
-    "REFUSED_BEFORE",
+    "REFUSED",
+    "Refusal",
     "RopeIndex",
     "check_not_refused",
     "check_rope_index",
     "find_rope_index",
     "model_type_rope_index",
+    "refused_on",
     "rope_index_position_ids",
 ]
 
 
-#: Model types without a record that pack exactly from a transformers release on, and why not before: the
-#: release and what an older one measured (tests/test_model_types.py certifies each where it packs).
-REFUSED_BEFORE: Mapping[str, tuple[tuple[int, int], str]] = {
+class Refusal(NamedTuple):
+    """Why vlm-pack refuses a model type without a record; ``packs_from``: the transformers release (major,
+    minor) it packs exactly from (refused only on older ones), None: refused on every release."""
+
+    why: str
+    packs_from: tuple[int, int] | None = None
+
+
+#: Model types without a record that vlm-pack refuses to pack, and why: measured on tiny genuine models of the
+#: installed transformers (``scripts/families_table.py``, ``docs/families.md``; ``tests/test_model_types.py``
+#: certifies each from the release it packs from). Every other model type without a record takes this module's
+#: route; a collator built for one of these raises naming it (:func:`check_not_refused`).
+REFUSED: Mapping[str, Refusal] = MappingProxyType({
+    # Inkling2ShortConvolution (models/inkling2/modeling_inkling2.py, 5.25): short convolutions inside its attention blocks
+    "inkling2": Refusal("its attention blocks hold short convolutions (Inkling2ShortConvolution), a token mixer "
+                        "vlm-pack does not isolate: each sample's last tokens would reach the next sample"),
+    "inkling2_loop": Refusal("its attention blocks hold short convolutions (Inkling2ShortConvolution, as inkling2), "
+                             "a token mixer vlm-pack does not isolate: each sample's last tokens would reach the next "
+                             "sample"),
+    # modeling_hunyuan_vl.py (5.25) reads the text row of 1 + 4 rows for packed detection, then checks the rows
+    # it was given against its 4 RoPE axes and raises; with 4 rows there is no text row to find the samples by
+    "hunyuan_vl": Refusal("transformers 5.25's HunYuanVL model refuses position ids with a text row beside its 4 "
+                          "xD-RoPE rows (ValueError: Expected 4 multimodal RoPE channels), and without one it finds "
+                          "no packed samples"),
+    # MllamaCrossAttentionDecoderLayer: text tokens cross-attend to the images through cross_attention_mask
+    "mllama": Refusal("its text layers cross-attend to the images (cross_attention_mask per sample), which the "
+                      "packed position ids and transformers' packed mask do not reach; its samples' pixel_values "
+                      "[1, images, tiles, ...] do not join into one row either"),
     # the certification row (scripts/families_table.py) on 5.24.0: token_mult_prob_error 5.47, sdpa and eager;
     # 5.25.0: 1.0000003 / 1.0000001
-    "molmo2": ((5, 25), "its packed rows are not exact against each sample alone before transformers 5.25 "
-               "(token_mult_prob_error 5.47 on 5.24.0 through transformers' own packed handling)"),
-}
+    "molmo2": Refusal("its packed rows are not exact against each sample alone before transformers 5.25 "
+                      "(token_mult_prob_error 5.47 on 5.24.0 through transformers' own packed handling)", (5, 25)),
+})
+
+
+def refused_on(model_type: str | None, version: str | None = None) -> str | None:
+    """Why vlm-pack refuses ``model_type`` on the installed transformers (or ``version``), or None where it packs
+    it (a type with a record, or a type this route packs exactly on that release)."""
+    name = canonical(model_type, strict=False)
+    if name is None or lookup(name) is not None or name not in REFUSED:
+        return None
+    why, since = REFUSED[name]
+    if since is None:
+        return why
+    version = installed_transformers_version() if version is None else version
+    if version is None or release(version)[:2] >= since:
+        return None
+    return f"{why} (installed: transformers {version}; upgrade to >= {since[0]}.{since[1]})"
 
 
 def check_not_refused(model_type: str | None, version: str | None = None) -> None:
     """ValueError naming ``model_type`` and why, when vlm-pack refuses to pack it on the installed transformers
-    (or ``version``): always (``families.REFUSED``), or before the release it packs exactly from
-    (:data:`REFUSED_BEFORE`)."""
-    name = canonical(model_type, strict=False)
-    if name is None or lookup(name) is not None:
-        return
-    why = REFUSED.get(name)
-    if why is None and name in REFUSED_BEFORE:
-        since, older = REFUSED_BEFORE[name]
-        version = installed_transformers_version() if version is None else version
-        if version is not None and release(version)[:2] < since:
-            why = f"{older} (installed: transformers {version}; upgrade to >= {since[0]}.{since[1]})"
+    (or ``version``): :func:`refused_on`."""
+    why = refused_on(model_type, version)
     if why is None:
         return
     raise ValueError(
-        f"vlm-pack does not pack model type {name!r}: {why}. Train it unpacked (one sample per row), "
-        "or see docs/families.md for the model types that pack exactly"
+        f"vlm-pack does not pack model type {canonical(model_type, strict=False)!r}: {why}. Train it unpacked (one "
+        "sample per row), or see docs/families.md for the model types that pack exactly"
     )
 
 
