@@ -29,7 +29,7 @@ from vlm_pack.collate.collator import PackingCollator  # noqa: E402
 from vlm_pack.families import family  # noqa: E402
 from vlm_pack.forward.mixers import find_token_mixers  # noqa: E402
 from vlm_pack.processing import forecast_length, process_sample  # noqa: E402
-from vlm_pack.testing import check_packed_equivalence, default_packed_forward  # noqa: E402
+from vlm_pack.testing import check_packed_equivalence, default_packed_forward, unguarded  # noqa: E402
 from vlm_pack.vision import Lfm2VlSpec, vision_spec, vision_spec_from_processor  # noqa: E402
 
 TEMPLATE = (Path(__file__).parent / "templates" / "lfm2_vl.jinja").read_text()
@@ -312,7 +312,8 @@ def test_readme_route_trains_unisolated_mixers_exactly_with_no_manual_call(tmp_p
     """The README's route with images, no ``isolate_token_mixers``: the rows' ``seq_idx`` reaches the model's
     call, which isolates its short convolutions before any layer runs (on every release: before 5.24
     transformers' fallback would ignore the marker and leak). The first step's loss is each sample of the first
-    pack alone; the control (the same pack, no marker, an un-isolated model) leaks."""
+    pack alone; so is the same pack without the marker (recognised by its positions); the control (no marker, an
+    un-isolated model past the guard) leaks."""
     model = _model("sdpa", isolated=False)
     trainer, ds, data, pre = _readme_route(tmp_path, model)
     assert ds[0].num_samples >= 2
@@ -331,6 +332,9 @@ def test_readme_route_trains_unisolated_mixers_exactly_with_no_manual_call(tmp_p
             total += float(reference(**inputs, labels=s["labels"][None], use_cache=False).loss) * n
             count += n
         unmarked = {k: v for k, v in ds[0].model_inputs("sdpa").items() if k != "seq_idx"}
-        leaking = float(_model("sdpa", isolated=False)(**unmarked).loss)
+        recognised = float(_model("sdpa", isolated=False)(**unmarked).loss)  # by its restarting positions
+        with unguarded():
+            leaking = float(_model("sdpa", isolated=False)(**unmarked).loss)
+    assert abs(recognised - total / count) < 5e-6
     assert abs(leaking - total / count) > 1e-4  # measured 5.4e-4 (the exact run: within 5e-6)
     assert abs(trainer.state.log_history[0]["loss"] - total / count) < 5e-6
