@@ -108,12 +108,12 @@ def test_more_model_types_pack_as_each_sample_alone(model_type):
     assert cert.exact, str(cert)
 
 
-# Types whose image (or video) processor transformers ships as a torchvision class only. MiniCPM-V 4.6: gated
-# delta-net text layers isolated, its NaViT-packed pixel_values [1, C, p, p * patches] joined on the last axis
+# Types whose image (or video) processor transformers ships as a torchvision class only. Nemotron-H Omni: Mamba2
+# text layers isolated; MiniCPM-V 4.6: gated delta-net text layers isolated, its NaViT-packed pixel_values [1, C, p, p * patches] joined on the last axis
 # (the model reads pixel_values[:1]); Molmo2: crops [N_i, P, D] of different N; Llama 4 and Step3.7: configs the
 # shrink completes (the pixel-shuffle adapter; a sliding layer), Kimi-K2.5: multi-head latent attention.
 @pytest.mark.torchvision
-@pytest.mark.parametrize("model_type", ["minicpmv4_6", pytest.param("molmo2", marks=pytest.mark.slow),
+@pytest.mark.parametrize("model_type", ["minicpmv4_6", "nemotron_h_omni", pytest.param("molmo2", marks=pytest.mark.slow),
                                         pytest.param("llama4", marks=pytest.mark.slow),
                                         pytest.param("step3p7", marks=pytest.mark.slow),
                                         pytest.param("kimi_k25", marks=pytest.mark.slow)])
@@ -130,6 +130,8 @@ def test_model_types_with_torchvision_processors_pack_as_each_sample_alone(model
     assert set(cert.errors) == {"sdpa", "eager"}
     if model_type == "minicpmv4_6":
         assert cert.mixers and all("gated_delta_net" in m for m in cert.mixers)
+    if model_type == "nemotron_h_omni":  # Mamba2 text layers, isolated at the first packed call
+        assert cert.mixers and all("mamba2" in m for m in cert.mixers)
 
 
 @pytest.mark.parametrize("model_type", ["exaone4_5", "paddleocr_vl"])
