@@ -49,6 +49,8 @@ CERTIFIED_FROM = {
     "granite4_vision": ((5, 24), "5.18.0: its text config there has no attention_multiplier (the tiny model does "
                                  "not build)"),
     "minicpmv4_6": ((5, 24), "5.18.0: its vision tower's reshape differs (the forward fails on the joined row)"),
+    "fast_vlm": ((5, 18), "5.6.0: the tiny model does not build (ValueError: Either a revision or a version must "
+                          "be specified)"),
 }
 #: (type, release) pairs a type's certificate skips: a release that broke the model itself (loud, not packing's).
 NOT_ON = {
@@ -111,12 +113,15 @@ def test_more_model_types_pack_as_each_sample_alone(model_type):
 # Types whose image (or video) processor transformers ships as a torchvision class only. Nemotron-H Omni: Mamba2
 # text layers isolated; MiniCPM-V 4.6: gated delta-net text layers isolated, its NaViT-packed pixel_values [1, C, p, p * patches] joined on the last axis
 # (the model reads pixel_values[:1]); Molmo2: crops [N_i, P, D] of different N; Llama 4 and Step3.7: configs the
-# shrink completes (the pixel-shuffle adapter; a sliding layer), Kimi-K2.5: multi-head latent attention.
+# shrink completes (the pixel-shuffle adapter; a sliding layer), Kimi-K2.5: multi-head latent attention; FastVLM:
+# timm's FastViTHD tower as released (timm needs torchvision) behind the LlavaProcessor transformers' conversion
+# ships (patch_size 64), no processor being mapped to the type.
 @pytest.mark.torchvision
 @pytest.mark.parametrize("model_type", ["minicpmv4_6", "nemotron_h_omni", pytest.param("molmo2", marks=pytest.mark.slow),
                                         pytest.param("llama4", marks=pytest.mark.slow),
                                         pytest.param("step3p7", marks=pytest.mark.slow),
-                                        pytest.param("kimi_k25", marks=pytest.mark.slow)])
+                                        pytest.param("kimi_k25", marks=pytest.mark.slow),
+                                        pytest.param("fast_vlm", marks=pytest.mark.slow)])
 def test_model_types_with_torchvision_processors_pack_as_each_sample_alone(model_type):
     pytest.importorskip("torchvision")
     _needs_types(model_type)

@@ -26,6 +26,15 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                                                            mrope_section=[3, 3, 2])),
                             # its frames' drawn timestamps need the checkpoint's font file (same token counts)
                             video_processor=dict(draw_on_frames=False)),
+    # KamilaMila/FastVLM-*: transformers' own conversion (models/fast_vlm/convert_fastvlm_weights_to_hf.py) ships
+    # LlavaProcessor around CLIPImageProcessor (1024 px, mean 0, std 1) with patch_size 64 (FastViTHD downsamples
+    # by 2^6): 256 tokens an image; the same at 256 px: 16. Its tower is timm's fastvit_mci3 as released (a timm
+    # architecture has no size to shrink), whose 3072 features the projector reads
+    "fast_vlm": dict(vision=dict(hidden_size=3072),
+                     processor_class="LlavaProcessor", image_processor_class="CLIPImageProcessor",
+                     image_processor=dict(size={"shortest_edge": 256}, crop_size={"height": 256, "width": 256},
+                                          image_mean=[0.0, 0.0, 0.0], image_std=[1.0, 1.0, 1.0]),
+                     processor_kwargs=dict(patch_size=64)),
     # baidu/Qianfan-OCR: its prompts hold <image>, which the processor expands into its context tokens
     "qianfan_ocr": dict(placeholder="<image>", image_processor=dict(size={"height": 448, "width": 448})),
     # llava-hf/vip-llava-7b-hf: CLS dropped, as its projector does
