@@ -12,6 +12,8 @@ the *shape* each model wants the images of several samples in::
                                  batch_num_images [1] (OneVision)      cat: one entry per *sample*
     Idefics3, SmolVLM            pixel_values [1, N_i, C, H, W]        cat dim 1: [1, sum N_i, C, H, W]
                                  pixel_attention_mask [1, N_i, H, W]   cat dim 1: [1, sum N_i, H, W]
+    Granite-Docling              pixel_values [1, N_i, C, H, W]        cat dim 1: [1, sum N_i, C, H, W]
+                                 pixel_attention_mask [1, N_i]         cat dim 1: [1, sum N_i] (a tile's mask)
     Mistral3 / Pixtral tower     pixel_values [n_i, C, H_i, W_i]       zero-pad H, W to the max, cat dim 0
                                  image_sizes [n_i, 2]                  cat dim 0 (the tower crops each image)
     Gemma 4                      pixel_values [n_i, P, D] patch rows   cat dim 0
@@ -169,6 +171,8 @@ def check_patch_rows(vision: dict[str, torch.Tensor], name: str) -> None:
     pixels, mask = vision.get("pixel_values"), vision.get("pixel_attention_mask")
     if pixels is None or mask is None or mask.dim() != 2:
         return
+    if pixels.dim() == 5 and pixels.shape[:2] == mask.shape:  # Granite-Docling: one mask entry per tile
+        return
     if pixels.dim() != 3 or pixels.shape[:2] != mask.shape:
         raise ValueError(
             f"{name}: pixel_values {tuple(pixels.shape)} and pixel_attention_mask {tuple(mask.shape)} disagree "
@@ -190,6 +194,10 @@ def join_vision(per_sample: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
     # LFM2-VL a per-crop patch mask [N, P]: its crops join along dim 0 as they come
     crops_flat = any(m.dim() == 4 for m in masks)
     patch_rows = any(m.dim() == 2 for m in masks)
+    # Granite-Docling: Idefics3's tiles [1, N, C, H, W] with a mask per tile [1, N]: joined like Idefics3's
+    tile_masks = patch_rows and all(s["pixel_values"].dim() == 5 for s in per_sample if "pixel_values" in s)
+    if tile_masks:
+        crops_flat, patch_rows = True, False
     if crops_flat and patch_rows:
         raise ValueError("cannot join 'pixel_attention_mask' of two model families (pixel and patch masks)")
     # Gemma 4 gives each image's patches as rows, with their (x, y) in image_position_ids.
@@ -206,6 +214,8 @@ def join_vision(per_sample: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
                 out[key] = _cat(parts, 3)
             elif key == "pixel_values":
                 out[key] = _join_pixel_values(parts, crops_flat, patch_rows)
+            elif key == "pixel_attention_mask" and tile_masks:
+                out[key] = _cat(parts, 1)
             elif key == "pixel_attention_mask" and patch_rows:
                 out[key] = _cat(_pad_to(parts, (1,)))
             elif key == "pixel_attention_mask":
