@@ -74,6 +74,10 @@ REFUSED: Mapping[str, Refusal] = MappingProxyType({
     "hunyuan_vl": Refusal("transformers 5.25's HunYuanVL model refuses position ids with a text row beside its 4 "
                           "xD-RoPE rows (ValueError: Expected 4 multimodal RoPE channels), and without one it finds "
                           "no packed samples"),
+    # Glm5NextTextIndexer (models/glm5_next/modeling_glm5_next.py, 5.25): DSA's indexer scores keys over the row
+    "glm5_next": Refusal("its indexed-attention layers (Glm5NextTextIndexer) pick their keys over the whole row, "
+                         "across packed samples (measured max abs(packed - alone) 4.9 on a tiny text model "
+                         "with restarted positions), a token mixer vlm-pack does not split"),
     # MllamaCrossAttentionDecoderLayer: text tokens cross-attend to the images through cross_attention_mask
     "mllama": Refusal("its text layers cross-attend to the images (cross_attention_mask per sample), which the "
                       "packed position ids and transformers' packed mask do not reach; its samples' pixel_values "
