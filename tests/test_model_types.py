@@ -97,10 +97,11 @@ def test_a_model_type_without_a_record_packs_as_each_sample_alone(model_type):
 # a representative subset of the types certified in docs/families.md (scripts/families_table.py certifies them all):
 # Granite 4 Vision (a config the shrink completes: window Q-Former, deepstack), the Qwen2.5-Omni thinker (the
 # omni processor its checkpoints ship, its own rope index), GOT-OCR2 (once read as InternVL by an alias: its own
-# model, eager only), Granite-Docling (Idefics3's tiles with a mask entry per tile [1, N], joined on the tile axis)
+# model, eager only), Granite-Docling (Idefics3's tiles with a mask entry per tile [1, N], joined on the tile axis),
+# Mistral Large 3 (Pixtral images of different sizes, a 2 x 2 patch merger)
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["idefics2", "ernie4_5_vl_moe", "video_llava", "glm_ocr", "granite4_vision",
-                                        "qwen2_5_omni_thinker", "got_ocr2", "granite_docling"])
+                                        "qwen2_5_omni_thinker", "got_ocr2", "granite_docling", "mistral_large4"])
 def test_more_model_types_pack_as_each_sample_alone(model_type):
     _needs_types(model_type)
     _needs_certified_release(model_type)

@@ -35,6 +35,10 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                      image_processor=dict(size={"shortest_edge": 256}, crop_size={"height": 256, "width": 256},
                                           image_mean=[0.0, 0.0, 0.0], image_std=[1.0, 1.0, 1.0]),
                      processor_kwargs=dict(patch_size=64)),
+    # mistralai/Mistral-Large-3: the PixtralProcessor read with its model's vision settings (patch 14, a 2 x 2
+    # patch merger, images up to 1540 px); the class defaults (16, no merge) are another checkpoint's
+    "mistral_large4": dict(processor_kwargs=dict(patch_size=14, spatial_merge_size=2),
+                           image_processor=dict(patch_size={"height": 14, "width": 14}, size={"longest_edge": 1540})),
     # baidu/Qianfan-OCR: its prompts hold <image>, which the processor expands into its context tokens
     "qianfan_ocr": dict(placeholder="<image>", image_processor=dict(size={"height": 448, "width": 448})),
     # llava-hf/vip-llava-7b-hf: CLS dropped, as its projector does
