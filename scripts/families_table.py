@@ -94,9 +94,9 @@ def forecast_check(model_type: str) -> str:
             length, _ = pre.forecast(turns, list(sizes))
             text = pre.render(turns, len(sizes))  # a BOS the tokenizer adds written out
             try:
-                own = len(proc(text=[text], images=[images], add_special_tokens=False)["input_ids"][0])
+                own = len(proc(text=[text], images=[images], add_special_tokens=False, return_tensors="pt")["input_ids"][0])
             except ValueError:  # a processor that takes no nested images (GOT-OCR2's): the sample's, flat
-                own = len(proc(text=[text], images=images, add_special_tokens=False)["input_ids"][0])
+                own = len(proc(text=[text], images=images, add_special_tokens=False, return_tensors="pt")["input_ids"][0])
             if length != own:
                 shown = "+".join(f"{w}x{h}" for w, h in sizes)
                 return f"OFF: forecast {length}, processor {own} at {shown}"

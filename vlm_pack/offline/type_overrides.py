@@ -39,6 +39,16 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # patch merger, images up to 1540 px); the class defaults (16, no merge) are another checkpoint's
     "mistral_large4": dict(processor_kwargs=dict(patch_size=14, spatial_merge_size=2),
                            image_processor=dict(patch_size={"height": 14, "width": 14}, size={"longest_edge": 1540})),
+    # AIDC-AI/Ovis2: the processor writes each image as <IMG_START> <IMG_ATOM>... <IMG_GRID> ... <IMG_END> (an
+    # f-string the source scan misses); the model's image_token_id is the atom, its five visual indicators the rest;
+    # its AIMv2 tower at 448 px, 2 x 2 patches merged (hidden_stride): the processor's 256 atoms a crop; its visual
+    # embedding table is as wide as the top-level hidden_size, the text model's (the tiny text width, 64)
+    "ovis2": dict(vision=dict(image_size=448, hidden_stride=2), image_processor=dict(size={"height": 448, "width": 448}),
+                  top=dict(hidden_size=64),
+                  tokens=("<IMG_START>", "<IMG_ATOM>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"),
+                  token_ids=dict(image_token_id="<IMG_ATOM>",
+                                 visual_indicator_token_ids=["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>",
+                                                             "<IMG_END>"])),
     # baidu/Qianfan-OCR: its prompts hold <image>, which the processor expands into its context tokens
     "qianfan_ocr": dict(placeholder="<image>", image_processor=dict(size={"height": 448, "width": 448})),
     # llava-hf/vip-llava-7b-hf: CLS dropped, as its projector does

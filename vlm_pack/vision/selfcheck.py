@@ -156,15 +156,23 @@ def check_exact_route(pre: Any) -> None:
     (forecast,) = pre.forecast_rows([(conversation, sizes, "selfcheck")])
     images = [Image.new("RGB", size) for size in sizes]
     try:
-        own = len(processor(text=[text], images=[images], add_special_tokens=False)["input_ids"][0])
+        own = len(processor(text=[text], images=[images], add_special_tokens=False, return_tensors="pt")["input_ids"][0])
     except ValueError:  # a processor that takes no nested images (GOT-OCR2's): the one sample's, flat
-        own = len(processor(text=[text], images=images, add_special_tokens=False)["input_ids"][0])
+        own = len(processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")["input_ids"][0])
     if isinstance(forecast, InternalCheckError) or (isinstance(forecast, Exception) and not isinstance(forecast, ValueError)):
         raise forecast  # vlm-pack's own check or a bug: as it is
-    got = forecast if isinstance(forecast, Exception) else forecast.length
-    if got != own:
-        import transformers
+    import transformers
 
+    if isinstance(forecast, Exception):
+        raise ValueError(
+            f"{type(processor).__name__} (transformers {transformers.__version__}, no vlm-pack record): for one "
+            f"{sizes[0][0]}x{sizes[0][1]} image its own call writes {own} tokens, and vlm-pack cannot read its "
+            f"replacement text ({type(forecast).__name__}: {forecast}; e.g. its image token "
+            f"{getattr(processor, 'image_token', None)!r} is not among the tokens the replacement writes). Nothing "
+            "was packed; process and pack this model's samples yourself, or report it with the processor class."
+        ) from forecast
+    got = forecast.length
+    if got != own:
         raise ValueError(
             f"{type(processor).__name__} (transformers {transformers.__version__}, no vlm-pack record): for one "
             f"{sizes[0][0]}x{sizes[0][1]} image its own call writes {own} tokens, its replacement text gives {got}: "
