@@ -21,7 +21,7 @@ before any layer runs), then ``nn.Module.__call__`` as before. Why there:
   off its fast call path; a class ``__call__`` on the one base class costs a dict look-up per model call (a few
   per forward), is inherited by models built before or after it (remote code, FSDP's dynamic subclasses, PEFT's
   inner models: ``LoraModel`` calls ``forward`` directly, the inner ``*Model`` is still called) and changes
-  nothing for a call without ``seq_idx``.
+  nothing for a call that is not packed, nor for any call once the model has been seen.
 - Isolating rather than refusing, also on 5.24 on where transformers' own fallbacks refuse ``seq_idx`` ("can't
   keep packed sequences apart"): the refusal's only fix is the same call, the isolated forward equals the
   class's on a row of one sample, and parameters / state_dict are untouched. Unknown mixers stay refused.
@@ -62,9 +62,10 @@ def carries_mixer_marker(family: str | None) -> bool:
 
 
 def guard_packed_calls() -> bool:
-    """From now on, a transformers model called with ``seq_idx`` (the marker of vlm-pack's packed rows) has its
-    token mixers isolated before its first such forward runs (see the module docstring). Idempotent; returns
-    whether the guard is in place (False only without transformers)."""
+    """From now on, a transformers model called with packed rows (their ``seq_idx`` marker, or position ids that
+    restart inside a row: :func:`looks_packed`) has its token mixers isolated before its first such forward runs
+    (see the module docstring). Idempotent; returns whether the guard is in place (False only without
+    transformers)."""
     try:
         from transformers import PreTrainedModel
     except ImportError:  # no transformers model to guard
