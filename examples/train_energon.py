@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--restart-after", type=int, default=2, help="packs before saving the state")
     p.add_argument("--data-dir", default=None, help="where the dataset goes (default: a temporary folder)")
     args = p.parse_args(argv)
+    if args.restart_after < args.workers:  # Energon 7.4.1 answers an earlier save with "skip 1" (docs/integrations.md)
+        p.error(f"--restart-after {args.restart_after} < --workers {args.workers}: save after every worker has "
+                "yielded a pack")
 
     from megatron.energon import WorkerConfig, get_savable_loader
 
