@@ -192,12 +192,11 @@ def join_vision(per_sample: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
     masks = [s["pixel_attention_mask"] for s in per_sample if "pixel_attention_mask" in s]
     # Idefics3 / SmolVLM carry a per-crop pixel mask [1, N, H, W]: their crops join along the crop axis;
     # LFM2-VL a per-crop patch mask [N, P]: its crops join along dim 0 as they come
-    crops_flat = any(m.dim() == 4 for m in masks)
-    patch_rows = any(m.dim() == 2 for m in masks)
-    # Granite-Docling: Idefics3's tiles [1, N, C, H, W] with a mask per tile [1, N]: joined like Idefics3's
-    tile_masks = patch_rows and all(s["pixel_values"].dim() == 5 for s in per_sample if "pixel_values" in s)
-    if tile_masks:
-        crops_flat, patch_rows = True, False
+    # (Granite-Docling: Idefics3's tiles [1, N, C, H, W] with a mask entry per tile [1, N]: joined like Idefics3's)
+    flat_masks = any(m.dim() == 2 for m in masks)
+    tile_masks = flat_masks and all(s["pixel_values"].dim() == 5 for s in per_sample if "pixel_values" in s)
+    crops_flat = any(m.dim() == 4 for m in masks) or tile_masks
+    patch_rows = flat_masks and not tile_masks
     if crops_flat and patch_rows:
         raise ValueError("cannot join 'pixel_attention_mask' of two model families (pixel and patch masks)")
     # Gemma 4 gives each image's patches as rows, with their (x, y) in image_position_ids.

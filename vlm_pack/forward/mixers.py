@@ -61,7 +61,6 @@ silently: ``isolate_token_mixers`` raises on those before the first step, naming
 from __future__ import annotations
 
 import inspect
-import logging
 import re
 import weakref
 from dataclasses import dataclass
@@ -123,7 +122,6 @@ _ENCODER_PATH = re.compile(r"vision|visual|audio|image|patch|speech", re.IGNOREC
 #: Kwargs naming boundaries: stripped before a per-segment call (the PyTorch fallbacks raise on them).
 _BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
 _FIX = "call vp.isolate_token_mixers(model) before training"
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

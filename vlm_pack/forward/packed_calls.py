@@ -30,7 +30,7 @@ before any layer runs), then ``nn.Module.__call__`` as before. Why there:
   the mixers' own guard (``mixers.py``, "Kept isolated").
 - Rows with no marker (a ``PackingCollator`` without a family, for a model type with no record: LFM3-VL,
   MiniCPM-V 4.6, Nemotron-H Omni) are recognised by their position ids, as transformers recognises packed rows:
-  restarting at 0 inside a row, with no cache and no 2-D padding mask (:func:`looks_packed`; a generation step
+  a sample starting inside a row, with no cache and no 2-D padding mask (:func:`looks_packed`; a generation step
   never matches). The guard is armed whenever vlm-pack builds a collator or hands out rows.
 """
 
@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from ..families import lookup
-from .boundaries import text_positions
+from .boundaries import sample_starts, text_positions
 from .mixers import _STATES, _owner, find_token_mixers, isolate_token_mixers
 
 __all__ = ["carries_mixer_marker", "guard_packed_calls", "looks_packed", "unguarded"]
@@ -88,11 +88,12 @@ def guard_packed_calls() -> bool:
 
 
 def looks_packed(kwargs: dict) -> bool:
-    """Whether a model call's kwargs hold packed rows that carry no ``seq_idx``: ``position_ids`` restarting
-    at 0 inside a row (the text row of Qwen's ``(4, B, T)``; where all three ``(3, B, T)`` mRoPE rows are 0),
-    with no cache and no 2-D padding mask, which is how transformers itself recognises packed rows
-    (``masking_utils.find_packed_sequence_indices``). A generation step (a cache, or left padding spelled by
-    a ``[B, T]`` attention mask) is never taken for one. Costs one device sync, paid until the model is seen."""
+    """Whether a model call's kwargs hold packed rows that carry no ``seq_idx``: a sample starting inside a row
+    (``boundaries.sample_starts``: a position that is not its predecessor + 1, the rule of transformers'
+    ``masking_utils.find_packed_sequence_indices`` and the one isolated mixers split by; Qwen's text row of
+    ``(4, B, T)``; where all three ``(3, B, T)`` mRoPE rows are 0), with no cache and no 2-D padding mask. A
+    generation step (a cache, or left padding spelled by a ``[B, T]`` attention mask) is never taken for one.
+    Costs one device sync, paid until the model is seen."""
     positions = kwargs.get("position_ids")
     mask = kwargs.get("attention_mask")
     if not isinstance(positions, torch.Tensor) or positions.dim() not in (2, 3) or positions.shape[-1] < 2:
@@ -102,7 +103,7 @@ def looks_packed(kwargs: dict) -> bool:
     if positions.dim() == 3 and positions.shape[0] not in (3, 4):
         return False
     text = text_positions(positions, positions.shape[-2])
-    return bool((text[:, 1:] == 0).any())
+    return bool(sample_starts(text)[:, 1:].any())
 
 
 def _isolate_on_packed_call(model: nn.Module, marker: bool = True) -> None:
